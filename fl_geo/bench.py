@@ -1,0 +1,496 @@
+"""Benchmark of one outer step on the real server path, against Flower's FedAvg aggregation.
+
+Our path, per step: K reply ArrayRecords (token-weighted, distinct token counts) → `decode`
+(zero-copy views) → `check_finite_and_norm` → `WeightedAccumulator.add` → ``mean`` (in place)
+→ `Nesterov.step`. Flower's path: ``flwr.serverapp.strategy.FedAvg.aggregate_train`` on reply
+``Message``s carrying the same updates as fp32 ArrayRecords (Flower cannot average the
+int16-viewed bf16 payloads, so it gets the same values upcast to fp32) — aggregation only, no
+norm check and no outer step, which favours Flower.
+
+Every measurement runs in a fresh child process (spawn) by default, so peak-memory figures are
+not polluted by another measurement's freed-but-cached pages. Peak extra memory is VmHWM − VmRSS
+around the timed steps, after resetting the high-water mark (``/proc/self/clear_refs`` = 5);
+tracemalloc cannot see torch's allocations. Usage::
+
+    python -m fl_geo.bench outer [--params N] [--updates K] [--precision bf16|fp32|fp16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .accumulate import WeightedAccumulator, weight_for
+from .outer import Nesterov
+from .state import ParamSpec
+from .wire import PRECISIONS, check_finite_and_norm, decode, encode, payload_nbytes
+
+__all__ = ["format_outer_bench", "llama_spec", "main", "run_outer_bench"]
+
+GIB = 1 << 30
+MIB = 1 << 20
+QUICK_PARAMS = 10_000_000
+# Size of the copy that measures memory bandwidth: 1.2 GB source (300 M fp32), far beyond cache.
+COPY_ELEMS = 300_000_000
+THROUGHPUT_TARGET = 0.5  # × bytes-copied/s of a large torch copy
+SPEEDUP_TARGET = 3.0  # × Flower FedAvg.aggregate_train
+# "Independent of the number of updates": the peak extra memory may grow by at most this
+# fraction of one update's wire size per additional update (an O(K) design grows by >= 1.0).
+MEMORY_SLOPE_TARGET = 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shape and synthetic replies
+
+
+def _ffn_hidden(d: int) -> int:
+    """SwiGLU hidden size: 8/3·d rounded up to a multiple of 64 (Llama convention)."""
+    return -(-(8 * d // 3) // 64) * 64
+
+
+def llama_spec(num_params: int, max_layers: int = 12) -> ParamSpec:
+    """Llama-style parameter set of about ``num_params`` fp32 parameters.
+
+    ``max_layers`` blocks of the widest d (768 down to 16) that fit in ~85 % of the budget, each
+    with fused QKV, output projection, SwiGLU MLP and RMSNorm weights; the (tied) embedding's
+    vocabulary takes the rest. 100 M → 12 blocks of d = 768, vocab ≈ 19.6 k; 10 M → d = 192.
+    """
+    if num_params < 1000:
+        raise ValueError(f"num_params must be >= 1000, got {num_params}")
+    widths = (768, 640, 512, 384, 320, 256, 192, 128, 96, 64, 48, 32, 16)
+    for d in widths:  # the widest d that fits max_layers blocks; else fewer blocks of d = 16
+        h = _ffn_hidden(d)
+        block = 4 * d * d + 3 * h * d + 2 * d
+        layers = min(max_layers, int(0.85 * num_params) // block)
+        if layers == max_layers or (d == widths[-1] and layers >= 1):
+            break
+    vocab = max(1, (num_params - layers * block - d) // d)
+    names: list[str] = ["embed.weight"]
+    shapes: list[tuple[int, ...]] = [(vocab, d)]
+    for i in range(layers):
+        for name, shape in (
+            ("attn_norm.weight", (d,)),
+            ("attn.wqkv.weight", (3 * d, d)),
+            ("attn.wo.weight", (d, d)),
+            ("mlp_norm.weight", (d,)),
+            ("mlp.w1.weight", (h, d)),
+            ("mlp.w3.weight", (h, d)),
+            ("mlp.w2.weight", (d, h)),
+        ):
+            names.append(f"blocks.{i}.{name}")
+            shapes.append(shape)
+    names.append("norm.weight")
+    shapes.append((d,))
+    return ParamSpec(tuple(names), tuple(shapes), ("float32",) * len(names))
+
+
+def _tokens(i: int) -> int:
+    """Distinct token counts per reply so token weighting is not uniform in disguise."""
+    return 65_536 + 8_192 * i
+
+
+def _make_updates(
+    spec: ParamSpec, num_updates: int, precision: str, seed: int = 0
+) -> list[tuple[Any, int]]:
+    """``num_updates`` (ArrayRecord, tokens) replies with distinct pseudo-gradient-like values.
+
+    One random fp32 base (std 1e-3, like an outer gradient) is scaled and shifted per reply into
+    one reused buffer before encoding, so building the replies needs two model-sized fp32
+    buffers whatever the count.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(spec.numel, generator=gen).mul_(1e-3)
+    tmp = torch.empty_like(base)
+    replies = []
+    for i in range(num_updates):
+        torch.mul(base, 1.0 + 0.125 * i, out=tmp).add_(1e-5 * (i - num_updates / 2))
+        replies.append((encode(tmp, spec, precision), _tokens(i)))
+    return replies
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helpers
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            match = re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class _PeakMemory:
+    """Peak RSS growth over a block: VmHWM after − VmRSS before (after resetting VmHWM)."""
+
+    def __enter__(self) -> _PeakMemory:
+        self.ok = _reset_peak_rss()
+        self.rss0 = _proc_status_kib("VmRSS")
+        self.extra_bytes: int | None = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        hwm = _proc_status_kib("VmHWM")
+        if self.ok and hwm is not None and self.rss0 is not None:
+            self.extra_bytes = max(0, hwm - self.rss0) * 1024
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_copy_bandwidth(numel: int = COPY_ELEMS, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` ``dst.copy_(src)`` on fp32 tensors of ``numel`` elements.
+
+    ``copy_gbps`` = bytes copied per second (size of src / time); ``rw_gbps`` = bytes read +
+    written per second (2× that; a write-allocate read of dst, if the CPU does one, is not
+    counted).
+    """
+    src = torch.empty(numel, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    best = min(_timed(lambda: dst.copy_(src), repeats))
+    nbytes = numel * 4
+    return {"copy_bytes": nbytes, "copy_s": best, "copy_gbps": nbytes / best / 1e9,
+            "rw_gbps": 2 * nbytes / best / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------
+# The two paths (each runs in its own process when isolated)
+
+
+def _ours(num_params: int, num_updates: int, precision: str, repeats: int,
+          threads: int | None, copy_elems: int) -> dict[str, Any]:
+    if threads:
+        torch.set_num_threads(threads)
+    out: dict[str, Any] = {"threads": torch.get_num_threads()}
+    if copy_elems:
+        out["bandwidth"] = measure_copy_bandwidth(copy_elems)
+    spec = llama_spec(num_params)
+    replies = _make_updates(spec, num_updates, precision)
+    params = torch.empty(spec.numel).normal_(0.0, 0.02)
+    acc = WeightedAccumulator(spec.numel)
+    opt = Nesterov(spec.numel, lr=0.7, momentum=0.9)
+    phases = {"decode": 0.0, "norm": 0.0, "fold": 0.0, "mean_step": 0.0}
+    norms: list[float] = []
+
+    def step() -> None:
+        acc.reset()
+        norms.clear()
+        for record, tokens in replies:
+            t0 = time.perf_counter()
+            pieces = decode(record, spec, precision)
+            t1 = time.perf_counter()
+            norms.append(check_finite_and_norm(pieces, spec))
+            t2 = time.perf_counter()
+            acc.add(pieces, weight_for("tokens", tokens))
+            t3 = time.perf_counter()
+            phases["decode"] += t1 - t0
+            phases["norm"] += t2 - t1
+            phases["fold"] += t3 - t2
+        t4 = time.perf_counter()
+        opt.step(params, acc.mean())
+        phases["mean_step"] += time.perf_counter() - t4
+
+    step()  # warm-up: allocates the optimizer's lazy momentum buffer, faults pages in
+    phases.update(dict.fromkeys(phases, 0.0))
+    with _PeakMemory() as mem:
+        times = _timed(step, repeats)
+    out.update(
+        numel=spec.numel, num_tensors=len(spec.names), times=times,
+        phases={k: v / repeats for k, v in phases.items()},
+        wire_bytes=sum(payload_nbytes(r) for r, _ in replies),
+        peak_extra_bytes=mem.extra_bytes,
+        state_bytes=4 * spec.numel * 2,  # accumulator buffer + Nesterov momentum (fp32)
+        first_norm=norms[0],
+    )
+    return out
+
+
+def _reply_messages(records: Sequence[tuple[Any, int]]) -> list[Any]:
+    """Reply Messages as Flower's strategies receive them from ``grid.send_and_receive``.
+
+    Flower's checks (``FedAvg._check_and_log_replies`` → ``validate_message_reply_consistency``)
+    need: no error, exactly one ArrayRecord and one MetricRecord per reply, identical keys, and
+    the weighting key (``num-examples``) as a scalar. ``Message(content, reply_to=...)`` needs
+    the process's TaskIdentity, which only exists inside a running Flower app, so the replies get
+    the metadata the SuperLink would deliver (reply to a ``train`` instruction from node i).
+    """
+    from flwr.app import DEFAULT_TTL, Message, MessageType, Metadata, MetricRecord, RecordDict
+
+    replies = []
+    now = time.time()
+    for node_id, (record, tokens) in enumerate(records, start=2):
+        metadata = Metadata(
+            run_id=1, message_id=f"reply-{node_id}", src_node_id=node_id,
+            dst_node_id=1,  # the SuperLink/ServerApp side (flwr SUPERLINK_NODE_ID)
+            reply_to_message_id=f"instruction-{node_id}", group_id="1", created_at=now,
+            ttl=DEFAULT_TTL, message_type=MessageType.TRAIN,
+        )
+        content = RecordDict({"arrays": record,
+                              "metrics": MetricRecord({"num-examples": tokens})})
+        replies.append(Message(content, metadata=metadata))
+    return replies
+
+
+def _flower(num_params: int, num_updates: int, precision: str, repeats: int,
+            threads: int | None) -> dict[str, Any]:
+    import logging
+
+    from flwr.serverapp.strategy import FedAvg
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # aggregate_train logs every call
+    if threads:
+        torch.set_num_threads(threads)
+    spec = llama_spec(num_params)
+    # Same values as our path: generate in wire precision, hand Flower the fp32 upcast.
+    wire = _make_updates(spec, num_updates, precision)
+    records = []
+    for record, tokens in wire:
+        flat = torch.empty(spec.numel, dtype=torch.float32)
+        for begin, piece in decode(record, spec, precision):
+            flat[begin:begin + piece.numel()].copy_(piece)
+        records.append((encode(flat, spec, "fp32"), tokens))
+        del flat
+    del wire
+    replies = _reply_messages(records)
+    strategy = FedAvg(min_train_nodes=1, min_available_nodes=1)
+    result: dict[str, Any] = {}
+
+    def aggregate() -> None:
+        result["arrays"], _ = strategy.aggregate_train(1, replies)
+
+    aggregate()  # warm-up, like ours
+    with _PeakMemory() as mem:
+        times = _timed(aggregate, repeats)
+    # Cross-check: our decode + fold + mean on the same fp32 records equals Flower's average.
+    acc = WeightedAccumulator(spec.numel)
+    for record, tokens in records:
+        acc.add(decode(record, spec, "fp32"), weight_for("tokens", tokens))
+    ours = acc.mean()
+    max_diff = 0.0
+    for begin, piece in decode(result["arrays"], spec, "fp32"):
+        diff = (ours[begin:begin + piece.numel()] - piece).abs_().max()
+        max_diff = max(max_diff, float(diff))
+    return {"times": times, "peak_extra_bytes": mem.extra_bytes, "max_abs_diff_vs_ours": max_diff,
+            "wire_bytes": sum(payload_nbytes(r) for r, _ in records)}
+
+
+def _call(isolate: bool, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """Run ``fn(*args)`` in a fresh spawned process (isolate) or here."""
+    if not isolate:
+        return fn(*args)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(fn, *args).result()
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def run_outer_bench(
+    num_params: int = 100_000_000,
+    num_updates: int = 8,
+    precision: str = "bf16",
+    repeats: int = 3,
+    threads: int | None = None,
+    memory_counts: Sequence[int] = (2, 4, 8),
+    isolate: bool = True,
+    with_flower: bool = True,
+    copy_elems: int = COPY_ELEMS,
+) -> dict[str, Any]:
+    """Time one outer step on our server path and Flower's FedAvg aggregation; check targets.
+
+    ``memory_counts``: update counts for the peak-memory runs (the main run's count is reused
+    when it is among them). ``isolate=False`` runs everything in this process (fast, for smoke
+    tests; memory figures are then less trustworthy). ``copy_elems``: fp32 elements of the
+    bandwidth-measuring copy (default 1.2 GB; smoke tests pass less).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    if num_updates < 1 or repeats < 1:
+        raise ValueError("num_updates and repeats must be >= 1")
+    main = _call(isolate, _ours, num_params, num_updates, precision, repeats, threads,
+                 copy_elems)
+    memory: dict[int, int | None] = {}
+    for k in sorted(set(memory_counts)):
+        run = main if k == num_updates else _call(
+            isolate, _ours, num_params, k, precision, 1, threads, 0)
+        memory[k] = run["peak_extra_bytes"]
+    flower = (_call(isolate, _flower, num_params, num_updates, precision, repeats, threads)
+              if with_flower else None)
+
+    numel = main["numel"]
+    best = min(main["times"])
+    fp32_bytes = 4 * numel * num_updates
+    bw = main["bandwidth"]
+    result: dict[str, Any] = {
+        "config": {"num_params": numel, "num_tensors": main["num_tensors"],
+                   "num_updates": num_updates, "precision": precision, "repeats": repeats,
+                   "threads": main["threads"], "isolated": isolate},
+        "bandwidth": bw,
+        "ours": {"best_s": best, "median_s": statistics.median(main["times"]),
+                 "wire_gbps": main["wire_bytes"] / best / 1e9,
+                 "fp32_gbps": fp32_bytes / best / 1e9,
+                 "phases": main["phases"], "state_bytes": main["state_bytes"],
+                 "wire_bytes": main["wire_bytes"]},
+        "memory": memory,
+    }
+    # Throughput target. Compared quantity: fp32-equivalent update bytes per second (4 bytes per
+    # parameter per update, whatever the wire precision) against the bytes-copied/s of a large
+    # torch copy. Why that pairing: copying moves each byte twice (read src, write dst), while
+    # folding an update moves each fp32-equivalent byte three times (read the update, read the
+    # accumulator, write the accumulator) — fewer for bf16/fp16 wire — plus the norm pass and the
+    # amortised outer step; 0.5 × bytes-copied/s therefore asks for roughly 75–85 % of the
+    # copy's memory traffic rate. Comparing wire bytes to read+write bytes/s would charge bf16
+    # for being compact. Both raw rates are reported.
+    throughput_ratio = result["ours"]["fp32_gbps"] / bw["copy_gbps"]
+    checks = {"throughput": {"ratio": throughput_ratio, "target": THROUGHPUT_TARGET,
+                             "pass": throughput_ratio >= THROUGHPUT_TARGET}}
+    if flower is not None:
+        fbest = min(flower["times"])
+        speedup = fbest / best
+        result["flower"] = {"best_s": fbest, "median_s": statistics.median(flower["times"]),
+                            "fp32_gbps": fp32_bytes / fbest / 1e9,
+                            "peak_extra_bytes": flower["peak_extra_bytes"],
+                            "max_abs_diff_vs_ours": flower["max_abs_diff_vs_ours"],
+                            "wire_bytes": flower["wire_bytes"]}
+        checks["speedup"] = {"ratio": speedup, "target": SPEEDUP_TARGET,
+                             "pass": speedup >= SPEEDUP_TARGET}
+    known = {k: v for k, v in memory.items() if v is not None}
+    if len(known) >= 2:
+        lo, hi = min(known), max(known)
+        update_bytes = main["wire_bytes"] / num_updates
+        slope = (known[hi] - known[lo]) / (hi - lo) / update_bytes
+        checks["memory"] = {"slope": slope, "target": MEMORY_SLOPE_TARGET,
+                            "pass": slope <= MEMORY_SLOPE_TARGET}
+    else:
+        checks["memory"] = {"slope": None, "target": MEMORY_SLOPE_TARGET, "pass": False}
+    result["checks"] = checks
+    return result
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def format_outer_bench(result: dict[str, Any]) -> str:
+    """Human-readable table of a `run_outer_bench` result, with PASS/FAIL per target."""
+    cfg, bw, ours = result["config"], result["bandwidth"], result["ours"]
+    checks = result["checks"]
+    lines = [
+        f"outer step bench: {cfg['num_params']:,} params in {cfg['num_tensors']} tensors "
+        f"(Llama-style), {cfg['num_updates']} token-weighted updates, wire {cfg['precision']}, "
+        f"{cfg['threads']} torch threads, best of {cfg['repeats']}"
+        + ("" if cfg["isolated"] else " (in-process)"),
+        "",
+        "memory bandwidth (torch dst.copy_(src), fp32, "
+        f"{bw['copy_bytes'] / 1e9:.2f} GB):",
+        f"  bytes copied/s          {bw['copy_gbps']:8.2f} GB/s",
+        f"  bytes read+written/s    {bw['rw_gbps']:8.2f} GB/s",
+        "",
+        f"{'path':<46}{'time':>9}{'wire GB/s':>11}{'fp32-eq GB/s':>14}",
+        f"{'ours: decode+norm+fold+mean+Nesterov':<46}{ours['best_s']:8.3f}s"
+        f"{ours['wire_gbps']:11.2f}{ours['fp32_gbps']:14.2f}",
+    ]
+    flower = result.get("flower")
+    if flower is not None:
+        lines.append(
+            f"{'flower: FedAvg.aggregate_train (fp32 replies)':<46}{flower['best_s']:8.3f}s"
+            f"{flower['wire_bytes'] / flower['best_s'] / 1e9:11.2f}{flower['fp32_gbps']:14.2f}"
+        )
+    ph = ours["phases"]
+    lines += [
+        "",
+        "our step by phase: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ph.items()),
+        "  wire GB/s = payload bytes (incl. .npy headers) / s; fp32-eq GB/s = 4 B x params x "
+        "updates / s",
+        "",
+        "peak extra memory during a step (VmHWM - VmRSS; replies and server state excluded):",
+    ]
+    for k, v in sorted(result["memory"].items()):
+        lines.append(f"  ours, {k} updates: {_fmt_bytes(v)}")
+    if flower is not None:
+        lines.append(f"  flower, {cfg['num_updates']} updates: "
+                     f"{_fmt_bytes(flower['peak_extra_bytes'])}")
+    lines.append(f"  persistent server state (accumulator + momentum): "
+                 f"{_fmt_bytes(ours['state_bytes'])}")
+    if flower is not None:
+        lines.append(f"  check: max |our mean - Flower's mean| = "
+                     f"{flower['max_abs_diff_vs_ours']:.3g}")
+    lines.append("")
+    lines.append("targets:")
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    t = checks["throughput"]
+    lines.append(f"  [{verdict(t['pass'])}] throughput: fp32-eq GB/s / bytes-copied GB/s = "
+                 f"{t['ratio']:.2f} (target >= {t['target']})")
+    if "speedup" in checks:
+        s = checks["speedup"]
+        lines.append(f"  [{verdict(s['pass'])}] speed-up vs Flower FedAvg: {s['ratio']:.1f}x "
+                     f"(target >= {s['target']:.0f}x)")
+    m = checks["memory"]
+    slope = "n/a" if m["slope"] is None else f"{m['slope']:.3f}"
+    lines.append(f"  [{verdict(m['pass'])}] peak extra memory independent of update count: "
+                 f"growth per extra update = {slope} x one update's wire size "
+                 f"(target <= {m['target']})")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fl_geo.bench outer [...]``; returns 1 only with --strict and a FAIL."""
+    parser = argparse.ArgumentParser(prog="python -m fl_geo.bench",
+                                     description="fl-geo benchmarks")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    outer = sub.add_parser("outer", help="one outer step on the server path vs Flower FedAvg")
+    outer.add_argument("--params", type=int, default=100_000_000, help="model parameters")
+    outer.add_argument("--updates", type=int, default=8, help="replies per outer step")
+    outer.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    outer.add_argument("--quick", action="store_true",
+                       help=f"{QUICK_PARAMS:,} parameters (overrides --params)")
+    outer.add_argument("--repeats", type=int, default=3)
+    outer.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    outer.add_argument("--no-flower", action="store_true", help="skip the Flower baseline")
+    outer.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
+    args = parser.parse_args(argv)
+    num_params = QUICK_PARAMS if args.quick else args.params
+    result = run_outer_bench(num_params=num_params, num_updates=args.updates,
+                             precision=args.precision, repeats=args.repeats,
+                             threads=args.threads, with_flower=not args.no_flower)
+    print(format_outer_bench(result))
+    failed = not all(c["pass"] for c in result["checks"].values())
+    return 1 if args.strict and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Turn config sections into the core objects, in one place for server and clients alike.
+
+The ServerApp and every ClientApp must build the *same* model (so parameter specs match on the wire)
+and read the *same* partitions (so the server's held-out set is never trained on); building both
+from the same functions keeps them from drifting.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from fl_geo.data import Partition, get_partitions
+from fl_geo.model import Decoder, ModelConfig, build_model
+from fl_geo.training import InnerConfig
+
+
+def _as_dict(section: Any) -> dict[str, Any]:
+    if isinstance(section, str):
+        return json.loads(section)
+    if isinstance(section, dict):
+        return dict(section)
+    from fl_geo.config import to_dict
+
+    return to_dict(section)
+
+
+def model_config(section: Any) -> ModelConfig:
+    cfg = ModelConfig(**_as_dict(section))
+    cfg.validate()
+    return cfg
+
+
+def make_model(section: Any, seed: int) -> Decoder:
+    """The initial global model: identical on every process for the same config and seed."""
+    return build_model(model_config(section), seed=seed)
+
+
+def inner_config(section: Any, total_steps: int) -> InnerConfig:
+    d = _as_dict(section)
+    return InnerConfig(
+        lr=d["lr"],
+        min_lr_ratio=d["min_lr_ratio"],
+        warmup_steps=d["warmup_steps"],
+        total_steps=int(d.get("total_steps") or total_steps),
+        betas=(d["beta1"], d["beta2"]),
+        eps=d["eps"],
+        weight_decay=d["weight_decay"],
+        grad_clip=d["grad_clip"],
+        batch_size=d["batch_size"],
+        seq_len=d["seq_len"],
+        precision=d["precision"],
+        device=d["device"],
+    )
+
+
+def partitions(data_section: Any, num_partitions: int) -> tuple[list[Partition], torch.Tensor]:
+    """All partitions plus the global held-out tokens (memoised per process by fl_geo.data)."""
+    d = _as_dict(data_section)
+    return get_partitions(
+        d["corpus"],
+        num_partitions,
+        d["partition"],
+        d["val_fraction"],
+        d["seed"],
+        data_dir=d["data_dir"] or None,
+        files=tuple(d["files"]) or None,
+        text_key=d["text_key"],
+    )

@@ -1,0 +1,136 @@
+"""``fl-geo``: run experiments, fetch the offline corpora, benchmark the server path.
+
+    fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
+    fl-geo config CONFIG [key=value ...]             print the resolved configuration
+    fl-geo data fetch [--data-dir D] [NAME ...]      download + extract the pinned corpora
+    fl-geo bench outer [--params N] [--updates K] [--precision P] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from fl_geo.config import ConfigError, load_config, to_yaml
+
+
+def _split(items: list[str]) -> tuple[list[str], list[str]]:
+    """Positional arguments with '=' are overrides; the others are config files."""
+    configs = [a for a in items if "=" not in a]
+    overrides = [a for a in items if "=" in a]
+    return configs, overrides
+
+
+def format_summary_table(summaries: list[dict[str, Any]]) -> str:
+    """A plain Markdown table of finished runs (the compare tool builds on the same JSON)."""
+    head = "| run | strategy | outer steps | final val loss | wall s | tokens | MB up | MB down | rejected |"
+    rows = [head, "|" + "---|" * 9]
+    for s in summaries:
+        val = s.get("final_val_loss")
+        rows.append(
+            f"| {s['name']} | {s['strategy']} ({s['outer_optimizer']}) | {s['outer_steps']} | "
+            f"{val:.4f} | {s['wall_s']:.1f} | {s['tokens']:,} | {s['bytes_up'] / 1e6:.1f} | "
+            f"{s['bytes_down'] / 1e6:.1f} | {s['rejected']} |"
+            if val is not None
+            else f"| {s['name']} | {s['strategy']} | {s['outer_steps']} | n/a | {s['wall_s']:.1f} | | | | |"
+        )
+    return "\n".join(rows)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fl_geo.simulation import run_simulation
+
+    configs, overrides = _split(args.items)
+    if not configs:
+        configs = [None]  # schema defaults (DiLoCo, 4 datacenters)
+    resolved = [load_config(c, overrides) for c in configs]  # validate all before running any
+    summaries = []
+    for cfg in resolved:
+        run_dir = None
+        if args.out:
+            run_dir = Path(args.out) / cfg.run.name
+        summaries.append(run_simulation(cfg, run_dir))
+        print(f"run {cfg.run.name}: final val loss {summaries[-1]['final_val_loss']:.4f} -> {summaries[-1]['run_dir']}",
+              file=sys.stderr)
+    table = format_summary_table(summaries)
+    print(table)
+    if args.table:
+        Path(args.table).write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    configs, overrides = _split(args.items)
+    if len(configs) > 1:
+        raise ConfigError("fl-geo config takes one config file")
+    print(to_yaml(load_config(configs[0] if configs else None, overrides)), end="")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from fl_geo.data.fetch import fetch_corpora
+
+    names = tuple(args.names) or ("bible", "shakespeare")
+    info = fetch_corpora(names, args.data_dir)
+    for name, entry in info.items():
+        print(f"{name}: {entry}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fl_geo.bench import main as bench_main
+
+    return int(bench_main(["outer", *args.rest]) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fl-geo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="run one or more configs as Flower simulations")
+    r.add_argument("items", nargs="*", help="config files and key=value overrides (applied to every config)")
+    r.add_argument("--out", help="put each run in OUT/<run.name> instead of run.out_dir/<name>-<time>")
+    r.add_argument("--table", help="also write the summary table (Markdown) to this file")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("config", help="print a resolved config")
+    c.add_argument("items", nargs="*")
+    c.set_defaults(func=cmd_config)
+
+    d = sub.add_parser("data", help="offline corpora")
+    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    f = dsub.add_parser("fetch", help="download (pinned, hash-checked) and extract corpora")
+    f.add_argument("names", nargs="*", help="bible, shakespeare (default: both)")
+    f.add_argument("--data-dir", default=None, help="default: $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora")
+    f.set_defaults(func=cmd_data)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    o = bsub.add_parser("outer", help="one outer step on the server path vs memory bandwidth and Flower's FedAvg")
+    o.add_argument("rest", nargs=argparse.REMAINDER)
+    o.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"fl-geo: config error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"fl-geo: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

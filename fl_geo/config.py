@@ -1,0 +1,280 @@
+"""One configuration schema for a whole fl-geo run.
+
+Every knob lives in one omegaconf structured config (dataclasses below) so that YAML files in
+``configs/``, dotted command-line overrides (``strategy.outer_lr=0.5``) and the Flower run config
+all resolve to the same validated object. Unknown keys and wrong types are rejected here, before
+any process starts, with a message that names the offending key and the valid ones: a typo in a
+long experiment sweep must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+WEIGHTINGS = ("uniform", "tokens")
+
+# Which outer optimizers each synchronous strategy name may use (first = default), and the
+# outer lr / momentum it gets when the config leaves them unset (ALGORITHMS.md §2-3; FedAdam and
+# FedYogi use Flower's defaults, eta 0.1 and 0.01).
+STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {
+    "diloco": ("nesterov", "delayed_nesterov"),
+    "fedavg": ("avg",),
+    "fedavgm": ("sgdm",),
+    "fedadam": ("fedadam",),
+    "fedyogi": ("fedyogi",),
+}
+STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
+    "diloco": (0.7, 0.9),
+    "fedavg": (1.0, 0.0),
+    "fedavgm": (1.0, 0.9),
+    "fedadam": (0.1, 0.0),
+    "fedyogi": (0.01, 0.0),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message says which key and why."""
+
+
+@dataclass
+class RunSection:
+    """What to run and where to write it."""
+
+    name: str = "run"
+    seed: int = 0
+    rounds: int = 10
+    num_clients: int = 4  # simulated datacenters (Flower virtual SuperNodes)
+    # ray: Flower's simulation runtime (one Ray actor per sim_cpus, ClientApps in parallel);
+    # inline: ClientApps run in this process one after another (no Ray start-up; deterministic).
+    backend: str = "ray"
+    out_dir: str = "runs"
+    eval_every: int = 1  # server-side validation every k outer steps (0 = only at the end)
+    eval_batches: int = 16
+    client_eval_every: int = 0  # ask clients for validation on their partition every k steps (0 = never)
+    threads_per_client: int = 1  # torch threads per client process (FLOWER_NOTES: never oversubscribe)
+    sim_cpus: int = 2  # Ray CPUs; one actor per CPU since each client asks for one
+    min_nodes: int = 0  # nodes to wait for before round 1 (0 = num_clients)
+    wait_nodes_timeout_s: float = 120.0
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class StrategySection:
+    """Server side: which synchronous outer loop and its outer optimizer."""
+
+    name: str = "diloco"  # diloco | fedavg | fedavgm | fedadam | fedyogi
+    outer_optimizer: str = ""  # "" = the strategy's default (STRATEGY_OPTIMIZERS)
+    outer_lr: Optional[float] = None  # None = the strategy's default (STRATEGY_DEFAULTS)  # noqa: UP045
+    outer_momentum: Optional[float] = None  # noqa: UP045
+    beta1: float = 0.9  # fedadam / fedyogi
+    beta2: float = 0.99
+    tau: float = 1e-3
+    buffer_size: int = 1  # delayed_nesterov N
+    activation: float = 0.0  # delayed_nesterov c
+    weighting: str = "uniform"  # uniform | tokens
+    inner_steps: int = 50  # H
+    clients_per_round: int = 0  # 0 = every live node
+    min_replies: int = 1  # fewer accepted updates than this: skip the outer step
+    round_timeout_s: float = 0.0  # 0 = wait for every selected node (or its error reply)
+    # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
+    # memory for the ones before it); arrival: fold on arrival (never holds a reply).
+    fold_order: str = "rank"
+
+
+@dataclass
+class WireSection:
+    """Precision of model-sized payloads on the wire (the outer state is always fp32)."""
+
+    up: str = "fp32"  # client -> server pseudo-gradients
+    down: str = "fp32"  # server -> client model
+
+
+@dataclass
+class ModelSection:
+    """Llama-style decoder size (fl_geo.model.ModelConfig)."""
+
+    vocab_size: int = 256
+    n_layers: int = 2
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 0
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+
+@dataclass
+class DataSection:
+    """Corpus, partitioning and batch shape (fl_geo.data)."""
+
+    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files
+    data_dir: str = ""  # "" = $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora
+    files: list[str] = field(default_factory=list)
+    text_key: str = "text"
+    partition: str = "by_group"  # by_group (natural non-IID) | iid | by_document
+    val_fraction: float = 0.05
+    seed: int = 0
+
+
+@dataclass
+class ClientSection:
+    """Inner loop of every datacenter client (fl_geo.training.InnerConfig)."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    total_steps: int = 0  # schedule length; 0 = rounds * inner_steps
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    batch_size: int = 16
+    seq_len: int = 128
+    device: str = "auto"  # auto | cuda | npu | mps | cpu
+    precision: str = "auto"  # auto (bf16 autocast on accelerators) | bf16 | fp32
+    eval_batches: int = 8
+
+
+@dataclass
+class FlGeoConfig:
+    """The whole run."""
+
+    run: RunSection = field(default_factory=RunSection)
+    strategy: StrategySection = field(default_factory=StrategySection)
+    wire: WireSection = field(default_factory=WireSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    client: ClientSection = field(default_factory=ClientSection)
+
+
+def _schema() -> DictConfig:
+    cfg = OmegaConf.structured(FlGeoConfig)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _valid_keys(section: str | None) -> str:
+    root = FlGeoConfig()
+    obj: Any = getattr(root, section) if section else root
+    return ", ".join(f.name for f in fields(obj)) if is_dataclass(obj) else ""
+
+
+def _wrap(exc: OmegaConfBaseException, where: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or ""
+    section = key.split(".")[0] if "." in key else None
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    hint = f" Valid keys here: {_valid_keys(section)}." if "not in" in first_line else ""
+    return ConfigError(f"{where}: invalid config key or value '{key}': {first_line}{hint}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FlGeoConfig:
+    """Merge schema defaults, an optional YAML file and ``key=value`` overrides, then validate."""
+    cfg = _schema()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(p))
+        except OmegaConfBaseException as exc:
+            raise _wrap(exc, str(p)) from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. strategy.outer_lr=0.5)")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise _wrap(exc, f"override '{item}'") from None
+    out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(out)
+    return out
+
+
+def config_from_yaml_string(text: str) -> FlGeoConfig:
+    """Rebuild a config from :func:`to_yaml` output (how the ServerApp receives it)."""
+    try:
+        cfg = OmegaConf.merge(_schema(), OmegaConf.create(text))
+    except OmegaConfBaseException as exc:
+        raise _wrap(exc, "run config") from None
+    out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(out)
+    return out
+
+
+def to_yaml(cfg: FlGeoConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def section_to_json(section: Any) -> str:
+    """Serialise one section for a Flower ConfigRecord (whose values must be scalars)."""
+    return json.dumps(to_dict(section), sort_keys=True)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: FlGeoConfig) -> None:
+    """Cross-field checks that a schema of types cannot express."""
+    r, s, w, d, c, m = cfg.run, cfg.strategy, cfg.wire, cfg.data, cfg.client, cfg.model
+    _require(r.rounds >= 1, f"run.rounds must be >= 1, got {r.rounds}")
+    _require(r.num_clients >= 1, f"run.num_clients must be >= 1, got {r.num_clients}")
+    _require(r.backend in ("ray", "inline"), f"run.backend must be ray or inline, got '{r.backend}'")
+    _require(r.threads_per_client >= 1, "run.threads_per_client must be >= 1")
+    _require(r.sim_cpus >= 1, "run.sim_cpus must be >= 1")
+    _require(r.eval_every >= 0 and r.client_eval_every >= 0, "run.eval_every / client_eval_every must be >= 0")
+    _require(r.eval_batches >= 1, "run.eval_batches must be >= 1")
+    _require(
+        s.name in STRATEGY_OPTIMIZERS,
+        f"strategy.name '{s.name}' is unknown; valid: {', '.join(STRATEGY_OPTIMIZERS)}",
+    )
+    allowed = STRATEGY_OPTIMIZERS[s.name]
+    # Fill strategy defaults in place so the resolved config written with the run is explicit.
+    s.outer_optimizer = s.outer_optimizer or allowed[0]
+    default_lr, default_mom = STRATEGY_DEFAULTS[s.name]
+    s.outer_lr = default_lr if s.outer_lr is None else s.outer_lr
+    s.outer_momentum = default_mom if s.outer_momentum is None else s.outer_momentum
+    _require(
+        s.outer_optimizer in allowed,
+        f"strategy '{s.name}' uses outer_optimizer {' or '.join(allowed)}, got '{s.outer_optimizer}'",
+    )
+    _require(s.weighting in WEIGHTINGS, f"strategy.weighting must be one of {WEIGHTINGS}, got '{s.weighting}'")
+    _require(s.inner_steps >= 1, f"strategy.inner_steps must be >= 1, got {s.inner_steps}")
+    _require(s.outer_lr > 0, f"strategy.outer_lr must be > 0, got {s.outer_lr}")
+    _require(0 <= s.outer_momentum < 1, f"strategy.outer_momentum must be in [0, 1), got {s.outer_momentum}")
+    _require(s.buffer_size >= 1, "strategy.buffer_size must be >= 1")
+    _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
+    _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
+    _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
+    _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
+    for side in ("up", "down"):
+        val = getattr(w, side)
+        _require(val in WIRE_PRECISIONS, f"wire.{side} must be one of {WIRE_PRECISIONS}, got '{val}'")
+    _require(d.partition in ("by_group", "iid", "by_document"), f"data.partition '{d.partition}' is unknown; valid: by_group, iid, by_document")
+    _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
+    _require(d.corpus != "files" or bool(d.files), "data.corpus=files needs data.files (paths or globs of .txt/.jsonl)")
+    _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
+    _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    _require(c.device in ("auto", "cuda", "npu", "mps", "cpu"), f"client.device '{c.device}' is unknown")
+    _require(c.precision in ("auto", "bf16", "fp32"), f"client.precision '{c.precision}' is unknown")
+    _require(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+
+
+def schedule_length(cfg: FlGeoConfig) -> int:
+    """Inner LR schedule length: explicit, or every inner step this run will take."""
+    return cfg.client.total_steps or cfg.run.rounds * cfg.strategy.inner_steps

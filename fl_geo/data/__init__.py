@@ -1,0 +1,50 @@
+"""Corpora, partitioning into datacenter shards, and stateless batch sampling."""
+
+from fl_geo.data.corpus import (
+    CORPUS_NAMES,
+    Corpus,
+    Document,
+    corpus_digest,
+    default_data_dir,
+    fetch_command,
+    load_corpus,
+)
+from fl_geo.data.loader import BatchSampler, eval_batches
+from fl_geo.data.partition import (
+    PARTITION_SCHEMES,
+    Partition,
+    get_corpus,
+    get_partitions,
+    partition_corpus,
+)
+from fl_geo.data.tokenizer import ByteTokenizer
+
+
+def __getattr__(name: str) -> object:
+    """Import ``fetch_corpora`` lazily: eager import would make ``python -m fl_geo.data.fetch``
+    load the module twice (runpy warns), and training processes never need it."""
+    if name == "fetch_corpora":
+        from fl_geo.data.fetch import fetch_corpora
+
+        return fetch_corpora
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CORPUS_NAMES",
+    "PARTITION_SCHEMES",
+    "BatchSampler",
+    "ByteTokenizer",
+    "Corpus",
+    "Document",
+    "Partition",
+    "corpus_digest",
+    "default_data_dir",
+    "eval_batches",
+    "fetch_command",
+    "fetch_corpora",
+    "get_corpus",
+    "get_partitions",
+    "load_corpus",
+    "partition_corpus",
+]

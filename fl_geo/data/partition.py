@@ -1,0 +1,331 @@
+"""Split a corpus into per-datacenter training shards plus one global held-out set.
+
+Validation text is the last ``val_fraction`` of *every* document, cut before any partitioning, so
+the global held-out set (the union of the partitions' validation parts) is never trained on by any
+datacenter, under every scheme. The schemes differ only in how the training text is dealt out:
+
+* ``by_group``: natural non-IID split along the corpus's group label (translation, author, package).
+* ``iid``: fixed-size chunks of all training text, shuffled and dealt round-robin.
+* ``by_document``: whole documents dealt to balance sizes (mildly non-IID).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fl_geo.data.corpus import Corpus, default_data_dir, load_corpus
+from fl_geo.data.tokenizer import ByteTokenizer
+
+__all__ = [
+    "IID_CHUNK_BYTES",
+    "PARTITION_SCHEMES",
+    "Partition",
+    "get_corpus",
+    "get_partitions",
+    "partition_corpus",
+]
+
+PARTITION_SCHEMES = ("by_group", "iid", "by_document")
+IID_CHUNK_BYTES = 4096
+
+
+@dataclass
+class Partition:
+    """One datacenter's data: uint8 token tensors for training and for local validation."""
+
+    index: int
+    groups: list[str]
+    train: torch.Tensor
+    val: torch.Tensor
+
+    @property
+    def num_train_tokens(self) -> int:
+        return int(self.train.numel())
+
+
+def _concat(pieces: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate(pieces) if len(pieces) else np.zeros(0, dtype=np.uint8)
+
+
+def _greedy_assign(sizes: Sequence[int], bins: int) -> list[int]:
+    """Bin per item: largest items first, each to the currently lightest bin (lowest index on ties).
+
+    The longest-processing-time heuristic: within 4/3 of the best possible balance, deterministic.
+    """
+    loads = np.zeros(bins, dtype=np.int64)
+    assignment = [0] * len(sizes)
+    for item in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        target = int(np.argmin(loads))
+        assignment[item] = target
+        loads[target] += sizes[item]
+    return assignment
+
+
+def _shares(sizes: Sequence[int], total: int) -> list[int]:
+    """Partitions per group when there are fewer groups than partitions: one each, then extra ones
+    to the group with the most bytes per partition (D'Hondt), so shard sizes stay comparable."""
+    counts = [1] * len(sizes)
+    for _ in range(total - len(sizes)):
+        best = max(range(len(sizes)), key=lambda i: (sizes[i] / counts[i], -i))
+        counts[best] += 1
+    return counts
+
+
+def _deal_chunks(
+    data: np.ndarray, chunk: int, parts: int, rng: np.random.Generator
+) -> list[list[int]]:
+    """Chunk start offsets per partition: shuffle the chunk order, then deal round-robin."""
+    starts = np.arange(0, len(data), chunk)
+    order = starts[rng.permutation(len(starts))]
+    return [sorted(order[p::parts].tolist()) for p in range(parts)]
+
+
+def _gather(data: np.ndarray, starts: Sequence[int], chunk: int) -> np.ndarray:
+    return _concat([data[start : start + chunk] for start in starts])
+
+
+def _covered_docs(
+    doc_offsets: np.ndarray, starts: Sequence[int], chunk: int, total: int
+) -> np.ndarray:
+    """Boolean mask of documents that overlap any chunk ``[start, start + chunk)`` of the stream."""
+    mask = np.zeros(len(doc_offsets), dtype=np.int64)
+    if len(starts):
+        first = np.asarray(starts)
+        last = np.minimum(first + chunk, total) - 1
+        lo = np.searchsorted(doc_offsets, first, side="right") - 1
+        hi = np.searchsorted(doc_offsets, last, side="right") - 1
+        np.add.at(mask, lo, 1)
+        np.add.at(mask, hi[hi + 1 < len(mask)] + 1, -1)
+    return np.cumsum(mask) > 0
+
+
+def partition_corpus(
+    corpus: Corpus,
+    num_partitions: int,
+    scheme: str = "by_group",
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    tokenizer: ByteTokenizer | None = None,
+) -> tuple[list[Partition], torch.Tensor]:
+    """Partitions (one per datacenter) and the global validation tokens.
+
+    ``by_group`` with as many groups as partitions gives group i to partition i (corpus order).
+    With more groups, groups are balanced greedily by size (largest first). With fewer, each group
+    gets ≥ 1 partition (extra partitions go to the largest groups) and its training text is cut into
+    equal contiguous pieces, so each partition stays within one group. Only ``iid`` uses ``seed``;
+    every scheme is deterministic.
+    """
+    if not isinstance(num_partitions, numbers.Integral) or num_partitions < 1:
+        raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions!r}")
+    if scheme not in PARTITION_SCHEMES:
+        raise ValueError(
+            f"unknown partition scheme {scheme!r}; expected one of {PARTITION_SCHEMES}"
+        )
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    tokenizer = tokenizer or ByteTokenizer()
+
+    docs = corpus.documents
+    encoded = [tokenizer.encode(doc.text) for doc in docs]
+    cuts = [len(tokens) - int(len(tokens) * val_fraction) for tokens in encoded]
+    train_parts = [tokens[:cut] for tokens, cut in zip(encoded, cuts, strict=True)]
+    val_parts = [tokens[cut:] for tokens, cut in zip(encoded, cuts, strict=True)]
+    group_names = corpus.groups
+    group_index = {name: i for i, name in enumerate(group_names)}
+    doc_group = [group_index[doc.group] for doc in docs]
+
+    # Each plan entry: (train pieces, val pieces, group indices) for one partition.
+    plan: list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]
+    if scheme == "iid":
+        plan = _plan_iid(train_parts, val_parts, doc_group, num_partitions, seed)
+    elif scheme == "by_document":
+        if len(docs) < num_partitions:
+            raise ValueError(
+                f"by_document: {len(docs)} documents cannot fill {num_partitions} partitions"
+            )
+        owner = _greedy_assign([len(part) for part in train_parts], num_partitions)
+        plan = _plan_from_owner(
+            owner, train_parts, val_parts, [[g] for g in doc_group], num_partitions
+        )
+    else:
+        plan = _plan_by_group(train_parts, val_parts, doc_group, len(group_names), num_partitions)
+
+    partitions = []
+    for index, (train, val, groups) in enumerate(plan):
+        train_tokens = _concat(train)
+        if len(train_tokens) == 0:
+            raise ValueError(
+                f"partition {index} of {num_partitions} would be empty ({scheme} split of corpus "
+                f"{corpus.name!r} with {len(docs)} documents); use fewer partitions or another scheme"
+            )
+        partitions.append(
+            Partition(
+                index=index,
+                groups=[group_names[g] for g in groups],
+                train=torch.from_numpy(train_tokens),
+                val=torch.from_numpy(_concat(val)),
+            )
+        )
+    return partitions, torch.from_numpy(_concat(val_parts))
+
+
+def _plan_from_owner(
+    owner: Sequence[int],
+    train_items: Sequence[np.ndarray],
+    val_items: Sequence[np.ndarray],
+    item_groups: Sequence[Sequence[int]],
+    parts: int,
+) -> list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]:
+    """Collect whole items (documents or groups) per owning partition, keeping corpus order."""
+    members: list[list[int]] = [[] for _ in range(parts)]
+    for item, part in enumerate(owner):
+        members[part].append(item)
+    return [
+        (
+            [train_items[i] for i in items],
+            [val_items[i] for i in items],
+            sorted({g for i in items for g in item_groups[i]}),
+        )
+        for items in members
+    ]
+
+
+def _plan_iid(
+    train_parts: list[np.ndarray],
+    val_parts: list[np.ndarray],
+    doc_group: list[int],
+    parts: int,
+    seed: int,
+) -> list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]:
+    rng = np.random.default_rng(seed)
+    train = _concat(train_parts)
+    val = _concat(val_parts)
+    if len(train) < parts * IID_CHUNK_BYTES and len(train) >= parts:
+        chunk = len(train) // parts  # tiny corpora: smaller chunks so every partition gets text
+    else:
+        chunk = IID_CHUNK_BYTES
+    val_chunk = max(1, min(IID_CHUNK_BYTES, len(val) // parts))
+    train_deal = _deal_chunks(train, chunk, parts, rng)
+    val_deal = _deal_chunks(val, val_chunk, parts, rng)
+    offsets = (
+        np.cumsum([0] + [len(part) for part in train_parts[:-1]]) if train_parts else np.zeros(0)
+    )
+    group_of_doc = np.asarray(doc_group, dtype=np.int64)
+    plan = []
+    for p in range(parts):
+        covered = _covered_docs(offsets, train_deal[p], chunk, len(train))
+        groups = sorted(set(group_of_doc[covered].tolist()))
+        plan.append(
+            ([_gather(train, train_deal[p], chunk)], [_gather(val, val_deal[p], val_chunk)], groups)
+        )
+    return plan
+
+
+def _plan_by_group(
+    train_parts: list[np.ndarray],
+    val_parts: list[np.ndarray],
+    doc_group: list[int],
+    num_groups: int,
+    parts: int,
+) -> list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]:
+    group_train = [
+        _concat([t for t, g in zip(train_parts, doc_group, strict=True) if g == k])
+        for k in range(num_groups)
+    ]
+    group_val = [
+        _concat([v for v, g in zip(val_parts, doc_group, strict=True) if g == k])
+        for k in range(num_groups)
+    ]
+    if num_groups >= parts:
+        owner = (
+            list(range(parts))
+            if num_groups == parts
+            else _greedy_assign([len(tokens) for tokens in group_train], parts)
+        )
+        return _plan_from_owner(
+            owner, group_train, group_val, [[k] for k in range(num_groups)], parts
+        )
+    plan = []
+    for k, count in enumerate(_shares([len(tokens) for tokens in group_train], parts)):
+        train_pieces = np.array_split(group_train[k], count)
+        val_pieces = np.array_split(group_val[k], count)
+        plan.extend(([train_pieces[i]], [val_pieces[i]], [k]) for i in range(count))
+    return plan
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_corpus(
+    name: str, data_dir: str, files: tuple[str, ...] | None, text_key: str
+) -> Corpus:
+    return load_corpus(
+        name, data_dir=data_dir, files=list(files) if files else None, text_key=text_key
+    )
+
+
+def _corpus_key(
+    data_dir: str | Path | None, files: Sequence[str] | None
+) -> tuple[str, tuple[str, ...] | None]:
+    directory = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    return str(directory.resolve()), (tuple(str(f) for f in files) if files else None)
+
+
+def get_corpus(
+    corpus_name: str,
+    data_dir: str | Path | None = None,
+    files: Sequence[str] | None = None,
+    text_key: str = "text",
+) -> Corpus:
+    """Memoised :func:`load_corpus` (e.g. to record ``.name``/``.sha256`` of what ``auto`` chose)."""
+    directory, file_key = _corpus_key(data_dir, files)
+    return _cached_corpus(corpus_name, directory, file_key, text_key)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_partitions(
+    corpus_name: str,
+    num_partitions: int,
+    scheme: str,
+    val_fraction: float,
+    seed: int,
+    data_dir: str,
+    files: tuple[str, ...] | None,
+    text_key: str,
+) -> tuple[list[Partition], torch.Tensor]:
+    corpus = _cached_corpus(corpus_name, data_dir, files, text_key)
+    return partition_corpus(corpus, num_partitions, scheme, val_fraction, seed)
+
+
+def get_partitions(
+    corpus_name: str,
+    num_partitions: int,
+    scheme: str = "by_group",
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    data_dir: str | Path | None = None,
+    files: Sequence[str] | None = None,
+    text_key: str = "text",
+) -> tuple[list[Partition], torch.Tensor]:
+    """Memoised :func:`partition_corpus` of :func:`load_corpus`.
+
+    A simulation actor handles many client messages per process; loading and tokenising the corpus
+    once per process instead of once per message saves seconds each round. The returned tensors are
+    shared between callers: treat them as read-only.
+    """
+    directory, file_key = _corpus_key(data_dir, files)
+    return _cached_partitions(
+        corpus_name,
+        int(num_partitions),
+        scheme,
+        float(val_fraction),
+        int(seed),
+        directory,
+        file_key,
+        text_key,
+    )

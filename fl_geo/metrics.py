@@ -1,0 +1,72 @@
+"""Run metrics: one JSONL file (what tools read back) and TensorBoard scalars (what people look at).
+
+One name space for every strategy (ARCHITECTURE.md): ``train/loss``, ``val/loss``, ``val/ppl``,
+``outer/step``, ``outer/accepted``, ``outer/rejected``, ``comm/bytes_up``, ``comm/bytes_down``,
+``train/tokens``, ``time/wall_s``, ... Each JSONL line is one outer step (or one event) with its
+step number and wall time, so a comparison tool can compute time-to-loss without TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Append-only metrics sink for one run directory."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._t0 = time.perf_counter()
+        self._tb = None
+        if tensorboard:
+            # Imported lazily: TensorBoard's import costs ~1 s and clients never need it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds since the logger was created (the run's wall clock)."""
+        return time.perf_counter() - self._t0
+
+    def log(self, step: int, metrics: dict[str, float | int]) -> dict[str, Any]:
+        """Write one record; non-finite values are kept in JSONL as null, skipped in TensorBoard."""
+        record: dict[str, Any] = {"step": int(step), "time/wall_s": round(self.wall_s, 4)}
+        for key, val in metrics.items():
+            fval = float(val)
+            record[key] = fval if math.isfinite(fval) else None
+            if self._tb is not None and math.isfinite(fval):
+                self._tb.add_scalar(key, fval, global_step=int(step))
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        return record
+
+    def write_json(self, name: str, payload: dict[str, Any]) -> Path:
+        """Write a side file (run metadata, final summary) atomically next to the metrics."""
+        target = self.run_dir / name
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str), encoding="utf-8")
+        tmp.replace(target)
+        return target
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Load a run's ``metrics.jsonl`` (a directory or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    with p.open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

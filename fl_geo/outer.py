@@ -1,0 +1,512 @@
+"""Outer (server-side) optimizers on a flat fp32 parameter buffer (ALGORITHMS.md §2).
+
+Every optimizer receives the averaged pseudo-gradient Δ̄ = mean(base − local) and updates the
+global parameters in place; ``grad`` is never modified. State is fp32 (ALGORITHMS.md §8) and
+O(1) in the number of workers. Model-sized state buffers are allocated **lazily on the first
+step**, on the device of ``params``: constructing an optimizer is free, momentum-free variants
+never allocate, and `state_dict` before the first step holds only scalars.
+
+The kernels walk the buffers in `CHUNK_ELEMS` chunks and keep intermediate values in a
+chunk-sized scratch, so a step needs no model-sized temporary and each buffer crosses the memory
+bus once per step (the chunk stays in cache between the ops). Elementwise results do not depend
+on the chunking. Where a reference exists the rounding order follows it operation for operation:
+torch's SGD for `Nesterov`/`DelayedNesterov`, Flower 1.41's strategies for `SGD`, `FedAdam` and
+`FedYogi` (see each class).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from .state import CHUNK_ELEMS, chunk_ranges
+
+__all__ = [
+    "OUTER_OPTIMIZERS",
+    "SGD",
+    "DelayedNesterov",
+    "FedAdam",
+    "FedYogi",
+    "Nesterov",
+    "OuterOptimizer",
+    "build_outer_optimizer",
+]
+
+StateValue = torch.Tensor | int | float
+
+
+def _check_unit_interval(name: str, value: float) -> float:
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return value
+
+
+def _check_non_negative(name: str, value: float) -> float:
+    value = float(value)
+    if not (value >= 0.0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return value
+
+
+class OuterOptimizer(ABC):
+    """Common interface: ``step(params, grad)`` in place, plus a checkpointable state.
+
+    Subclasses declare ``name``, the hyperparameters saved in the state (``_hyper``) and their
+    model-sized buffers (``_buffers``), and implement ``_step``. `state_dict` returns references
+    to the live buffers (no model-sized copy; clone them to snapshot mid-run); `load_state_dict`
+    copies what it is given, so the optimizer never aliases caller tensors. Hyperparameters are
+    part of the state and are restored by `load_state_dict`, as with ``torch.optim``.
+    """
+
+    name: ClassVar[str]
+    _hyper: ClassVar[tuple[str, ...]] = ()
+    _buffers: ClassVar[tuple[str, ...]] = ()
+    _scratch_count: ClassVar[int] = 1
+
+    def __init__(self, numel: int) -> None:
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"numel must be a positive int, got {numel!r}")
+        self.numel = numel
+        self.steps = 0  # completed steps
+        self._state: dict[str, torch.Tensor] = {}
+        self._scratch: list[torch.Tensor] = []
+
+    # -- public API -------------------------------------------------------------------------
+
+    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply one outer step to ``params`` (1-D fp32, in place) with ``grad`` = Δ̄."""
+        self._check_step_args(params, grad)
+        with torch.no_grad():
+            self._step(params, grad)
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, StateValue]:
+        """Scalars (``numel``, ``steps``, hyperparameters) and the allocated buffers."""
+        out: dict[str, StateValue] = {"numel": self.numel, "steps": self.steps}
+        for key in self._hyper:
+            out[key] = getattr(self, key)
+        out.update(self._state)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict`, validating keys, sizes and dtypes before changing anything."""
+        required = {"numel", "steps", *self._hyper}
+        allowed = required | set(self._buffers)
+        keys = set(state)
+        if missing := sorted(required - keys):
+            raise ValueError(f"{self.name} state lacks keys {missing}")
+        if unexpected := sorted(keys - allowed):
+            raise ValueError(
+                f"{self.name} state has unexpected keys {unexpected}; valid keys: {sorted(allowed)}"
+            )
+        if state["numel"] != self.numel:
+            raise ValueError(
+                f"{self.name} state is for {state['numel']} parameters, this optimizer has "
+                f"{self.numel}"
+            )
+        steps = state["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"{self.name} state 'steps' must be an int >= 0, got {steps!r}")
+        buffers = {k: state[k] for k in self._buffers if k in state}
+        for key, value in buffers.items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{self.name} state {key!r} must be a tensor, got {type(value)}")
+            if value.dtype != torch.float32 or value.dim() != 1 or value.numel() != self.numel:
+                raise ValueError(
+                    f"{self.name} state {key!r} must be 1-D float32 of {self.numel} elements, "
+                    f"got {value.dtype} {tuple(value.shape)}"
+                )
+        for key in self._hyper:
+            self._set_hyper(key, state[key])
+        self.steps = steps
+        self._state = {k: v.detach().clone() for k, v in buffers.items()}
+
+    def _set_hyper(self, key: str, value: Any) -> None:
+        """Validate through the constructor's rules by re-running `_validate_hyper`."""
+        setattr(self, key, self._validate_hyper(key, value))
+
+    def _validate_hyper(self, key: str, value: Any) -> Any:
+        return float(value)
+
+    # -- kernel plumbing --------------------------------------------------------------------
+
+    def _check_step_args(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        if params.dtype != torch.float32 or params.dim() != 1 or params.numel() != self.numel:
+            raise ValueError(
+                f"params must be a 1-D float32 tensor of {self.numel} elements, got "
+                f"{params.dtype} {tuple(params.shape)}"
+            )
+        if not params.is_contiguous():
+            raise ValueError("params must be contiguous")
+        if not grad.is_floating_point() or grad.dim() != 1 or grad.numel() != self.numel:
+            raise ValueError(
+                f"grad must be a 1-D floating tensor of {self.numel} elements, got "
+                f"{grad.dtype} {tuple(grad.shape)}"
+            )
+        if grad.device != params.device:
+            raise ValueError(f"grad on {grad.device}, params on {params.device}")
+        if grad.data_ptr() == params.data_ptr():
+            raise ValueError("grad must not alias params")
+
+    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The state buffer ``key``, allocated as zeros on first use (lazy allocation)."""
+        buf = self._state.get(key)
+        if buf is None:
+            buf = torch.zeros(self.numel, dtype=torch.float32, device=like.device)
+            self._state[key] = buf
+        elif buf.device != like.device:
+            buf = buf.to(like.device)
+            self._state[key] = buf
+        return buf
+
+    def _scratches(self, like: torch.Tensor) -> list[torch.Tensor]:
+        """Chunk-sized fp32 temporaries (cache-resident), reused across steps."""
+        if not self._scratch or self._scratch[0].device != like.device:
+            size = min(CHUNK_ELEMS, self.numel)
+            self._scratch = [
+                torch.empty(size, dtype=torch.float32, device=like.device)
+                for _ in range(self._scratch_count)
+            ]
+        return self._scratch
+
+    @abstractmethod
+    def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        """Update ``params`` in place (validated arguments, inside ``torch.no_grad``)."""
+
+
+class Nesterov(OuterOptimizer):
+    """DiLoCo's outer optimizer: ``torch.optim.SGD(lr, momentum, nesterov=True)`` on Δ̄.
+
+    buf ← μ·buf + g;  θ ← θ − lr·(g + μ·buf). Operation order and rounding are those of torch's
+    SGD (``buf.mul_(μ).add_(g)``, ``g.add(buf, alpha=μ)``, ``θ.add_(·, alpha=−lr)``), so results
+    are bit-identical to it; the first-step ``buf = g`` of torch equals μ·0 + g here.
+    """
+
+    name = "nesterov"
+    _hyper = ("lr", "momentum")
+    _buffers = ("momentum_buffer",)
+
+    def __init__(self, numel: int, lr: float = 0.7, momentum: float = 0.9) -> None:
+        super().__init__(numel)
+        self.lr = self._validate_hyper("lr", lr)
+        self.momentum = self._validate_hyper("momentum", momentum)
+
+    def _validate_hyper(self, key: str, value: Any) -> float:
+        if key == "momentum":
+            return _check_unit_interval(key, value)
+        return _check_non_negative(key, value)
+
+    def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        mu, lr = self.momentum, self.lr
+        if mu == 0.0:
+            params.add_(grad, alpha=-lr)  # torch SGD without momentum: θ.add_(g, alpha=−lr)
+            return
+        buf = self._buffer("momentum_buffer", params)
+        (tmp,) = self._scratches(params)
+        for b, e in chunk_ranges(0, self.numel):
+            g, m, t = grad[b:e], buf[b:e], tmp[: e - b]
+            m.mul_(mu).add_(g)
+            torch.add(g, m, alpha=mu, out=t)
+            params[b:e].add_(t, alpha=-lr)
+
+
+class DelayedNesterov(OuterOptimizer):
+    """Delayed Nesterov (Liu et al. 2024, HALoS), ALGORITHMS.md §2, state (t, m, acc)::
+
+        acc += g
+        if (t+1) % N == 0:  m = β·m + acc/N;  θ -= lr·((1 − c·N + c)·β·m + g/N);  acc = 0
+        else:               θ -= lr·(c·β·m + g/N)
+        t += 1
+
+    ``t`` is `steps`. With N = 1 the accumulator is never allocated (acc/1 = g exactly), and with
+    N = 1, c = 0 the kernel performs torch SGD-Nesterov's exact operations. The products
+    ``k·β·m + g/N`` use a fused multiply-add like torch's ``add(alpha=...)``, so a literal
+    transcription with separate roundings agrees to fp32 rounding, not bit for bit.
+    """
+
+    name = "delayed_nesterov"
+    _hyper = ("lr", "momentum", "buffer_size", "activation")
+    _buffers = ("momentum_buffer", "accumulator")
+    _scratch_count = 1
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        buffer_size: int = 1,
+        activation: float = 0.0,
+    ) -> None:
+        super().__init__(numel)
+        self.lr = self._validate_hyper("lr", lr)
+        self.momentum = self._validate_hyper("momentum", momentum)
+        self.buffer_size = self._validate_hyper("buffer_size", buffer_size)
+        self.activation = self._validate_hyper("activation", activation)
+
+    def _validate_hyper(self, key: str, value: Any) -> Any:
+        if key == "momentum":
+            return _check_unit_interval(key, value)
+        if key == "buffer_size":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"buffer_size must be an int >= 1, got {value!r}")
+            return value
+        if key == "activation":
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"activation must be finite, got {value}")
+            return value
+        return _check_non_negative(key, value)
+
+    def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        n, beta, c, lr = self.buffer_size, self.momentum, self.activation, self.lr
+        boundary = (self.steps + 1) % n == 0
+        coef = (1 - c * n + c) * beta if boundary else c * beta
+        m_all = self._buffer("momentum_buffer", params)
+        acc_all = self._buffer("accumulator", params) if n > 1 else None
+        (tmp,) = self._scratches(params)
+        for b, e in chunk_ranges(0, self.numel):
+            g, m, t, p = grad[b:e], m_all[b:e], tmp[: e - b], params[b:e]
+            if acc_all is None:  # N == 1: acc = 0 + g = g, acc/1 = g
+                m.mul_(beta).add_(g)
+            else:
+                acc = acc_all[b:e]
+                acc.add_(g)
+                if boundary:
+                    m.mul_(beta).add_(acc.div_(n))
+                    acc.zero_()
+            g_over_n = g if n == 1 else torch.div(g, n, out=t)
+            if coef != 0.0:
+                torch.add(g_over_n, m, alpha=coef, out=t)
+                p.add_(t, alpha=-lr)
+            else:
+                p.add_(g_over_n, alpha=-lr)
+
+
+class SGD(OuterOptimizer):
+    """Server SGD with heavy-ball momentum: ``avg`` (FedAvg) and ``sgdm`` (FedAvgM).
+
+    v ← μ·v + g (first step v = g, as μ·0 + g);  θ ← θ − lr·v, rounded as Flower 1.41's FedAvgM
+    (``μ*v + g`` then ``old − lr*v``) so that, given the same Δ̄, the numbers are identical.
+    With lr = 1 and μ = 0 this is θ ← θ − Δ̄, i.e. plain model averaging up to the rounding of
+    θ − (θ − mean).
+    """
+
+    _hyper = ("lr", "momentum")
+    _buffers = ("momentum_buffer",)
+
+    def __init__(self, numel: int, lr: float = 1.0, momentum: float = 0.0) -> None:
+        super().__init__(numel)
+        self.lr = self._validate_hyper("lr", lr)
+        self.momentum = self._validate_hyper("momentum", momentum)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """``avg`` without momentum, ``sgdm`` with it (the factory names)."""
+        return "avg" if self.momentum == 0.0 else "sgdm"
+
+    def _validate_hyper(self, key: str, value: Any) -> float:
+        if key == "momentum":
+            return _check_unit_interval(key, value)
+        return _check_non_negative(key, value)
+
+    def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        mu, lr = self.momentum, self.lr
+        if mu == 0.0:
+            direction = grad
+            if lr == 1.0:
+                params.sub_(grad)
+                return
+        else:
+            direction = self._buffer("momentum_buffer", params)
+        (tmp,) = self._scratches(params)
+        for b, e in chunk_ranges(0, self.numel):
+            d = direction[b:e]
+            if mu != 0.0:
+                d.mul_(mu).add_(grad[b:e])
+            if lr == 1.0:
+                params[b:e].sub_(d)
+            else:
+                params[b:e].sub_(torch.mul(d, lr, out=tmp[: e - b]))
+
+
+class _AdaptiveBase(OuterOptimizer):
+    """Shared FedOpt machinery (Reddi et al. 2021), following Flower 1.41's `FedOpt`.
+
+    Flower works with Δ_flower = aggregated − current = −Δ̄; we keep m in our sign convention
+    (m = −m_flower) and subtract, which is the same arithmetic up to exact negations. v starts
+    at 0 as in Flower (the paper's v₀ ≥ τ² is not used).
+    """
+
+    _hyper = ("lr", "beta1", "beta2", "tau")
+    _buffers = ("exp_avg", "exp_avg_sq")
+    _scratch_count = 2
+
+    def __init__(self, numel: int, lr: float, beta1: float, beta2: float, tau: float) -> None:
+        super().__init__(numel)
+        self.lr = self._validate_hyper("lr", lr)
+        self.beta1 = self._validate_hyper("beta1", beta1)
+        self.beta2 = self._validate_hyper("beta2", beta2)
+        self.tau = self._validate_hyper("tau", tau)
+
+    def _validate_hyper(self, key: str, value: Any) -> Any:
+        if key in ("beta1", "beta2"):
+            return _check_unit_interval(key, value)
+        if key == "tau":
+            value = float(value)
+            if not (value > 0.0 and math.isfinite(value)):
+                raise ValueError(f"tau must be finite and > 0, got {value}")
+            return value
+        return _check_non_negative(key, value)
+
+    def _step_size(self) -> float:
+        return self.lr
+
+    @abstractmethod
+    def _update_second_moment(self, g: torch.Tensor, v: torch.Tensor, t1: torch.Tensor,
+                              t2: torch.Tensor) -> None:
+        """v ← f(v, g) on one chunk, with two chunk-sized scratches."""
+
+    def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        b1, tau, eta = self.beta1, self.tau, self._step_size()
+        m_all = self._buffer("exp_avg", params)
+        v_all = self._buffer("exp_avg_sq", params)
+        s1, s2 = self._scratches(params)
+        for b, e in chunk_ranges(0, self.numel):
+            g, m, v = grad[b:e], m_all[b:e], v_all[b:e]
+            t1, t2 = s1[: e - b], s2[: e - b]
+            # Flower: m = β1·m + (1 − β1)·Δ  (two roundings, no fused multiply-add)
+            m.mul_(b1).add_(torch.mul(g, 1.0 - b1, out=t1))
+            self._update_second_moment(g, v, t1, t2)
+            # Flower: x + η·m / (sqrt(v) + τ), evaluated left to right
+            torch.sqrt(v, out=t1).add_(tau)
+            params[b:e].sub_(torch.mul(m, eta, out=t2).div_(t1))
+
+
+class FedAdam(_AdaptiveBase):
+    """FedAdam as Flower 1.41's ``FedAdam`` strategy.
+
+    v ← β2·v + (1 − β2)·Δ̄²;  θ ← θ − η_t·m / (√v + τ), with Flower's bias-corrected step
+    η_t = η·√(1 − β2^(r+1)) / (1 − β1^(r+1)) where r = Flower's ``server_round`` (1 on the first
+    round), i.e. r = the 1-based index of this step. Kingma & Ba's correction would use exponent
+    r; Flower's is one step ahead, and we keep Flower's (``bias_correction="flower"``, default).
+    ``"adam"`` uses exponent r, ``"none"`` uses η unchanged.
+
+    Deviation from Flower: Flower computes η_t in float64 and, under NumPy 2 promotion rules,
+    its float64 scalar makes the new model float64 from the first round on. We keep θ and the
+    state in fp32 (ALGORITHMS.md §8); the numbers agree to fp32 rounding (test_outer pins it).
+    """
+
+    name = "fedadam"
+    _hyper = ("lr", "beta1", "beta2", "tau", "bias_correction")
+    _BIAS = ("flower", "adam", "none")
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float = 0.1,
+        beta1: float = 0.9,
+        beta2: float = 0.99,
+        tau: float = 1e-3,
+        bias_correction: str = "flower",
+    ) -> None:
+        super().__init__(numel, lr, beta1, beta2, tau)
+        self.bias_correction = self._validate_hyper("bias_correction", bias_correction)
+
+    def _validate_hyper(self, key: str, value: Any) -> Any:
+        if key == "bias_correction":
+            if value not in self._BIAS:
+                raise ValueError(f"bias_correction must be one of {self._BIAS}, got {value!r}")
+            return value
+        return super()._validate_hyper(key, value)
+
+    def state_dict(self) -> dict[str, StateValue]:
+        """As the base, with the string ``bias_correction`` stored as its index (int)."""
+        out = super().state_dict()
+        out["bias_correction"] = self._BIAS.index(self.bias_correction)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """As the base; ``bias_correction`` may be the stored index or the name."""
+        state = dict(state)
+        value = state.get("bias_correction")
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 0 <= value < len(self._BIAS):
+                raise ValueError(f"bias_correction index {value} out of range")
+            state["bias_correction"] = self._BIAS[value]
+        super().load_state_dict(state)
+
+    def _step_size(self) -> float:
+        if self.bias_correction == "none":
+            return self.lr
+        r = self.steps + 1  # Flower's server_round of this step
+        exponent = r + 1.0 if self.bias_correction == "flower" else float(r)
+        return self.lr * math.sqrt(1.0 - self.beta2**exponent) / (1.0 - self.beta1**exponent)
+
+    def _update_second_moment(self, g: torch.Tensor, v: torch.Tensor, t1: torch.Tensor,
+                              t2: torch.Tensor) -> None:
+        # Flower: β2·v + (1 − β2)·Δ²
+        v.mul_(self.beta2).add_(torch.mul(g, g, out=t1).mul_(1.0 - self.beta2))
+
+
+class FedYogi(_AdaptiveBase):
+    """FedYogi as Flower 1.41's ``FedYogi`` strategy (no bias correction, as Flower).
+
+    v ← v − (1 − β2)·Δ̄²·sign(v − Δ̄²);  θ ← θ − η·m / (√v + τ). Every operation is fp32 in Flower
+    too and the rounding order is Flower's, but the results are not always bit-identical: torch's
+    vectorised CPU ``sqrt`` (AVX-512 build) is off by one ulp for some inputs where NumPy's is
+    correctly rounded. Agreement is to fp32 rounding (test_outer pins it).
+    """
+
+    name = "fedyogi"
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float = 0.01,
+        beta1: float = 0.9,
+        beta2: float = 0.99,
+        tau: float = 1e-3,
+    ) -> None:
+        super().__init__(numel, lr, beta1, beta2, tau)
+
+    def _update_second_moment(self, g: torch.Tensor, v: torch.Tensor, t1: torch.Tensor,
+                              t2: torch.Tensor) -> None:
+        g2 = torch.mul(g, g, out=t1)
+        sign = torch.sub(v, g2, out=t2).sign_()
+        v.sub_(g2.mul_(1.0 - self.beta2).mul_(sign))
+
+
+OUTER_OPTIMIZERS: dict[str, tuple[type[OuterOptimizer], dict[str, Any], frozenset[str]]] = {
+    # name: (class, defaults that define the name, kwargs a caller may set)
+    "nesterov": (Nesterov, {}, frozenset({"lr", "momentum"})),
+    "delayed_nesterov": (
+        DelayedNesterov, {}, frozenset({"lr", "momentum", "buffer_size", "activation"})
+    ),
+    "avg": (SGD, {"lr": 1.0, "momentum": 0.0}, frozenset({"lr"})),
+    "sgdm": (SGD, {"lr": 1.0, "momentum": 0.9}, frozenset({"lr", "momentum"})),
+    "fedadam": (FedAdam, {}, frozenset({"lr", "beta1", "beta2", "tau", "bias_correction"})),
+    "fedyogi": (FedYogi, {}, frozenset({"lr", "beta1", "beta2", "tau"})),
+}
+
+
+def build_outer_optimizer(name: str, numel: int, **kwargs: Any) -> OuterOptimizer:
+    """Outer optimizer by config name; unknown names or keyword arguments raise ValueError.
+
+    ``avg`` is SGD with lr 1 and no momentum (only ``lr`` may be changed); ``sgdm`` defaults to
+    lr 1, μ 0.9 (Hsu et al.'s FedAvgM setting; Flower's class default μ = 0 would be ``avg``).
+    """
+    if name not in OUTER_OPTIMIZERS:
+        raise ValueError(
+            f"unknown outer optimizer {name!r}; valid names: {', '.join(OUTER_OPTIMIZERS)}"
+        )
+    cls, defaults, allowed = OUTER_OPTIMIZERS[name]
+    if unknown := sorted(set(kwargs) - allowed):
+        raise ValueError(
+            f"unknown argument(s) {unknown} for outer optimizer {name!r}; valid: "
+            f"{', '.join(sorted(allowed))}"
+        )
+    return cls(numel, **{**defaults, **kwargs})

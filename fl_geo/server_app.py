@@ -1,0 +1,153 @@
+"""The fl-geo ServerApp: builds the global model and runs the configured outer loop on the grid.
+
+Two ways in, one code path:
+- ``fl-geo run CONFIG`` resolves the config itself and hands it to :func:`make_server_app`;
+- ``flwr run .`` loads the module-level ``app``, which reads ``config`` (a YAML path) and
+  ``overrides`` (dotted ``key=value`` pairs) from the Flower run config (``[tool.flwr.app.config]``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import flwr
+import torch
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fl_geo import __version__
+from fl_geo.builders import make_model
+from fl_geo.config import ConfigError, FlGeoConfig, load_config, to_dict, to_yaml
+from fl_geo.dispatch import Dispatcher
+from fl_geo.evaluation import GlobalEvaluator
+from fl_geo.metrics import MetricsLogger
+from fl_geo.progress import Progress
+from fl_geo.state import ParamSpec, flatten
+from fl_geo.strategies.sync import SyncOuterLoop
+
+log = logging.getLogger("fl_geo")
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def new_run_dir(cfg: FlGeoConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+    path, i = base, 1
+    while path.exists():
+        path, i = Path(f"{base}-{i}"), i + 1
+    return path
+
+
+def _clear_previous(run_dir: Path) -> None:
+    """A re-run into the same directory (``fl-geo run --out``) starts clean, not appended."""
+    import shutil
+
+    for name in ("metrics.jsonl", "summary.json", "meta.json", "final_model.pt"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "tb", ignore_errors=True)
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> FlGeoConfig:
+    """Resolve the YAML path + overrides that ``flwr run`` passes in the run config."""
+    name = str(run_config.get("config", "")).strip()
+    if not name:
+        raise ConfigError("run config key 'config' (a YAML file under configs/) is empty")
+    path = Path(name)
+    if not path.is_absolute() and not path.exists():
+        path = PROJECT_ROOT / name  # the app directory when run from a checkout
+    overrides = shlex.split(str(run_config.get("overrides", "")))
+    return load_config(path, overrides)
+
+
+def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) -> dict[str, Any]:
+    from fl_geo.data import load_corpus
+
+    corpus = load_corpus(cfg.data.corpus, cfg.data.data_dir or None, list(cfg.data.files) or None, cfg.data.text_key)
+    return {
+        "fl_geo": __version__,
+        "flwr": flwr.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "num_params": spec.numel,
+        "corpus": corpus.name,
+        "corpus_sha256": corpus.sha256,
+        "param_spec_sha256": hashlib.sha256(spec.to_json().encode()).hexdigest(),
+        "val_tokens": evaluator.num_tokens if evaluator else 0,
+        "config": to_dict(cfg),
+    }
+
+
+def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run one experiment to completion on ``grid``; returns (and writes) the run summary."""
+    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+    _clear_previous(run_dir)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+    t0 = time.perf_counter()
+    try:
+        model = make_model(cfg.model, cfg.run.seed)
+        spec = ParamSpec.from_state_dict(model.state_dict())
+        global_params = flatten(model.state_dict())
+        del model
+        dispatcher = Dispatcher(grid)
+        minimum = cfg.run.min_nodes or cfg.run.num_clients
+        nodes = dispatcher.wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
+        profiles = dispatcher.query_profiles(nodes)
+        if not profiles:
+            raise RuntimeError("no node answered the profile query")
+        num_partitions = max(p.num_partitions for p in profiles.values())
+        evaluator = GlobalEvaluator(cfg, num_partitions)
+        logger.write_json("meta.json", _meta(cfg, spec, evaluator))
+        log.info("fl-geo: %s with %d nodes, %d parameters, run dir %s", cfg.strategy.name, len(profiles), spec.numel, run_dir)
+        loop = SyncOuterLoop(cfg, spec, global_params, dispatcher, profiles, logger, evaluator)
+        progress = Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress)
+        last = loop.run(progress)
+        torch.save({"params": global_params, "spec": spec.to_json()}, run_dir / "final_model.pt")
+        summary = {
+            "name": cfg.run.name,
+            "strategy": cfg.strategy.name,
+            "outer_optimizer": cfg.strategy.outer_optimizer,
+            "rounds": cfg.run.rounds,
+            "outer_steps": loop.version,
+            "final_val_loss": last.get("val/loss"),
+            "final_train_loss": last.get("train/loss"),
+            "tokens": loop.total_tokens,
+            "bytes_up": loop.total_bytes_up,
+            "bytes_down": loop.total_bytes_down,
+            "rejected": loop.total_rejected,
+            "late_replies": dispatcher.late_replies,
+            "wall_s": round(time.perf_counter() - t0, 3),
+            "num_params": spec.numel,
+            "run_dir": str(run_dir),
+        }
+        logger.write_json("summary.json", summary)
+        return summary
+    finally:
+        logger.close()
+
+
+def make_server_app(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> ServerApp:
+    """A ServerApp bound to an already-resolved config (used by ``fl-geo run``)."""
+    server = ServerApp()
+
+    @server.main()
+    def _main(grid: Grid, context: Context) -> None:
+        run_server(grid, cfg, run_dir)
+
+    return server
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point for ``flwr run .`` (see ``[tool.flwr.app.config]`` in pyproject.toml)."""
+    run_server(grid, config_from_run_config(dict(context.run_config)))

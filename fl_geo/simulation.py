@@ -1,0 +1,61 @@
+"""Run an experiment as an in-process Flower simulation (``fl-geo run``).
+
+``flwr run .`` with a local federation starts a detached simulation SuperLink that outlives the
+command (FLOWER_NOTES.md); a laptop tool and its tests must own the processes they start. So
+``fl-geo run`` uses Flower's in-process runtime: the ServerApp runs in a thread of this process, the
+ClientApps in Ray actors that are shut down when the run ends. Concurrency follows the measured
+rule for small CPUs: one actor per Ray CPU, one torch thread per actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from fl_geo.config import FlGeoConfig
+from fl_geo.server_app import make_server_app, new_run_dir
+
+log = logging.getLogger("fl_geo")
+
+
+def backend_config(cfg: FlGeoConfig) -> dict[str, Any]:
+    """Ray sizing: ``sim_cpus`` actors, each one CPU (and one torch thread per client)."""
+    return {
+        "init_args": {"num_cpus": cfg.run.sim_cpus, "include_dashboard": False},
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+    }
+
+
+def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run ``cfg`` with ``run.num_clients`` virtual datacenters; returns the run summary."""
+    import json
+
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    from fl_geo.clients.datacenter import app as client_app
+
+    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+    if cfg.run.backend == "inline":
+        from fl_geo.inline import InlineGrid
+        from fl_geo.server_app import run_server
+
+        return run_server(InlineGrid(client_app, cfg.run.num_clients, seed=cfg.run.seed), cfg, run_dir)
+    # Child processes (Ray actors) inherit these: one BLAS/OpenMP thread each, no oversubscription.
+    os.environ["OMP_NUM_THREADS"] = str(cfg.run.threads_per_client)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        flwr_run_simulation(
+            server_app=make_server_app(cfg, run_dir),
+            client_app=client_app,
+            num_supernodes=cfg.run.num_clients,
+            backend_config=backend_config(cfg),
+        )
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise RuntimeError(f"the simulation ended without a summary; see the log above and {run_dir}")
+    return json.loads(summary_path.read_text())

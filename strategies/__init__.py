@@ -1,0 +1,1 @@
+"""Flower server-side strategies of fl-geo (installed as ``fl_geo.strategies``)."""

@@ -1,0 +1,277 @@
+"""Synchronous outer loop: DiLoCo and the FL baselines FedAvg, FedAvgM, FedAdam and FedYogi.
+
+All five are one loop (ALGORITHMS.md §3): every selected datacenter starts from θ_t, runs H inner
+steps, replies with Δ_i = θ_t − θ_i; the server folds the replies into one streaming weighted sum
+(uniform or token weights, one model-sized buffer however many replies) and applies its outer
+optimizer to Δ̄. The methods differ only in the outer optimizer: ``nesterov`` (DiLoCo), ``avg``
+(FedAvg: θ ← θ − Δ̄ = mean of the local models), ``sgdm`` (FedAvgM), ``fedadam``/``fedyogi``.
+
+A reply is validated before it touches anything (metrics present, exact keys, shapes and dtypes,
+finite values); a bad one is logged with its node and reason, counted in ``outer/rejected``, and the
+global model and optimizer state stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+from fl_geo.accumulate import WeightedAccumulator
+from fl_geo.config import FlGeoConfig, schedule_length, section_to_json
+from fl_geo.dispatch import Dispatcher, NodeProfile
+from fl_geo.evaluation import GlobalEvaluator
+from fl_geo.metrics import MetricsLogger
+from fl_geo.outer import OuterOptimizer, build_outer_optimizer
+from fl_geo.progress import Progress
+from fl_geo.state import ParamSpec
+from fl_geo.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
+
+log = logging.getLogger("fl_geo")
+
+# Metric keys a train reply must carry (clients/datacenter.py writes them).
+REPLY_METRICS = ("tokens", "steps", "train_loss", "step_time_s", "partition_id")
+
+
+def outer_optimizer_from_config(cfg: FlGeoConfig, numel: int) -> OuterOptimizer:
+    """Map the strategy section onto the core outer optimizers (fl_geo.outer)."""
+    s = cfg.strategy
+    name = s.outer_optimizer
+    if name == "nesterov":
+        kwargs: dict[str, Any] = {"lr": s.outer_lr, "momentum": s.outer_momentum}
+    elif name == "delayed_nesterov":
+        kwargs = {"lr": s.outer_lr, "momentum": s.outer_momentum, "buffer_size": s.buffer_size, "activation": s.activation}
+    elif name in ("avg", "sgdm"):
+        kwargs = {"lr": s.outer_lr} if name == "avg" else {"lr": s.outer_lr, "momentum": s.outer_momentum}
+    else:  # fedadam / fedyogi
+        kwargs = {"lr": s.outer_lr, "beta1": s.beta1, "beta2": s.beta2, "tau": s.tau}
+    return build_outer_optimizer(name, numel, **kwargs)
+
+
+def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
+    """The part of the run config every ClientApp needs, as ConfigRecord scalars.
+
+    The server is the single source of truth: clients never read config files, so a deployment
+    across sites cannot drift out of sync with the experiment definition.
+    """
+    return {
+        "inner_steps": cfg.strategy.inner_steps,
+        "schedule_total": schedule_length(cfg),
+        "wire_up": cfg.wire.up,
+        "wire_down": cfg.wire.down,
+        # inline clients run one at a time in this process and may use every core
+        "threads": cfg.run.sim_cpus if cfg.run.backend == "inline" else cfg.run.threads_per_client,
+        "seed": cfg.run.seed,
+        "client": section_to_json(cfg.client),
+        "model": section_to_json(cfg.model),
+        "data": section_to_json(cfg.data),
+    }
+
+
+@dataclass
+class RoundStats:
+    """Per-round tallies folded from replies (scalars only: no per-reply model buffers)."""
+
+    accepted: int = 0
+    rejected: int = 0
+    tokens: int = 0
+    loss_x_tokens: float = 0.0
+    step_time_sum: float = 0.0
+    norm_sum: float = 0.0
+    bytes_up: int = 0
+    rejections: list[str] = field(default_factory=list)
+
+
+class SyncOuterLoop:
+    """Runs ``run.rounds`` synchronous outer steps over the nodes of a Flower grid."""
+
+    def __init__(
+        self,
+        cfg: FlGeoConfig,
+        spec: ParamSpec,
+        global_params: torch.Tensor,
+        dispatcher: Dispatcher,
+        profiles: dict[int, NodeProfile],
+        logger: MetricsLogger,
+        evaluator: GlobalEvaluator | None,
+    ) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.global_params = global_params  # fp32 flat buffer, updated in place by the outer step
+        self.dispatcher = dispatcher
+        self.profiles = profiles
+        self.logger = logger
+        self.evaluator = evaluator
+        self.optimizer = outer_optimizer_from_config(cfg, spec.numel)
+        self.accumulator = WeightedAccumulator(spec.numel)
+        self.version = 0  # outer steps applied
+        self.total_tokens = 0
+        self.total_bytes_up = 0
+        self.total_bytes_down = 0
+        self.total_rejected = 0
+        self._rng = random.Random(cfg.run.seed)
+        self._client_cfg = client_config_record(cfg)
+        self.history: list[dict[str, Any]] = []
+
+    # ---- selection and messages ---------------------------------------------------------------
+    def refresh_nodes(self) -> list[int]:
+        """Live nodes that answered the profile query, in rank order; new nodes are queried."""
+        live = self.dispatcher.live_nodes()
+        unknown = [n for n in live if n not in self.profiles]
+        if unknown:
+            self.profiles.update(self.dispatcher.query_profiles(unknown))
+        busy = self.dispatcher.busy_nodes()
+        nodes = [n for n in live if n in self.profiles and n not in busy]
+        return sorted(nodes, key=lambda n: self.profiles[n].rank)
+
+    def select(self, nodes: list[int]) -> list[int]:
+        k = self.cfg.strategy.clients_per_round
+        if k and k < len(nodes):
+            chosen = set(self._rng.sample(nodes, k))
+            return [n for n in nodes if n in chosen]
+        return nodes
+
+    def _message(self, node: int, arrays: Any, rnd: int, mtype: str) -> Message:
+        config = dict(self._client_cfg, round=rnd, base_version=self.version)
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+        return Message(content, dst_node_id=node, message_type=mtype)
+
+    # ---- reply handling -------------------------------------------------------------------------
+    def _reject(self, stats: RoundStats, node: int, reason: str) -> None:
+        part = self.profiles[node].partition_id if node in self.profiles else -1
+        log.warning("rejected update from node %s (partition %s): %s", node, part, reason)
+        stats.rejected += 1
+        stats.rejections.append(f"node {node}: {reason}")
+
+    def fold_reply(self, stats: RoundStats, node: int, reply: Message) -> None:
+        """Validate one reply and fold it into the running sum; never raises on bad input."""
+        content = reply.content
+        if "arrays" not in content.array_records or "metrics" not in content.metric_records:
+            self._reject(stats, node, "reply lacks the 'arrays' or 'metrics' record")
+            return
+        metrics = content.metric_records["metrics"]
+        missing = [k for k in REPLY_METRICS if k not in metrics]
+        if missing:
+            self._reject(stats, node, f"reply metrics lack {missing}")
+            return
+        tokens = int(metrics["tokens"])
+        loss = float(metrics["train_loss"])
+        if tokens <= 0 or not math.isfinite(loss):
+            self._reject(stats, node, f"implausible metrics (tokens={tokens}, train_loss={loss})")
+            return
+        record = content.array_records["arrays"]
+        try:
+            pieces = decode(record, self.spec, self.cfg.wire.up)
+            norm = check_finite_and_norm(pieces)
+        except PayloadError as exc:
+            self._reject(stats, node, str(exc))
+            return
+        weight = float(tokens) if self.cfg.strategy.weighting == "tokens" else 1.0
+        self.accumulator.add(pieces, weight)
+        stats.accepted += 1
+        stats.tokens += tokens
+        stats.loss_x_tokens += loss * tokens
+        stats.step_time_sum += float(metrics["step_time_s"])
+        stats.norm_sum += norm
+        stats.bytes_up += payload_nbytes(record)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def train_round(self, rnd: int) -> dict[str, float]:
+        nodes = self.select(self.refresh_nodes())
+        if not nodes:
+            raise RuntimeError("no live node to train on")
+        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
+        down = payload_nbytes(arrays) * len(nodes)
+        msgs = [self._message(n, arrays, rnd, MessageType.TRAIN) for n in nodes]
+        stats = RoundStats()
+        self.accumulator.reset()
+        order = nodes if self.cfg.strategy.fold_order == "rank" else None
+        outcome = self.dispatcher.run_jobs(
+            msgs,
+            on_reply=lambda n, r: self.fold_reply(stats, n, r),
+            order=order,
+            timeout_s=self.cfg.strategy.round_timeout_s,
+        )
+        failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
+        stepped = stats.accepted >= self.cfg.strategy.min_replies
+        pg_norm = float("nan")
+        if stepped:
+            mean = self.accumulator.mean()
+            pg_norm = float(torch.linalg.vector_norm(mean))
+            self.optimizer.step(self.global_params, mean)
+            self.version += 1
+        else:
+            log.warning(
+                "round %d: %d accepted update(s) < strategy.min_replies=%d; outer step skipped, model unchanged",
+                rnd, stats.accepted, self.cfg.strategy.min_replies,
+            )
+        self.total_tokens += stats.tokens
+        self.total_bytes_up += stats.bytes_up
+        self.total_bytes_down += down
+        self.total_rejected += stats.rejected
+        acc = max(stats.accepted, 1)
+        return {
+            "outer/step": self.version,
+            "outer/accepted": stats.accepted,
+            "outer/rejected": stats.rejected,
+            "outer/rejected_total": self.total_rejected,
+            "outer/failed": failed,
+            "outer/update_norm": stats.norm_sum / acc if stats.accepted else float("nan"),
+            "outer/pseudo_grad_norm": pg_norm,
+            "train/loss": stats.loss_x_tokens / stats.tokens if stats.tokens else float("nan"),
+            "train/tokens": self.total_tokens,
+            "train/step_time_s": stats.step_time_sum / acc if stats.accepted else float("nan"),
+            "comm/bytes_up": stats.bytes_up,
+            "comm/bytes_down": down,
+            "comm/bytes_up_total": self.total_bytes_up,
+            "comm/bytes_down_total": self.total_bytes_down,
+        }
+
+    def client_eval(self, rnd: int) -> dict[str, float]:
+        """Each node's validation loss on its own partition, token-weighted."""
+        nodes = self.refresh_nodes()
+        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
+        msgs = [self._message(n, arrays, rnd, MessageType.EVALUATE) for n in nodes]
+        total = {"loss": 0.0, "tokens": 0}
+
+        def keep(_node: int, reply: Message) -> None:
+            m = reply.content.metric_records.get("metrics")
+            if m is None or "val_loss" not in m or "val_tokens" not in m:
+                log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", _node)
+                return
+            total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
+            total["tokens"] += int(m["val_tokens"])
+
+        self.dispatcher.run_jobs(msgs, on_reply=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
+        if not total["tokens"]:
+            return {}
+        return {"val/client_loss": total["loss"] / total["tokens"]}
+
+    def evaluate(self) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        loss = self.evaluator.evaluate(self.global_params)
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        r = self.cfg.run
+        first = self.evaluate()
+        if first:
+            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0})
+        for rnd in range(1, r.rounds + 1):
+            metrics = self.train_round(rnd)
+            last = rnd == r.rounds
+            if (r.eval_every and rnd % r.eval_every == 0) or last:
+                metrics.update(self.evaluate())
+            if r.client_eval_every and (rnd % r.client_eval_every == 0 or last):
+                metrics.update(self.client_eval(rnd))
+            record = self.logger.log(rnd, metrics)
+            self.history.append(record)
+            if progress is not None:
+                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"))
+        return self.history[-1] if self.history else {}

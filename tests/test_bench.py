@@ -1,0 +1,40 @@
+"""Smoke run of the outer-step benchmark at a tiny size, in-process (well under 5 s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fl_geo.bench import format_outer_bench, llama_spec, main, run_outer_bench
+
+
+def test_llama_spec_shapes() -> None:
+    spec = llama_spec(100_000_000)
+    assert abs(spec.numel - 100_000_000) < 1_000
+    assert spec.names[0] == "embed.weight" and spec.names[-1] == "norm.weight"
+    assert "blocks.11.attn.wqkv.weight" in spec.names
+    assert spec.shapes[spec.index("blocks.0.attn.wqkv.weight")] == (3 * 768, 768)
+    small = llama_spec(10_000_000)
+    assert abs(small.numel - 10_000_000) < 1_000 and "blocks.11.mlp.w2.weight" in small.names
+
+
+def test_outer_bench_smoke() -> None:
+    result = run_outer_bench(num_params=300_000, num_updates=3, precision="bf16", repeats=1,
+                             memory_counts=(1, 3), isolate=False,
+                             copy_elems=1 << 22)
+    assert result["config"]["num_updates"] == 3
+    assert result["ours"]["best_s"] > 0 and result["flower"]["best_s"] > 0
+    # bf16 wire: half the fp32-equivalent bytes, plus .npy headers
+    assert result["ours"]["wire_gbps"] == pytest.approx(result["ours"]["fp32_gbps"] / 2, rel=0.05)
+    # our mean of the fp32 replies equals Flower's FedAvg mean (to fp32 rounding)
+    assert result["flower"]["max_abs_diff_vs_ours"] < 1e-8
+    assert set(result["checks"]) == {"throughput", "speedup", "memory"}
+    text = format_outer_bench(result)
+    for needle in ("bytes copied/s", "bytes read+written/s", "fp32-eq GB/s", "speed-up",
+                   "peak extra memory", "ours, 3 updates"):
+        assert needle in text
+    assert text.count("PASS") + text.count("FAIL") == 3
+
+
+def test_main_rejects_bad_precision() -> None:
+    with pytest.raises(SystemExit):
+        main(["outer", "--precision", "int8"])

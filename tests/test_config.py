@@ -1,0 +1,85 @@
+from pathlib import Path
+
+import pytest
+
+from fl_geo.config import (
+    ConfigError,
+    config_from_yaml_string,
+    load_config,
+    schedule_length,
+    to_yaml,
+)
+from fl_geo.server_app import config_from_run_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_defaults_are_diloco_with_paper_outer_step():
+    cfg = load_config()
+    assert cfg.strategy.name == "diloco"
+    assert (cfg.strategy.outer_optimizer, cfg.strategy.outer_lr, cfg.strategy.outer_momentum) == ("nesterov", 0.7, 0.9)
+    assert cfg.run.num_clients == 4
+
+
+@pytest.mark.parametrize(
+    "name,opt,lr,mom",
+    [("fedavg", "avg", 1.0, 0.0), ("fedavgm", "sgdm", 1.0, 0.9), ("fedadam", "fedadam", 0.1, 0.0), ("fedyogi", "fedyogi", 0.01, 0.0)],
+)
+def test_strategy_presets_fill_unset_outer_settings(name, opt, lr, mom):
+    s = load_config(None, [f"strategy.name={name}"]).strategy
+    assert (s.outer_optimizer, s.outer_lr, s.outer_momentum) == (opt, lr, mom)
+
+
+def test_explicit_values_win_over_presets():
+    s = load_config(None, ["strategy.name=diloco", "strategy.outer_lr=1.0", "strategy.outer_momentum=0.0"]).strategy
+    assert (s.outer_lr, s.outer_momentum) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("strategy.outr_lr=1", "Did you mean: 'outer_lr'"),
+        ("strategy.outr_lr=1", "Valid keys here: name, outer_optimizer"),
+        ("bogus.key=1", "Valid keys here: run, strategy"),
+        ("strategy.outer_lr=abc", "could not be converted"),
+        ("strategy.name=fedprox", "valid: diloco, fedavg"),
+        ("wire.up=int3", "wire.up must be one of"),
+        ("run.backend=spark", "run.backend"),
+        ("client.seq_len=512", "exceeds model.max_seq_len"),
+        ("noequals", "key=value"),
+    ],
+)
+def test_bad_config_is_a_clear_error(override, needle):
+    with pytest.raises(ConfigError, match=None) as exc:
+        load_config(None, [override])
+    assert needle in str(exc.value)
+
+
+def test_strategy_and_optimizer_must_agree():
+    with pytest.raises(ConfigError, match="fedavg' uses outer_optimizer avg"):
+        load_config(None, ["strategy.name=fedavg", "strategy.outer_optimizer=nesterov"])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/nope.yaml")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.run.rounds >= 1
+
+
+def test_yaml_round_trip_and_schedule():
+    cfg = load_config(None, ["run.rounds=7", "strategy.inner_steps=11", "wire.up=bf16"])
+    again = config_from_yaml_string(to_yaml(cfg))
+    assert again == cfg
+    assert schedule_length(cfg) == 77
+
+
+def test_flower_run_config_path_and_overrides():
+    cfg = config_from_run_config({"config": "configs/fedavg.yaml", "overrides": "run.rounds=3 run.name='my run'"})
+    assert cfg.strategy.name == "fedavg" and cfg.run.rounds == 3 and cfg.run.name == "my run"
+    with pytest.raises(ConfigError):
+        config_from_run_config({"config": ""})

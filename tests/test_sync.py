@@ -1,0 +1,206 @@
+"""The synchronous outer loop end to end: real ServerApp logic, real ClientApp handlers, real
+Flower Messages and Contexts, on the in-process InlineGrid (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from fl_geo.clients.datacenter import OPT_STATE_KEY, PROGRESS_KEY
+from fl_geo.clients.datacenter import app as client_app
+from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+
+from fl_geo.inline import InlineGrid
+from fl_geo.metrics import read_metrics
+from fl_geo.server_app import run_server
+
+
+def _run(cfg, tmp_path, name="run", hook=None, grid=None):
+    grid = grid or InlineGrid(client_app, cfg.run.num_clients, seed=cfg.run.seed)
+    grid.reply_hook = hook
+    summary = run_server(grid, cfg, tmp_path / name)
+    final = torch.load(tmp_path / name / "final_model.pt")["params"]
+    return summary, final, grid
+
+
+def _initial_params(cfg):
+    from fl_geo.builders import make_model
+    from fl_geo.state import flatten
+
+    return flatten(make_model(cfg.model, cfg.run.seed).state_dict())
+
+
+def test_diloco_trains_and_logs(tiny, tmp_path):
+    cfg = tiny("run.rounds=3", "strategy.inner_steps=5")
+    summary, final, grid = _run(cfg, tmp_path)
+    rows = read_metrics(tmp_path / "run")
+    assert rows[0]["step"] == 0 and rows[-1]["step"] == 3
+    assert rows[-1]["val/loss"] < rows[0]["val/loss"] - 0.1  # it learns
+    for key in ("train/loss", "outer/step", "outer/rejected", "comm/bytes_up", "comm/bytes_down", "time/wall_s", "val/ppl"):
+        assert key in rows[-1], key
+    assert summary["outer_steps"] == 3 and summary["rejected"] == 0
+    assert summary["tokens"] == 3 * 3 * 5 * 4 * 32  # rounds * clients * H * batch * seq
+    from fl_geo.state import ParamSpec
+    from fl_geo.wire import encode, payload_nbytes
+
+    one = payload_nbytes(encode(final, ParamSpec.from_json(torch.load(tmp_path / "run" / "final_model.pt")["spec"]), "fp32"))
+    assert final.numel() * 4 <= one < final.numel() * 4 + 2048  # fp32 data + small npy headers
+    assert summary["bytes_up"] == 3 * 3 * one
+    assert not torch.equal(final, _initial_params(cfg))
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["corpus"] == "pydoc" and len(meta["corpus_sha256"]) == 64
+
+
+def test_inner_state_persists_across_rounds(tiny, tmp_path):
+    cfg = tiny("run.rounds=2", "strategy.inner_steps=4")
+    _, _, grid = _run(cfg, tmp_path)
+    for ctx in grid.contexts.values():
+        assert OPT_STATE_KEY in ctx.state.array_records
+        prog = ctx.state.config_records[PROGRESS_KEY]
+        assert int(prog["step"]) == 8 and int(prog["rounds"]) == 2
+        steps = [a.numpy() for k, a in ctx.state.array_records[OPT_STATE_KEY].items() if k.endswith("step")]
+        assert steps and all(float(s) == 8 for s in steps)
+
+
+def test_same_seed_same_model_bit_for_bit(tiny, tmp_path):
+    cfg = tiny()
+    _, a, _ = _run(cfg, tmp_path, "a")
+    _, b, _ = _run(cfg, tmp_path, "b")
+    assert torch.equal(a, b)
+    _, c, _ = _run(tiny("run.seed=1"), tmp_path, "c")
+    assert not torch.equal(a, c)
+
+
+def test_diloco_with_unit_lr_no_momentum_equals_fedavg(tiny, tmp_path):
+    _, diloco, _ = _run(tiny("strategy.outer_lr=1.0", "strategy.outer_momentum=0.0"), tmp_path, "d")
+    _, fedavg, _ = _run(tiny("strategy.name=fedavg"), tmp_path, "f")
+    assert torch.equal(diloco, fedavg)
+
+
+@pytest.mark.parametrize("name", ["fedavgm", "fedadam", "fedyogi"])
+def test_fl_baselines_run_through_the_same_loop(tiny, tmp_path, name):
+    summary, final, _ = _run(tiny(f"strategy.name={name}"), tmp_path, name)
+    assert summary["outer_optimizer"] == name if name != "fedavgm" else summary["outer_optimizer"] == "sgdm"
+    assert torch.isfinite(final).all() and summary["outer_steps"] == 2
+
+
+def test_bf16_uplink_halves_bytes_and_still_trains(tiny, tmp_path):
+    s32, _, _ = _run(tiny(), tmp_path, "fp32")
+    s16, final, _ = _run(tiny("wire.up=bf16"), tmp_path, "bf16")
+    assert 0.49 < s16["bytes_up"] / s32["bytes_up"] < 0.52  # half the data; npy headers are fixed
+    assert s16["rejected"] == 0 and torch.isfinite(final).all()
+
+
+# ---- bad input: a logged rejection, the global model untouched --------------------------------
+
+def _tamper(kind: str):
+    def corrupt(record: ArrayRecord) -> ArrayRecord:
+        items = dict(record.items())
+        key = next(iter(items))
+        arr = items[key].numpy().copy()
+        if kind == "nan":
+            arr.reshape(-1)[0] = np.nan
+        elif kind == "inf":
+            arr.reshape(-1)[-1] = -np.inf
+        elif kind == "shape":
+            arr = arr.reshape(-1)[:-1]
+        elif kind == "dtype":
+            arr = arr.astype(np.float64)
+        elif kind == "missing":
+            items.pop(key)
+            return ArrayRecord(items)
+        elif kind == "extra":
+            items["evil"] = Array(np.zeros(3, dtype=np.float32))
+            return ArrayRecord(items)
+        items[key] = Array(arr)
+        return ArrayRecord(items)
+
+    return corrupt
+
+
+def _hook_all(kind):
+    corrupt = _tamper(kind)
+
+    def hook(node, msg, reply):
+        if reply.has_error() or msg.metadata.message_type != "train":
+            return reply
+        content = RecordDict({"arrays": corrupt(reply.content.array_records["arrays"]), "metrics": reply.content.metric_records["metrics"]})
+        return Message(content, reply_to=msg)
+
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "shape", "dtype", "missing", "extra"])
+def test_bad_payloads_are_rejected_and_model_untouched(tiny, tmp_path, kind, caplog):
+    cfg = tiny("run.rounds=1")
+    caplog.set_level("WARNING", logger="fl_geo")
+    summary, final, _ = _run(cfg, tmp_path, kind, hook=_hook_all(kind))
+    assert summary["rejected"] == 3 and summary["outer_steps"] == 0
+    assert torch.equal(final, _initial_params(cfg))  # bit-identical: nothing was folded
+    assert "rejected update from node" in caplog.text
+
+
+def test_one_bad_node_is_dropped_the_others_step(tiny, tmp_path):
+    bad = {}
+
+    def hook(node, msg, reply):
+        bad.setdefault("node", node)
+        if node == bad["node"] and msg.metadata.message_type == "train":
+            return _hook_all("nan")(node, msg, reply)
+        return reply
+
+    summary, final, _ = _run(tiny(), tmp_path, hook=hook)
+    assert summary["rejected"] == 2 and summary["outer_steps"] == 2  # one per round
+    assert torch.isfinite(final).all()
+
+
+def test_missing_metrics_and_error_replies(tiny, tmp_path):
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train":
+            return reply
+        if node % 3 == 0:
+            return Message(Error(code=300, reason="boom"), reply_to=msg)
+        if node % 3 == 1:
+            metrics = MetricRecord({"tokens": 10})  # lacks train_loss etc.
+            return Message(RecordDict({"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
+        return reply
+
+    summary, final, _ = _run(tiny(), tmp_path, hook=hook)
+    assert torch.isfinite(final).all()
+    assert summary["rejected"] >= 1
+
+
+def test_client_exception_becomes_error_reply_not_a_crash(tiny, tmp_path):
+    # a node whose node_config lacks its partition id: its ClientApp raises on every message
+    cfg = tiny("run.min_nodes=2")
+    grid = InlineGrid(client_app, 2, seed=0)
+    grid.add_node({"site": "broken"})
+    summary, final, _ = _run(cfg, tmp_path, grid=grid)
+    assert summary["outer_steps"] == 2 and torch.isfinite(final).all()
+
+
+def test_vanished_node_does_not_stall_the_round(tiny, tmp_path):
+    cfg = tiny("run.rounds=3")
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[1]
+    state = {"n": 0}
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "train":
+            state["n"] += 1
+            if state["n"] == 4:  # first job of round 2 done: the victim dies before running its job
+                grid.remove_node(victim)
+        return reply
+
+    summary, final, _ = _run(cfg, tmp_path, hook=hook, grid=grid)
+    assert summary["outer_steps"] == 3
+    rows = read_metrics(tmp_path / "run")
+    assert [r["outer/accepted"] for r in rows[1:]] == [3, 2, 2]
+
+
+def test_client_side_evaluation(tiny, tmp_path):
+    _run(tiny("run.client_eval_every=1"), tmp_path)
+    rows = read_metrics(tmp_path / "run")
+    assert all("val/client_loss" in r for r in rows[1:])
