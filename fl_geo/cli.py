@@ -83,7 +83,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from fl_geo.bench import main as bench_main
 
-    return int(bench_main(["outer", *args.rest]) or 0)
+    return int(bench_main(args.bench_argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,20 +108,35 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--data-dir", default=None, help="default: $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora")
     f.set_defaults(func=cmd_data)
 
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_cmd", required=True)
-    o = bsub.add_parser("outer", help="one outer step on the server path vs memory bandwidth and Flower's FedAvg")
-    o.add_argument("rest", nargs=argparse.REMAINDER)
-    o.set_defaults(func=cmd_bench)
+    b = sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmarks: `fl-geo bench outer --help` (one outer step vs memory bandwidth and Flower's FedAvg)",
+    )
+    b.set_defaults(func=cmd_bench)
     return p
 
 
+def _configure_logging(verbose: bool) -> None:
+    """Our own logger only: configuring the root logger would echo Flower's DEBUG records."""
+    logger = logging.getLogger("fl_geo")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if "bench" in argv[:2]:  # the benchmark module owns its own options
+        args, rest = parser.parse_known_args(argv[: argv.index("bench") + 1])
+        args.bench_argv = argv[argv.index("bench") + 1 :] or ["outer", "--help"]
+    else:
+        args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
     try:
         return args.func(args)
     except ConfigError as exc:

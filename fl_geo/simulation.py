@@ -21,6 +21,15 @@ from fl_geo.server_app import make_server_app, new_run_dir
 log = logging.getLogger("fl_geo")
 
 
+class _DropRunSimulationDeprecation(logging.Filter):
+    """fl-geo calls ``run_simulation`` on purpose (it owns the processes it starts, unlike
+    ``flwr run`` with a local federation); the deprecation notice would only confuse users."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return "run_simulation" not in msg and "This is a deprecated feature" not in msg
+
+
 def backend_config(cfg: FlGeoConfig) -> dict[str, Any]:
     """Ray sizing: ``sim_cpus`` actors, each one CPU (and one torch thread per client)."""
     return {
@@ -47,14 +56,22 @@ def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[
     os.environ["OMP_NUM_THREADS"] = str(cfg.run.threads_per_client)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        flwr_run_simulation(
-            server_app=make_server_app(cfg, run_dir),
-            client_app=client_app,
-            num_supernodes=cfg.run.num_clients,
-            backend_config=backend_config(cfg),
-        )
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    flwr_logger = logging.getLogger("flwr")
+    quiet = _DropRunSimulationDeprecation()
+    flwr_logger.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            flwr_run_simulation(
+                server_app=make_server_app(cfg, run_dir),
+                client_app=client_app,
+                num_supernodes=cfg.run.num_clients,
+                backend_config=backend_config(cfg),
+            )
+    finally:
+        flwr_logger.removeFilter(quiet)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RuntimeError(f"the simulation ended without a summary; see the log above and {run_dir}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 from numpy.lib import format as npy_format
 
+from .accumulate import describe_non_finite
 from .state import CHUNK_ELEMS, ParamSpec, chunk_ranges
 
 __all__ = [
@@ -64,6 +66,8 @@ class PayloadError(ValueError):
 
 
 def _precision(precision: str) -> tuple[torch.dtype, np.dtype]:
+    if sys.byteorder != "little":  # the views below reinterpret little-endian bytes natively
+        raise RuntimeError("fl_geo.wire assumes a little-endian host")
     try:
         return PRECISIONS[precision]
     except KeyError:
@@ -257,19 +261,6 @@ def decode_into(
     return out
 
 
-def _describe_non_finite(piece: torch.Tensor) -> str:
-    """What makes a piece's norm non-finite (error path only, chunked like the hot path)."""
-    nan = pos = neg = 0
-    for b, e in chunk_ranges(0, piece.numel()):
-        chunk = piece[b:e]
-        nan += int(torch.isnan(chunk).sum())
-        pos += int(torch.isposinf(chunk).sum())
-        neg += int(torch.isneginf(chunk).sum())
-    if nan or pos or neg:
-        return f"non-finite values: {nan} NaN, {pos} +Inf, {neg} -Inf"
-    return "all values finite but the fp32 sum of squares overflowed (update too large)"
-
-
 _LOCAL = threading.local()
 
 
@@ -308,7 +299,7 @@ def check_finite_and_norm(
         if not math.isfinite(piece_sq):
             where = f"parameter {spec.name_at(offset)!r}" if spec is not None and flat.numel() \
                 else f"piece at offset {offset}"
-            raise PayloadError(f"{where}: {_describe_non_finite(flat)}; update rejected")
+            raise PayloadError(f"{where}: {describe_non_finite(flat)}; update rejected")
         total += piece_sq
     return math.sqrt(total)
 

@@ -153,3 +153,114 @@ def test_reset_then_partial_or_full_cover() -> None:
     acc.add([(3, torch.ones(3, dtype=torch.bfloat16)), (0, torch.full((3,), 2.0))], 4.0)
     acc.add(torch.ones(6), 4.0)
     assert torch.equal(acc.mean(), torch.tensor([1.5, 1.5, 1.5, 1.0, 1.0, 1.0]))
+
+
+def test_add_checked_equals_check_then_add() -> None:
+    numel = CHUNK_ELEMS + 1234
+    ups = _updates(3, numel, seed=7)
+    pieces = [(0, ups[0][:5000].bfloat16()), (5000, ups[0][5000:].bfloat16())]
+    a, b = WeightedAccumulator(numel), WeightedAccumulator(numel)
+    for acc, fused in ((a, False), (b, True)):
+        for update, w in ((pieces, 2.0), (ups[1], 3.0), (ups[2].half(), 5.0)):
+            norm = acc.add_checked(update, w) if fused else acc.add(update, w)
+            if fused:
+                flat = (torch.cat([p for _, p in update]) if isinstance(update, list)
+                        else update).double()
+                # fp32 sums of squares over 1 M-element chunks: ~1e-5 relative at worst
+                assert norm == pytest.approx(flat.norm().item(), rel=2e-5)
+    assert torch.equal(a.mean(), b.mean())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_add_checked_rejects_and_restores(bad: float) -> None:
+    from fl_geo.accumulate import NonFiniteUpdateError
+
+    numel = 3 * CHUNK_ELEMS
+    good, broken = _updates(2, numel, seed=8)
+    where = 2 * CHUNK_ELEMS + 10  # pieces [0,100) and [100, 100 + CHUNK) are folded first
+    broken[where] = bad
+    pieces = [(0, broken[:100].bfloat16()), (100, broken[100:].bfloat16())]
+
+    # first update since reset: the buffer is restored exactly (marked empty again)
+    acc = WeightedAccumulator(numel)
+    with pytest.raises(NonFiniteUpdateError, match="rejected at flat offset") as err:
+        acc.add_checked(pieces, 2.0)
+    assert err.value.offset == 100 + CHUNK_ELEMS and acc.count == 0  # the failing chunk
+    acc.add_checked(good, 1.0)
+    assert torch.equal(acc.mean(), good)
+
+    # later update: the folded chunks are subtracted again (exact up to one rounding)
+    acc = WeightedAccumulator(numel)
+    acc.add(good, 1.0)
+    with pytest.raises(NonFiniteUpdateError):
+        acc.add_checked(pieces, 2.0)
+    assert acc.count == 1 and acc.total_weight == 1.0
+    assert torch.isfinite(acc.buffer).all()
+    torch.testing.assert_close(acc.mean(), good, rtol=0, atol=1e-6)
+
+
+def _split(t: torch.Tensor, at: int, dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
+    return [(0, t[:at].to(dtype)), (at, t[at:].to(dtype))]
+
+
+def test_add_batch_checked_equals_sequential() -> None:
+    numel = CHUNK_ELEMS + 321
+    ups = _updates(3, numel, seed=9)
+    batch = [_split(ups[0], 4000, torch.bfloat16), ups[1], _split(ups[2], 4000, torch.float16)]
+    weights = [1000.0, 3000.0, 6000.0]
+    seq, bat = WeightedAccumulator(numel), WeightedAccumulator(numel)
+    seq_norms = [seq.add_checked(u, w) for u, w in zip(batch, weights, strict=True)]
+    bat_norms = bat.add_batch_checked(batch, weights)
+    assert bat.count == 3 and bat.total_weight == 10000.0
+    assert bat_norms == pytest.approx(seq_norms, rel=1e-6)  # chunking may differ
+    # same terms, different summation order: equal to fp32 rounding
+    torch.testing.assert_close(bat.mean(), seq.mean(), rtol=1e-6, atol=1e-7)
+    # on a non-empty accumulator the batch adds on top
+    acc = WeightedAccumulator(numel)
+    acc.add(ups[0], 1.0)
+    acc.add_batch_checked([ups[1], ups[2]], [1.0, 2.0])
+    torch.testing.assert_close(acc.mean(), (ups[0] + ups[1] + 2 * ups[2]) / 4, rtol=0, atol=1e-6)
+
+
+def test_add_batch_checked_exact_on_representable_values() -> None:
+    a = torch.arange(-8.0, 8.0)
+    b = torch.arange(16.0).bfloat16()
+    seq, bat = WeightedAccumulator(16), WeightedAccumulator(16)
+    seq.add(a, 1.0)
+    seq.add(b, 3.0)
+    bat.add_batch_checked([a, b], [1.0, 3.0])
+    assert torch.equal(bat.mean(), seq.mean())
+
+
+def test_add_batch_checked_rejects_whole_batch() -> None:
+    from fl_geo.accumulate import NonFiniteUpdateError
+
+    numel = 2 * CHUNK_ELEMS
+    good0, good1, broken = _updates(3, numel, seed=10)
+    broken[CHUNK_ELEMS + 5] = float("nan")  # second chunk: the first is already written
+    acc = WeightedAccumulator(numel)
+    with pytest.raises(NonFiniteUpdateError, match="update 2 of the batch rejected") as err:
+        acc.add_batch_checked([good0, good1, broken.bfloat16()], [1.0, 1.0, 1.0])
+    assert err.value.index == 2 and err.value.offset == CHUNK_ELEMS and acc.count == 0
+    acc.add_batch_checked([good0, good1], [1.0, 1.0])  # retry without it: exact
+    expected = WeightedAccumulator(numel)
+    expected.add_batch_checked([good0, good1], [1.0, 1.0])
+    assert torch.equal(acc.mean(), expected.mean())
+
+    acc = WeightedAccumulator(numel)  # not empty: restored up to rounding
+    acc.add(good0, 1.0)
+    with pytest.raises(NonFiniteUpdateError):
+        acc.add_batch_checked([good1, broken], [1.0, 1.0])
+    assert acc.count == 1
+    torch.testing.assert_close(acc.mean(), good0, rtol=0, atol=1e-6)
+
+
+def test_add_batch_checked_layout_and_argument_errors() -> None:
+    acc = WeightedAccumulator(10)
+    with pytest.raises(ValueError, match="one weight per update"):
+        acc.add_batch_checked([torch.ones(10)], [1.0, 2.0])
+    with pytest.raises(ValueError, match="different piece layout"):
+        acc.add_batch_checked([_split(torch.ones(10), 3, torch.float32),
+                               _split(torch.ones(10), 4, torch.float32)], [1.0, 1.0])
+    acc.add_batch_checked([_split(torch.ones(10), 3, torch.float32), torch.ones(10)], [1.0, 1.0])
+    assert torch.equal(acc.mean(), torch.ones(10))

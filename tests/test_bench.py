@@ -30,7 +30,7 @@ def test_outer_bench_smoke() -> None:
     assert set(result["checks"]) == {"throughput", "speedup", "memory"}
     text = format_outer_bench(result)
     for needle in ("bytes copied/s", "bytes read+written/s", "fp32-eq GB/s", "speed-up",
-                   "peak extra memory", "ours, 3 updates"):
+                   "peak extra memory", "ours, 3 updates", "first step (cold)"):
         assert needle in text
     assert text.count("PASS") + text.count("FAIL") == 3
 

@@ -56,3 +56,34 @@ def test_cli_reports_config_errors(capsys):
     assert "Did you mean: 'outer_lr'" in capsys.readouterr().err
     assert cli_main(["config", "configs/fedavg.yaml", "run.rounds=5"]) == 0
     assert "rounds: 5" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_flwr_run_dot_runs_the_same_app_and_stops_its_superlink(tmp_path):
+    """`flwr run .` (Flower's own CLI, local simulation SuperLink) on the shipped config."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"))
+    overrides = (
+        f"run.rounds=1 strategy.inner_steps=2 run.name=flwr-e2e run.out_dir={tmp_path / 'runs'} "
+        "run.tensorboard=false run.eval_batches=2 model.n_layers=1 model.d_model=32 model.n_heads=2"
+    )
+    proc = subprocess.run(
+        [str(root / "examples" / "flwr_run.sh"), "--run-config", f'overrides="{overrides}"'],
+        cwd=root, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = list((tmp_path / "runs").glob("flwr-e2e-*"))
+    assert len(runs) == 1, proc.stdout[-2000:]
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["outer_steps"] == 1 and summary["final_val_loss"] < 5.6
+    import time
+
+    for _ in range(50):  # the script's trap stops the detached SuperLink
+        out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{tmp_path}"], capture_output=True, text=True).stdout
+        if not out.strip():
+            break
+        time.sleep(0.2)
+    assert not out.strip(), "the local SuperLink was left running"
