@@ -28,7 +28,7 @@ from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
 from fl_geo.model import Decoder
 from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
-from fl_geo.training import InnerTrainer, evaluate_loss
+from fl_geo.training import InnerConfig, InnerTrainer, evaluate_loss
 from fl_geo.wire import decode, encode
 
 log = logging.getLogger("fl_geo")
@@ -74,6 +74,18 @@ def _set_threads(cfg: ConfigRecord) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+def _setup(msg: Message, context: Context) -> tuple[ConfigRecord, int, int, InnerConfig, Decoder, ParamSpec, torch.Tensor]:
+    """What every handler needs: config, partition, inner settings, and the received model loaded."""
+    cfg = msg.content.config_records["config"]
+    _set_threads(cfg)
+    pid, nparts = _partition_ids(context)
+    icfg = inner_config(str(cfg["client"]), int(cfg["schedule_total"]))
+    # A node may override its device (e.g. --node-config 'device="cuda:1"'); else the run's choice.
+    device = pick_device(str(context.node_config.get("device", icfg.device)))
+    model, spec, base = _load_global(msg, cfg, device)
+    return cfg, pid, nparts, icfg, model, spec, base
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
@@ -93,15 +105,7 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Run the inner loop from the received global model; reply with the pseudo-gradient."""
-    cfg = msg.content.config_records["config"]
-    _set_threads(cfg)
-    pid, nparts = _partition_ids(context)
-    client_section = json.loads(str(cfg["client"]))
-    icfg = inner_config(client_section, int(cfg["schedule_total"]))
-    # A node may override its device (e.g. --node-config 'device="cuda:1"'); else the run's choice.
-    device = pick_device(str(context.node_config.get("device", icfg.device)))
-    model, spec, base = _load_global(msg, cfg, device)
-
+    cfg, pid, nparts, icfg, model, spec, base = _setup(msg, context)
     trainer = InnerTrainer(model, icfg)
     state = context.state
     if OPT_STATE_KEY in state.array_records:
@@ -145,15 +149,10 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Validation loss of the received model on this node's held-out text."""
-    cfg = msg.content.config_records["config"]
-    _set_threads(cfg)
-    pid, nparts = _partition_ids(context)
-    client_section = json.loads(str(cfg["client"]))
-    icfg = inner_config(client_section, int(cfg["schedule_total"]))
-    device = pick_device(str(context.node_config.get("device", icfg.device)))
-    model, _, _ = _load_global(msg, cfg, device)
+    cfg, pid, nparts, icfg, model, _, _ = _setup(msg, context)
     parts, _ = partitions(cfg["data"], nparts)
-    batches = eval_batches(parts[pid].val, icfg.seq_len, icfg.batch_size, int(client_section["eval_batches"]))
+    eval_count = int(json.loads(str(cfg["client"]))["eval_batches"])
+    batches = eval_batches(parts[pid].val, icfg.seq_len, icfg.batch_size, eval_count)
     loss = evaluate_loss(model, batches)
     tokens = sum(int(y.numel()) for _, y in batches)
     metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens, "num-examples": tokens, "partition_id": pid})

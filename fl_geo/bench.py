@@ -1,16 +1,18 @@
 """Benchmark of one outer step on the real server path, against Flower's FedAvg aggregation.
 
-Our path, per step: K reply ArrayRecords (token-weighted, distinct token counts) → `decode`
-(zero-copy views) → `check_finite_and_norm` → `WeightedAccumulator.add` → ``mean`` (in place)
-→ `Nesterov.step`. Flower's path: ``flwr.serverapp.strategy.FedAvg.aggregate_train`` on reply
-``Message``s carrying the same updates as fp32 ArrayRecords (Flower cannot average the
-int16-viewed bf16 payloads, so it gets the same values upcast to fp32) — aggregation only, no
-norm check and no outer step, which favours Flower.
+Our step: K reply ArrayRecords (token-weighted, distinct token counts) → `decode` (zero-copy
+views) → NaN/Inf check + L2 norm → fold into `WeightedAccumulator` → ``mean`` (in place) →
+`Nesterov.step`, timed in three variants (see `_ours`): the whole round in one
+`add_batch_checked` pass (synchronous server: the like-for-like comparison, and the one the
+targets are judged on), `add_checked` per reply, and `check_finite_and_norm` + `add` per reply.
+Flower's step: ``flwr.serverapp.strategy.FedAvg.aggregate_train`` on reply ``Message``s carrying
+the same values as fp32 ArrayRecords (Flower cannot average the int16-viewed bf16 payloads) —
+aggregation only: no validation, no norm, no outer step, which favours Flower.
 
-Every measurement runs in a fresh child process (spawn) by default, so peak-memory figures are
-not polluted by another measurement's freed-but-cached pages. Peak extra memory is VmHWM − VmRSS
-around the timed steps, after resetting the high-water mark (``/proc/self/clear_refs`` = 5);
-tracemalloc cannot see torch's allocations. Usage::
+Every measurement runs in a fresh spawned process by default; memory runs are separate from
+timing runs. Peak extra memory is VmHWM − VmRSS around the measured block after resetting the
+high-water mark (``/proc/self/clear_refs`` = 5); tracemalloc cannot see torch's allocations.
+Usage::
 
     python -m fl_geo.bench outer [--params N] [--updates K] [--precision bf16|fp32|fp16] [--quick]
 """
@@ -43,6 +45,7 @@ MIB = 1 << 20
 QUICK_PARAMS = 10_000_000
 # Size of the copy that measures memory bandwidth: 1.2 GB source (300 M fp32), far beyond cache.
 COPY_ELEMS = 300_000_000
+COPY_SAMPLES = 2  # fresh allocations measured before and again after our timings
 THROUGHPUT_TARGET = 0.5  # × bytes-copied/s of a large torch copy
 SPEEDUP_TARGET = 3.0  # × Flower FedAvg.aggregate_train
 # "Independent of the number of updates": the peak extra memory may grow by at most this
@@ -249,7 +252,11 @@ def _ours(num_params: int, num_updates: int, precision: str, repeats: int,
     if threads:
         torch.set_num_threads(threads)
     out: dict[str, Any] = {"threads": torch.get_num_threads()}
-    copies = [measure_copy_bandwidth(copy_elems)] if copy_elems else []
+    # Memory bandwidth on this kind of VM depends on the physical pages an allocation lands on
+    # (bimodal here: ~21 or ~37 GB/s copied), so several fresh allocations are sampled, before
+    # and after our timings; the best is the reference, the strictest comparison for us.
+    copies = [measure_copy_bandwidth(copy_elems) for _ in range(COPY_SAMPLES)] if copy_elems \
+        else []
     spec = llama_spec(num_params)
     replies = _make_updates(spec, num_updates, precision)
     params = torch.empty(spec.numel).normal_(0.0, 0.02)
@@ -300,9 +307,7 @@ def _ours(num_params: int, num_updates: int, precision: str, repeats: int,
                 ph = step(path)
                 runs[path].append((time.perf_counter() - t0, ph))
     if copy_elems:
-        # Again after the timings: on a shared host the bandwidth drifts; the best of the two
-        # is the reference, which is the stricter comparison for us.
-        copies.append(measure_copy_bandwidth(copy_elems))
+        copies += [measure_copy_bandwidth(copy_elems) for _ in range(COPY_SAMPLES)]
         out["bandwidth"] = {**max(copies, key=lambda c: c["copy_gbps"]),
                             "copy_gbps_each": [c["copy_gbps"] for c in copies]}
     for path, results in runs.items():
@@ -484,6 +489,7 @@ def run_outer_bench(
     checks: dict[str, dict[str, Any]] = {
         "throughput": {"ratio": throughput_ratio, "target": THROUGHPUT_TARGET,
                        "pass": throughput_ratio >= THROUGHPUT_TARGET,
+                       "ratio_vs_lowest": result["ours"]["fp32_gbps"] / min(bw["copy_gbps_each"]),
                        "streaming_ratio": paths["fused"]["fp32_gbps"] / bw["copy_gbps"],
                        "two_pass_ratio": paths["two_pass"]["fp32_gbps"] / bw["copy_gbps"]}}
     if flower is not None:
@@ -547,9 +553,10 @@ def format_outer_bench(result: dict[str, Any]) -> str:
     row = "{:<52}{:>8.3f}s{:>11.2f}{:>14.2f}"
     lines += [
         "",
-        f"memory bandwidth: torch dst.copy_(src), fp32, {bw['copy_bytes'] / 1e9:.2f} GB, best of 5, "
-        f"before and after our timings ({', '.join(f'{g:.1f}' for g in bw['copy_gbps_each'])} "
-        "GB/s copied); the higher is used",
+        f"memory bandwidth: torch dst.copy_(src), fp32, {bw['copy_bytes'] / 1e9:.2f} GB, best of 5 "
+        f"per allocation; {len(bw['copy_gbps_each'])} fresh allocations before/after our "
+        f"timings: {', '.join(f'{g:.1f}' for g in bw['copy_gbps_each'])} GB/s copied; "
+        "the highest is the reference",
         f"  bytes copied/s          {bw['copy_gbps']:8.2f} GB/s   (size of src / time)",
         f"  bytes read+written/s    {bw['rw_gbps']:8.2f} GB/s   (2 x bytes copied)",
         "",
@@ -595,8 +602,9 @@ def format_outer_bench(result: dict[str, Any]) -> str:
 
     t = checks["throughput"]
     lines.append(f"  [{verdict(t['pass'])}] throughput: fp32-eq GB/s / bytes-copied GB/s = "
-                 f"{t['ratio']:.3f} (target >= {t['target']}) [add_checked "
-                 f"{t['streaming_ratio']:.3f}, two-pass {t['two_pass_ratio']:.3f}]")
+                 f"{t['ratio']:.3f} (target >= {t['target']}; vs the lowest copy sample "
+                 f"{t['ratio_vs_lowest']:.3f}) [add_checked {t['streaming_ratio']:.3f}, "
+                 f"two-pass {t['two_pass_ratio']:.3f}]")
     if "speedup" in checks:
         s = checks["speedup"]
         lines.append(f"  [{verdict(s['pass'])}] speed-up vs Flower FedAvg: {s['ratio']:.2f}x for "

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from fl_geo.model import ModelConfig
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 WEIGHTINGS = ("uniform", "tokens")
@@ -72,8 +74,8 @@ class StrategySection:
 
     name: str = "diloco"  # diloco | fedavg | fedavgm | fedadam | fedyogi
     outer_optimizer: str = ""  # "" = the strategy's default (STRATEGY_OPTIMIZERS)
-    outer_lr: Optional[float] = None  # None = the strategy's default (STRATEGY_DEFAULTS)  # noqa: UP045
-    outer_momentum: Optional[float] = None  # noqa: UP045
+    outer_lr: float | None = None  # None = the strategy's default (STRATEGY_DEFAULTS)
+    outer_momentum: float | None = None
     beta1: float = 0.9  # fedadam / fedyogi
     beta2: float = 0.99
     tau: float = 1e-3
@@ -95,21 +97,6 @@ class WireSection:
 
     up: str = "fp32"  # client -> server pseudo-gradients
     down: str = "fp32"  # server -> client model
-
-
-@dataclass
-class ModelSection:
-    """Llama-style decoder size (fl_geo.model.ModelConfig)."""
-
-    vocab_size: int = 256
-    n_layers: int = 2
-    d_model: int = 128
-    n_heads: int = 4
-    d_ff: int = 0
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
 
 
 @dataclass
@@ -152,7 +139,7 @@ class FlGeoConfig:
     run: RunSection = field(default_factory=RunSection)
     strategy: StrategySection = field(default_factory=StrategySection)
     wire: WireSection = field(default_factory=WireSection)
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the model's own dataclass
     data: DataSection = field(default_factory=DataSection)
     client: ClientSection = field(default_factory=ClientSection)
 
@@ -272,7 +259,10 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     _require(c.device in ("auto", "cuda", "npu", "mps", "cpu"), f"client.device '{c.device}' is unknown")
     _require(c.precision in ("auto", "bf16", "fp32"), f"client.precision '{c.precision}' is unknown")
-    _require(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    try:
+        m.validate()
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
 
 
 def schedule_length(cfg: FlGeoConfig) -> int:

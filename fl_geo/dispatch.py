@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -90,17 +90,21 @@ class Dispatcher:
             msgs.append(Message(content, dst_node_id=nid, message_type=MessageType.QUERY))
         profiles: dict[int, NodeProfile] = {}
 
-        def keep(nid: int, reply: Message) -> None:
-            rec = reply.content.config_records[PROFILE_KEY]
-            profiles[nid] = NodeProfile(
-                node_id=nid,
-                partition_id=int(rec["partition_id"]),
-                num_partitions=int(rec["num_partitions"]),
-                device=str(rec.get("device", "cpu")),
-                site=str(rec.get("site", "")),
-            )
+        def keep(batch: Sequence[tuple[int, Message]]) -> None:
+            for nid, reply in batch:
+                rec = reply.content.config_records.get(PROFILE_KEY)
+                if rec is None or "partition_id" not in rec or "num_partitions" not in rec:
+                    log.warning("node %s answered the profile query without partition_id/num_partitions; ignored", nid)
+                    continue
+                profiles[nid] = NodeProfile(
+                    node_id=nid,
+                    partition_id=int(rec["partition_id"]),
+                    num_partitions=int(rec["num_partitions"]),
+                    device=str(rec.get("device", "cpu")),
+                    site=str(rec.get("site", "")),
+                )
 
-        outcome = self.run_jobs(msgs, on_reply=keep, order=None, timeout_s=timeout_s)
+        outcome = self.run_jobs(msgs, on_replies=keep, order=None, timeout_s=timeout_s)
         for nid, err in outcome.errors.items():
             log.warning("node %s did not answer the profile query: %s", nid, err)
         return profiles
@@ -109,15 +113,17 @@ class Dispatcher:
     def run_jobs(
         self,
         messages: list[Message],
-        on_reply: Callable[[int, Message], None],
+        on_replies: Callable[[Sequence[tuple[int, Message]]], None],
         order: list[int] | None,
         timeout_s: float = 0.0,
     ) -> RoundOutcome:
-        """Push one message per node, then hand each good reply to ``on_reply``.
+        """Push one message per node, then hand the good replies to ``on_replies`` in groups.
 
-        ``order`` lists the destination nodes in hand-over order: a reply that arrives early waits
-        until every node before it has replied or failed (deterministic folding). ``None`` hands
-        replies over as they arrive. ``timeout_s`` > 0 abandons the jobs still running after that
+        A group is every reply that can be handed over at one pull: the strategy folds a group in
+        one pass over its buffers, which is several times cheaper than one pass per reply when
+        replies arrive together. ``order`` lists the destination nodes in hand-over order: a reply
+        that arrives early waits until every node before it has replied or failed (deterministic
+        folding). ``None`` hands replies over as they arrive. ``timeout_s`` > 0 abandons the jobs still running after that
         long; their node stays busy until its late reply is pulled and discarded.
         """
         dst = [m.metadata.dst_node_id for m in messages]
@@ -141,12 +147,15 @@ class Dispatcher:
         next_liveness = time.monotonic() + self.liveness_every_s
 
         def hand_over() -> None:
+            group: list[tuple[int, Message]] = []
             while queue and queue[0] in ready:
                 nid = queue.pop(0)
                 reply = ready.pop(nid)
                 if reply is not None:
-                    on_reply(nid, reply)
+                    group.append((nid, reply))
                     outcome.replied.append(nid)
+            if group:
+                on_replies(group)
 
         while pending:
             got = False
@@ -165,8 +174,9 @@ class Dispatcher:
                     ready[nid] = None
                 else:
                     ready[nid] = reply
+            if got:
                 if order is None:
-                    queue.sort(key=lambda n: n not in ready)  # arrival order
+                    queue.sort(key=lambda n: n not in ready)  # arrival order (stable sort)
                 hand_over()
             if not pending:
                 break

@@ -22,8 +22,8 @@ from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid
 from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 

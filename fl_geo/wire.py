@@ -284,8 +284,9 @@ def check_finite_and_norm(
     fp64 (Python floats) over chunks and pieces. A NaN or ±Inf element makes its chunk's sum NaN
     or +Inf, so finiteness needs no separate pass. Consequence: a finite update whose fp32 chunk
     sum of squares overflows (elements beyond ~1e19) is rejected too, with a message saying so;
-    such an update is garbage for training anyway. ``spec`` only names the offending parameter
-    in the error.
+    such an update is garbage for training anyway. Accuracy: fp32 summation within a chunk of
+    up to 2**20 values gives a relative error of about 1e-6 (at worst ~1e-5), ample for norm
+    tests and clipping. ``spec`` only names the offending parameter in the error.
     """
     total = 0.0
     for offset, piece in pieces:

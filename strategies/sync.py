@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from fl_geo.metrics import MetricsLogger
 from fl_geo.outer import OuterOptimizer, build_outer_optimizer
 from fl_geo.progress import Progress
 from fl_geo.state import ParamSpec
-from fl_geo.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
+from fl_geo.wire import PayloadError, decode, encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
 
@@ -148,37 +149,53 @@ class SyncOuterLoop:
         stats.rejected += 1
         stats.rejections.append(f"node {node}: {reason}")
 
-    def fold_reply(self, stats: RoundStats, node: int, reply: Message) -> None:
-        """Validate one reply and fold it into the running sum; never raises on bad input."""
+    def _validate(self, stats: RoundStats, node: int, reply: Message) -> tuple[list, float, dict] | None:
+        """Check one reply's records and decode its payload; ``None`` (and a logged rejection) if bad."""
         content = reply.content
         if "arrays" not in content.array_records or "metrics" not in content.metric_records:
             self._reject(stats, node, "reply lacks the 'arrays' or 'metrics' record")
-            return
+            return None
         metrics = content.metric_records["metrics"]
         missing = [k for k in REPLY_METRICS if k not in metrics]
         if missing:
             self._reject(stats, node, f"reply metrics lack {missing}")
-            return
+            return None
         tokens = int(metrics["tokens"])
         loss = float(metrics["train_loss"])
         if tokens <= 0 or not math.isfinite(loss):
             self._reject(stats, node, f"implausible metrics (tokens={tokens}, train_loss={loss})")
-            return
+            return None
         record = content.array_records["arrays"]
         try:
-            pieces = decode(record, self.spec, self.cfg.wire.up)
-            norm = check_finite_and_norm(pieces)
+            pieces = decode(record, self.spec, self.cfg.wire.up)  # keys, shapes, dtypes, sizes
         except PayloadError as exc:
             self._reject(stats, node, str(exc))
-            return
+            return None
         weight = float(tokens) if self.cfg.strategy.weighting == "tokens" else 1.0
-        self.accumulator.add(pieces, weight)
-        stats.accepted += 1
-        stats.tokens += tokens
-        stats.loss_x_tokens += loss * tokens
-        stats.step_time_sum += float(metrics["step_time_s"])
-        stats.norm_sum += norm
-        stats.bytes_up += payload_nbytes(record)
+        info = {"tokens": tokens, "loss": loss, "step_time_s": float(metrics["step_time_s"]), "nbytes": payload_nbytes(record)}
+        return pieces, weight, info
+
+    def fold_replies(self, stats: RoundStats, group: Sequence[tuple[int, Message]]) -> None:
+        """Validate a group of replies and fold the good ones in one pass; never raises on bad input.
+
+        The fold checks every value for NaN/Inf before anything it carries reaches the sum, and
+        gives the same bits as folding the accepted replies one by one in order, however the
+        replies were grouped by arrival.
+        """
+        valid = [(node, v) for node, reply in group if (v := self._validate(stats, node, reply)) is not None]
+        if not valid:
+            return
+        result = self.accumulator.add_batch_checked([v[0] for _, v in valid], [v[1] for _, v in valid])
+        for i, (node, (_, _, info)) in enumerate(valid):
+            if i in result.rejected:
+                self._reject(stats, node, result.rejected[i])
+                continue
+            stats.accepted += 1
+            stats.tokens += info["tokens"]
+            stats.loss_x_tokens += info["loss"] * info["tokens"]
+            stats.step_time_sum += info["step_time_s"]
+            stats.norm_sum += float(result.norms[i])
+            stats.bytes_up += info["nbytes"]
 
     # ---- the loop -----------------------------------------------------------------------------
     def train_round(self, rnd: int) -> dict[str, float]:
@@ -193,7 +210,7 @@ class SyncOuterLoop:
         order = nodes if self.cfg.strategy.fold_order == "rank" else None
         outcome = self.dispatcher.run_jobs(
             msgs,
-            on_reply=lambda n, r: self.fold_reply(stats, n, r),
+            on_replies=lambda group: self.fold_replies(stats, group),
             order=order,
             timeout_s=self.cfg.strategy.round_timeout_s,
         )
@@ -239,15 +256,16 @@ class SyncOuterLoop:
         msgs = [self._message(n, arrays, rnd, MessageType.EVALUATE) for n in nodes]
         total = {"loss": 0.0, "tokens": 0}
 
-        def keep(_node: int, reply: Message) -> None:
-            m = reply.content.metric_records.get("metrics")
-            if m is None or "val_loss" not in m or "val_tokens" not in m:
-                log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", _node)
-                return
-            total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
-            total["tokens"] += int(m["val_tokens"])
+        def keep(group: Sequence[tuple[int, Message]]) -> None:
+            for node, reply in group:
+                m = reply.content.metric_records.get("metrics")
+                if m is None or "val_loss" not in m or "val_tokens" not in m:
+                    log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", node)
+                    continue
+                total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
+                total["tokens"] += int(m["val_tokens"])
 
-        self.dispatcher.run_jobs(msgs, on_reply=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
+        self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
         if not total["tokens"]:
             return {}
         return {"val/client_loss": total["loss"] / total["tokens"]}

@@ -31,7 +31,7 @@ import uuid
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fl_geo.data.corpus import (
@@ -271,7 +271,7 @@ def write_corpus(
             "format": MANIFEST_FORMAT,
             "corpus": name,
             "complete": True,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "artifacts": artifact_shas,
             "requirements": [ARTIFACTS[key].requirement for key in CORPUS_ARTIFACTS[name]],
             "text_sha256": corpus_digest(doc for _, doc in entries),
