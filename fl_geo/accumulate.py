@@ -1,21 +1,28 @@
-"""Streaming weighted mean of model-sized updates with one fp32 buffer.
+"""Streaming weighted sum of model-sized updates in O(1) fp32 buffers, exact under batching.
 
-The asynchronous server (ALGORITHMS.md §5) folds every accepted reply into a running weighted
-sum as it arrives, so server memory is O(1) in the number of workers: one fp32 buffer, whatever
-``count`` becomes. Updates arrive in wire precision (fp32/fp16/bf16), either as one flat tensor
-or as the ``(offset, tensor)`` pieces that `fl_geo.wire.decode` yields, one per parameter.
+The server folds every accepted reply into a running weighted sum (ALGORITHMS.md §5), so its
+memory is O(1) in the number of workers. Updates arrive in wire precision (fp32/fp16/bf16), as
+one flat tensor or as the ``(offset, tensor)`` pieces that `fl_geo.wire.decode` yields.
 
-Two ways in: `WeightedAccumulator.add` folds an update already checked by
-`fl_geo.wire.check_finite_and_norm` (needed when the norm decides acceptance or weight, §4), and
-`WeightedAccumulator.add_checked` checks and folds in one pass (one read and one bf16→fp32
-conversion of the update instead of two) when nothing between the check and the fold depends
-on the norm.
+Arithmetic contract (what makes results independent of how replies were grouped): folding an
+update ``u`` with weight ``w`` computes, element by element, ``acc ← fl(acc + fl(w·u))`` with
+``u`` converted exactly to fp32 and ``w`` rounded to fp32 (torch's scalar handling); the first
+fold into an empty accumulator writes ``fl(w·u)``, which equals ``fl(0 + fl(w·u))`` up to the
+sign of a zero. The multiply and the add are two separate correctly rounded ops on purpose:
+``add_(u, alpha=w)`` is a fused multiply-add in torch's vectorised CPU kernel, and whether a
+kernel's scalar tail or another build contracts it the same way is not something to bet
+bit-exactness on (the price: one more in-cache pass per update chunk, about 10 % of a batched
+fold of 8 × 100 M bf16 updates on a 2-core VM). Elementwise ops do not depend on chunking, vectorisation or thread splits, so
+`WeightedAccumulator.add` and `WeightedAccumulator.add_batch_checked` give bit-identical sums
+for the same updates in the same order, however they are grouped.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,13 +30,16 @@ from .state import CHUNK_ELEMS, chunk_ranges
 
 __all__ = [
     "WEIGHT_KINDS",
-    "NonFiniteUpdateError",
+    "BatchResult",
     "WeightedAccumulator",
     "describe_non_finite",
     "weight_for",
 ]
 
 WEIGHT_KINDS = ("uniform", "tokens")
+
+Pieces = list[tuple[int, torch.Tensor]]
+Update = torch.Tensor | Iterable[tuple[int, torch.Tensor]]
 
 
 def weight_for(kind: str, tokens: int) -> float:
@@ -50,19 +60,6 @@ def weight_for(kind: str, tokens: int) -> float:
     raise ValueError(f"unknown weight kind {kind!r}; valid kinds: {', '.join(WEIGHT_KINDS)}")
 
 
-class NonFiniteUpdateError(ValueError):
-    """A checked add met NaN/±Inf (or an fp32 overflow of the sum of squares).
-
-    ``offset``: flat index of the first chunk that failed; ``index``: position of the offending
-    update in a batch (`WeightedAccumulator.add_batch_checked`), None for a single update.
-    """
-
-    def __init__(self, message: str, offset: int, index: int | None = None) -> None:
-        super().__init__(message)
-        self.offset = offset
-        self.index = index
-
-
 def describe_non_finite(piece: torch.Tensor) -> str:
     """What makes a piece's sum of squares non-finite (error path only; chunked, no big temps)."""
     nan = pos = neg = 0
@@ -77,25 +74,38 @@ def describe_non_finite(piece: torch.Tensor) -> str:
     return "all values finite but the fp32 sum of squares overflowed (update too large)"
 
 
-class _StopFold(Exception):
-    """Internal: a chunk's sum of squares was not finite (raised before folding that chunk)."""
+@dataclass
+class BatchResult:
+    """Outcome of `WeightedAccumulator.add_batch_checked`, one entry per input update.
 
-    def __init__(self, chunk_begin: int, index: int = 0, piece: int = 0) -> None:
-        self.chunk_begin = chunk_begin  # within the piece
-        self.index = index  # update within a batch
-        self.piece = piece  # piece within the layout (batched adds)
+    ``norms[i]``: L2 norm of update i (fp32 sums of squares per chunk, summed in fp64: relative
+    error ~1e-6, as `fl_geo.wire.check_finite_and_norm`), None if it was rejected.
+    ``rejected``: index in the batch → why; a rejected update left no trace in the sum.
+    """
+
+    norms: list[float | None] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
 
 
-Pieces = list[tuple[int, torch.Tensor]]
+@dataclass
+class _Tiled:
+    """One update of a batch: non-empty pieces sorted by offset, tiling [0, numel) exactly."""
+
+    pieces: Pieces
+    starts: list[int]
+    weight: float
+    sum_sq: float = 0.0
 
 
 class WeightedAccumulator:
-    """Σ w_i·u_i and Σ w_i over streamed updates, holding exactly one fp32 buffer.
+    """Σ w_i·u_i and Σ w_i over streamed updates, in one or two model-sized fp32 buffers.
 
-    The buffer is allocated once, at construction. Reduced-precision updates are converted chunk by
-    chunk into a small fp32 scratch (`CHUNK_ELEMS` values) before the multiply-add: on CPU a
-    mixed-dtype ``buf.add_(u_bf16, alpha=w)`` would materialise a full-size fp32 copy of ``u``
-    (TensorIterator's CPU type promotion), i.e. one extra model-sized temporary per update.
+    Memory: ``numel × 4`` bytes for the sum, allocated at construction; `add_batch_checked`
+    lazily adds a second buffer of the same size on first use (``2 × numel × 4`` bytes in all),
+    whatever the number of updates or batches. Plus one chunk-sized scratch (`CHUNK_ELEMS` fp32
+    values): reduced-precision updates are converted chunk by chunk there, because on
+    CPU a mixed-dtype op on the whole update would materialise a full-size fp32 copy of it
+    (TensorIterator's CPU type promotion), one model-sized temporary per update.
     """
 
     def __init__(self, numel: int, device: str | torch.device = "cpu") -> None:
@@ -104,13 +114,16 @@ class WeightedAccumulator:
         self.numel = int(numel)
         self.device = torch.device(device)
         self._buf = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        # The buffer is zeroed lazily: construction and `reset` only clear this flag, and the
-        # first `add` after them *writes* w·u instead of reading zeros back and adding (saves a
-        # zeroing pass and a read per round).
+        # Second buffer of add_batch_checked: the batch is folded into it (reading _buf), and
+        # the two are swapped only once every update of the batch has proved finite, so _buf
+        # is never written by a batch that could still fail. Allocated on first use.
+        self._out: torch.Tensor | None = None
+        # The sum is zeroed lazily: construction and `reset` only clear this flag, and the
+        # first fold after them *writes* fl(w·u) instead of reading zeros back and adding
+        # (saves a zeroing pass and a read per round; equal to 0 + fl(w·u) up to zero signs).
         self._holds_sum = False
         self._scratch = torch.empty(min(CHUNK_ELEMS, self.numel), dtype=torch.float32,
                                     device=self.device)
-        self._local: torch.Tensor | None = None  # batch partial sum, see add_batch_checked
         self._count = 0
         self._total_weight = 0.0
         self._dirty = False  # True once mean() has scaled the buffer in place
@@ -122,12 +135,13 @@ class WeightedAccumulator:
 
     @property
     def total_weight(self) -> float:
-        """Σ w_i of the folded updates (Python float, i.e. fp64)."""
+        """Σ w_i of the folded updates (Python float, i.e. fp64, summed in fold order)."""
         return self._total_weight
 
     @property
     def buffer(self) -> torch.Tensor:
-        """The running sum itself (read it, do not keep it across `reset`)."""
+        """The running sum itself (read it; do not keep it across a fold or `reset`: batched
+        folds swap the two buffers)."""
         self._materialise_zeros()
         return self._buf
 
@@ -136,252 +150,197 @@ class WeightedAccumulator:
             self._buf.zero_()
             self._holds_sum = True
 
-    def add(
-        self,
-        update: torch.Tensor | Iterable[tuple[int, torch.Tensor]],
-        weight: float,
-    ) -> None:
-        """Fold ``weight · update`` into the sum.
+    # -----------------------------------------------------------------------------------------
+    # Folding
 
-        ``update`` is a 1-D tensor of ``numel`` elements or an iterable of ``(offset, 1-D tensor)``
-        pieces covering parts of the buffer (a payload decoded array by array). Pieces are
-        validated for bounds before anything is folded, so a bad piece list leaves the sum
-        untouched. Weights must be finite and positive. Values are not inspected: check the
-        update first (`fl_geo.wire.check_finite_and_norm`) or use `add_checked`.
+    def add(self, update: Update, weight: float) -> None:
+        """Fold ``weight · update`` into the sum, in place, without looking at the values.
+
+        ``update`` is a 1-D tensor of ``numel`` elements or an iterable of ``(offset, 1-D
+        tensor)`` pieces covering parts of the buffer, in any order. Pieces are validated for
+        bounds before anything is folded, so a bad piece list leaves the sum untouched. Weights
+        must be positive and finite in fp32. For replies from the network use `add_batch_checked`
+        (a batch of one is the streaming case): it rejects NaN/±Inf without touching the sum.
         """
-        pieces, weight, overwrite = self._prepare(update, weight)
+        self._check_state()
+        weight = _check_weight(weight)
+        pieces = self._pieces(update)
+        overwrite = not self._holds_sum and _tiles(pieces, self.numel)
+        if not overwrite:
+            self._materialise_zeros()
         for offset, piece in pieces:
-            self._fold(offset, piece, weight, overwrite, check=False)
+            for b, e in chunk_ranges(0, piece.numel()):
+                dst = self._buf[offset + b:offset + e]
+                x = self._as_fp32(piece[b:e])
+                if overwrite:
+                    torch.mul(x, weight, out=dst)
+                else:
+                    dst.add_(torch.mul(x, weight, out=self._scratch[: e - b]))
         self._commit(weight)
 
-    def add_checked(
-        self,
-        update: torch.Tensor | Iterable[tuple[int, torch.Tensor]],
-        weight: float,
-    ) -> float:
-        """Check for NaN/±Inf, fold, and return the update's L2 norm, in one pass.
+    def add_batch_checked(self, updates: Sequence[Update], weights: Sequence[float]
+                          ) -> BatchResult:
+        """Check every update for NaN/±Inf, take its L2 norm and fold the finite ones, in one
+        pass over the sum; bit-identical to `add` of the accepted updates one by one, in order.
 
-        Each chunk is converted to fp32 once, its sum of squares taken (fp32 per chunk, summed
-        in fp64, as `fl_geo.wire.check_finite_and_norm`) and checked *before* the chunk is
-        folded, so no non-finite value ever reaches the sum. If a chunk fails, the chunks of this
-        update already folded are taken out again and `NonFiniteUpdateError` is raised: exactly
-        when this was the first update since `reset` (the buffer is simply marked empty again),
-        otherwise by subtracting them, which restores the sum up to one fp32 rounding per
-        element. A finite update whose fp32 chunk sum of squares overflows is rejected too.
+        A synchronous round hands us every reply that is ready at once: folding them together
+        reads and writes the model-sized sum once per batch instead of once per reply (each
+        fold of a 100 M update costs >= 20 ms of RAM traffic for the sum alone). Per chunk of
+        `CHUNK_ELEMS` elements, each update is converted to fp32 in a cache-resident scratch,
+        its sum of squares taken (``torch.dot``; NaN/±Inf or an fp32 overflow make it
+        non-finite ⇒ rejected, as `fl_geo.wire.check_finite_and_norm`), and folded into the
+        second buffer's chunk: ``out = acc + fl(w₀·u₀)``, then ``out += fl(wᵢ·uᵢ)`` in list
+        order. If all are finite the buffers swap (no copy). A rejected update is skipped from
+        the chunk where it failed on; the chunks before that, which include it, are folded
+        again without it from the untouched sum (rare path). So bad input loses nothing: the
+        sum equals never having seen it, bit for bit.
 
-        Use it when nothing between the check and the fold depends on the norm (no §4 penalty,
-        weight not a function of the norm); otherwise call `check_finite_and_norm` then `add`.
+        ``updates[i]``: a flat tensor of ``numel`` elements, or ``(offset, 1-D tensor)`` pieces
+        (as `fl_geo.wire.decode` returns) that cover ``[0, numel)`` exactly once, in any order;
+        any floating dtype. ``weights[i]``: > 0 and finite in fp32. Argument errors (ValueError,
+        TypeError) are raised before anything is folded. An empty batch folds nothing.
         """
-        pieces, weight, overwrite = self._prepare(update, weight)
-        total, done = 0.0, []
-        for offset, piece in pieces:
-            try:
-                total += self._fold(offset, piece, weight, overwrite, check=True)
-            except _StopFold as stop:
-                self._unfold(done + [(offset, piece[: stop.chunk_begin])], weight, overwrite)
-                bad = piece[stop.chunk_begin:stop.chunk_begin + CHUNK_ELEMS]
-                where = offset + stop.chunk_begin
-                raise NonFiniteUpdateError(
-                    f"update rejected at flat offset {where}: {describe_non_finite(bad)}", where
-                ) from None
-            done.append((offset, piece))
-        self._commit(weight)
-        return math.sqrt(total)
+        self._check_state()
+        if len(updates) != len(weights):
+            raise ValueError(f"need one weight per update, got {len(updates)} updates and "
+                             f"{len(weights)} weights")
+        batch = [self._tiled(i, u, w) for i, (u, w) in enumerate(zip(updates, weights,
+                                                                      strict=True))]
+        result = BatchResult(norms=[None] * len(batch))
+        if not batch:
+            return result
+        if self._out is None:
+            self._out = torch.empty_like(self._buf)
+        active = list(range(len(batch)))
+        redo_end = 0  # [0, redo_end) was folded with updates that were rejected later
+        for begin, end in chunk_ranges(0, self.numel):
+            failed = self._fold_chunk(batch, active, begin, end, check=True)
+            for i in failed:
+                result.rejected[i] = failed[i]
+                active.remove(i)
+                redo_end = begin
+            if not active:
+                return result  # everything rejected: the sum was never written
+        if redo_end:
+            for begin, end in chunk_ranges(0, redo_end):
+                self._fold_chunk(batch, active, begin, end, check=False)
+        self._buf, self._out = self._out, self._buf
+        for i in active:
+            result.norms[i] = math.sqrt(batch[i].sum_sq)
+            self._commit(batch[i].weight)
+        return result
 
-    def add_batch_checked(
-        self,
-        updates: Sequence[torch.Tensor | Iterable[tuple[int, torch.Tensor]]],
-        weights: Sequence[float],
-    ) -> list[float]:
-        """`add_checked` for several updates at once, in one pass over the buffer.
+    def _fold_chunk(self, batch: list[_Tiled], active: list[int], begin: int, end: int,
+                    check: bool) -> dict[int, str]:
+        """``out[begin:end] = acc[begin:end] + Σ fl(w·u)`` over ``active`` in order.
 
-        For a synchronous round, where all replies are in memory anyway: per chunk, each update
-        is converted, its sum of squares checked and multiply-added into a cache-resident fp32
-        partial sum, and the buffer is read and written once for the whole batch instead of once
-        per update. All updates must share one piece layout (as payloads decoded with the same
-        spec do; flat tensors are sliced to it). The sum differs from sequential adds only in
-        summation order. Returns the L2 norm of each update.
-
-        On a non-finite chunk the whole batch is taken out again (exactly when the accumulator
-        was empty, otherwise up to one fp32 rounding per element) and `NonFiniteUpdateError`
-        names the update (``index``) so the caller can retry without it.
+        With ``check``, each update's chunk sum of squares is added to its ``sum_sq`` first, and
+        an update whose sum is not finite is left out of this chunk and returned (index → why);
+        the first update actually folded is the one that reads ``acc``. If every update fails,
+        ``out`` is left partly unwritten, which is harmless: the caller then keeps ``acc``.
         """
-        if len(updates) != len(weights) or not updates:
-            raise ValueError(f"need one weight per update and at least one update, got "
-                             f"{len(updates)} updates and {len(weights)} weights")
-        prepared = [self._prepare(u, w) for u, w in zip(updates, weights, strict=True)]
-        layout = self._batch_layout([p for p, _, _ in prepared])
-        batch = [(self._slice_to(p, layout), w) for p, w, _ in prepared]
-        overwrite = all(ow for _, _, ow in prepared)  # any False already zeroed the buffer
-        sums = [0.0] * len(batch)
-        written: list[tuple[int, int, int]] = []  # (piece index, begin, end) stored in buffer
-        local_all = self._local_scratch()
-        try:
-            for j, (offset, n) in enumerate(layout):
-                for begin, end in chunk_ranges(0, n):
-                    local = self._batch_chunk(batch, j, begin, end, local_all, sums)
-                    target = self._buf[offset + begin:offset + end]
-                    if overwrite:
-                        target.copy_(local)
-                    else:
-                        target.add_(local)
-                    written.append((j, begin, end))
-        except _StopFold as stop:
-            if overwrite:
-                self._holds_sum = False
-            else:
-                for j, begin, end in written:
-                    offset = layout[j][0]
-                    local = self._batch_chunk(batch, j, begin, end, local_all, None)
-                    self._buf[offset + begin:offset + end].sub_(local)
-            bad_piece = batch[stop.index][0][stop.piece][1]
-            bad = bad_piece[stop.chunk_begin:stop.chunk_begin + CHUNK_ELEMS]
-            flat_offset = layout[stop.piece][0] + stop.chunk_begin
-            raise NonFiniteUpdateError(
-                f"update {stop.index} of the batch rejected at flat offset {flat_offset}: "
-                f"{describe_non_finite(bad)}; nothing from this batch was kept",
-                flat_offset, stop.index,
-            ) from None
-        for _, weight in batch:
-            self._commit(weight)
-        return [math.sqrt(v) for v in sums]
-
-    def _batch_chunk(self, batch: list[tuple[Pieces, float]], j: int, begin: int, end: int,
-                     local_all: torch.Tensor, sums: list[float] | None) -> torch.Tensor:
-        """Σ_k w_k·u_k over one chunk of piece ``j``, in cache; checks finiteness if ``sums``."""
-        local = local_all[: end - begin]
-        for k, (pieces, weight) in enumerate(batch):
-            src = pieces[j][1][begin:end]
-            if src.dtype != torch.float32 or src.device != self.device:
-                src = self._scratch[: end - begin].copy_(src)
-            if sums is not None:
-                sq = float(torch.dot(src, src))
+        assert self._out is not None
+        dst = self._out[begin:end]
+        scaled = self._scratch[: end - begin]  # fl(w·u), in place when x is the scratch itself
+        failed: dict[int, str] = {}
+        first = True
+        for i in active:
+            update = batch[i]
+            x = self._load(update, begin, end)
+            if check:
+                sq = float(torch.dot(x, x))
                 if not math.isfinite(sq):
-                    raise _StopFold(begin, index=k, piece=j)
-                sums[k] += sq
-            if k == 0:
-                torch.mul(src, weight, out=local)
+                    failed[i] = _reason(x, begin, end, self.numel)
+                    continue
+                update.sum_sq += sq
+            if first and not self._holds_sum:
+                torch.mul(x, update.weight, out=dst)  # = 0 + fl(w·u), see _holds_sum
+            elif first:
+                torch.add(self._buf[begin:end], torch.mul(x, update.weight, out=scaled),
+                          out=dst)
             else:
-                local.add_(src, alpha=weight)
-        return local
+                dst.add_(torch.mul(x, update.weight, out=scaled))
+            first = False
+        return failed
 
-    def _local_scratch(self) -> torch.Tensor:
-        """Second chunk scratch (the batch's partial sum), allocated on first batched add."""
-        if self._local is None:
-            self._local = torch.empty_like(self._scratch)
-        return self._local
+    def _load(self, update: _Tiled, begin: int, end: int) -> torch.Tensor:
+        """Elements [begin, end) of an update as fp32: a view of an fp32 piece on our device
+        when one piece holds them all (nothing to convert), else converted into the scratch."""
+        k = bisect_right(update.starts, begin) - 1
+        offset, piece = update.pieces[k]
+        if offset + piece.numel() >= end:
+            return self._as_fp32(piece[begin - offset:end - offset])
+        out = self._scratch[: end - begin]
+        pos = begin
+        while pos < end:
+            offset, piece = update.pieces[k]
+            stop = min(end, offset + piece.numel())
+            out[pos - begin:stop - begin].copy_(piece[pos - offset:stop - offset])
+            pos, k = stop, k + 1
+        return out
 
-    def _batch_layout(self, all_pieces: list[Pieces]) -> list[tuple[int, int]]:
-        """The shared (offset, numel) layout of a batch; whole-buffer tensors adopt the others'."""
-        whole = [(0, self.numel)]
-        layouts = [[(o, p.numel()) for o, p in pieces] for pieces in all_pieces]
-        layout = next((lay for lay in layouts if lay != whole), whole)
-        for i, lay in enumerate(layouts):
-            if lay not in (layout, whole):
-                raise ValueError(f"update {i} of the batch has a different piece layout; "
-                                 "batched adds need one layout (decode with the same spec)")
-        return layout
+    def _as_fp32(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A chunk as fp32 on our device: itself if it already is, else converted (exactly,
+        from fp16/bf16) into the scratch."""
+        if chunk.dtype == torch.float32 and chunk.device == self.device:
+            return chunk
+        return self._scratch[: chunk.numel()].copy_(chunk)
 
-    @staticmethod
-    def _slice_to(pieces: Pieces, layout: list[tuple[int, int]]) -> Pieces:
-        """Re-express a single whole-buffer piece in ``layout`` (views, no copy)."""
-        if [(o, p.numel()) for o, p in pieces] == layout:
-            return pieces
-        (_, whole), = pieces
-        return [(o, whole[o:o + n]) for o, n in layout]
+    # -----------------------------------------------------------------------------------------
+    # Validation and bookkeeping
 
-    def _prepare(
-        self, update: torch.Tensor | Iterable[tuple[int, torch.Tensor]], weight: float
-    ) -> tuple[list[tuple[int, torch.Tensor]], float, bool]:
-        """Validate arguments; return the pieces, the weight and whether to overwrite."""
+    def _check_state(self) -> None:
         if self._dirty:
-            raise RuntimeError("mean() scaled the buffer in place; call reset() before add()")
-        weight = float(weight)
-        if not (weight > 0.0 and weight != float("inf")):
-            raise ValueError(f"weight must be finite and positive, got {weight}")
+            raise RuntimeError("mean() scaled the buffer in place; call reset() before adding")
+
+    def _pieces(self, update: Update) -> Pieces:
+        """The update as validated ``(offset, 1-D floating tensor)`` pieces within the buffer."""
         if isinstance(update, torch.Tensor):
             if update.dim() != 1 or update.numel() != self.numel:
                 raise ValueError(
                     f"update must be 1-D with {self.numel} elements, got {tuple(update.shape)}"
                 )
-            pieces: list[tuple[int, torch.Tensor]] = [(0, update)]
+            pieces: Pieces = [(0, update)]
         else:
             pieces = list(update)
         for offset, piece in pieces:
-            self._check_piece(offset, piece)
-        overwrite = not self._holds_sum and self._covers_buffer(pieces)
-        if not overwrite:
-            self._materialise_zeros()
-        return pieces, weight, overwrite
+            if not piece.is_floating_point():
+                raise TypeError(f"piece at offset {offset} has non-floating dtype {piece.dtype}")
+            if piece.dim() != 1:
+                raise ValueError(f"piece at offset {offset} must be 1-D, got "
+                                 f"{tuple(piece.shape)}")
+            if offset < 0 or offset + piece.numel() > self.numel:
+                raise ValueError(
+                    f"piece [{offset}, {offset + piece.numel()}) outside buffer of {self.numel}"
+                )
+        return pieces
+
+    def _tiled(self, index: int, update: Update, weight: float) -> _Tiled:
+        """Validate one update of a batch: weight, pieces, and an exact cover of the buffer."""
+        try:
+            weight = _check_weight(weight)
+            pieces = sorted(((o, p) for o, p in self._pieces(update) if p.numel()),
+                            key=lambda item: item[0])
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"update {index} of the batch: {exc}") from None
+        if not _tiles(pieces, self.numel):
+            raise ValueError(f"update {index} of the batch: its pieces do not cover "
+                             f"[0, {self.numel}) exactly once (gap or overlap)")
+        return _Tiled(pieces, [o for o, _ in pieces], weight)
 
     def _commit(self, weight: float) -> None:
         self._holds_sum = True
         self._count += 1
         self._total_weight += weight
 
-    def _check_piece(self, offset: int, piece: torch.Tensor) -> None:
-        if not piece.is_floating_point():
-            raise TypeError(f"piece at offset {offset} has non-floating dtype {piece.dtype}")
-        if piece.dim() != 1:
-            raise ValueError(f"piece at offset {offset} must be 1-D, got {tuple(piece.shape)}")
-        if offset < 0 or offset + piece.numel() > self.numel:
-            raise ValueError(
-                f"piece [{offset}, {offset + piece.numel()}) outside buffer of {self.numel}"
-            )
-
-    def _covers_buffer(self, pieces: list[tuple[int, torch.Tensor]]) -> bool:
-        """True if the pieces tile [0, numel) exactly (then every element gets written)."""
-        end = 0
-        for offset, piece in sorted(pieces, key=lambda p: p[0]):
-            if offset != end:
-                return False
-            end += piece.numel()
-        return end == self.numel
-
-    def _fold(self, offset: int, piece: torch.Tensor, weight: float, overwrite: bool,
-              check: bool) -> float:
-        """Fold one piece; with ``check``, return its sum of squares or raise `_StopFold`."""
-        buf = self._buf[offset:offset + piece.numel()]
-        same = piece.dtype == torch.float32 and piece.device == self.device
-        if same and not check:
-            # Same dtype: TensorIterator streams both operands, no temporary at all.
-            if overwrite:
-                torch.mul(piece, weight, out=buf)
-            else:
-                buf.add_(piece, alpha=weight)
-            return 0.0
-        # Otherwise convert a cache-sized chunk into the scratch and work from cache: the update
-        # is read (and converted) once, the buffer once read and once written (only written when
-        # overwriting). round(w·u) is the same number either way, so results do not depend on it.
-        total = 0.0
-        for begin, end in chunk_ranges(0, piece.numel()):
-            src = piece[begin:end] if same else self._scratch[: end - begin].copy_(piece[begin:end])
-            if check:
-                sq = float(torch.dot(src, src))
-                if not math.isfinite(sq):
-                    raise _StopFold(begin)
-                total += sq
-            if overwrite:
-                torch.mul(src, weight, out=buf[begin:end])
-            else:
-                buf[begin:end].add_(src, alpha=weight)
-        return total
-
-    def _unfold(self, done: list[tuple[int, torch.Tensor]], weight: float,
-                overwrite: bool) -> None:
-        """Take partially folded pieces out again (error path of `add_checked`)."""
-        if overwrite:
-            self._holds_sum = False  # nothing else was in the buffer: forget it entirely
-            return
-        for offset, piece in done:
-            if piece.numel():
-                self._fold(offset, piece, -weight, overwrite=False, check=False)
+    # -----------------------------------------------------------------------------------------
+    # Result
 
     def mean(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Σ w_i·u_i / Σ w_i.
 
         With ``out=None`` the buffer is divided **in place** and returned (no model-sized
-        temporary); the accumulator then refuses further `add` calls until `reset`. Pass ``out``
+        temporary); the accumulator then refuses further folds until `reset`. Pass ``out``
         (a float32 tensor of ``numel`` elements) to keep the sum intact.
         """
         if self._count == 0:
@@ -401,8 +360,47 @@ class WeightedAccumulator:
         return torch.div(self._buf, self._total_weight, out=out)
 
     def reset(self) -> None:
-        """Start a new sum, reusing the same buffer (zeroed lazily, see ``__init__``)."""
+        """Start a new sum, reusing the buffers (zeroed lazily, see ``__init__``)."""
         self._holds_sum = False
         self._count = 0
         self._total_weight = 0.0
         self._dirty = False
+
+
+_FP32 = torch.finfo(torch.float32)
+
+
+def _check_weight(weight: float) -> float:
+    """A weight as a float, finite and positive also once rounded to fp32 (the fold multiplies
+    in fp32: a weight beyond fp32's range would turn finite updates into ±Inf in the sum)."""
+    weight = float(weight)
+    if not _FP32.tiny <= weight <= _FP32.max:
+        raise ValueError(f"weight must be finite and positive, within fp32's normal range "
+                         f"[{_FP32.tiny:.3g}, {_FP32.max:.3g}], got {weight}")
+    return weight
+
+
+def _tiles(pieces: Sequence[tuple[int, torch.Tensor]], numel: int) -> bool:
+    """True if the pieces cover [0, numel) exactly once (then every element gets written)."""
+    end = 0
+    for offset, piece in sorted(pieces, key=lambda item: item[0]):
+        if piece.numel() == 0:
+            continue
+        if offset != end:
+            return False
+        end += piece.numel()
+    return end == numel
+
+
+def _reason(x: torch.Tensor, begin: int, end: int, numel: int) -> str:
+    """Why a chunk's sum of squares was not finite (rare path: chunk-sized temporaries)."""
+    bad = ~torch.isfinite(x)
+    count = int(bad.sum())
+    if not count:
+        return (f"all values finite but the fp32 sum of squares of elements [{begin}, {end}) "
+                "overflowed (update too large)")
+    first = int(bad.nonzero()[0])
+    value = float(x[first])
+    kind = "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+    return (f"non-finite value ({kind}) at element {begin + first} of {numel} "
+            f"({count} non-finite in elements [{begin}, {end}))")

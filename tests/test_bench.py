@@ -27,14 +27,23 @@ def test_outer_bench_smoke() -> None:
     assert result["ours"]["wire_gbps"] == pytest.approx(result["ours"]["fp32_gbps"] / 2, rel=0.05)
     # our mean of the fp32 replies equals Flower's FedAvg mean (to fp32 rounding)
     assert result["flower"]["max_abs_diff_vs_ours"] < 1e-8
+    # both groupings of the replies give the same sum, bit for bit
+    assert result["ours"]["bit_identical"] is True
+    ours, one = result["ours"], result["ours_one_at_a_time"]
+    assert 0 < ours["aggregation_s"] < ours["best_s"] and 0 < one["aggregation_s"] < one["best_s"]
     assert set(result["checks"]) == {"throughput", "speedup", "memory"}
+    speedup = result["checks"]["speedup"]
+    assert speedup["ratio"] < speedup["aggregation_ratio"]  # strict: our step has Nesterov too
     text = format_outer_bench(result)
     for needle in ("bytes copied/s", "bytes read+written/s", "fp32-eq GB/s", "speed-up",
-                   "peak extra memory", "ours, 3 updates", "first step (cold)"):
+                   "strict", "aggregation vs aggregation", "one add_batch_checked",
+                   "one at a time (batches of 1)", "bit-identical", "peak extra memory",
+                   "ours, 3 updates", "first 2 steps (cold)"):
         assert needle in text
     assert text.count("PASS") + text.count("FAIL") == 3
 
 
-def test_main_rejects_bad_precision() -> None:
+def test_main_rejects_bad_precision(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["outer", "--precision", "int8"])
+    assert "usage: fl-geo bench outer" in capsys.readouterr().err
