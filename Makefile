@@ -9,11 +9,11 @@ DATA_STAMP := $(VENV)/.corpora
 
 .PHONY: setup quickstart test test-fast lint bench clean
 
+# torch first, pinned: this machine installs the 2.13.0 CPU wheel offline; an unpinned torch
+# would pull the newest CUDA build (several GB). Everything else is pinned by constraints.txt.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch first, pinned: this machine installs the 2.13.0 CPU wheel offline; an unpinned torch
-	# would pull the newest CUDA build (several GB).
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)

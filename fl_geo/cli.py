@@ -75,8 +75,11 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     names = tuple(args.names) or ("bible", "shakespeare")
     info = fetch_corpora(names, args.data_dir)
-    for name, entry in info.items():
-        print(f"{name}: {entry}")
+    for name, e in info.items():
+        mb = e.get("bytes", 0) / 1e6
+        groups = ", ".join(e.get("groups", []))
+        print(f"{name}: {e.get('status')} - {e.get('documents')} documents, {mb:.1f} MB, groups {groups}; "
+              f"text sha256 {str(e.get('text_sha256', ''))[:12]}... at {e.get('path')}")
     return 0
 
 
