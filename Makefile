@@ -27,8 +27,7 @@ $(DATA_STAMP): $(STAMP)
 setup: $(STAMP) $(DATA_STAMP)
 
 quickstart: setup
-	$(BIN)/fl-geo run configs/quickstart_diloco.yaml configs/quickstart_fedavg.yaml \
-		--out runs/quickstart --table runs/quickstart/summary.md
+	$(BIN)/fl-geo compare configs/quickstart_diloco.yaml configs/quickstart_fedavg.yaml --out runs/quickstart
 
 test: setup
 	$(BIN)/python -m pytest -q

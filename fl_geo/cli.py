@@ -1,6 +1,8 @@
 """``fl-geo``: run experiments, fetch the offline corpora, benchmark the server path.
 
     fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
+    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--out DIR]
+                                                     table + plots of several runs
     fl-geo config CONFIG [key=value ...]             print the resolved configuration
     fl-geo data fetch [--data-dir D] [NAME ...]      download + extract the pinned corpora
     fl-geo bench outer [--params N] [--updates K] [--precision P] [--quick]
@@ -62,6 +64,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fl_geo.compare import compare, load_run
+    from fl_geo.simulation import run_simulation
+
+    configs, overrides = _split(args.items)
+    resolved = [load_config(c, overrides) for c in configs]
+    out = Path(args.out)
+    runs = [load_run(p) for p in args.runs]
+    for cfg in resolved:
+        summary = run_simulation(cfg, out / "runs" / cfg.run.name)
+        runs.append(load_run(summary["run_dir"]))
+    if not runs:
+        raise ConfigError("fl-geo compare needs config files to run and/or --runs DIR ...")
+    result = compare(runs, out, args.target)
+    print(result["table"])
+    for kind, path in result["plots"].items():
+        print(f"plot ({kind}): {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     configs, overrides = _split(args.items)
     if len(configs) > 1:
@@ -99,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="put each run in OUT/<run.name> instead of run.out_dir/<name>-<time>")
     r.add_argument("--table", help="also write the summary table (Markdown) to this file")
     r.set_defaults(func=cmd_run)
+
+    cmp_ = sub.add_parser("compare", help="run configs and/or read finished runs; write a table and plots")
+    cmp_.add_argument("items", nargs="*", help="config files to run and key=value overrides for them")
+    cmp_.add_argument("--runs", nargs="*", default=[], help="finished run directories to include")
+    cmp_.add_argument("--target", type=float, default=None, help="target val loss (default: the worst final loss)")
+    cmp_.add_argument("--out", default="runs/compare", help="where compare.md and the PNG plots go")
+    cmp_.set_defaults(func=cmd_compare)
 
     c = sub.add_parser("config", help="print a resolved config")
     c.add_argument("items", nargs="*")

@@ -1,0 +1,142 @@
+"""Compare finished runs: one Markdown table and PNG plots of validation loss.
+
+Reads each run directory's ``metrics.jsonl`` and ``summary.json`` (what every fl-geo run writes), so
+it works on runs made by ``fl-geo run``, ``flwr run .`` or a deployment alike, and ``fl-geo compare
+CONFIG ...`` simply runs the configs first. Time-to-target is read at the evaluation points, without
+interpolation: the first logged step whose ``val/loss`` is at or below the target, reported in
+virtual time (``time/virtual_s``, when the run used the virtual clock), wall time and tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fl_geo.metrics import read_metrics
+
+LOSS = "val/loss"
+VIRTUAL = "time/virtual_s"
+WALL = "time/wall_s"
+TOKENS = "train/tokens"
+
+
+@dataclass
+class RunRecord:
+    """One finished run as the comparison sees it."""
+
+    name: str
+    path: Path
+    summary: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+    def series(self, x_key: str) -> tuple[list[float], list[float]]:
+        """(x, val loss) at every logged evaluation that has both values."""
+        xs, ys = [], []
+        for row in self.rows:
+            x, y = row.get(x_key), row.get(LOSS)
+            if x is not None and y is not None:
+                xs.append(float(x))
+                ys.append(float(y))
+        return xs, ys
+
+    def first_reaching(self, target: float, x_key: str) -> float | None:
+        for x, y in zip(*self.series(x_key), strict=True):
+            if y <= target:
+                return x
+        return None
+
+    @property
+    def final_loss(self) -> float | None:
+        _, ys = self.series(WALL)
+        return ys[-1] if ys else None
+
+
+def load_run(path: str | Path) -> RunRecord:
+    """A run directory (or its metrics.jsonl); clear error if it is not a finished fl-geo run."""
+    p = Path(path)
+    if p.is_file():
+        p = p.parent
+    if not (p / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{p} has no metrics.jsonl: not an fl-geo run directory")
+    summary_path = p / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    return RunRecord(summary.get("name", p.name), p, summary, read_metrics(p))
+
+
+def default_target(runs: list[RunRecord]) -> float:
+    """The worst final validation loss among the runs: the lowest loss every run reached."""
+    finals = [r.final_loss for r in runs if r.final_loss is not None]
+    if not finals:
+        raise ValueError("no run logged a validation loss (val/loss)")
+    return max(finals)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def markdown_table(runs: list[RunRecord], target: float) -> str:
+    head = (
+        f"| run | strategy | final val loss | virtual s to {target:.3f} | wall s to {target:.3f} | "
+        f"tokens to {target:.3f} | total tokens | MB up | MB down | rejected |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in runs:
+        s = r.summary
+        strategy = s.get("strategy", "?")
+        if s.get("outer_optimizer"):
+            strategy += f" ({s['outer_optimizer']})"
+        lines.append(
+            f"| {r.name} | {strategy} | {_fmt(r.final_loss, '.4f')} | "
+            f"{_fmt(r.first_reaching(target, VIRTUAL), '.1f')} | {_fmt(r.first_reaching(target, WALL), '.1f')} | "
+            f"{_fmt(r.first_reaching(target, TOKENS), ',.0f')} | {_fmt(s.get('tokens'), ',')} | "
+            f"{_fmt(s.get('bytes_up', 0) / 1e6, '.1f')} | {_fmt(s.get('bytes_down', 0) / 1e6, '.1f')} | "
+            f"{_fmt(s.get('rejected'), 'd')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: float | None = None) -> Path | None:
+    """Validation loss against ``x_key`` for every run that logged it; None if none did."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    series = [(r.name, *r.series(x_key)) for r in runs]
+    series = [s for s in series if s[1]]
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for name, xs, ys in series:
+        ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.4, label=name)
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = None) -> dict[str, Any]:
+    """Write ``compare.md`` and the plots into ``out_dir``; return what was written."""
+    if not runs:
+        raise ValueError("nothing to compare")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = default_target(runs) if target is None else target
+    table = markdown_table(runs, target)
+    (out / "compare.md").write_text(table + "\n", encoding="utf-8")
+    plots = {
+        "virtual": plot(runs, VIRTUAL, "virtual time (s, modelled WAN + accelerators)", out / "val_loss_vs_virtual_time.png", target),
+        "wall": plot(runs, WALL, "wall time (s)", out / "val_loss_vs_wall_time.png", target),
+        "tokens": plot(runs, TOKENS, "tokens consumed", out / "val_loss_vs_tokens.png", target),
+    }
+    return {"table": table, "target": target, "plots": {k: str(v) for k, v in plots.items() if v is not None}}

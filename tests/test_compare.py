@@ -1,0 +1,63 @@
+"""The comparison tool on real (tiny) runs and on hand-made metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fl_geo.cli import main as cli_main
+from fl_geo.compare import compare, default_target, load_run, markdown_table
+
+
+def _fake_run(tmp_path, name, losses, virtual=True):
+    d = tmp_path / name
+    d.mkdir()
+    rows = []
+    for i, loss in enumerate(losses):
+        row = {"step": i, "time/wall_s": 10.0 * i, "train/tokens": 1000 * i, "val/loss": loss}
+        if virtual:
+            row["time/virtual_s"] = 100.0 * i
+        rows.append(row)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"name": name, "strategy": "diloco", "tokens": 1000 * (len(losses) - 1),
+                                                "bytes_up": 2e6, "bytes_down": 2e6, "rejected": 1}))
+    return d
+
+
+def test_time_to_target_is_read_at_evaluation_points(tmp_path):
+    a = load_run(_fake_run(tmp_path, "a", [5.0, 3.0, 2.0, 1.5]))
+    b = load_run(_fake_run(tmp_path, "b", [5.0, 4.0, 2.5, 1.9], virtual=False))
+    assert default_target([a, b]) == 1.9  # the worst final loss: every run reaches it
+    assert a.first_reaching(2.0, "time/virtual_s") == 200.0
+    assert a.first_reaching(2.0, "time/wall_s") == 20.0
+    assert a.first_reaching(2.0, "train/tokens") == 2000
+    assert b.first_reaching(1.0, "time/wall_s") is None
+    table = markdown_table([a, b], 2.0)
+    assert "| a | diloco | 1.5000 | 200.0 | 20.0 | 2,000 |" in table
+    assert "| b | diloco | 1.9000 | — | 30.0 | 3,000 |" in table  # no virtual clock in run b
+
+
+def test_compare_writes_table_and_plots(tmp_path):
+    runs = [load_run(_fake_run(tmp_path, n, ls)) for n, ls in (("a", [5, 3, 2]), ("b", [5, 4, 2.5]))]
+    result = compare(runs, tmp_path / "out")
+    assert (tmp_path / "out" / "compare.md").read_text().startswith("| run |")
+    for kind in ("virtual", "wall", "tokens"):
+        png = tmp_path / "out" / result["plots"][kind].split("/")[-1]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an fl-geo run"):
+        load_run(tmp_path)
+
+
+def test_cli_compare_runs_configs_and_reads_runs(tmp_path, capsys):
+    from tests.conftest import TINY
+
+    old = _fake_run(tmp_path, "old", [5.6, 4.0, 3.9])
+    code = cli_main(["compare", "configs/quickstart_diloco.yaml", *TINY, "--runs", str(old), "--out", str(tmp_path / "cmp")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "quickstart-diloco" in out and "| old |" in out
+    assert (tmp_path / "cmp" / "val_loss_vs_tokens.png").is_file()
