@@ -1,19 +1,28 @@
 """Push/pull of jobs on a Flower ``Grid``, with the bookkeeping every strategy needs.
 
 Flower's ``send_and_receive`` polls every 3 s in deployment and hands back all replies at once, so
-fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (FLOWER_NOTES.md). This module owns
-that loop: at most one message in flight per node (two messages to one node race on
-``context.state``), error replies and nodes that vanish from ``grid.get_node_ids()`` are dropped and
-logged, late replies of an abandoned job are discarded, and replies are handed to the strategy in a
-deterministic order so that a seeded simulation folds floating-point sums in the same order every time.
+fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (FLOWER_NOTES.md). One
+:class:`Dispatcher` serves every strategy:
+
+- at most one message in flight per node (two messages to one node race on ``context.state``);
+- error replies and nodes that vanish from ``grid.get_node_ids()`` become events the strategy sees
+  once, so their work is never counted twice; replies to abandoned jobs are discarded when they come;
+- a clock decides the order in which replies are handed over: arrival order with a wall clock, the
+  jobs' modelled finish times with a virtual clock (``fl_geo.clock``), so a seeded simulation gives
+  the same event order, and the same model, however the real processes happen to finish;
+- asynchronous strategies consume :meth:`Dispatcher.next_event` one event at a time; a synchronous
+  round is the special case :meth:`Dispatcher.run_jobs`: "hand everything over once every job of
+  the round is resolved".
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -21,6 +30,50 @@ from flwr.serverapp import Grid
 log = logging.getLogger("fl_geo")
 
 PROFILE_KEY = "profile"
+
+
+class Clock(Protocol):
+    """What the dispatcher needs from ``fl_geo.clock.WallClock`` / ``VirtualClock``."""
+
+    is_virtual: bool
+
+    def now(self) -> float: ...
+    def schedule(self, job_id: str, node: int, *, steps: int, bytes_down: int, bytes_up: int) -> float: ...
+    def due(self) -> str | None: ...
+    def finish_time(self, job_id: str) -> float: ...
+    def complete(self, job_id: str) -> float: ...
+    def cancel(self, job_id: str) -> None: ...
+    def advance_to(self, t: float) -> None: ...
+
+
+class ArrivalClock:
+    """Wall time; replies are handed over in the order they arrive (deployment, simple simulation)."""
+
+    is_virtual = False
+
+    def __init__(self) -> None:
+        self._t0 = time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def schedule(self, job_id: str, node: int, *, steps: int, bytes_down: int, bytes_up: int) -> float:
+        return float("nan")  # unknown until the reply comes
+
+    def due(self) -> str | None:
+        return None
+
+    def finish_time(self, job_id: str) -> float:
+        return float("nan")
+
+    def complete(self, job_id: str) -> float:
+        return self.now()
+
+    def cancel(self, job_id: str) -> None:
+        return None
+
+    def advance_to(self, t: float) -> None:
+        return None
 
 
 @dataclass
@@ -39,9 +92,45 @@ class NodeProfile:
         return (self.partition_id, self.node_id)
 
 
+@dataclass(frozen=True)
+class JobTiming:
+    """What a virtual clock needs to know about a job when it is dispatched."""
+
+    slot: int  # the node's index in the scenario (its partition id)
+    steps: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+@dataclass
+class Job:
+    """One message in flight to one node."""
+
+    id: str
+    node: int
+    kind: str
+    seq: int
+    submitted_at: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Event:
+    """A job resolved: a reply, an error reply, or its node vanished (``reply`` is then None)."""
+
+    job: Job
+    reply: Message | None
+    error: str | None
+    time: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.reply is not None
+
+
 @dataclass
 class RoundOutcome:
-    """What happened to the jobs of one round."""
+    """What happened to the jobs of one synchronous round."""
 
     replied: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
@@ -49,16 +138,28 @@ class RoundOutcome:
     timed_out: list[int] = field(default_factory=list)
 
 
-class Dispatcher:
-    """Sends jobs to nodes and hands their replies over in a chosen order."""
+_VANISHED = object()
 
-    def __init__(self, grid: Grid, poll_interval_s: float = 0.02, liveness_every_s: float = 2.0):
+
+class Dispatcher:
+    """Sends jobs to nodes and hands their outcomes over in clock order."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        clock: Clock | None = None,
+        poll_interval_s: float = 0.02,
+        liveness_every_s: float = 2.0,
+    ) -> None:
         self.grid = grid
+        self.clock: Clock = clock or ArrivalClock()
         self.poll_interval_s = poll_interval_s
         self.liveness_every_s = liveness_every_s
-        # message id -> node id of every job whose reply has not been pulled yet (this run's jobs,
-        # including abandoned ones: their node stays busy until the reply, or an error, arrives).
-        self._inflight: dict[str, int] = {}
+        self._jobs: dict[str, Job] = {}  # in flight, not yet handed over
+        self._arrived: dict[str, Any] = {}  # job id -> reply (or _VANISHED), in arrival order
+        self._abandoned: dict[str, int] = {}  # timed-out jobs: node stays busy until the reply comes
+        self._seq = itertools.count()
+        self._next_liveness = 0.0
         self.late_replies = 0
 
     # ---- membership -------------------------------------------------------------------------
@@ -66,7 +167,10 @@ class Dispatcher:
         return sorted(self.grid.get_node_ids())
 
     def busy_nodes(self) -> set[int]:
-        return set(self._inflight.values())
+        return {j.node for j in self._jobs.values()} | set(self._abandoned.values())
+
+    def in_flight(self) -> list[Job]:
+        return list(self._jobs.values())
 
     def wait_for_nodes(self, minimum: int, timeout_s: float) -> list[int]:
         """Block until ``minimum`` nodes are connected; a clear error if they never come."""
@@ -110,97 +214,182 @@ class Dispatcher:
         return profiles
 
     # ---- jobs ---------------------------------------------------------------------------------
+    def submit(self, messages: Sequence[Message], timings: Sequence[JobTiming] | None = None,
+               meta: Sequence[dict[str, Any]] | None = None) -> list[Job]:
+        """Push one message per node; with a virtual clock each job's finish time is fixed now.
+
+        A node that already has a job in flight is refused (ValueError): the caller must wait for
+        its event first. A node unknown to the grid yields an immediate "vanished" event.
+        """
+        dst = [m.metadata.dst_node_id for m in messages]
+        if len(set(dst)) != len(dst):
+            raise ValueError("at most one message per node (they would race on context.state)")
+        busy = self.busy_nodes() & set(dst)
+        if busy:
+            raise ValueError(f"nodes {sorted(busy)} still have a job in flight")
+        if timings is not None and len(timings) != len(messages):
+            raise ValueError("one JobTiming per message")
+        ids = list(self.grid.push_messages(messages))
+        jobs = []
+        now = self.clock.now()
+        for i, (msg, mid, nid) in enumerate(zip(messages, ids, dst, strict=True)):
+            job_id = mid or f"unsent-{nid}-{next(self._seq)}"
+            job = Job(job_id, nid, msg.metadata.message_type, next(self._seq), now, dict(meta[i]) if meta else {})
+            timing = timings[i] if timings is not None else JobTiming(slot=0)
+            self.clock.schedule(job_id, timing.slot, steps=timing.steps, bytes_down=timing.bytes_down,
+                                bytes_up=timing.bytes_up)
+            self._jobs[job_id] = job
+            if not mid:  # Flower returns an empty id for a node it does not know
+                self._arrived[job_id] = _VANISHED
+            jobs.append(job)
+        return jobs
+
+    def abandon(self, job: Job) -> None:
+        """Give up on a job (round timeout): its node stays busy until its late reply is pulled."""
+        if self._jobs.pop(job.id, None) is None:
+            return
+        self.clock.cancel(job.id)
+        if self._arrived.pop(job.id, None) is None:
+            self._abandoned[job.id] = job.node
+
+    def _pull(self) -> bool:
+        ids = [j for j in self._jobs if j not in self._arrived] + list(self._abandoned)
+        if not ids:
+            return False
+        got = False
+        for reply in self.grid.pull_messages(ids):
+            mid = reply.metadata.reply_to_message_id
+            if mid in self._abandoned:
+                self._abandoned.pop(mid)
+                self.late_replies += 1
+            elif mid in self._jobs and mid not in self._arrived:
+                self._arrived[mid] = reply
+                got = True
+        return got
+
+    def _check_liveness(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_liveness:
+            return
+        self._next_liveness = now + self.liveness_every_s
+        live = set(self.grid.get_node_ids())
+        for jid, job in self._jobs.items():
+            if jid not in self._arrived and job.node not in live:
+                log.warning("node %s vanished with a job in flight; dropped", job.node)
+                self._arrived[jid] = _VANISHED
+        for jid, node in list(self._abandoned.items()):
+            if node not in live:
+                self._abandoned.pop(jid)
+
+    def _resolve(self, job_id: str) -> Event:
+        job = self._jobs.pop(job_id)
+        reply = self._arrived.pop(job_id)
+        if reply is _VANISHED:
+            self.clock.cancel(job_id)
+            return Event(job, None, "vanished", self.clock.now())
+        t = self.clock.complete(job_id)
+        if reply.has_error():
+            err = f"{reply.error.code}: {reply.error.reason}"
+            log.warning("node %s replied with an error, dropped: %s", job.node, err)
+            return Event(job, reply, err, t)
+        return Event(job, reply, None, t)
+
+    def _ready(self) -> str | None:
+        """The job whose outcome may be handed over now, if any."""
+        vanished = next((j for j, r in self._arrived.items() if r is _VANISHED), None)
+        if vanished is not None:
+            return vanished  # a dead node's job never finishes in any clock
+        if self.clock.is_virtual:
+            due = self.clock.due()
+            return due if due is not None and due in self._arrived else None
+        return next(iter(self._arrived), None)
+
+    def next_event(self, deadline: float | None = None, block: bool = True) -> Event | None:
+        """The next resolved job in clock order, or None.
+
+        None means: nothing is in flight, or ``deadline`` (clock time) came first (a virtual clock
+        then stands at the deadline), or ``block`` is False and nothing can be handed over yet.
+        """
+        virtual = self.clock.is_virtual
+        while True:
+            jid = self._ready()
+            if jid is not None and (
+                self._arrived[jid] is _VANISHED or not virtual or deadline is None
+                or self.clock.finish_time(jid) <= deadline
+            ):
+                return self._resolve(jid)
+            if virtual and deadline is not None:
+                due = self.clock.due()
+                if due is None or self.clock.finish_time(due) > deadline:
+                    self.clock.advance_to(deadline)  # the window closes before the next event
+                    return None
+            if not self._jobs:
+                return None
+            if not virtual and deadline is not None and self.clock.now() >= deadline:
+                return None
+            got = self._pull()
+            self._check_liveness()
+            if not got:
+                if not block:
+                    return None
+                time.sleep(self.poll_interval_s)
+
     def run_jobs(
         self,
         messages: list[Message],
         on_replies: Callable[[Sequence[tuple[int, Message]]], None],
         order: list[int] | None,
         timeout_s: float = 0.0,
+        timings: Sequence[JobTiming] | None = None,
     ) -> RoundOutcome:
-        """Push one message per node, then hand the good replies to ``on_replies`` in groups.
+        """A synchronous round: push one message per node, hand good replies over in groups.
 
-        A group is every reply that can be handed over at one pull: the strategy folds a group in
-        one pass over its buffers, which is several times cheaper than one pass per reply when
-        replies arrive together. ``order`` lists the destination nodes in hand-over order: a reply
-        that arrives early waits until every node before it has replied or failed (deterministic
-        folding). ``None`` hands replies over as they arrive. ``timeout_s`` > 0 abandons the jobs still running after that
-        long; their node stays busy until its late reply is pulled and discarded.
+        A group is every reply that can be handed over at once: the strategy folds a group in one
+        pass over its buffers, several times cheaper than one pass per reply. ``order`` lists the
+        nodes in hand-over order: a reply that resolves early waits until every node before it
+        has replied or failed (deterministic folding whatever the clock). ``None`` hands replies
+        over in clock order. ``timeout_s`` > 0 (wall seconds) abandons jobs still running then.
         """
-        dst = [m.metadata.dst_node_id for m in messages]
-        if len(set(dst)) != len(dst):
-            raise ValueError("at most one message per node per call (they would race on context.state)")
-        busy = self.busy_nodes() & set(dst)
-        if busy:
-            raise ValueError(f"nodes {sorted(busy)} still have a job in flight")
-        msg_ids = list(self.grid.push_messages(messages))
-        pending: dict[str, int] = {}
+        jobs = self.submit(messages, timings)
         outcome = RoundOutcome()
-        for mid, nid in zip(msg_ids, dst, strict=True):
-            if not mid:  # Flower returns an empty id when the node is unknown
-                outcome.vanished.append(nid)
-                continue
-            pending[mid] = nid
-            self._inflight[mid] = nid
-        queue = [n for n in (order if order is not None else dst) if n not in outcome.vanished]
-        ready: dict[int, Message | None] = {}  # node -> reply, or None when it failed
+        queue = [j.node for j in jobs] if order is None else list(order)
+        resolved: dict[int, Message | None] = {}
+        remaining = {j.id for j in jobs}
         deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
-        next_liveness = time.monotonic() + self.liveness_every_s
 
         def hand_over() -> None:
             group: list[tuple[int, Message]] = []
-            while queue and queue[0] in ready:
+            while queue and queue[0] in resolved:
                 nid = queue.pop(0)
-                reply = ready.pop(nid)
+                reply = resolved.pop(nid)
                 if reply is not None:
                     group.append((nid, reply))
                     outcome.replied.append(nid)
             if group:
                 on_replies(group)
 
-        while pending:
-            got = False
-            for reply in self.grid.pull_messages(list(self._inflight)):
-                got = True
-                mid = reply.metadata.reply_to_message_id
-                nid = self._inflight.pop(mid, None)
-                if mid not in pending:
-                    self.late_replies += 1  # a reply to a job abandoned in an earlier round
-                    continue
-                pending.pop(mid)
-                if reply.has_error():
-                    err = f"{reply.error.code}: {reply.error.reason}"
-                    log.warning("node %s replied with an error, dropped: %s", nid, err)
-                    outcome.errors[nid] = err
-                    ready[nid] = None
-                else:
-                    ready[nid] = reply
-            if got:
-                if order is None:
-                    queue.sort(key=lambda n: n not in ready)  # arrival order (stable sort)
+        while remaining:
+            ev = self.next_event(block=False)
+            if ev is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    for job in [j for j in jobs if j.id in remaining]:
+                        log.warning("node %s exceeded the round timeout; its job is abandoned", job.node)
+                        self.abandon(job)
+                        outcome.timed_out.append(job.node)
+                        resolved[job.node] = None
+                        remaining.discard(job.id)
+                    break
                 hand_over()
-            if not pending:
-                break
-            now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + self.liveness_every_s
-                live = set(self.grid.get_node_ids())
-                for mid, nid in list(pending.items()):
-                    if nid not in live:
-                        log.warning("node %s vanished with a job in flight; dropped", nid)
-                        pending.pop(mid)
-                        self._inflight.pop(mid, None)
-                        outcome.vanished.append(nid)
-                        ready[nid] = None
-                hand_over()
-            if deadline is not None and now > deadline:
-                for _mid, nid in list(pending.items()):
-                    log.warning("node %s exceeded the round timeout; its job is abandoned", nid)
-                    outcome.timed_out.append(nid)
-                    ready[nid] = None
-                pending.clear()
-                hand_over()
-                break
-            if not got:
+                self._check_liveness()
                 time.sleep(self.poll_interval_s)
+                continue
+            remaining.discard(ev.job.id)
+            if ev.error == "vanished":
+                outcome.vanished.append(ev.job.node)
+            elif ev.error is not None:
+                outcome.errors[ev.job.node] = ev.error
+            resolved[ev.job.node] = ev.reply if ev.ok else None
+            if order is None:
+                queue.sort(key=lambda n: n not in resolved)  # clock order (stable sort)
         hand_over()
         return outcome
