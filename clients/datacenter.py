@@ -112,7 +112,10 @@ def train(msg: Message, context: Context) -> Message:
         opt = state.array_records[OPT_STATE_KEY]
         trainer.load_optimizer_state({k: torch.from_numpy(a.numpy()) for k, a in opt.items()})
     progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
-    start_step = int(progress["step"])
+    # schedule_clock (ALGORITHMS.md §1): "local" continues our own step count; asynchronous
+    # strategies send a global position so a slow worker does not linger at a high learning rate.
+    local_step = int(progress["step"])
+    start_step = int(cfg["start_step"]) if "start_step" in cfg else local_step
 
     parts, _ = partitions(cfg["data"], nparts)
     part = parts[pid]
@@ -124,11 +127,16 @@ def train(msg: Message, context: Context) -> Message:
     train_time = time.perf_counter() - t0
 
     local = flatten(model.state_dict())
-    delta = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
-    arrays = encode(delta, spec, str(cfg["wire_up"]))
+    if str(cfg.get("send", "pseudo_grad")) == "params":
+        # Di-PS's "current" base (Algorithm 1, line 10): the server subtracts from its own
+        # current model, so the worker ships its parameters.
+        arrays = encode(local, spec, str(cfg["wire_up"]))
+    else:
+        delta = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
+        arrays = encode(delta, spec, str(cfg["wire_up"]))
 
     state[OPT_STATE_KEY] = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
-    state[PROGRESS_KEY] = ConfigRecord({"step": start_step + result.steps, "rounds": int(progress["rounds"]) + 1})
+    state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1})
 
     metrics = MetricRecord(
         {

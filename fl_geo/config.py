@@ -31,6 +31,12 @@ STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "fedavgm": ("sgdm",),
     "fedadam": ("fedadam",),
     "fedyogi": ("fedyogi",),
+    # asynchronous (ALGORITHMS.md §5)
+    "fedbuff": ("avg",),
+    "fedasync": ("avg",),
+    "async_diloco": ("nesterov",),
+    "async_local_sgd": ("delayed_nesterov",),
+    "dips": ("nesterov",),
 }
 STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "diloco": (0.7, 0.9),
@@ -38,7 +44,13 @@ STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "fedavgm": (1.0, 0.9),
     "fedadam": (0.1, 0.0),
     "fedyogi": (0.01, 0.0),
+    "fedbuff": (1.0, 0.0),
+    "fedasync": (1.0, 0.0),
+    "async_diloco": (0.7, 0.9),
+    "async_local_sgd": (0.05 * 32, 0.9),  # HALoS harness: lr 0.05 x N with N = 32
+    "dips": (0.7, 0.8),  # Di-PS: Nesterov 0.7 / 0.8
 }
+ASYNC_STRATEGIES = ("fedbuff", "fedasync", "async_diloco", "async_local_sgd", "dips")
 
 
 class ConfigError(ValueError):
@@ -53,6 +65,11 @@ class RunSection:
     seed: int = 0
     rounds: int = 10
     num_clients: int = 4  # simulated datacenters (Flower virtual SuperNodes)
+    max_tokens: int = 0  # stop once this many tokens were consumed (0 = only run.rounds limits)
+    # wall: replies in arrival order; virtual: modelled finish times from run.scenario decide the
+    # order and every metric carries time/virtual_s (deterministic for a seed).
+    clock: str = "wall"
+    scenario: str = "lan_uniform"  # a name under configs/scenarios/ or a YAML path
     # ray: Flower's simulation runtime (one Ray actor per sim_cpus, ClientApps in parallel);
     # inline: ClientApps run in this process one after another (no Ray start-up; deterministic).
     backend: str = "ray"
@@ -79,8 +96,18 @@ class StrategySection:
     beta1: float = 0.9  # fedadam / fedyogi
     beta2: float = 0.99
     tau: float = 1e-3
-    buffer_size: int = 1  # delayed_nesterov N
-    activation: float = 0.0  # delayed_nesterov c
+    delay_buffer: int = 1  # delayed_nesterov N
+    delay_activation: float = 0.0  # delayed_nesterov c
+    # asynchronous strategies (ALGORITHMS.md §5)
+    buffer_size: int = 0  # accepted updates per outer step (FedBuff K); 0 = strategy default
+    staleness_weighting: bool = False  # FedBuff s(tau) = 1/sqrt(1 + tau)
+    mixing: float = 0.6  # FedAsync alpha
+    staleness_exponent: float = 0.5  # FedAsync a: alpha_t = alpha (1 + tau)^-a
+    grace_s: float = -1.0  # Di-PS grace window; -1 = ski-rental estimate, >= 0 fixed
+    grace_max_s: float = 60.0
+    pseudo_grad_base: str = "dispatch"  # dispatch | current (Di-PS line 10: workers send parameters)
+    schedule_clock: str = ""  # local | global; "" = local for synchronous, global for asynchronous
+    dynupd: bool = False  # H_i = ceil(H * speed_i / max speed) (DyLU / DynUpd)
     weighting: str = "uniform"  # uniform | tokens
     inner_steps: int = 50  # H
     clients_per_round: int = 0  # 0 = every live node
@@ -89,6 +116,22 @@ class StrategySection:
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
+
+
+@dataclass
+class PenaltySection:
+    """Pseudo-gradient penalty (ALGORITHMS.md §4): Di-PS, EDiT and HALoS share it."""
+
+    enabled: bool = False
+    granularity: str = "global"  # global | module
+    rule: str = "zscore"  # zscore (EDiT) | relative_max (Di-PS)
+    threshold: float = 3.0  # delta (zscore) or beta (relative_max)
+    warmup: int = 20
+    keying: str = "node"  # node | pooled
+    weighting: str = "tokens"  # tokens | norm_softmax | uniform | staleness (or "a*b" products)
+    temperature: float = 1.0  # norm_softmax T; 0 = auto (mean accepted norm of the previous step)
+    clip: float = 0.0  # phi; 0 = no clipping
+    adaptive_threshold: bool = False
 
 
 @dataclass
@@ -138,6 +181,7 @@ class FlGeoConfig:
 
     run: RunSection = field(default_factory=RunSection)
     strategy: StrategySection = field(default_factory=StrategySection)
+    penalty: PenaltySection = field(default_factory=PenaltySection)
     wire: WireSection = field(default_factory=WireSection)
     model: ModelConfig = field(default_factory=ModelConfig)  # the model's own dataclass
     data: DataSection = field(default_factory=DataSection)
@@ -244,7 +288,28 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.inner_steps >= 1, f"strategy.inner_steps must be >= 1, got {s.inner_steps}")
     _require(s.outer_lr > 0, f"strategy.outer_lr must be > 0, got {s.outer_lr}")
     _require(0 <= s.outer_momentum < 1, f"strategy.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-    _require(s.buffer_size >= 1, "strategy.buffer_size must be >= 1")
+    _require(s.delay_buffer >= 1, "strategy.delay_buffer must be >= 1")
+    _require(s.buffer_size >= 0, "strategy.buffer_size must be >= 0")
+    is_async = s.name in ASYNC_STRATEGIES
+    if not s.buffer_size:
+        # FedBuff K = 2 (of 4 datacenters); Di-PS has no cap (the grace window or a full house decides); else one.
+        s.buffer_size = {"fedbuff": 2, "dips": 1_000_000}.get(s.name, 1)
+    _require(not (s.name == "fedasync" and s.buffer_size != 1), "fedasync mixes one update at a time (strategy.buffer_size=1)")
+    _require(s.pseudo_grad_base in ("dispatch", "current"), "strategy.pseudo_grad_base must be dispatch or current")
+    _require(not (s.pseudo_grad_base == "current" and not is_async), "strategy.pseudo_grad_base=current is for asynchronous strategies")
+    s.schedule_clock = s.schedule_clock or ("global" if is_async else "local")
+    _require(s.schedule_clock in ("local", "global"), "strategy.schedule_clock must be local or global")
+    _require(s.grace_s >= 0 or s.grace_s == -1, "strategy.grace_s must be >= 0 or -1 (auto)")
+    _require(0 < s.mixing <= 1, "strategy.mixing must be in (0, 1]")
+    _require(r.clock in ("wall", "virtual"), f"run.clock must be wall or virtual, got '{r.clock}'")
+    _require(r.max_tokens >= 0, "run.max_tokens must be >= 0")
+    p = cfg.penalty
+    _require(p.granularity in ("global", "module"), "penalty.granularity must be global or module")
+    _require(p.rule in ("zscore", "relative_max"), "penalty.rule must be zscore or relative_max")
+    _require(p.keying in ("node", "pooled"), "penalty.keying must be node or pooled")
+    _require(p.threshold > 0 and p.warmup >= 0 and p.clip >= 0 and p.temperature >= 0, "penalty: threshold > 0, warmup, clip, temperature >= 0")
+    for part in p.weighting.split("*"):
+        _require(part in ("tokens", "norm_softmax", "uniform", "staleness"), f"penalty.weighting part '{part}' is unknown")
     _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")

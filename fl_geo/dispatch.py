@@ -38,42 +38,13 @@ class Clock(Protocol):
     is_virtual: bool
 
     def now(self) -> float: ...
-    def schedule(self, job_id: str, node: int, *, steps: int, bytes_down: int, bytes_up: int) -> float: ...
+    def schedule(self, job_id: str, node: int, start: float | None = None, *, steps: int,
+                 bytes_down: int, bytes_up: int) -> float: ...
     def due(self) -> str | None: ...
     def finish_time(self, job_id: str) -> float: ...
     def complete(self, job_id: str) -> float: ...
     def cancel(self, job_id: str) -> None: ...
     def advance_to(self, t: float) -> None: ...
-
-
-class ArrivalClock:
-    """Wall time; replies are handed over in the order they arrive (deployment, simple simulation)."""
-
-    is_virtual = False
-
-    def __init__(self) -> None:
-        self._t0 = time.monotonic()
-
-    def now(self) -> float:
-        return time.monotonic() - self._t0
-
-    def schedule(self, job_id: str, node: int, *, steps: int, bytes_down: int, bytes_up: int) -> float:
-        return float("nan")  # unknown until the reply comes
-
-    def due(self) -> str | None:
-        return None
-
-    def finish_time(self, job_id: str) -> float:
-        return float("nan")
-
-    def complete(self, job_id: str) -> float:
-        return self.now()
-
-    def cancel(self, job_id: str) -> None:
-        return None
-
-    def advance_to(self, t: float) -> None:
-        return None
 
 
 @dataclass
@@ -152,7 +123,11 @@ class Dispatcher:
         liveness_every_s: float = 2.0,
     ) -> None:
         self.grid = grid
-        self.clock: Clock = clock or ArrivalClock()
+        if clock is None:
+            from fl_geo.clock import WallClock
+
+            clock = WallClock()
+        self.clock: Clock = clock
         self.poll_interval_s = poll_interval_s
         self.liveness_every_s = liveness_every_s
         self._jobs: dict[str, Job] = {}  # in flight, not yet handed over

@@ -23,12 +23,13 @@ from flwr.serverapp import Grid, ServerApp
 
 from fl_geo import __version__
 from fl_geo.builders import make_model
-from fl_geo.config import ConfigError, FlGeoConfig, load_config, to_dict, to_yaml
+from fl_geo.config import ASYNC_STRATEGIES, ConfigError, FlGeoConfig, load_config, to_dict, to_yaml
 from fl_geo.dispatch import Dispatcher
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
 from fl_geo.progress import Progress
 from fl_geo.state import ParamSpec, flatten
+from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.sync import SyncOuterLoop
 
 log = logging.getLogger("fl_geo")
@@ -84,6 +85,18 @@ def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) 
     }
 
 
+def make_clock(cfg: FlGeoConfig, num_params: int) -> tuple[Any, Any]:
+    """The run's clock, and its scenario when the clock is virtual (ALGORITHMS.md §8)."""
+    from fl_geo.clock import VirtualClock, WallClock
+
+    if cfg.run.clock == "wall":
+        return WallClock(), None
+    from fl_geo.scenario import load_scenario, scenario_for_nodes
+
+    scenario = scenario_for_nodes(load_scenario(cfg.run.scenario), cfg.run.num_clients)
+    return VirtualClock(scenario, scenario.modelled_params(fallback=num_params)), scenario
+
+
 def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Run one experiment to completion on ``grid``; returns (and writes) the run summary."""
     run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
@@ -96,7 +109,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         spec = ParamSpec.from_state_dict(model.state_dict())
         global_params = flatten(model.state_dict())
         del model
-        dispatcher = Dispatcher(grid)
+        clock, scenario = make_clock(cfg, spec.numel)
+        dispatcher = Dispatcher(grid, clock)
         minimum = cfg.run.min_nodes or cfg.run.num_clients
         nodes = dispatcher.wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
         profiles = dispatcher.query_profiles(nodes)
@@ -106,7 +120,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         evaluator = GlobalEvaluator(cfg, num_partitions)
         logger.write_json("meta.json", _meta(cfg, spec, evaluator))
         log.info("fl-geo: %s with %d nodes, %d parameters, run dir %s", cfg.strategy.name, len(profiles), spec.numel, run_dir)
-        loop = SyncOuterLoop(cfg, spec, global_params, dispatcher, profiles, logger, evaluator)
+        loop_cls = AsyncOuterLoop if cfg.strategy.name in ASYNC_STRATEGIES else SyncOuterLoop
+        loop = loop_cls(cfg, spec, global_params, dispatcher, profiles, logger, evaluator, scenario)
         progress = Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress)
         last = loop.run(progress)
         torch.save({"params": global_params, "spec": spec.to_json()}, run_dir / "final_model.pt")
@@ -124,6 +139,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "rejected": loop.total_rejected,
             "late_replies": dispatcher.late_replies,
             "wall_s": round(time.perf_counter() - t0, 3),
+            "virtual_s": clock.now() if clock.is_virtual else None,
+            "scenario": scenario.name if scenario is not None else None,
             "num_params": spec.numel,
             "run_dir": str(run_dir),
         }

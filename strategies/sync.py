@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fl_geo.accumulate import WeightedAccumulator
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json
-from fl_geo.dispatch import Dispatcher, NodeProfile
+from fl_geo.dispatch import Dispatcher, JobTiming, NodeProfile
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
 from fl_geo.outer import OuterOptimizer, build_outer_optimizer
@@ -46,7 +46,7 @@ def outer_optimizer_from_config(cfg: FlGeoConfig, numel: int) -> OuterOptimizer:
     if name == "nesterov":
         kwargs: dict[str, Any] = {"lr": s.outer_lr, "momentum": s.outer_momentum}
     elif name == "delayed_nesterov":
-        kwargs = {"lr": s.outer_lr, "momentum": s.outer_momentum, "buffer_size": s.buffer_size, "activation": s.activation}
+        kwargs = {"lr": s.outer_lr, "momentum": s.outer_momentum, "buffer_size": s.delay_buffer, "activation": s.delay_activation}
     elif name in ("avg", "sgdm"):
         kwargs = {"lr": s.outer_lr} if name == "avg" else {"lr": s.outer_lr, "momentum": s.outer_momentum}
     else:  # fedadam / fedyogi
@@ -100,6 +100,7 @@ class SyncOuterLoop:
         profiles: dict[int, NodeProfile],
         logger: MetricsLogger,
         evaluator: GlobalEvaluator | None,
+        scenario: Any | None = None,
     ) -> None:
         self.cfg = cfg
         self.spec = spec
@@ -108,6 +109,7 @@ class SyncOuterLoop:
         self.profiles = profiles
         self.logger = logger
         self.evaluator = evaluator
+        self.scenario = scenario  # set with a virtual clock: rounds cost compute + ring all-reduce
         self.optimizer = outer_optimizer_from_config(cfg, spec.numel)
         self.accumulator = WeightedAccumulator(spec.numel)
         self.version = 0  # outer steps applied
@@ -208,12 +210,23 @@ class SyncOuterLoop:
         stats = RoundStats()
         self.accumulator.reset()
         order = nodes if self.cfg.strategy.fold_order == "rank" else None
+        slots = [self.profiles[n].partition_id for n in nodes]
+        timings = None
+        if self.scenario is not None:
+            # Compute only: the exchange of a synchronous round is modelled as one ring
+            # all-reduce over the slowest link of the best ring (ALGORITHMS.md §8).
+            timings = [JobTiming(slot, self.cfg.strategy.inner_steps) for slot in slots]
         outcome = self.dispatcher.run_jobs(
             msgs,
             on_replies=lambda group: self.fold_replies(stats, group),
             order=order,
             timeout_s=self.cfg.strategy.round_timeout_s,
+            timings=timings,
         )
+        clock = self.dispatcher.clock
+        if self.scenario is not None:
+            nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))
+            clock.advance_to(clock.now() + self.scenario.allreduce_time(slots, nbytes))
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
         stepped = stats.accepted >= self.cfg.strategy.min_replies
         pg_norm = float("nan")
@@ -247,6 +260,7 @@ class SyncOuterLoop:
             "comm/bytes_down": down,
             "comm/bytes_up_total": self.total_bytes_up,
             "comm/bytes_down_total": self.total_bytes_down,
+            "time/virtual_s": clock.now() if clock.is_virtual else float("nan"),
         }
 
     def client_eval(self, rnd: int) -> dict[str, float]:
@@ -280,7 +294,7 @@ class SyncOuterLoop:
         r = self.cfg.run
         first = self.evaluate()
         if first:
-            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0})
+            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, "time/virtual_s": 0.0})
         for rnd in range(1, r.rounds + 1):
             metrics = self.train_round(rnd)
             last = rnd == r.rounds

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from fl_geo.clients.datacenter import OPT_STATE_KEY, PROGRESS_KEY
-from fl_geo.clients.datacenter import app as client_app
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 
+from fl_geo.clients.datacenter import OPT_STATE_KEY, PROGRESS_KEY
+from fl_geo.clients.datacenter import app as client_app
 from fl_geo.inline import InlineGrid
 from fl_geo.metrics import read_metrics
 from fl_geo.server_app import run_server

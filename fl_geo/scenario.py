@@ -1,0 +1,758 @@
+"""Scenarios: the modelled hardware and WAN a virtual-clock run pretends to have.
+
+A laptop simulation trains a small proxy model on one CPU, yet methods must be compared by the
+time they would take across real datacenters. A scenario supplies what that time depends on
+(ALGORITHMS.md §1, §6, §8): the regions and the bandwidth/latency between them, which region the
+parameter server sits in, each node's region and relative speed, the Di-PS η speed spread, and
+the *modelled* model (parameter count and base step time). Modelling e.g. Pythia-70M's 70 M
+parameters and 238 ms steps keeps the communication/compute ratio of the paper even though the
+proxy model being trained is a thousand times smaller.
+
+Scenarios are YAML files in ``configs/scenarios/`` loaded with omegaconf into the ``*Spec``
+dataclasses below, then validated into a :class:`Scenario`, which answers the timing questions
+(``step_time``, ``transfer_time``, ``job_time``, ring all-reduce) that :mod:`fl_geo.clock` and
+the strategies ask. Node index = partition id = the Flower node's ``partition-id``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import itertools
+import math
+import random
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fl_geo.config import ConfigError
+
+__all__ = [
+    "BYTES_PER_PARAM",
+    "EXACT_RING_MAX_REGIONS",
+    "FailureSpec",
+    "HeterogeneitySpec",
+    "JobTime",
+    "LinksSpec",
+    "ModelSpec",
+    "NodeSpec",
+    "Ring",
+    "Scenario",
+    "ScenarioError",
+    "ScenarioSpec",
+    "list_scenarios",
+    "load_scenario",
+    "payload_bytes",
+    "scenario_dirs",
+    "scenario_for_nodes",
+    "scenario_from_dict",
+    "scenario_from_yaml_string",
+]
+
+# Bytes per parameter of a model-sized payload on the wire (the outer state is always fp32).
+BYTES_PER_PARAM: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+SPREADS = ("even", "random")
+# Up to this many distinct regions the best all-reduce ring is found by enumerating every ring
+# ((R-1)! orders: 5,040 at R = 8); beyond it a greedy heuristic picks one (see Scenario.best_ring).
+EXACT_RING_MAX_REGIONS = 8
+# Relative slack when rounding step counts up: 0.3/0.1 is 2.9999999999999996 in floating point
+# and 0.7/0.1*... can land a hair above an integer; neither may cost a whole extra step.
+_CEIL_SLACK = 1e-9
+
+_REPO_SCENARIOS = Path(__file__).resolve().parents[1] / "configs" / "scenarios"
+
+
+class ScenarioError(ConfigError):
+    """A scenario is invalid or missing; the message names the key (or file) and why."""
+
+
+# ---- schema (omegaconf structured configs) ------------------------------------------------------
+
+
+@dataclass
+class NodeSpec:
+    """One node (datacenter / cluster / worker); its list index is its partition id."""
+
+    region: str = ""
+    speed: float = 1.0  # relative throughput; a node at model.reference_speed takes step_time_s
+    name: str = ""
+    accelerator: str = ""
+
+
+@dataclass
+class LinksSpec:
+    """Region-to-region links, rows/columns in ``regions`` order (row = sender, column = receiver).
+
+    Each matrix is either full (R rows of R values, may be asymmetric) or the upper triangle of a
+    symmetric one (row i holds the R-i values from the diagonal rightwards). The diagonal is the
+    intra-region link, used between nodes (or a node and a server) in the same region.
+    """
+
+    bandwidth_gbps: list[list[float]] = field(default_factory=list)  # Gbit/s, > 0 (.inf allowed)
+    latency_s: list[list[float]] = field(default_factory=list)  # seconds, empty = all 0
+
+
+@dataclass
+class ModelSpec:
+    """The model whose *time* is modelled (not necessarily the proxy that is trained)."""
+
+    name: str = ""
+    num_params: int = 0  # 0 = use the real (trained) model's parameter count
+    step_time_s: float = 0.0  # seconds per inner step of a node whose speed is reference_speed
+    reference_speed: float = 1.0
+
+
+@dataclass
+class HeterogeneitySpec:
+    """Di-PS η: an injected per-node slow-down of 0..η % of a step (ALGORITHMS.md §8)."""
+
+    eta_percent: float = 0.0
+    spread: str = "even"  # even: evenly spaced over the nodes; random: uniform draws in [0, η]
+    seed: int = 0  # for spread=random
+
+
+@dataclass
+class FailureSpec:
+    """Node ``node`` is unavailable from ``at_time`` (virtual s) for ``duration`` s (None = for good)."""
+
+    node: int = 0
+    at_time: float = 0.0
+    duration: float | None = None
+
+
+@dataclass
+class ScenarioSpec:
+    """The whole scenario file."""
+
+    name: str = ""
+    description: str = ""
+    server_region: str = ""  # where the (global) parameter server sits
+    regions: list[str] = field(default_factory=list)
+    nodes: list[NodeSpec] = field(default_factory=list)
+    links: LinksSpec = field(default_factory=LinksSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    heterogeneity: HeterogeneitySpec = field(default_factory=HeterogeneitySpec)
+    failures: list[FailureSpec] = field(default_factory=list)
+
+
+# ---- small value types ------------------------------------------------------------------------
+
+
+class JobTime(NamedTuple):
+    """Modelled duration of one job, split so metrics can report communication vs compute."""
+
+    down: float  # server -> node transfer (seconds)
+    compute: float  # steps * step_time(node)
+    up: float  # node -> server transfer
+
+    @property
+    def total(self) -> float:
+        return self.down + self.compute + self.up
+
+
+class Ring(NamedTuple):
+    """The all-reduce ring chosen for a set of nodes: its bottleneck bandwidth and latency."""
+
+    regions: tuple[str, ...]  # inter-region visiting order (the ring closes back to the first)
+    bandwidth_gbps: float  # slowest link of the ring (intra-region links included)
+    latency_s: float  # largest latency of the ring's links
+    exact: bool  # False when found by the greedy heuristic (> EXACT_RING_MAX_REGIONS regions)
+
+
+def payload_bytes(precision: str, num_params: int) -> int:
+    """Bytes of one model-sized payload (model or pseudo-gradient) at a wire precision."""
+    if precision not in BYTES_PER_PARAM:
+        raise ScenarioError(
+            f"wire precision '{precision}' is unknown; valid: {', '.join(BYTES_PER_PARAM)}"
+        )
+    if num_params < 0:
+        raise ScenarioError(f"num_params must be >= 0, got {num_params}")
+    return BYTES_PER_PARAM[precision] * int(num_params)
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - _CEIL_SLACK * max(1.0, abs(x)))
+
+
+# ---- the validated scenario ---------------------------------------------------------------------
+
+
+class Scenario:
+    """A validated scenario with the timing model of ALGORITHMS.md §1/§6/§8.
+
+    Effective speed: ``speed_i = nodes[i].speed / multiplier_i`` with the η multiplier (1 when
+    η = 0); ``step_time(i) = model.step_time_s * model.reference_speed / speed_i``. The η
+    multipliers are spread over the nodes this scenario holds, so :func:`scenario_for_nodes`
+    re-spreads them over the nodes a run uses (η is defined "among the clusters" that train).
+    """
+
+    def __init__(self, spec: ScenarioSpec, source: str = "scenario") -> None:
+        self._spec = copy.deepcopy(spec)
+        self._source = source
+        _validate(self._spec, source)
+        s = self._spec
+        self._region_index = {r: i for i, r in enumerate(s.regions)}
+        r = len(s.regions)
+        self._bw = _square(s.links.bandwidth_gbps, r)
+        self._lat = _square(s.links.latency_s, r) if s.links.latency_s else [[0.0] * r for _ in range(r)]
+        self._node_region = [self._region_index[n.region] for n in s.nodes]
+        self._multipliers = _eta_multipliers(s.heterogeneity, len(s.nodes))
+        self._speeds = [n.speed / m for n, m in zip(s.nodes, self._multipliers, strict=True)]
+        self._max_speed = max(self._speeds)
+        self._ring_cache: dict[tuple[int, ...], tuple[tuple[int, ...], float, float, bool]] = {}
+
+    # -- description --
+    @property
+    def spec(self) -> ScenarioSpec:
+        """A copy of the (validated) spec, e.g. to write it with the run."""
+        return copy.deepcopy(self._spec)
+
+    @property
+    def name(self) -> str:
+        return self._spec.name
+
+    @property
+    def regions(self) -> list[str]:
+        return list(self._spec.regions)
+
+    @property
+    def server_region(self) -> str:
+        return self._spec.server_region
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._spec.nodes)
+
+    @property
+    def failures(self) -> list[FailureSpec]:
+        return copy.deepcopy(self._spec.failures)
+
+    def node(self, node: int) -> NodeSpec:
+        return copy.deepcopy(self._spec.nodes[self._check_node(node)])
+
+    def node_region(self, node: int) -> str:
+        return self._spec.regions[self._node_region[self._check_node(node)]]
+
+    def region_index(self, region: str | int) -> int:
+        """Index of a region given by name or index (clear error for an unknown one)."""
+        if isinstance(region, int) and not isinstance(region, bool):
+            if 0 <= region < len(self._spec.regions):
+                return region
+            raise ScenarioError(
+                f"scenario '{self.name}': region index {region} out of range 0..{len(self._spec.regions) - 1}"
+            )
+        if region in self._region_index:
+            return self._region_index[region]
+        raise ScenarioError(
+            f"scenario '{self.name}': unknown region '{region}'; regions: {', '.join(self._spec.regions)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return OmegaConf.to_container(OmegaConf.structured(self._spec))  # type: ignore[return-value]
+
+    def to_yaml(self) -> str:
+        """YAML that :func:`scenario_from_yaml_string` turns back into this scenario."""
+        return OmegaConf.to_yaml(OmegaConf.structured(self._spec))
+
+    def __repr__(self) -> str:
+        return (
+            f"Scenario(name={self.name!r}, regions={len(self._spec.regions)}, nodes={self.num_nodes}, "
+            f"server_region={self.server_region!r})"
+        )
+
+    # -- compute --
+    def multiplier(self, node: int) -> float:
+        """The node's η step-time multiplier (1 + injected delay fraction)."""
+        return self._multipliers[self._check_node(node)]
+
+    def speed(self, node: int) -> float:
+        """Effective relative speed (base speed / η multiplier)."""
+        return self._speeds[self._check_node(node)]
+
+    @property
+    def max_speed(self) -> float:
+        return self._max_speed
+
+    def step_time(self, node: int) -> float:
+        """Seconds one inner step takes on ``node``."""
+        m = self._spec.model
+        return m.step_time_s * m.reference_speed / self.speed(node)
+
+    def compute_time(self, node: int, steps: int) -> float:
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        return steps * self.step_time(node)
+
+    def dynupd_steps(self, inner_steps: int, node: int) -> int:
+        """DynUpd / DyLU (ALGORITHMS.md §1): ``max(1, ceil(H * speed_i / max_speed))``.
+
+        Slower nodes take proportionally fewer steps so that every node's job takes about as
+        long as the fastest node's H steps (HALoS ``--rescale_num_local_steps``).
+        """
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+        return max(1, _ceil(inner_steps * self.speed(node) / self._max_speed))
+
+    def time_budget_steps(self, budget_s: float, node: int) -> int:
+        """Steps a time-budgeted inner loop (A-EDiT) takes in virtual time.
+
+        The real loop finishes the step that crosses the budget, hence ``ceil``; at least one
+        step so that every job produces an update.
+        """
+        if not budget_s >= 0:
+            raise ValueError(f"budget_s must be >= 0, got {budget_s}")
+        return max(1, _ceil(budget_s / self.step_time(node)))
+
+    # -- communication --
+    def bandwidth_gbps(self, src_region: str | int, dst_region: str | int) -> float:
+        return self._bw[self.region_index(src_region)][self.region_index(dst_region)]
+
+    def latency_s(self, src_region: str | int, dst_region: str | int) -> float:
+        return self._lat[self.region_index(src_region)][self.region_index(dst_region)]
+
+    def transfer_time(self, src_region: str | int, dst_region: str | int, nbytes: int) -> float:
+        """Point-to-point time, the α–β model: ``latency + bytes * 8 / bandwidth``.
+
+        Each transfer gets its link's full bandwidth: concurrent transfers sharing a link are not
+        modelled (neither does the HALoS simulator).
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        s, d = self.region_index(src_region), self.region_index(dst_region)
+        return self._lat[s][d] + nbytes * 8 / (self._bw[s][d] * 1e9)
+
+    def job_time(
+        self, node: int, steps: int, bytes_down: int, bytes_up: int, peer_region: str | int | None = None
+    ) -> JobTime:
+        """Download from the server, ``steps`` inner steps, upload back.
+
+        ``peer_region`` is where the server this job talks to sits: the scenario's
+        ``server_region`` by default; a HALoS local server lives in the node's own region.
+        """
+        peer = self.server_region if peer_region is None else peer_region
+        region = self._node_region[self._check_node(node)]
+        return JobTime(
+            self.transfer_time(peer, region, bytes_down),
+            self.compute_time(node, steps),
+            self.transfer_time(region, peer, bytes_up),
+        )
+
+    def modelled_params(self, fallback: int | None = None) -> int:
+        """The modelled parameter count: ``model.num_params``, else ``fallback`` (the real model's)."""
+        if self._spec.model.num_params > 0:
+            return self._spec.model.num_params
+        if fallback is None:
+            raise ScenarioError(
+                f"scenario '{self.name}' does not set model.num_params: pass the trained model's "
+                "parameter count"
+            )
+        return int(fallback)
+
+    def payload_bytes(self, precision: str, num_params: int | None = None) -> int:
+        """Bytes of a model-sized payload for the *modelled* model.
+
+        ``num_params`` (the trained model's count) is only used when the scenario does not model
+        a parameter count of its own.
+        """
+        return payload_bytes(precision, self.modelled_params(num_params))
+
+    # -- synchronous rounds --
+    def best_ring(self, nodes: list[int]) -> Ring:
+        """The ring all-reduce over ``nodes`` would use (HALoS simulator, Appendix A).
+
+        Nodes of one region sit next to each other on the ring (joined by the intra-region link);
+        the regions are visited in the order that maximises the ring's slowest link (ties: the
+        smaller largest latency, then the first order found). That is exact over region orders
+        for up to ``EXACT_RING_MAX_REGIONS`` regions. Above that a greedy ring is used (from every
+        start region, always hop to the widest unvisited region), which can only overestimate the
+        all-reduce time. Rings that visit a region twice (possible with one node per visit) are
+        not considered, as in the HALoS simulator.
+        """
+        idx = self._check_nodes(nodes)
+        counts: dict[int, int] = {}
+        for n in idx:
+            counts[self._node_region[n]] = counts.get(self._node_region[n], 0) + 1
+        regions = tuple(sorted(counts))
+        order, bw, lat, exact = self._region_ring(regions)
+        for reg, c in counts.items():  # intra-region links of regions holding several nodes
+            if c >= 2 or len(regions) == 1:
+                bw = min(bw, self._bw[reg][reg])
+                lat = max(lat, self._lat[reg][reg])
+        return Ring(tuple(self._spec.regions[i] for i in order), bw, lat, exact)
+
+    def allreduce_time(self, nodes: list[int], nbytes: int) -> float:
+        """Ring all-reduce: ``2(M-1)/M * bytes*8 / slowest link + 2(M-1) * latency`` (M = #nodes).
+
+        The bandwidth term is Thakur et al.'s, as in the HALoS simulator; the ring's 2(M-1)
+        steps each wait for the slowest link's latency (0 in the HALoS set-up).
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        m = len(nodes)
+        ring = self.best_ring(nodes)
+        if m <= 1:
+            return 0.0
+        return 2 * (m - 1) * ring.latency_s + 2 * (m - 1) / m * nbytes * 8 / (ring.bandwidth_gbps * 1e9)
+
+    def sync_round_time(self, nodes: list[int], steps_per_node: list[int], nbytes: int) -> float:
+        """A decentralised synchronous round (DiLoCo as the papers run it, DiLoCo+DynUpd in
+        HALoS): the slowest node's compute, then one ring all-reduce of ``nbytes``."""
+        self._check_pairs(nodes, steps_per_node)
+        compute = max(self.compute_time(n, s) for n, s in zip(nodes, steps_per_node, strict=True))
+        return compute + self.allreduce_time(nodes, nbytes)
+
+    def sync_round_time_ps(
+        self, nodes: list[int], steps_per_node: list[int], bytes_down: int, bytes_up: int,
+        peer_region: str | int | None = None,
+    ) -> float:
+        """A parameter-server synchronous round (what DiLoCo in Flower is): every node pulls the
+        model from the server region, computes, pushes back; the round ends with the last push.
+        ``max_i (down_i + compute_i + up_i)``, each node on its own link (no contention)."""
+        self._check_pairs(nodes, steps_per_node)
+        return max(
+            self.job_time(n, s, bytes_down, bytes_up, peer_region).total
+            for n, s in zip(nodes, steps_per_node, strict=True)
+        )
+
+    # -- internals --
+    def _check_node(self, node: int) -> int:
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self._spec.nodes):
+            raise ScenarioError(
+                f"scenario '{self.name}' has nodes 0..{len(self._spec.nodes) - 1}; got node {node!r}"
+            )
+        return node
+
+    def _check_nodes(self, nodes: list[int]) -> list[int]:
+        idx = [self._check_node(n) for n in nodes]
+        if not idx:
+            raise ValueError("at least one node is needed")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"nodes must be distinct, got {list(nodes)}")
+        return idx
+
+    def _check_pairs(self, nodes: list[int], steps_per_node: list[int]) -> None:
+        self._check_nodes(nodes)
+        if len(steps_per_node) != len(nodes):
+            raise ValueError(f"{len(nodes)} nodes but {len(steps_per_node)} step counts")
+
+    def _region_ring(self, regions: tuple[int, ...]) -> tuple[tuple[int, ...], float, float, bool]:
+        """Best inter-region ring over ``regions``: (order, min bandwidth, max latency, exact)."""
+        if regions in self._ring_cache:
+            return self._ring_cache[regions]
+        if len(regions) == 1:
+            result = (regions, math.inf, 0.0, True)
+        elif len(regions) <= EXACT_RING_MAX_REGIONS:
+            first, rest = regions[0], regions[1:]
+            best: tuple[tuple[int, ...], float, float] | None = None
+            for perm in itertools.permutations(rest):
+                order = (first, *perm)
+                bw, lat = self._ring_links(order)
+                if best is None or (bw, -lat) > (best[1], -best[2]):
+                    best = (order, bw, lat)
+            assert best is not None
+            result = (*best, True)
+        else:
+            best = None
+            for start in regions:
+                order_l = [start]
+                left = set(regions) - {start}
+                while left:
+                    cur = order_l[-1]
+                    nxt = max(sorted(left), key=lambda r, c=cur: (self._bw[c][r], -self._lat[c][r]))
+                    order_l.append(nxt)
+                    left.discard(nxt)
+                bw, lat = self._ring_links(tuple(order_l))
+                if best is None or (bw, -lat) > (best[1], -best[2]):
+                    best = (tuple(order_l), bw, lat)
+            assert best is not None
+            result = (*best, False)
+        self._ring_cache[regions] = result
+        return result
+
+    def _ring_links(self, order: tuple[int, ...]) -> tuple[float, float]:
+        links = [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
+        return min(self._bw[a][b] for a, b in links), max(self._lat[a][b] for a, b in links)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ScenarioError(msg)
+
+
+def _square(rows: list[list[float]], r: int) -> list[list[float]]:
+    """Full R×R matrix from a full or upper-triangular (symmetric) one (already validated)."""
+    if all(len(row) == r for row in rows):
+        return [list(map(float, row)) for row in rows]
+    out = [[0.0] * r for _ in range(r)]
+    for i, row in enumerate(rows):
+        for k, v in enumerate(row):
+            out[i][i + k] = out[i + k][i] = float(v)
+    return out
+
+
+def _check_matrix(rows: list[list[float]], r: int, key: str, where: str, positive: bool) -> None:
+    full = len(rows) == r and all(len(row) == r for row in rows)
+    tri = len(rows) == r and all(len(row) == r - i for i, row in enumerate(rows))
+    _require(
+        full or tri,
+        f"{where}: links.{key} must be a {r}x{r} matrix in regions order (row = from, column = to) "
+        f"or its upper triangle (row i holding {r}-i values from the diagonal on); got rows of "
+        f"lengths {[len(row) for row in rows]}",
+    )
+    for i, row in enumerate(rows):
+        for k, v in enumerate(row):
+            j = k if full else i + k
+            if positive:
+                _require(v > 0, f"{where}: links.{key}[{i}][{k}] (region {i} -> {j}) must be > 0 Gbit/s, got {v}")
+            else:
+                _require(
+                    0 <= v < math.inf,
+                    f"{where}: links.{key}[{i}][{k}] (region {i} -> {j}) must be a finite value >= 0, got {v}",
+                )
+
+
+def _validate(s: ScenarioSpec, where: str) -> None:
+    _require(bool(s.name), f"{where}: 'name' must be set")
+    _require(bool(s.regions), f"{where}: 'regions' must list at least one region")
+    _require(all(isinstance(r, str) and r for r in s.regions), f"{where}: region names must be non-empty strings")
+    dup = sorted({r for r in s.regions if s.regions.count(r) > 1})
+    _require(not dup, f"{where}: regions must be unique; repeated: {', '.join(dup)}")
+    regions = ", ".join(s.regions)
+    _require(
+        s.server_region in s.regions,
+        f"{where}: server_region '{s.server_region}' is not one of the regions ({regions})",
+    )
+    _require(bool(s.nodes), f"{where}: 'nodes' must list at least one node")
+    for i, n in enumerate(s.nodes):
+        _require(
+            n.region in s.regions, f"{where}: nodes[{i}].region '{n.region}' is not one of the regions ({regions})"
+        )
+        _require(0 < n.speed < math.inf, f"{where}: nodes[{i}].speed must be a finite number > 0, got {n.speed}")
+    r = len(s.regions)
+    _require(
+        bool(s.links.bandwidth_gbps),
+        f"{where}: links.bandwidth_gbps is required ({r}x{r} Gbit/s matrix; the diagonal is intra-region)",
+    )
+    _check_matrix(s.links.bandwidth_gbps, r, "bandwidth_gbps", where, positive=True)
+    if s.links.latency_s:
+        _check_matrix(s.links.latency_s, r, "latency_s", where, positive=False)
+    m = s.model
+    _require(
+        0 < m.step_time_s < math.inf,
+        f"{where}: model.step_time_s must be > 0 (seconds per inner step at model.reference_speed), got {m.step_time_s}",
+    )
+    _require(m.num_params >= 0, f"{where}: model.num_params must be >= 0 (0 = the trained model's count), got {m.num_params}")
+    _require(0 < m.reference_speed < math.inf, f"{where}: model.reference_speed must be > 0, got {m.reference_speed}")
+    h = s.heterogeneity
+    _require(0 <= h.eta_percent < math.inf, f"{where}: heterogeneity.eta_percent must be >= 0, got {h.eta_percent}")
+    _require(h.spread in SPREADS, f"{where}: heterogeneity.spread must be one of {', '.join(SPREADS)}, got '{h.spread}'")
+    for i, f in enumerate(s.failures):
+        _require(
+            0 <= f.node < len(s.nodes), f"{where}: failures[{i}].node must be in 0..{len(s.nodes) - 1}, got {f.node}"
+        )
+        _require(0 <= f.at_time < math.inf, f"{where}: failures[{i}].at_time must be >= 0 seconds, got {f.at_time}")
+        _require(
+            f.duration is None or 0 < f.duration < math.inf,
+            f"{where}: failures[{i}].duration must be > 0 seconds (or null = for good), got {f.duration}",
+        )
+
+
+def _eta_multipliers(h: HeterogeneitySpec, k: int) -> list[float]:
+    """Per-node step-time multipliers for Di-PS η (ALGORITHMS.md §8).
+
+    ``even``: node k of K gets ``1 + η/100 * k/(K-1)`` (η = 100, K = 4: 1, 4/3, 5/3, 2), our
+    deterministic reading of "varies uniformly by 0-η %". ``random``: ``1 + U(0, η)/100`` drawn
+    in node order from ``random.Random(seed)``, so the first N nodes keep their draws when a run
+    uses fewer nodes.
+    """
+    if h.eta_percent == 0:
+        return [1.0] * k
+    if h.spread == "random":
+        rng = random.Random(h.seed)
+        return [1.0 + rng.uniform(0.0, h.eta_percent) / 100.0 for _ in range(k)]
+    if k == 1:
+        return [1.0]
+    return [1.0 + h.eta_percent / 100.0 * i / (k - 1) for i in range(k)]
+
+
+# ---- loading ----------------------------------------------------------------------------------------
+
+
+def _nested_type(hint: Any) -> tuple[type | None, bool]:
+    """(dataclass type, is_list) for a field holding a dataclass or a list of them, else (None, False)."""
+    if is_dataclass(hint):
+        return hint, False  # type: ignore[return-value]
+    if get_origin(hint) is list:
+        (arg,) = get_args(hint)
+        if is_dataclass(arg):
+            return arg, True  # type: ignore[return-value]
+    return None, False
+
+
+def _build(cls: type, raw: Any, path: str, where: str) -> Any:
+    """Build ``cls`` from plain data, naming the full key path in every error.
+
+    omegaconf's own errors lose the path inside lists of dataclasses (``speed`` instead of
+    ``nodes[3].speed``), so keys are checked here and only scalar fields go through omegaconf's
+    type conversion, one dataclass at a time.
+    """
+    names = [f.name for f in fields(cls)]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ScenarioError(
+            f"{where}: '{path.rstrip('.') or 'top level'}' must be a mapping with keys {', '.join(names)}; "
+            f"got {type(raw).__name__}"
+        )
+    hints = get_type_hints(cls)
+    scalars: dict[str, Any] = {}
+    nested: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ScenarioError(
+                f"{where}: unknown key '{path}{key}'{hint}; valid keys here: {', '.join(names)}"
+            )
+        sub, is_list = _nested_type(hints[key])
+        if sub is None:
+            scalars[key] = value
+        elif is_list:
+            value = [] if value is None else value
+            if not isinstance(value, list):
+                raise ScenarioError(f"{where}: '{path}{key}' must be a list, got {type(value).__name__}")
+            nested[key] = [_build(sub, item, f"{path}{key}[{i}].", where) for i, item in enumerate(value)]
+        else:
+            nested[key] = _build(sub, value, f"{path}{key}.", where)
+    try:
+        base = OmegaConf.structured(cls)
+        OmegaConf.set_struct(base, True)
+        obj = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.create(scalars)))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ScenarioError(f"{where}: invalid value for '{path}{key}': {first}") from None
+    for key, value in nested.items():
+        setattr(obj, key, value)
+    return obj
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def scenario_from_dict(data: dict[str, Any], source: str = "scenario", name: str = "") -> Scenario:
+    """Validate plain data (as parsed from YAML) into a :class:`Scenario`.
+
+    ``name`` fills in the scenario name when the data does not set one (the file stem).
+    """
+    spec: ScenarioSpec = _build(ScenarioSpec, data, "", source)
+    if not spec.name:
+        spec.name = name
+    return Scenario(spec, source)
+
+
+def scenario_from_yaml_string(text: str, source: str = "scenario") -> Scenario:
+    """Rebuild a scenario from :meth:`Scenario.to_yaml` output (e.g. shipped in a run config)."""
+    try:
+        data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ScenarioError(f"{source}: not valid YAML: {exc}") from None
+    return scenario_from_dict(data, source)  # type: ignore[arg-type]
+
+
+def scenario_dirs() -> list[Path]:
+    """Where scenario names are looked up: ``./configs/scenarios``, then the repository's."""
+    dirs = [Path.cwd() / "configs" / "scenarios", _REPO_SCENARIOS]
+    out: list[Path] = []
+    for d in dirs:
+        if d.is_dir() and d.resolve() not in [o.resolve() for o in out]:
+            out.append(d)
+    return out
+
+
+def list_scenarios() -> list[str]:
+    """Names of the scenarios found in :func:`scenario_dirs`."""
+    return sorted({p.stem for d in scenario_dirs() for p in d.glob("*.yaml")})
+
+
+def _resolve(path_or_name: str | Path) -> Path:
+    p = Path(path_or_name)
+    if p.is_file():
+        return p
+    looks_like_path = isinstance(path_or_name, Path) or len(p.parts) > 1
+    if not looks_like_path:  # a name: 'halos_4x4' or 'halos_4x4.yaml'
+        for d in scenario_dirs():
+            cand = d / (p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml")
+            if cand.is_file():
+                return cand
+        where = ", ".join(str(d) for d in scenario_dirs()) or "configs/scenarios"
+        raise ScenarioError(
+            f"scenario '{path_or_name}' not found in {where}; available: {', '.join(list_scenarios()) or 'none'}"
+        )
+    raise ScenarioError(f"scenario file not found: {p}")
+
+
+def load_scenario(path_or_name: str | Path, overrides: list[str] | None = None) -> Scenario:
+    """Load a scenario by file path or by name (``configs/scenarios/<name>.yaml``).
+
+    ``overrides`` are dotted ``key=value`` items applied on top of the file, e.g.
+    ``heterogeneity.eta_percent=50`` or ``model.step_time_s=0.623`` (list-valued keys are
+    replaced whole: ``links.bandwidth_gbps=[[100.0]]``).
+    """
+    path = _resolve(path_or_name)
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OmegaConfBaseException, OSError, ValueError) as exc:
+        raise ScenarioError(f"{path}: cannot read scenario YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: a scenario file must be a mapping of keys, got {type(data).__name__}")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ScenarioError(
+                f"scenario override '{item}' is not of the form key=value (e.g. heterogeneity.eta_percent=50)"
+            )
+        try:
+            extra = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
+        except OmegaConfBaseException as exc:
+            raise ScenarioError(f"scenario override '{item}': {exc}") from None
+        data = _deep_merge(data, extra)  # type: ignore[arg-type]
+    source = f"{path} with overrides {' '.join(overrides)}" if overrides else str(path)
+    return scenario_from_dict(data, source, name=path.stem)  # type: ignore[arg-type]
+
+
+def scenario_for_nodes(scenario: Scenario, num_nodes: int) -> Scenario:
+    """The scenario restricted to a run's ``num_nodes`` nodes (the first ones, in index order).
+
+    A scenario must model at least as many nodes as the run has: inventing speeds and regions for
+    the rest would silently change the experiment. Failures of dropped nodes are dropped; the
+    η multipliers are spread over the nodes kept (see :class:`Scenario`).
+    """
+    if num_nodes < 1:
+        raise ScenarioError(f"a run needs at least one node, got {num_nodes}")
+    if num_nodes > scenario.num_nodes:
+        raise ScenarioError(
+            f"scenario '{scenario.name}' models {scenario.num_nodes} nodes but the run has {num_nodes} "
+            "(run.num_clients): add nodes to the scenario or run fewer clients"
+        )
+    if num_nodes == scenario.num_nodes:
+        return scenario
+    spec = scenario.spec
+    spec = dataclasses.replace(
+        spec,
+        nodes=spec.nodes[:num_nodes],
+        failures=[f for f in spec.failures if f.node < num_nodes],
+    )
+    return Scenario(spec, f"{scenario.name} (first {num_nodes} nodes)")

@@ -1,0 +1,413 @@
+"""Asynchronous buffered aggregation: FedBuff, FedAsync, naive async DiLoCo, Async-Local-SGD, Di-PS.
+
+One loop (ALGORITHMS.md §5, Di-PS Algorithm 1); the methods are policies on it:
+
+- the server never waits for every worker: it takes the next resolved job from the dispatcher in
+  clock order, validates the reply, scores it (Di-PS penalty), and folds it into one running weighted
+  sum (O(1) model-sized buffers, however many replies);
+- it steps when the buffer holds ``buffer_size`` accepted updates (FedBuff K; 1 for FedAsync, naive
+  async DiLoCo and Async-Local-SGD), when the grace window after the last arrival closes (Di-PS), or
+  when every live worker has reported;
+- the new model goes to every worker that pushed in this step, rejected ones included, and to new or
+  idle workers; the rest keep training on their older base (their staleness grows).
+
+Pseudo-gradient base: ``dispatch`` (Δ against the version the worker started from; FedBuff,
+Async-Local-SGD) or ``current`` (Di-PS line 10: workers send parameters, g = θ_current − θ_worker, and
+FedAsync's mixing θ ← (1−α_t)θ + α_t·θ_i = θ − α_t·g).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+from fl_geo.accumulate import WeightedAccumulator
+from fl_geo.config import FlGeoConfig
+from fl_geo.dispatch import Dispatcher, Event, JobTiming, NodeProfile
+from fl_geo.evaluation import GlobalEvaluator
+from fl_geo.grace import GraceTimer
+from fl_geo.metrics import MetricsLogger
+from fl_geo.penalty import Penalty
+from fl_geo.progress import Progress
+from fl_geo.state import ParamSpec
+from fl_geo.strategies.sync import REPLY_METRICS, client_config_record, outer_optimizer_from_config
+from fl_geo.wire import PayloadError, decode, encode, payload_nbytes
+
+log = logging.getLogger("fl_geo")
+
+MAX_CONSECUTIVE_ERRORS = 3
+
+
+def staleness_weight(staleness: int) -> float:
+    """FedBuff's s(τ) = 1/sqrt(1 + τ)."""
+    return 1.0 / math.sqrt(1.0 + staleness)
+
+
+def fedasync_alpha(alpha: float, exponent: float, staleness: int) -> float:
+    """FedAsync's polynomial staleness mixing α_t = α·(1 + τ)^−a."""
+    return alpha * (1.0 + staleness) ** (-exponent)
+
+
+@dataclass
+class StepTally:
+    """Scalars of the updates folded since the last outer step (no per-update model buffers)."""
+
+    accepted: int = 0
+    rejected: int = 0
+    tokens: int = 0
+    loss_x_tokens: float = 0.0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    norm_sum: float = 0.0
+    bytes_up: int = 0
+    errors: int = 0
+
+
+class AsyncOuterLoop:
+    """Runs ``run.rounds`` asynchronous outer steps (or until ``run.max_tokens``)."""
+
+    def __init__(
+        self,
+        cfg: FlGeoConfig,
+        spec: ParamSpec,
+        global_params: torch.Tensor,
+        dispatcher: Dispatcher,
+        profiles: dict[int, NodeProfile],
+        logger: MetricsLogger,
+        evaluator: GlobalEvaluator | None,
+        scenario: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.global_params = global_params
+        self.dispatcher = dispatcher
+        self.profiles = profiles
+        self.logger = logger
+        self.evaluator = evaluator
+        self.scenario = scenario
+        s = cfg.strategy
+        self.optimizer = outer_optimizer_from_config(cfg, spec.numel)
+        self.accumulator = WeightedAccumulator(spec.numel)
+        self._scratch: torch.Tensor | None = None  # θ_current − θ_worker for the "current" base
+        self.version = 0
+        self.total_tokens = 0
+        self.total_bytes_up = 0
+        self.total_bytes_down = 0
+        self.total_rejected = 0
+        self.dispatched_samples = 0  # for schedule_clock=global (ALGORITHMS.md §1)
+        self.waiting: list[int] = []  # pushers of this step: they get the new model after it
+        self.tally = StepTally()
+        self.last_arrival: float | None = None
+        self.history: list[dict[str, Any]] = []
+        self._client_cfg = client_config_record(cfg)
+        self._send = "params" if s.pseudo_grad_base == "current" or s.name == "fedasync" else "pseudo_grad"
+        self._fedasync_scale = 1.0
+        p = cfg.penalty
+        self.penalty: Penalty | None = None
+        if p.enabled:
+            self.penalty = Penalty(
+                spec, granularity=p.granularity, rule=p.rule, threshold=p.threshold, warmup=p.warmup,
+                keying=p.keying, weighting=p.weighting.split("*"),
+                temperature="auto" if p.temperature == 0 else p.temperature,
+                clip=p.clip or None, adaptive_threshold=p.adaptive_threshold,
+            )
+        # Di-PS grace window (ski rental on running estimates) unless strategy.grace_s fixes it.
+        self.grace_timer = GraceTimer(tau_max=s.grace_max_s) if s.name == "dips" and s.grace_s < 0 else None
+        # A grace window closes steps for Di-PS, or for any strategy given strategy.grace_s >= 0;
+        # the others step on a full buffer or a full house only.
+        self.uses_grace = s.name == "dips" or s.grace_s >= 0
+        self._last_step_wall = 0.0
+        self._errors: dict[int, int] = {}  # consecutive failed jobs per node
+        self.benched: set[int] = set()
+
+    # ---- dispatch -----------------------------------------------------------------------------
+    def _inner_steps(self, node: int) -> int:
+        h = self.cfg.strategy.inner_steps
+        if self.cfg.strategy.dynupd and self.scenario is not None:
+            return int(self.scenario.dynupd_steps(h, self.profiles[node].partition_id))
+        return h
+
+    def _nbytes(self, precision: str) -> int:
+        if self.scenario is not None:
+            return int(self.scenario.payload_bytes(precision, self.scenario.modelled_params(fallback=self.spec.numel)))
+        return self.spec.numel * (4 if precision == "fp32" else 2)
+
+    def dispatch(self, nodes: list[int]) -> None:
+        """Send the current model to idle nodes, each with its own budget and schedule position."""
+        if not nodes:
+            return
+        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
+        down = payload_nbytes(arrays)
+        msgs, timings, meta = [], [], []
+        global_batch = self.cfg.client.batch_size
+        for node in nodes:
+            steps = self._inner_steps(node)
+            config = dict(self._client_cfg, round=self.version, base_version=self.version, inner_steps=steps, send=self._send)
+            if self.cfg.strategy.schedule_clock == "global":
+                config["start_step"] = self.dispatched_samples // global_batch
+            self.dispatched_samples += steps * global_batch
+            content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
+            timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down), self._nbytes(self.cfg.wire.up)))
+            meta.append({"version": self.version, "steps": steps})
+        self.dispatcher.submit(msgs, timings, meta)
+        self.total_bytes_down += down * len(nodes)
+
+    def idle_nodes(self) -> list[int]:
+        """Live, profiled nodes with no job in flight that are not waiting for this step's model."""
+        live = self.dispatcher.live_nodes()
+        unknown = [n for n in live if n not in self.profiles]
+        if unknown:
+            self.profiles.update(self.dispatcher.query_profiles(unknown))
+        busy = self.dispatcher.busy_nodes()
+        idle = [n for n in live if n in self.profiles and n not in busy and n not in self.waiting and n not in self.benched]
+        return sorted(idle, key=lambda n: self.profiles[n].rank)
+
+    # ---- replies --------------------------------------------------------------------------------
+    def _reject(self, node: int, reason: str) -> None:
+        part = self.profiles[node].partition_id if node in self.profiles else -1
+        log.warning("rejected update from node %s (partition %s): %s", node, part, reason)
+        self.tally.rejected += 1
+
+    def handle(self, ev: Event) -> None:
+        node = ev.job.node
+        self.last_arrival = ev.time
+        if self.grace_timer is not None:
+            self.grace_timer.observe_arrival(ev.time)
+        if not ev.ok:
+            self.tally.errors += 1
+            self._errors[node] = self._errors.get(node, 0) + 1
+            if self._errors[node] >= MAX_CONSECUTIVE_ERRORS:
+                log.warning("node %s failed %d jobs in a row; no more jobs go to it", node, self._errors[node])
+                self.benched.add(node)
+            return  # error reply or vanished node: nothing to fold; it is re-dispatched if alive
+        self._errors.pop(node, None)
+        self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
+        content = ev.reply.content
+        if "arrays" not in content.array_records or "metrics" not in content.metric_records:
+            self._reject(node, "reply lacks the 'arrays' or 'metrics' record")
+            return
+        metrics = content.metric_records["metrics"]
+        missing = [k for k in REPLY_METRICS if k not in metrics]
+        if missing:
+            self._reject(node, f"reply metrics lack {missing}")
+            return
+        tokens, loss = int(metrics["tokens"]), float(metrics["train_loss"])
+        if tokens <= 0 or not math.isfinite(loss):
+            self._reject(node, f"implausible metrics (tokens={tokens}, train_loss={loss})")
+            return
+        record = content.array_records["arrays"]
+        try:
+            pieces = decode(record, self.spec, self.cfg.wire.up)
+        except PayloadError as exc:
+            self._reject(node, str(exc))
+            return
+        staleness = self.version - int(ev.job.meta["version"])
+        update: Any = pieces
+        if self._send == "params":
+            update = self._current_base_grad(pieces)
+        if self.penalty is not None:
+            norm = self._fold_penalised(node, update, tokens, staleness)
+            if norm is None:
+                return
+        else:
+            result = self.accumulator.add_batch_checked([update], [self._weight(tokens, staleness)])
+            if 0 in result.rejected:
+                self._reject(node, result.rejected[0])
+                return
+            norm = float(result.norms[0])
+        if self.cfg.strategy.name == "fedasync":
+            s = self.cfg.strategy
+            self._fedasync_scale = fedasync_alpha(s.mixing, s.staleness_exponent, staleness)
+        t = self.tally
+        t.accepted += 1
+        t.tokens += tokens
+        t.loss_x_tokens += loss * tokens
+        t.staleness_sum += staleness
+        t.staleness_max = max(t.staleness_max, staleness)
+        t.norm_sum += norm
+        t.bytes_up += payload_nbytes(record)
+
+    def _fold_penalised(self, node: int, update: Any, tokens: int, staleness: int) -> float | None:
+        """Norm -> outlier test against the step-start statistics -> weighted fold (ALGORITHMS.md §4).
+
+        Returns the update's norm, or None when every group was rejected (logged with its score).
+        Statistics are keyed by partition id: Flower's node ids change from run to run.
+        """
+        assert self.penalty is not None
+        norms = self.penalty.norms(update)
+        key = self.profiles[node].partition_id
+        verdict = self.penalty.observe(key, norms, tokens=tokens, staleness=staleness)
+        if not verdict.any_accepted:
+            z = float(verdict.z.max()) if verdict.z.numel() else float("nan")
+            self._reject(node, f"outlier (z={z:.2f}, norm={float(norms.norm()):.4g}, rule {self.cfg.penalty.rule})")
+            return None
+        self.penalty.fold_(self.accumulator, update, verdict)
+        return float(norms.norm())
+
+    def _penalised_step(self) -> None:
+        """Mean, clip, then the outer step; modules every worker failed on are not stepped."""
+        assert self.penalty is not None
+        buf = self.accumulator.buffer
+        self.penalty.normalise_(buf)
+        self.penalty.clip_(buf)
+        skip = self.penalty.ranges(self.penalty.rolled_back)
+        live = [t for t in self.optimizer.state_dict().values() if torch.is_tensor(t) and t.numel() == self.spec.numel]
+        saved = [(b, e, [x[b:e].clone() for x in (self.global_params, *live)]) for b, e in skip]
+        self.optimizer.step(self.global_params, buf)
+        for b, e, copies in saved:  # rollback: parameters and outer momentum of those modules unchanged
+            for x, c in zip((self.global_params, *live), copies, strict=True):
+                x[b:e].copy_(c)
+        if skip:
+            log.warning("outer step %d: modules %s had no accepted update and were not stepped",
+                        self.version + 1, ", ".join(self.penalty.rolled_back))
+
+    def _current_base_grad(self, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """g = θ_current − θ_worker in one reusable model-sized scratch buffer."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.spec.numel, dtype=torch.float32)
+        g = self._scratch
+        for offset, piece in pieces:
+            n = piece.numel()
+            torch.sub(self.global_params[offset : offset + n], piece.to(torch.float32), out=g[offset : offset + n])
+        return g
+
+    def _weight(self, tokens: int, staleness: int) -> float:
+        s = self.cfg.strategy
+        w = float(tokens) if s.weighting == "tokens" else 1.0
+        if s.staleness_weighting:
+            w *= staleness_weight(staleness)
+        return w
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def should_step(self) -> bool:
+        if self.tally.accepted + self.tally.rejected == 0:
+            return False
+        if self.tally.accepted >= self.cfg.strategy.buffer_size:
+            return True
+        busy = self.dispatcher.busy_nodes()
+        return not (busy & set(self.dispatcher.live_nodes()))  # every live worker has reported
+
+    def grace(self) -> float:
+        """Di-PS grace window: fixed, or the ski-rental estimate (``fl_geo.grace``)."""
+        g = self.cfg.strategy.grace_s
+        if g >= 0:
+            return g
+        return self.grace_timer.grace() if self.grace_timer is not None else 0.0
+
+    def step(self) -> dict[str, float]:
+        import time as _time
+
+        t0 = _time.perf_counter()
+        t = self.tally
+        stepped = t.accepted > 0
+        if stepped and self.penalty is not None:
+            self._penalised_step()
+            self.version += 1
+        elif stepped:
+            mean = self.accumulator.mean()
+            if self.cfg.strategy.name == "fedasync":
+                mean.mul_(self._fedasync_scale)
+            self.optimizer.step(self.global_params, mean)
+            self.version += 1
+        if self.penalty is not None:
+            self.penalty.commit()  # statistics learn from accepted updates only
+        self.accumulator.reset()
+        if self.grace_timer is not None:
+            self.grace_timer.observe_cost(self._update_cost())
+        self.total_tokens += t.tokens
+        self.total_bytes_up += t.bytes_up
+        self.total_rejected += t.rejected
+        acc = max(t.accepted, 1)
+        metrics = {
+            "outer/step": self.version,
+            "outer/accepted": t.accepted,
+            "outer/rejected": t.rejected,
+            "outer/rejected_total": self.total_rejected,
+            "outer/failed": t.errors,
+            "outer/staleness": t.staleness_sum / acc if t.accepted else float("nan"),
+            "outer/staleness_max": t.staleness_max,
+            "outer/update_norm": t.norm_sum / acc if t.accepted else float("nan"),
+            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
+            "train/tokens": self.total_tokens,
+            "comm/bytes_up": t.bytes_up,
+            "comm/bytes_up_total": self.total_bytes_up,
+            "comm/bytes_down_total": self.total_bytes_down,
+            "time/virtual_s": self.dispatcher.clock.now() if self.dispatcher.clock.is_virtual else float("nan"),
+        }
+        self._last_step_wall = _time.perf_counter() - t0
+        if self.grace_timer is not None:
+            metrics["outer/grace_s"] = self.grace()
+        self.tally = StepTally()
+        self.waiting = []
+        self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node
+        return metrics
+
+    def _update_cost(self) -> float:
+        """C_m of the ski-rental rule: the time to get the new model to a worker.
+
+        In virtual time, the modelled downlink to the pushers' regions (mean); with a wall clock
+        the grace timer learns from arrivals only and C_m is the measured step duration.
+        """
+        if self.scenario is not None and self.waiting:
+            nbytes = self._nbytes(self.cfg.wire.down)
+            server = self.scenario.server_region
+            times = [self.scenario.transfer_time(server, self.scenario.node_region(self.profiles[n].partition_id), nbytes)
+                     for n in self.waiting if n in self.profiles]
+            return sum(times) / len(times) if times else 0.0
+        return self._last_step_wall
+
+    def evaluate(self) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        loss = self.evaluator.evaluate(self.global_params)
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def _done(self) -> bool:
+        r = self.cfg.run
+        return self.version >= r.rounds or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)
+
+    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        first = self.evaluate()
+        if first:
+            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, "time/virtual_s": 0.0})
+        self.dispatch(self.idle_nodes())
+        while not self._done():
+            pending = self.tally.accepted + self.tally.rejected > 0
+            # Di-PS Algorithm 1: wait forever while the buffer is empty; after each arrival the
+            # step happens when no further reply comes within the grace time of the last one.
+            windowed = pending and self.uses_grace and self.last_arrival is not None
+            deadline = self.last_arrival + self.grace() if windowed else None
+            ev = self.dispatcher.next_event(deadline=deadline)
+            if ev is None:
+                if pending:
+                    self._log_step(self.step(), progress)
+                    continue
+                idle = self.idle_nodes()
+                if not idle and not self.dispatcher.in_flight():
+                    raise RuntimeError("no live node to train on (all vanished or benched after repeated errors)")
+                self.dispatch(idle)
+                continue
+            self.handle(ev)
+            if self.should_step():
+                self._log_step(self.step(), progress)
+            elif not ev.ok:
+                self.dispatch([n for n in self.idle_nodes() if n == ev.job.node])
+        # Clean drain: let in-flight jobs finish (nothing is folded) so no node is left mid-message.
+        while self.dispatcher.in_flight():
+            self.dispatcher.next_event()
+        return self.history[-1] if self.history else {}
+
+    def _log_step(self, metrics: dict[str, float], progress: Progress | None) -> None:
+        r = self.cfg.run
+        if (r.eval_every and self.version % r.eval_every == 0) or self._done():
+            metrics.update(self.evaluate())
+        record = self.logger.log(self.version, metrics)
+        self.history.append(record)
+        if progress is not None:
+            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"))
