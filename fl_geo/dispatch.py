@@ -299,6 +299,9 @@ class Dispatcher:
                     self.clock.advance_to(deadline)  # the window closes before the next event
                     return None
             if not self._jobs:
+                if self._abandoned:
+                    self._pull()  # collect late replies so their nodes become free again
+                    self._check_liveness()
                 return None
             if not virtual and deadline is not None and self.clock.now() >= deadline:
                 return None
