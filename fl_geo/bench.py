@@ -652,6 +652,11 @@ def format_outer_bench(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """``fl-geo bench outer [...]`` (or ``python -m fl_geo.bench outer``); returns 1 only with
     --strict and a FAIL."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["dispatch"]:  # server overhead per update; fl_geo.bench_dispatch owns its options
+        from .bench_dispatch import main as dispatch_main
+
+        return dispatch_main(argv[1:])
     parser = argparse.ArgumentParser(prog="fl-geo bench",
                                      description="fl-geo benchmarks")
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -665,6 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     outer.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     outer.add_argument("--no-flower", action="store_true", help="skip the Flower baseline")
     outer.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
+    sub.add_parser("dispatch", add_help=False,
+                   help="server overhead per update vs Flower's message cost (no-op client)")
     args = parser.parse_args(argv)
     num_params = QUICK_PARAMS if args.quick else args.params
     result = run_outer_bench(num_params=num_params, num_updates=args.updates,

@@ -14,8 +14,21 @@ from fl_geo.simulation import run_simulation
 
 
 def _ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "raylet" in line or "gcs_server" in line]
+    """Ray daemons among this test process's descendants (other sessions' Ray runs don't count)."""
+    import os
+
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    children: dict[int, list[tuple[int, str]]] = {}
+    for line in out.splitlines():
+        pid, ppid, args = line.strip().split(None, 2) + [""] * (3 - len(line.strip().split(None, 2)))
+        children.setdefault(int(ppid), []).append((int(pid), args))
+    found, stack = [], [os.getpid()]
+    while stack:
+        for pid, args in children.get(stack.pop(), []):
+            stack.append(pid)
+            if "raylet" in args or "gcs_server" in args:
+                found.append(args)
+    return found
 
 
 @pytest.mark.slow

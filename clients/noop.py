@@ -1,0 +1,92 @@
+"""A ClientApp that does no training: it exists only to measure server-side overhead.
+
+``fl-geo bench dispatch`` needs a client whose cost is as close to zero as possible, so that what
+remains of an update's wall time is Flower's message cost plus the server's own work (dispatcher
+and strategy). This client keeps the datacenter client's reply contract, so the real server path
+(`Dispatcher`, `AsyncOuterLoop`/`SyncOuterLoop`, reply validation, decoding, folding, the outer
+step) runs unchanged on its replies:
+
+- ``query``: the datacenter client's own handler (partition, device, site);
+- ``train``: replies at once, without decoding the received model, with the update of a worker
+  that took no step: a zero pseudo-gradient in the configured ``wire_up`` precision (built once
+  per process from the model spec), or, when the server asks for parameters (``send=params``),
+  the model it was sent. Its metrics carry the budget the message asked for (``inner_steps``
+  steps of ``batch_size x seq_len`` tokens) so token weighting works; ``train_loss`` is 0.0, a
+  placeholder that satisfies the contract and means nothing; ``noop=1`` marks the reply.
+- no ``evaluate`` handler: a validation loss cannot be produced without evaluating, and a faked
+  one would be worse than an error reply. Runs with this client use ``run.client_eval_every=0``.
+
+Never use it for an experiment: its model never changes.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fl_geo.builders import make_model
+from fl_geo.clients.datacenter import _partition_ids, query
+from fl_geo.state import ParamSpec
+from fl_geo.wire import decode_into, encode
+
+app = ClientApp()
+app.query()(query)  # the same handler as the datacenter client: one profile contract
+
+
+@lru_cache(maxsize=4)
+def _spec(model_json: str, seed: int) -> ParamSpec:
+    """The parameter layout of the run's model (what the server validates replies against)."""
+    return ParamSpec.from_state_dict(make_model(model_json, seed).state_dict())
+
+
+@lru_cache(maxsize=4)
+def zero_update(model_json: str, seed: int, precision: str) -> ArrayRecord:
+    """A zero pseudo-gradient for the run's model, encoded once per process and precision.
+
+    Sharing one record between replies is safe: the server only reads payloads (decoding is a
+    read-only view), and Ray serialises each reply anyway.
+    """
+    spec = _spec(model_json, seed)
+    return encode(torch.zeros(spec.numel, dtype=torch.float32), spec, precision)
+
+
+def _unchanged_params(msg: Message, cfg: ConfigRecord) -> ArrayRecord:
+    """The parameters of a worker that took no step: the model it was sent, in ``wire_up``."""
+    received = msg.content.array_records["arrays"]
+    up, down = str(cfg["wire_up"]), str(cfg["wire_down"])
+    if up == down:
+        return received  # already the right bytes: no decode at all
+    spec = _spec(str(cfg["model"]), int(cfg["seed"]))
+    return encode(decode_into(received, spec, down), spec, up)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Reply immediately with a valid update of a worker that did no work."""
+    cfg = msg.content.config_records["config"]
+    pid, _ = _partition_ids(context)
+    client = json.loads(str(cfg["client"]))
+    steps = int(cfg["inner_steps"])
+    tokens = steps * int(client["batch_size"]) * int(client["seq_len"])
+    if str(cfg.get("send", "pseudo_grad")) == "params":
+        arrays = _unchanged_params(msg, cfg)
+    else:
+        arrays = zero_update(str(cfg["model"]), int(cfg["seed"]), str(cfg["wire_up"]))
+    metrics = MetricRecord(
+        {
+            "tokens": tokens,
+            "num-examples": tokens,
+            "steps": steps,
+            "train_loss": 0.0,  # placeholder: nothing was trained (see the module docstring)
+            "step_time_s": 0.0,
+            "train_time_s": 0.0,
+            "partition_id": pid,
+            "base_version": int(cfg.get("base_version", 0)),
+            "noop": 1,
+        }
+    )
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
