@@ -34,11 +34,19 @@ class Progress:
         self._t0 = time.perf_counter()
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
 
-    def update(self, rnd: int, train_loss: float | None = None, val_loss: float | None = None) -> str:
+    def update(
+        self, rnd: int, train_loss: float | None = None, val_loss: float | None = None,
+        fraction: float | None = None,
+    ) -> str:
+        """``fraction`` (0-1) overrides rnd/total for runs bounded by something else (tokens)."""
         elapsed = time.perf_counter() - self._t0
         per_round = elapsed / max(rnd, 1)
-        eta = per_round * (self.total - rnd)
-        parts = [f"[{self.name}] round {rnd}/{self.total}"]
+        if fraction is not None and fraction > 0:
+            eta = elapsed * (1.0 - min(fraction, 1.0)) / fraction
+            parts = [f"[{self.name}] step {rnd} ({100 * min(fraction, 1.0):.0f}% of the token budget)"]
+        else:
+            eta = per_round * (self.total - rnd)
+            parts = [f"[{self.name}] round {rnd}/{self.total}"]
         if train_loss is not None:
             parts.append(f"train {train_loss:.3f}")
         if val_loss is not None:
@@ -49,7 +57,8 @@ class Progress:
         line = " | ".join(parts)
         if self.enabled:
             if self._tty:
-                end = "\n" if rnd >= self.total else ""
+                done = rnd >= self.total or (fraction is not None and fraction >= 1.0)
+                end = "\n" if done else ""
                 self.stream.write("\r\033[K" + line + end)
             else:
                 self.stream.write(line + "\n")

@@ -410,4 +410,7 @@ class AsyncOuterLoop:
         record = self.logger.log(self.version, metrics)
         self.history.append(record)
         if progress is not None:
-            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"))
+            fraction = None
+            if r.max_tokens:
+                fraction = max(self.total_tokens / r.max_tokens, self.version / r.rounds)
+            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"), fraction)
