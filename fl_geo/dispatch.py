@@ -135,6 +135,7 @@ class Dispatcher:
         self._abandoned: dict[str, int] = {}  # timed-out jobs: node stays busy until the reply comes
         self._seq = itertools.count()
         self._next_liveness = 0.0
+        self._poll = 0.001  # adaptive: 1 ms right after activity, backing off to poll_interval_s
         self.late_replies = 0
 
     # ---- membership -------------------------------------------------------------------------
@@ -227,6 +228,11 @@ class Dispatcher:
         if self._arrived.pop(job.id, None) is None:
             self._abandoned[job.id] = job.node
 
+    def _wait(self) -> None:
+        """Sleep before the next pull; short right after a reply, longer while nothing comes."""
+        time.sleep(self._poll)
+        self._poll = min(self._poll * 2, self.poll_interval_s)
+
     def _pull(self) -> bool:
         ids = [j for j in self._jobs if j not in self._arrived] + list(self._abandoned)
         if not ids:
@@ -240,6 +246,8 @@ class Dispatcher:
             elif mid in self._jobs and mid not in self._arrived:
                 self._arrived[mid] = reply
                 got = True
+        if got:
+            self._poll = 0.001
         return got
 
     def _check_liveness(self, force: bool = False) -> None:
@@ -310,7 +318,7 @@ class Dispatcher:
             if not got:
                 if not block:
                     return None
-                time.sleep(self.poll_interval_s)
+                self._wait()
 
     def run_jobs(
         self,
@@ -359,7 +367,7 @@ class Dispatcher:
                     break
                 hand_over()
                 self._check_liveness()
-                time.sleep(self.poll_interval_s)
+                self._wait()
                 continue
             remaining.discard(ev.job.id)
             if ev.error == "vanished":

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
@@ -111,11 +112,14 @@ class InlineGrid(Grid):
         if context is None:  # died after the push: never answers
             return
         self.executed.append((node, msg.metadata.message_type))
+        threads = torch.get_num_threads()  # a real ClientApp has its own process: keep ours intact
         try:
             reply = self.client_app(msg, context)
         except Exception as exc:  # noqa: BLE001 - any ClientApp failure becomes an error reply
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
             reply = Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+        finally:
+            torch.set_num_threads(threads)
         if self.reply_hook is not None:
             reply = self.reply_hook(node, msg, reply)
         self._replies[mid] = reply

@@ -104,6 +104,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     t0 = time.perf_counter()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.run.server_threads)
     try:
         model = make_model(cfg.model, cfg.run.seed)
         spec = ParamSpec.from_state_dict(model.state_dict())
@@ -147,6 +149,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         logger.write_json("summary.json", summary)
         return summary
     finally:
+        torch.set_num_threads(threads_before)
         logger.close()
 
 
