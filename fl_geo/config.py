@@ -335,5 +335,19 @@ def validate(cfg: FlGeoConfig) -> None:
 
 
 def schedule_length(cfg: FlGeoConfig) -> int:
-    """Inner LR schedule length: explicit, or every inner step this run will take."""
-    return cfg.client.total_steps or cfg.run.rounds * cfg.strategy.inner_steps
+    """Inner LR schedule length in synchronous-equivalent steps (each worker's own step count).
+
+    Explicit ``client.total_steps`` wins. Synchronous: rounds x H. Asynchronous runs advance a
+    global position (samples dispatched / (batch x workers), ALGORITHMS.md §1), so the length
+    follows the token budget when one is set, else the outer steps' share of the workers' steps.
+    """
+    if cfg.client.total_steps:
+        return cfg.client.total_steps
+    s, r = cfg.strategy, cfg.run
+    if s.name not in ASYNC_STRATEGIES:
+        return r.rounds * s.inner_steps
+    per_sync_step = cfg.client.batch_size * cfg.client.seq_len * r.num_clients
+    if r.max_tokens:
+        return max(1, r.max_tokens // per_sync_step)
+    updates_per_step = min(s.buffer_size, r.num_clients)
+    return max(1, r.rounds * s.inner_steps * updates_per_step // r.num_clients)
