@@ -319,6 +319,7 @@ def _instrument(timer: SectionTimer, grid: Grid) -> None:
     import fl_geo.dispatch as dispatch_mod
     import fl_geo.outer as outer_mod
     import fl_geo.strategies.asynchronous as async_mod
+    import fl_geo.strategies.replies as replies_mod
     import fl_geo.strategies.sync as sync_mod
     from fl_geo.accumulate import WeightedAccumulator
     from fl_geo.dispatch import Dispatcher
@@ -335,9 +336,7 @@ def _instrument(timer: SectionTimer, grid: Grid) -> None:
         (Dispatcher, "live_nodes", "dispatcher: busy/live node sets"),
         (async_mod.AsyncOuterLoop, "handle", "strategy: validate reply + tallies"),
         (sync_mod.SyncOuterLoop, "fold_replies", "strategy: validate reply + tallies"),
-        (sync_mod.SyncOuterLoop, "_validate", "strategy: validate reply + tallies"),
-        (async_mod, "decode", "strategy: decode reply"),
-        (sync_mod, "decode", "strategy: decode reply"),
+        (replies_mod, "decode", "strategy: decode reply"),
         (WeightedAccumulator, "add_batch_checked", "strategy: fold (check + norm + add)"),
         (WeightedAccumulator, "mean", "strategy: outer step (mean + optimizer)"),
         (WeightedAccumulator, "reset", "strategy: outer step (mean + optimizer)"),

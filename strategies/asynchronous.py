@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,8 +34,9 @@ from fl_geo.metrics import MetricsLogger
 from fl_geo.penalty import Penalty
 from fl_geo.progress import Progress
 from fl_geo.state import ParamSpec
-from fl_geo.strategies.sync import REPLY_METRICS, client_config_record, outer_optimizer_from_config
-from fl_geo.wire import PayloadError, decode, encode, payload_nbytes
+from fl_geo.strategies.replies import ReplyError, Tally, read_train_reply
+from fl_geo.strategies.sync import client_config_record, outer_optimizer_from_config
+from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
 
@@ -51,21 +51,6 @@ def staleness_weight(staleness: int) -> float:
 def fedasync_alpha(alpha: float, exponent: float, staleness: int) -> float:
     """FedAsync's polynomial staleness mixing α_t = α·(1 + τ)^−a."""
     return alpha * (1.0 + staleness) ** (-exponent)
-
-
-@dataclass
-class StepTally:
-    """Scalars of the updates folded since the last outer step (no per-update model buffers)."""
-
-    accepted: int = 0
-    rejected: int = 0
-    tokens: int = 0
-    loss_x_tokens: float = 0.0
-    staleness_sum: int = 0
-    staleness_max: int = 0
-    norm_sum: float = 0.0
-    bytes_up: int = 0
-    errors: int = 0
 
 
 class AsyncOuterLoop:
@@ -101,7 +86,7 @@ class AsyncOuterLoop:
         self.total_rejected = 0
         self.dispatched_samples = 0  # for schedule_clock=global (ALGORITHMS.md §1)
         self.waiting: list[int] = []  # pushers of this step: they get the new model after it
-        self.tally = StepTally()
+        self.tally = Tally()
         self.last_arrival: float | None = None
         self.history: list[dict[str, Any]] = []
         self._client_cfg = client_config_record(cfg)
@@ -189,25 +174,12 @@ class AsyncOuterLoop:
             return  # error reply or vanished node: nothing to fold; it is re-dispatched if alive
         self._errors.pop(node, None)
         self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
-        content = ev.reply.content
-        if "arrays" not in content.array_records or "metrics" not in content.metric_records:
-            self._reject(node, "reply lacks the 'arrays' or 'metrics' record")
-            return
-        metrics = content.metric_records["metrics"]
-        missing = [k for k in REPLY_METRICS if k not in metrics]
-        if missing:
-            self._reject(node, f"reply metrics lack {missing}")
-            return
-        tokens, loss = int(metrics["tokens"]), float(metrics["train_loss"])
-        if tokens <= 0 or not math.isfinite(loss):
-            self._reject(node, f"implausible metrics (tokens={tokens}, train_loss={loss})")
-            return
-        record = content.array_records["arrays"]
         try:
-            pieces = decode(record, self.spec, self.cfg.wire.up)
-        except PayloadError as exc:
+            r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up)
+        except ReplyError as exc:
             self._reject(node, str(exc))
             return
+        tokens, pieces = r.tokens, r.pieces
         staleness = self.version - int(ev.job.meta["version"])
         update: Any = pieces
         if self._send == "params":
@@ -225,14 +197,7 @@ class AsyncOuterLoop:
         if self.cfg.strategy.name == "fedasync":
             s = self.cfg.strategy
             self._fedasync_scale = fedasync_alpha(s.mixing, s.staleness_exponent, staleness)
-        t = self.tally
-        t.accepted += 1
-        t.tokens += tokens
-        t.loss_x_tokens += loss * tokens
-        t.staleness_sum += staleness
-        t.staleness_max = max(t.staleness_max, staleness)
-        t.norm_sum += norm
-        t.bytes_up += payload_nbytes(record)
+        self.tally.accept(r, norm, staleness)
 
     def _fold_penalised(self, node: int, update: Any, tokens: int, staleness: int) -> float | None:
         """Norm -> outlier test against the step-start statistics -> weighted fold (ALGORITHMS.md §4).
@@ -324,16 +289,15 @@ class AsyncOuterLoop:
         self.total_tokens += t.tokens
         self.total_bytes_up += t.bytes_up
         self.total_rejected += t.rejected
-        acc = max(t.accepted, 1)
         metrics = {
             "outer/step": self.version,
             "outer/accepted": t.accepted,
             "outer/rejected": t.rejected,
             "outer/rejected_total": self.total_rejected,
             "outer/failed": t.errors,
-            "outer/staleness": t.staleness_sum / acc if t.accepted else float("nan"),
+            "outer/staleness": t.mean(t.staleness_sum),
             "outer/staleness_max": t.staleness_max,
-            "outer/update_norm": t.norm_sum / acc if t.accepted else float("nan"),
+            "outer/update_norm": t.mean(t.norm_sum),
             "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
             "train/tokens": self.total_tokens,
             "comm/bytes_up": t.bytes_up,
@@ -344,7 +308,7 @@ class AsyncOuterLoop:
         self._last_step_wall = _time.perf_counter() - t0
         if self.grace_timer is not None:
             metrics["outer/grace_s"] = self.grace()
-        self.tally = StepTally()
+        self.tally = Tally()
         self.waiting = []
         self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node
         return metrics

@@ -17,7 +17,6 @@ import logging
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,12 +30,11 @@ from fl_geo.metrics import MetricsLogger
 from fl_geo.outer import OuterOptimizer, build_outer_optimizer
 from fl_geo.progress import Progress
 from fl_geo.state import ParamSpec
-from fl_geo.wire import PayloadError, decode, encode, payload_nbytes
+from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_train_reply
+from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
 
-# Metric keys a train reply must carry (clients/datacenter.py writes them).
-REPLY_METRICS = ("tokens", "steps", "train_loss", "step_time_s", "partition_id")
 
 
 def outer_optimizer_from_config(cfg: FlGeoConfig, numel: int) -> OuterOptimizer:
@@ -72,20 +70,6 @@ def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
         "model": section_to_json(cfg.model),
         "data": section_to_json(cfg.data),
     }
-
-
-@dataclass
-class RoundStats:
-    """Per-round tallies folded from replies (scalars only: no per-reply model buffers)."""
-
-    accepted: int = 0
-    rejected: int = 0
-    tokens: int = 0
-    loss_x_tokens: float = 0.0
-    step_time_sum: float = 0.0
-    norm_sum: float = 0.0
-    bytes_up: int = 0
-    rejections: list[str] = field(default_factory=list)
 
 
 class SyncOuterLoop:
@@ -145,59 +129,34 @@ class SyncOuterLoop:
         return Message(content, dst_node_id=node, message_type=mtype)
 
     # ---- reply handling -------------------------------------------------------------------------
-    def _reject(self, stats: RoundStats, node: int, reason: str) -> None:
+    def _reject(self, stats: Tally, node: int, reason: str) -> None:
         part = self.profiles[node].partition_id if node in self.profiles else -1
         log.warning("rejected update from node %s (partition %s): %s", node, part, reason)
         stats.rejected += 1
-        stats.rejections.append(f"node {node}: {reason}")
 
-    def _validate(self, stats: RoundStats, node: int, reply: Message) -> tuple[list, float, dict] | None:
-        """Check one reply's records and decode its payload; ``None`` (and a logged rejection) if bad."""
-        content = reply.content
-        if "arrays" not in content.array_records or "metrics" not in content.metric_records:
-            self._reject(stats, node, "reply lacks the 'arrays' or 'metrics' record")
-            return None
-        metrics = content.metric_records["metrics"]
-        missing = [k for k in REPLY_METRICS if k not in metrics]
-        if missing:
-            self._reject(stats, node, f"reply metrics lack {missing}")
-            return None
-        tokens = int(metrics["tokens"])
-        loss = float(metrics["train_loss"])
-        if tokens <= 0 or not math.isfinite(loss):
-            self._reject(stats, node, f"implausible metrics (tokens={tokens}, train_loss={loss})")
-            return None
-        record = content.array_records["arrays"]
-        try:
-            pieces = decode(record, self.spec, self.cfg.wire.up)  # keys, shapes, dtypes, sizes
-        except PayloadError as exc:
-            self._reject(stats, node, str(exc))
-            return None
-        weight = float(tokens) if self.cfg.strategy.weighting == "tokens" else 1.0
-        info = {"tokens": tokens, "loss": loss, "step_time_s": float(metrics["step_time_s"]), "nbytes": payload_nbytes(record)}
-        return pieces, weight, info
-
-    def fold_replies(self, stats: RoundStats, group: Sequence[tuple[int, Message]]) -> None:
+    def fold_replies(self, stats: Tally, group: Sequence[tuple[int, Message]]) -> None:
         """Validate a group of replies and fold the good ones in one pass; never raises on bad input.
 
         The fold checks every value for NaN/Inf before anything it carries reaches the sum, and
         gives the same bits as folding the accepted replies one by one in order, however the
         replies were grouped by arrival.
         """
-        valid = [(node, v) for node, reply in group if (v := self._validate(stats, node, reply)) is not None]
+        valid: list[tuple[int, TrainReply]] = []
+        for node, reply in group:
+            try:
+                valid.append((node, read_train_reply(reply, self.spec, self.cfg.wire.up)))
+            except ReplyError as exc:
+                self._reject(stats, node, str(exc))
         if not valid:
             return
-        result = self.accumulator.add_batch_checked([v[0] for _, v in valid], [v[1] for _, v in valid])
-        for i, (node, (_, _, info)) in enumerate(valid):
+        tokens_weighted = self.cfg.strategy.weighting == "tokens"
+        weights = [float(r.tokens) if tokens_weighted else 1.0 for _, r in valid]
+        result = self.accumulator.add_batch_checked([r.pieces for _, r in valid], weights)
+        for i, (node, r) in enumerate(valid):
             if i in result.rejected:
                 self._reject(stats, node, result.rejected[i])
-                continue
-            stats.accepted += 1
-            stats.tokens += info["tokens"]
-            stats.loss_x_tokens += info["loss"] * info["tokens"]
-            stats.step_time_sum += info["step_time_s"]
-            stats.norm_sum += float(result.norms[i])
-            stats.bytes_up += info["nbytes"]
+            else:
+                stats.accept(r, float(result.norms[i]))
 
     # ---- the loop -----------------------------------------------------------------------------
     def train_round(self, rnd: int) -> dict[str, float]:
@@ -207,7 +166,7 @@ class SyncOuterLoop:
         arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
         down = payload_nbytes(arrays) * len(nodes)
         msgs = [self._message(n, arrays, rnd, MessageType.TRAIN) for n in nodes]
-        stats = RoundStats()
+        stats = Tally()
         self.accumulator.reset()
         order = nodes if self.cfg.strategy.fold_order == "rank" else None
         slots = [self.profiles[n].partition_id for n in nodes]
@@ -244,18 +203,17 @@ class SyncOuterLoop:
         self.total_bytes_up += stats.bytes_up
         self.total_bytes_down += down
         self.total_rejected += stats.rejected
-        acc = max(stats.accepted, 1)
         return {
             "outer/step": self.version,
             "outer/accepted": stats.accepted,
             "outer/rejected": stats.rejected,
             "outer/rejected_total": self.total_rejected,
             "outer/failed": failed,
-            "outer/update_norm": stats.norm_sum / acc if stats.accepted else float("nan"),
+            "outer/update_norm": stats.mean(stats.norm_sum),
             "outer/pseudo_grad_norm": pg_norm,
             "train/loss": stats.loss_x_tokens / stats.tokens if stats.tokens else float("nan"),
             "train/tokens": self.total_tokens,
-            "train/step_time_s": stats.step_time_sum / acc if stats.accepted else float("nan"),
+            "train/step_time_s": stats.mean(stats.step_time_sum),
             "comm/bytes_up": stats.bytes_up,
             "comm/bytes_down": down,
             "comm/bytes_up_total": self.total_bytes_up,
