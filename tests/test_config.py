@@ -83,3 +83,13 @@ def test_flower_run_config_path_and_overrides():
     assert cfg.strategy.name == "fedavg" and cfg.run.rounds == 3 and cfg.run.name == "my run"
     with pytest.raises(ConfigError):
         config_from_run_config({"config": ""})
+
+
+def test_async_schedule_counts_synchronous_equivalent_steps():
+    # token budget 3,276,800 = 1,600 worker steps of 16 x 128 tokens = 400 steps of all 4 workers
+    cfg = load_config("configs/bench/eta_dips.yaml")
+    assert schedule_length(cfg) == 400 == schedule_length(load_config("configs/bench/eta_diloco.yaml"))
+    # no budget: buffer 1 means one worker's H steps per outer step = H / 4 synchronous steps
+    one = load_config(None, ["strategy.name=async_diloco", "run.rounds=40", "strategy.inner_steps=20"])
+    assert schedule_length(one) == 40 * 20 // 4
+    assert schedule_length(load_config(None, ["strategy.name=async_diloco", "client.total_steps=77"])) == 77
