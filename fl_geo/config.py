@@ -335,19 +335,26 @@ def validate(cfg: FlGeoConfig) -> None:
 
 
 def schedule_length(cfg: FlGeoConfig) -> int:
-    """Inner LR schedule length in synchronous-equivalent steps (each worker's own step count).
+    """Inner LR schedule length, in the units the schedule position counts.
 
-    Explicit ``client.total_steps`` wins. Synchronous: rounds x H. Asynchronous runs advance a
-    global position (samples dispatched / (batch x workers), ALGORITHMS.md §1), so the length
-    follows the token budget when one is set, else the outer steps' share of the workers' steps.
+    Explicit ``client.total_steps`` wins. Synchronous (``schedule_clock: local``): each worker's
+    own steps, rounds x H. Asynchronous (``global``, ALGORITHMS.md §1): the position is the number
+    of worker steps dispatched to all workers before a job plus its local step index, so the length
+    is every worker's steps together: the token budget / (batch x seq) when one is set, else the
+    outer steps times the updates each one takes times H.
     """
     if cfg.client.total_steps:
         return cfg.client.total_steps
     s, r = cfg.strategy, cfg.run
-    if s.name not in ASYNC_STRATEGIES:
+    if s.schedule_clock == "local":
         return r.rounds * s.inner_steps
-    per_sync_step = cfg.client.batch_size * cfg.client.seq_len * r.num_clients
     if r.max_tokens:
-        return max(1, r.max_tokens // per_sync_step)
-    updates_per_step = min(s.buffer_size, r.num_clients)
-    return max(1, r.rounds * s.inner_steps * updates_per_step // r.num_clients)
+        return max(1, r.max_tokens // (cfg.client.batch_size * cfg.client.seq_len))
+    return max(1, r.rounds * s.inner_steps * min(s.buffer_size, r.num_clients))
+
+
+def warmup_length(cfg: FlGeoConfig) -> int:
+    """Warm-up in the schedule's units: under the global clock all workers' steps count, so the
+    same per-worker warm-up spans num_clients times as many positions."""
+    scale = cfg.run.num_clients if cfg.strategy.schedule_clock == "global" else 1
+    return cfg.client.warmup_steps * scale

@@ -129,8 +129,8 @@ class AsyncOuterLoop:
         arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
         down = payload_nbytes(arrays)
         msgs, timings, meta = [], [], []
-        # HALoS's global batch: every worker's batch, so the position counts synchronous-equivalent steps
-        global_batch = self.cfg.client.batch_size * self.cfg.run.num_clients
+        # position in worker steps: samples dispatched to all workers / one worker's batch
+        global_batch = self.cfg.client.batch_size
         for node in nodes:
             steps = self._inner_steps(node)
             config = dict(self._client_cfg, round=self.version, base_version=self.version, inner_steps=steps, send=self._send)

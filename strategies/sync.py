@@ -13,6 +13,7 @@ global model and optimizer state stay exactly as they were.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -23,7 +24,7 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.config import FlGeoConfig, schedule_length, section_to_json
+from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
 from fl_geo.dispatch import Dispatcher, JobTiming, NodeProfile
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
@@ -66,7 +67,7 @@ def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
         # inline clients run one at a time in this process and may use every core
         "threads": cfg.run.sim_cpus if cfg.run.backend == "inline" else cfg.run.threads_per_client,
         "seed": cfg.run.seed,
-        "client": section_to_json(cfg.client),
+        "client": json.dumps({**to_dict(cfg.client), "warmup_steps": warmup_length(cfg)}, sort_keys=True),
         "model": section_to_json(cfg.model),
         "data": section_to_json(cfg.data),
     }

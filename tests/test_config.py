@@ -8,6 +8,7 @@ from fl_geo.config import (
     load_config,
     schedule_length,
     to_yaml,
+    warmup_length,
 )
 from fl_geo.server_app import config_from_run_config
 
@@ -85,11 +86,13 @@ def test_flower_run_config_path_and_overrides():
         config_from_run_config({"config": ""})
 
 
-def test_async_schedule_counts_synchronous_equivalent_steps():
-    # token budget 3,276,800 = 1,600 worker steps of 16 x 128 tokens = 400 steps of all 4 workers
+def test_async_schedule_counts_every_workers_steps():
+    # token budget 3,276,800 = 1,600 worker steps of 16 x 128 tokens (4 workers x 400 in sync)
     cfg = load_config("configs/bench/eta_dips.yaml")
-    assert schedule_length(cfg) == 400 == schedule_length(load_config("configs/bench/eta_diloco.yaml"))
-    # no budget: buffer 1 means one worker's H steps per outer step = H / 4 synchronous steps
+    sync = load_config("configs/bench/eta_diloco.yaml")
+    assert schedule_length(cfg) == 1600 == 4 * schedule_length(sync)
+    assert warmup_length(cfg) == 4 * warmup_length(sync) == 4 * cfg.client.warmup_steps
+    # no budget: buffer 1 means one worker's H steps per outer step
     one = load_config(None, ["strategy.name=async_diloco", "run.rounds=40", "strategy.inner_steps=20"])
-    assert schedule_length(one) == 40 * 20 // 4
+    assert schedule_length(one) == 40 * 20
     assert schedule_length(load_config(None, ["strategy.name=async_diloco", "client.total_steps=77"])) == 77
