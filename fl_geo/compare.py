@@ -67,11 +67,14 @@ def load_run(path: str | Path) -> RunRecord:
 
 
 def default_target(runs: list[RunRecord]) -> float:
-    """The worst final validation loss among the runs: the lowest loss every run reached."""
+    """The worst final validation loss among the runs that learned (ended below where they
+    started): the lowest loss all of them reached. A diverged run would make any target trivial,
+    so it does not set one; it is still listed, and simply never reaches the target."""
     finals = [r.final_loss for r in runs if r.final_loss is not None]
     if not finals:
         raise ValueError("no run logged a validation loss (val/loss)")
-    return max(finals)
+    learned = [r.final_loss for r in runs if r.final_loss is not None and r.series(WALL)[1][0] > r.final_loss]
+    return max(learned or finals)
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -33,6 +33,8 @@ def test_time_to_target_is_read_at_evaluation_points(tmp_path):
     assert a.first_reaching(2.0, "time/wall_s") == 20.0
     assert a.first_reaching(2.0, "train/tokens") == 2000
     assert b.first_reaching(1.0, "time/wall_s") is None
+    diverged = load_run(_fake_run(tmp_path, "c", [5.0, 9.0, 40.0]))
+    assert default_target([a, b, diverged]) == 1.9  # a diverged run sets no target
     table = markdown_table([a, b], 2.0)
     assert "| a | diloco | 1.5000 | 200.0 | 20.0 | 2,000 |" in table
     assert "| b | diloco | 1.9000 | — | 30.0 | 3,000 |" in table  # no virtual clock in run b
