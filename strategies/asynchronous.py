@@ -327,6 +327,10 @@ class AsyncOuterLoop:
             return sum(times) / len(times) if times else 0.0
         return self._last_step_wall
 
+    def _virtual_zero(self) -> dict[str, float]:
+        """``time/virtual_s`` = 0 for the step-0 record, only when the run has a virtual clock."""
+        return {"time/virtual_s": 0.0} if self.dispatcher.clock.is_virtual else {}
+
     def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
             return {}
@@ -340,7 +344,7 @@ class AsyncOuterLoop:
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         first = self.evaluate()
         if first:
-            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, "time/virtual_s": 0.0})
+            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()})
         self.dispatch(self.idle_nodes())
         while not self._done():
             pending = self.tally.accepted + self.tally.rejected > 0

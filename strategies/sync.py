@@ -243,6 +243,10 @@ class SyncOuterLoop:
             return {}
         return {"val/client_loss": total["loss"] / total["tokens"]}
 
+    def _virtual_zero(self) -> dict[str, float]:
+        """``time/virtual_s`` = 0 for the step-0 record, only when the run has a virtual clock."""
+        return {"time/virtual_s": 0.0} if self.dispatcher.clock.is_virtual else {}
+
     def evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
             return {}
@@ -253,7 +257,7 @@ class SyncOuterLoop:
         r = self.cfg.run
         first = self.evaluate()
         if first:
-            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, "time/virtual_s": 0.0})
+            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()})
         for rnd in range(1, r.rounds + 1):
             metrics = self.train_round(rnd)
             last = rnd == r.rounds
