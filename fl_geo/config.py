@@ -111,6 +111,10 @@ class StrategySection:
     pseudo_grad_base: str = "dispatch"  # dispatch | current (Di-PS line 10: workers send parameters)
     schedule_clock: str = ""  # local | global; "" = local for synchronous, global for asynchronous
     dynupd: bool = False  # H_i = ceil(H * speed_i / max speed) (DyLU / DynUpd)
+    # none: every outer step uses outer_lr. share: lr x (accepted updates / live workers), so that
+    # N single-update asynchronous steps add up to one synchronous step over N updates (as
+    # delayed Nesterov's g/N does); not in the Di-PS paper: an fl-geo option.
+    outer_lr_scaling: str = "none"
     weighting: str = "uniform"  # uniform | tokens
     inner_steps: int = 50  # H
     clients_per_round: int = 0  # 0 = every live node
@@ -305,6 +309,8 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.schedule_clock in ("local", "global"), "strategy.schedule_clock must be local or global")
     _require(s.grace_s >= 0 or s.grace_s == -1, "strategy.grace_s must be >= 0 or -1 (auto)")
     _require(0 < s.mixing <= 1, "strategy.mixing must be in (0, 1]")
+    _require(s.outer_lr_scaling in ("none", "share"), "strategy.outer_lr_scaling must be none or share")
+    _require(s.outer_lr_scaling == "none" or is_async, "strategy.outer_lr_scaling=share is for asynchronous strategies")
     _require(r.clock in ("wall", "virtual"), f"run.clock must be wall or virtual, got '{r.clock}'")
     _require(r.max_tokens >= 0, "run.max_tokens must be >= 0")
     p = cfg.penalty

@@ -266,11 +266,20 @@ class AsyncOuterLoop:
             return g
         return self.grace_timer.grace() if self.grace_timer is not None else 0.0
 
+    def _lr_share(self) -> float:
+        """outer_lr_scaling=share: the fraction of the live workers this step aggregates."""
+        if self.cfg.strategy.outer_lr_scaling != "share":
+            return 1.0
+        live = max(len([n for n in self.dispatcher.live_nodes() if n not in self.benched]), 1)
+        return min(1.0, self.tally.accepted / live)
+
     def step(self) -> dict[str, float]:
         import time as _time
 
         t0 = _time.perf_counter()
         t = self.tally
+        base_lr = self.optimizer.lr
+        self.optimizer.lr = base_lr * self._lr_share()
         stepped = t.accepted > 0
         if stepped and self.penalty is not None:
             self._penalised_step()
@@ -281,6 +290,7 @@ class AsyncOuterLoop:
                 mean.mul_(self._fedasync_scale)
             self.optimizer.step(self.global_params, mean)
             self.version += 1
+        self.optimizer.lr = base_lr
         if self.penalty is not None:
             self.penalty.commit()  # statistics learn from accepted updates only
         self.accumulator.reset()

@@ -157,3 +157,15 @@ def test_node_joining_mid_run_gets_the_latest_model(tiny, tmp_path):
     summary, _, _ = _run(cfg, tmp_path, grid=grid, hook=hook)
     assert summary["outer_steps"] == 8
     assert joined.get("base_version", -1) >= 1  # it started from a model that had already been stepped
+
+
+def test_share_lr_scaling_scales_single_update_steps(tiny, tmp_path):
+    """With buffer 1 and 4 workers, lr x 1/4 per step: the first step moves the model 4x less."""
+    from fl_geo.builders import make_model
+    from fl_geo.state import flatten
+
+    base = ["strategy.name=async_diloco", "strategy.outer_momentum=0.0", "run.rounds=1", *VIRTUAL]
+    init = flatten(make_model(tiny(*base).model, 0).state_dict())
+    _, full, _ = _run(tiny(*base), tmp_path, "full")
+    _, share, _ = _run(tiny(*base, "strategy.outer_lr_scaling=share"), tmp_path, "share")
+    torch.testing.assert_close(share - init, (full - init) / 4, rtol=1e-4, atol=1e-6)
