@@ -39,7 +39,7 @@ def test_explicit_values_win_over_presets():
 @pytest.mark.parametrize(
     "override,needle",
     [
-        ("strategy.outr_lr=1", "Did you mean: 'outer_lr'"),
+        ("strategy.outr_lr=1", "'outer_lr'"),
         ("strategy.outr_lr=1", "Valid keys here: name, outer_optimizer"),
         ("bogus.key=1", "Valid keys here: run, strategy"),
         ("strategy.outer_lr=abc", "could not be converted"),
