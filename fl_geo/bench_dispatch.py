@@ -39,12 +39,10 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -145,7 +143,7 @@ def _train_content(cfg: FlGeoConfig) -> tuple[RecordDict, int]:
     """The content of a strategy's train message (model in ``wire.down`` + config), and numel."""
     from fl_geo.builders import make_model
     from fl_geo.state import ParamSpec, flatten
-    from fl_geo.strategies.sync import client_config_record
+    from fl_geo.strategies.base import client_config_record
     from fl_geo.wire import encode
 
     model = make_model(cfg.model, cfg.run.seed)
@@ -442,32 +440,17 @@ def _run_on_ray(cfg: FlGeoConfig, body: Callable[[Grid], None]) -> None:
     shuts Ray down when the ServerApp returns), with this benchmark's ServerApp and ClientApp.
     """
     from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation as flwr_run_simulation
 
     from fl_geo.clients.noop import app as noop_app
-    from fl_geo.simulation import _DropRunSimulationDeprecation, backend_config
+    from fl_geo.simulation import run_flower_simulation
 
-    os.environ["OMP_NUM_THREADS"] = str(cfg.run.threads_per_client)
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     server = ServerApp()
 
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
         body(grid)
 
-    flwr_logger = logging.getLogger("flwr")
-    quiet = _DropRunSimulationDeprecation()
-    flwr_logger.addFilter(quiet)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            flwr_run_simulation(server_app=server, client_app=noop_app,
-                                num_supernodes=cfg.run.num_clients, backend_config=backend_config(cfg))
-    finally:
-        flwr_logger.removeFilter(quiet)
+    run_flower_simulation(cfg, server, noop_app)
 
 
 @contextmanager

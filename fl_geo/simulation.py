@@ -38,20 +38,13 @@ def backend_config(cfg: FlGeoConfig) -> dict[str, Any]:
     }
 
 
-def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run ``cfg`` with ``run.num_clients`` virtual datacenters; returns the run summary."""
-    import json
+def run_flower_simulation(cfg: FlGeoConfig, server_app: Any, client_app: Any) -> None:
+    """Flower's simulation runtime for ``server_app``/``client_app``, sized and quieted for fl-geo.
 
+    Ray is started and shut down by Flower's ``run_simulation`` within this call.
+    """
     from flwr.simulation import run_simulation as flwr_run_simulation
 
-    from fl_geo.clients.datacenter import app as client_app
-
-    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
-    if cfg.run.backend == "inline":
-        from fl_geo.inline import InlineGrid
-        from fl_geo.server_app import run_server
-
-        return run_server(InlineGrid(client_app, cfg.run.num_clients, seed=cfg.run.seed), cfg, run_dir)
     # Child processes (Ray actors) inherit these: one BLAS/OpenMP thread each, no oversubscription.
     os.environ["OMP_NUM_THREADS"] = str(cfg.run.threads_per_client)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -65,13 +58,28 @@ def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", FutureWarning)
             flwr_run_simulation(
-                server_app=make_server_app(cfg, run_dir),
+                server_app=server_app,
                 client_app=client_app,
                 num_supernodes=cfg.run.num_clients,
                 backend_config=backend_config(cfg),
             )
     finally:
         flwr_logger.removeFilter(quiet)
+
+
+def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run ``cfg`` with ``run.num_clients`` virtual datacenters; returns the run summary."""
+    import json
+
+    from fl_geo.clients.datacenter import app as client_app
+
+    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+    if cfg.run.backend == "inline":
+        from fl_geo.inline import InlineGrid
+        from fl_geo.server_app import run_server
+
+        return run_server(InlineGrid(client_app, cfg.run.num_clients, seed=cfg.run.seed), cfg, run_dir)
+    run_flower_simulation(cfg, make_server_app(cfg, run_dir), client_app)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RuntimeError(f"the simulation ended without a summary; see the log above and {run_dir}")

@@ -25,17 +25,12 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.config import FlGeoConfig
-from fl_geo.dispatch import Dispatcher, Event, JobTiming, NodeProfile
-from fl_geo.evaluation import GlobalEvaluator
+from fl_geo.dispatch import Event, JobTiming
 from fl_geo.grace import GraceTimer
-from fl_geo.metrics import MetricsLogger
 from fl_geo.penalty import Penalty
 from fl_geo.progress import Progress
-from fl_geo.state import ParamSpec
+from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, read_train_reply
-from fl_geo.strategies.sync import client_config_record, outer_optimizer_from_config
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -53,43 +48,18 @@ def fedasync_alpha(alpha: float, exponent: float, staleness: int) -> float:
     return alpha * (1.0 + staleness) ** (-exponent)
 
 
-class AsyncOuterLoop:
+class AsyncOuterLoop(OuterLoop):
     """Runs ``run.rounds`` asynchronous outer steps (or until ``run.max_tokens``)."""
 
-    def __init__(
-        self,
-        cfg: FlGeoConfig,
-        spec: ParamSpec,
-        global_params: torch.Tensor,
-        dispatcher: Dispatcher,
-        profiles: dict[int, NodeProfile],
-        logger: MetricsLogger,
-        evaluator: GlobalEvaluator | None,
-        scenario: Any | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.spec = spec
-        self.global_params = global_params
-        self.dispatcher = dispatcher
-        self.profiles = profiles
-        self.logger = logger
-        self.evaluator = evaluator
-        self.scenario = scenario
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cfg, spec = self.cfg, self.spec
         s = cfg.strategy
-        self.optimizer = outer_optimizer_from_config(cfg, spec.numel)
-        self.accumulator = WeightedAccumulator(spec.numel)
         self._scratch: torch.Tensor | None = None  # θ_current − θ_worker for the "current" base
-        self.version = 0
-        self.total_tokens = 0
-        self.total_bytes_up = 0
-        self.total_bytes_down = 0
-        self.total_rejected = 0
         self.dispatched_samples = 0  # for schedule_clock=global (ALGORITHMS.md §1)
         self.waiting: list[int] = []  # pushers of this step: they get the new model after it
         self.tally = Tally()
         self.last_arrival: float | None = None
-        self.history: list[dict[str, Any]] = []
-        self._client_cfg = client_config_record(cfg)
         self._send = "params" if s.pseudo_grad_base == "current" or s.name == "fedasync" else "pseudo_grad"
         self._fedasync_scale = 1.0
         p = cfg.penalty
@@ -155,11 +125,6 @@ class AsyncOuterLoop:
         return sorted(idle, key=lambda n: self.profiles[n].rank)
 
     # ---- replies --------------------------------------------------------------------------------
-    def _reject(self, node: int, reason: str) -> None:
-        part = self.profiles[node].partition_id if node in self.profiles else -1
-        log.warning("rejected update from node %s (partition %s): %s", node, part, reason)
-        self.tally.rejected += 1
-
     def handle(self, ev: Event) -> None:
         node = ev.job.node
         self.last_arrival = ev.time
@@ -177,7 +142,7 @@ class AsyncOuterLoop:
         try:
             r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up)
         except ReplyError as exc:
-            self._reject(node, str(exc))
+            self._reject(self.tally, node, str(exc))
             return
         tokens, pieces = r.tokens, r.pieces
         staleness = self.version - int(ev.job.meta["version"])
@@ -191,7 +156,7 @@ class AsyncOuterLoop:
         else:
             result = self.accumulator.add_batch_checked([update], [self._weight(tokens, staleness)])
             if 0 in result.rejected:
-                self._reject(node, result.rejected[0])
+                self._reject(self.tally, node, result.rejected[0])
                 return
             norm = float(result.norms[0])
         if self.cfg.strategy.name == "fedasync":
@@ -211,7 +176,7 @@ class AsyncOuterLoop:
         verdict = self.penalty.observe(key, norms, tokens=tokens, staleness=staleness)
         if not verdict.any_accepted:
             z = float(verdict.z.max()) if verdict.z.numel() else float("nan")
-            self._reject(node, f"outlier (z={z:.2f}, norm={float(norms.norm()):.4g}, rule {self.cfg.penalty.rule})")
+            self._reject(self.tally, node, f"outlier (z={z:.2f}, norm={float(norms.norm()):.4g}, rule {self.cfg.penalty.rule})")
             return None
         self.penalty.fold_(self.accumulator, update, verdict)
         return float(norms.norm())
@@ -313,7 +278,7 @@ class AsyncOuterLoop:
             "comm/bytes_up": t.bytes_up,
             "comm/bytes_up_total": self.total_bytes_up,
             "comm/bytes_down_total": self.total_bytes_down,
-            "time/virtual_s": self.dispatcher.clock.now() if self.dispatcher.clock.is_virtual else float("nan"),
+            "time/virtual_s": self._virtual_now(),
         }
         self._last_step_wall = _time.perf_counter() - t0
         if self.grace_timer is not None:
@@ -337,24 +302,12 @@ class AsyncOuterLoop:
             return sum(times) / len(times) if times else 0.0
         return self._last_step_wall
 
-    def _virtual_zero(self) -> dict[str, float]:
-        """``time/virtual_s`` = 0 for the step-0 record, only when the run has a virtual clock."""
-        return {"time/virtual_s": 0.0} if self.dispatcher.clock.is_virtual else {}
-
-    def evaluate(self) -> dict[str, float]:
-        if self.evaluator is None:
-            return {}
-        loss = self.evaluator.evaluate(self.global_params)
-        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
-
     def _done(self) -> bool:
         r = self.cfg.run
         return self.version >= r.rounds or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)
 
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
-        first = self.evaluate()
-        if first:
-            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()})
+        self.log_initial()
         self.dispatch(self.idle_nodes())
         while not self._done():
             pending = self.tally.accepted + self.tally.rejected > 0

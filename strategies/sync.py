@@ -13,9 +13,7 @@ global model and optimizer state stay exactly as they were.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -23,14 +21,9 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
-from fl_geo.dispatch import Dispatcher, JobTiming, NodeProfile
-from fl_geo.evaluation import GlobalEvaluator
-from fl_geo.metrics import MetricsLogger
-from fl_geo.outer import OuterOptimizer, build_outer_optimizer
+from fl_geo.dispatch import JobTiming
 from fl_geo.progress import Progress
-from fl_geo.state import ParamSpec
+from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_train_reply
 from fl_geo.wire import encode, payload_nbytes
 
@@ -38,73 +31,12 @@ log = logging.getLogger("fl_geo")
 
 
 
-def outer_optimizer_from_config(cfg: FlGeoConfig, numel: int) -> OuterOptimizer:
-    """Map the strategy section onto the core outer optimizers (fl_geo.outer)."""
-    s = cfg.strategy
-    name = s.outer_optimizer
-    if name == "nesterov":
-        kwargs: dict[str, Any] = {"lr": s.outer_lr, "momentum": s.outer_momentum}
-    elif name == "delayed_nesterov":
-        kwargs = {"lr": s.outer_lr, "momentum": s.outer_momentum, "buffer_size": s.delay_buffer, "activation": s.delay_activation}
-    elif name in ("avg", "sgdm"):
-        kwargs = {"lr": s.outer_lr} if name == "avg" else {"lr": s.outer_lr, "momentum": s.outer_momentum}
-    else:  # fedadam / fedyogi
-        kwargs = {"lr": s.outer_lr, "beta1": s.beta1, "beta2": s.beta2, "tau": s.tau}
-    return build_outer_optimizer(name, numel, **kwargs)
-
-
-def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
-    """The part of the run config every ClientApp needs, as ConfigRecord scalars.
-
-    The server is the single source of truth: clients never read config files, so a deployment
-    across sites cannot drift out of sync with the experiment definition.
-    """
-    return {
-        "inner_steps": cfg.strategy.inner_steps,
-        "schedule_total": schedule_length(cfg),
-        "wire_up": cfg.wire.up,
-        "wire_down": cfg.wire.down,
-        # inline clients run one at a time in this process and may use every core
-        "threads": cfg.run.sim_cpus if cfg.run.backend == "inline" else cfg.run.threads_per_client,
-        "seed": cfg.run.seed,
-        "client": json.dumps({**to_dict(cfg.client), "warmup_steps": warmup_length(cfg)}, sort_keys=True),
-        "model": section_to_json(cfg.model),
-        "data": section_to_json(cfg.data),
-    }
-
-
-class SyncOuterLoop:
+class SyncOuterLoop(OuterLoop):
     """Runs ``run.rounds`` synchronous outer steps over the nodes of a Flower grid."""
 
-    def __init__(
-        self,
-        cfg: FlGeoConfig,
-        spec: ParamSpec,
-        global_params: torch.Tensor,
-        dispatcher: Dispatcher,
-        profiles: dict[int, NodeProfile],
-        logger: MetricsLogger,
-        evaluator: GlobalEvaluator | None,
-        scenario: Any | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.spec = spec
-        self.global_params = global_params  # fp32 flat buffer, updated in place by the outer step
-        self.dispatcher = dispatcher
-        self.profiles = profiles
-        self.logger = logger
-        self.evaluator = evaluator
-        self.scenario = scenario  # set with a virtual clock: rounds cost compute + ring all-reduce
-        self.optimizer = outer_optimizer_from_config(cfg, spec.numel)
-        self.accumulator = WeightedAccumulator(spec.numel)
-        self.version = 0  # outer steps applied
-        self.total_tokens = 0
-        self.total_bytes_up = 0
-        self.total_bytes_down = 0
-        self.total_rejected = 0
-        self._rng = random.Random(cfg.run.seed)
-        self._client_cfg = client_config_record(cfg)
-        self.history: list[dict[str, Any]] = []
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rng = random.Random(self.cfg.run.seed)
 
     # ---- selection and messages ---------------------------------------------------------------
     def refresh_nodes(self) -> list[int]:
@@ -130,11 +62,6 @@ class SyncOuterLoop:
         return Message(content, dst_node_id=node, message_type=mtype)
 
     # ---- reply handling -------------------------------------------------------------------------
-    def _reject(self, stats: Tally, node: int, reason: str) -> None:
-        part = self.profiles[node].partition_id if node in self.profiles else -1
-        log.warning("rejected update from node %s (partition %s): %s", node, part, reason)
-        stats.rejected += 1
-
     def fold_replies(self, stats: Tally, group: Sequence[tuple[int, Message]]) -> None:
         """Validate a group of replies and fold the good ones in one pass; never raises on bad input.
 
@@ -219,7 +146,7 @@ class SyncOuterLoop:
             "comm/bytes_down": down,
             "comm/bytes_up_total": self.total_bytes_up,
             "comm/bytes_down_total": self.total_bytes_down,
-            "time/virtual_s": clock.now() if clock.is_virtual else float("nan"),
+            "time/virtual_s": self._virtual_now(),
         }
 
     def client_eval(self, rnd: int) -> dict[str, float]:
@@ -243,21 +170,9 @@ class SyncOuterLoop:
             return {}
         return {"val/client_loss": total["loss"] / total["tokens"]}
 
-    def _virtual_zero(self) -> dict[str, float]:
-        """``time/virtual_s`` = 0 for the step-0 record, only when the run has a virtual clock."""
-        return {"time/virtual_s": 0.0} if self.dispatcher.clock.is_virtual else {}
-
-    def evaluate(self) -> dict[str, float]:
-        if self.evaluator is None:
-            return {}
-        loss = self.evaluator.evaluate(self.global_params)
-        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
-
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         r = self.cfg.run
-        first = self.evaluate()
-        if first:
-            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()})
+        self.log_initial()
         for rnd in range(1, r.rounds + 1):
             metrics = self.train_round(rnd)
             last = rnd == r.rounds
