@@ -115,14 +115,8 @@ class AsyncOuterLoop(OuterLoop):
         self.total_bytes_down += down * len(nodes)
 
     def idle_nodes(self) -> list[int]:
-        """Live, profiled nodes with no job in flight that are not waiting for this step's model."""
-        live = self.dispatcher.live_nodes()
-        unknown = [n for n in live if n not in self.profiles]
-        if unknown:
-            self.profiles.update(self.dispatcher.query_profiles(unknown))
-        busy = self.dispatcher.busy_nodes()
-        idle = [n for n in live if n in self.profiles and n not in busy and n not in self.waiting and n not in self.benched]
-        return sorted(idle, key=lambda n: self.profiles[n].rank)
+        """Free nodes that are neither waiting for this step's model nor benched."""
+        return self.free_nodes(set(self.waiting) | self.benched)
 
     # ---- replies --------------------------------------------------------------------------------
     def handle(self, ev: Event) -> None:

@@ -93,6 +93,17 @@ class OuterLoop:
         self._client_cfg = client_config_record(cfg)
         self.history: list[dict[str, Any]] = []
 
+    def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Live nodes with no job in flight, in rank order; nodes seen for the first time are
+        asked for their profile first (Flower's NodeInfo carries no node_config)."""
+        live = self.dispatcher.live_nodes()
+        unknown = [n for n in live if n not in self.profiles]
+        if unknown:
+            self.profiles.update(self.dispatcher.query_profiles(unknown))
+        busy = self.dispatcher.busy_nodes() | set(exclude)
+        nodes = [n for n in live if n in self.profiles and n not in busy]
+        return sorted(nodes, key=lambda n: self.profiles[n].rank)
+
     def _reject(self, tally: Tally, node: int, reason: str) -> None:
         """Log a rejected update with its node, partition and reason, and count it."""
         part = self.profiles[node].partition_id if node in self.profiles else -1

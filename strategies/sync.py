@@ -40,14 +40,8 @@ class SyncOuterLoop(OuterLoop):
 
     # ---- selection and messages ---------------------------------------------------------------
     def refresh_nodes(self) -> list[int]:
-        """Live nodes that answered the profile query, in rank order; new nodes are queried."""
-        live = self.dispatcher.live_nodes()
-        unknown = [n for n in live if n not in self.profiles]
-        if unknown:
-            self.profiles.update(self.dispatcher.query_profiles(unknown))
-        busy = self.dispatcher.busy_nodes()
-        nodes = [n for n in live if n in self.profiles and n not in busy]
-        return sorted(nodes, key=lambda n: self.profiles[n].rank)
+        """Every live, profiled node without a job in flight, in rank order."""
+        return self.free_nodes()
 
     def select(self, nodes: list[int]) -> list[int]:
         k = self.cfg.strategy.clients_per_round

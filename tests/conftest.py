@@ -43,3 +43,20 @@ def tiny_config(*overrides: str) -> FlGeoConfig:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+def tiny_scenario_dict(**extra) -> dict:
+    """Two regions, asymmetric links with latency; server in A.
+
+    Node 0 in A (speed 1), nodes 1 and 2 in B (speeds 2 and 0.5); 1 s per step at speed 1.
+    """
+    d = {
+        "name": "tiny",
+        "server_region": "A",
+        "regions": ["A", "B"],
+        "links": {"bandwidth_gbps": [[80.0, 8.0], [4.0, 40.0]], "latency_s": [[0.0, 0.5], [0.25, 0.0]]},
+        "model": {"num_params": 1000, "step_time_s": 1.0},
+        "nodes": [{"region": "A"}, {"region": "B", "speed": 2.0}, {"region": "B", "speed": 0.5}],
+    }
+    d.update(extra)
+    return d

@@ -10,19 +10,13 @@ import pytest
 
 from fl_geo.clock import VirtualClock, WallClock
 from fl_geo.scenario import load_scenario, scenario_from_dict
+from tests.conftest import tiny_scenario_dict
 
 
 def tiny():
-    """Server in A; node 0 in A (speed 1), nodes 1, 2 in B (speeds 2, 0.5); 1 s/step at speed 1.
-    A->B 8 Gbit/s + 0.5 s, B->A 4 Gbit/s + 0.25 s, A-A 80, B-B 40 Gbit/s."""
-    return scenario_from_dict({
-        "name": "tiny",
-        "server_region": "A",
-        "regions": ["A", "B"],
-        "links": {"bandwidth_gbps": [[80.0, 8.0], [4.0, 40.0]], "latency_s": [[0.0, 0.5], [0.25, 0.0]]},
-        "model": {"num_params": 1000, "step_time_s": 1.0},
-        "nodes": [{"region": "A"}, {"region": "B", "speed": 2.0}, {"region": "B", "speed": 0.5}],
-    })
+    """The shared two-region test scenario (tests/conftest.py): server in A, node 0 in A (speed 1),
+    nodes 1, 2 in B (speeds 2, 0.5); A->B 8 Gbit/s + 0.5 s, B->A 4 Gbit/s + 0.25 s; 1 s/step."""
+    return scenario_from_dict(tiny_scenario_dict())
 
 
 def drain(clock: VirtualClock) -> list[str]:

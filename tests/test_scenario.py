@@ -19,29 +19,13 @@ from fl_geo.scenario import (
     scenario_from_dict,
     scenario_from_yaml_string,
 )
+from tests.conftest import tiny_scenario_dict
 
 SCENARIO_FILES = sorted((Path(__file__).resolve().parents[1] / "configs" / "scenarios").glob("*.yaml"))
 
 
-def tiny_dict(**extra) -> dict:
-    """Two regions, asymmetric links with latency; server in A.
-
-    Node 0 in A (speed 1), nodes 1 and 2 in B (speeds 2 and 0.5); 1 s per step at speed 1.
-    """
-    d = {
-        "name": "tiny",
-        "server_region": "A",
-        "regions": ["A", "B"],
-        "links": {"bandwidth_gbps": [[80.0, 8.0], [4.0, 40.0]], "latency_s": [[0.0, 0.5], [0.25, 0.0]]},
-        "model": {"num_params": 1000, "step_time_s": 1.0},
-        "nodes": [{"region": "A"}, {"region": "B", "speed": 2.0}, {"region": "B", "speed": 0.5}],
-    }
-    d.update(extra)
-    return d
-
-
 def tiny() -> Scenario:
-    return scenario_from_dict(tiny_dict())
+    return scenario_from_dict(tiny_scenario_dict())
 
 
 def four_regions(nodes_per_region: int = 1) -> Scenario:
@@ -126,7 +110,7 @@ def test_job_time_by_hand():
 
 
 def test_speed_reference_and_heterogeneity_compose():
-    d = tiny_dict(model={"step_time_s": 2.0, "reference_speed": 4.0},
+    d = tiny_scenario_dict(model={"step_time_s": 2.0, "reference_speed": 4.0},
                   heterogeneity={"eta_percent": 100})
     s = scenario_from_dict(d)
     # multipliers over K = 3 nodes: 1, 1.5, 2; speed_i = base / multiplier.
@@ -137,14 +121,14 @@ def test_speed_reference_and_heterogeneity_compose():
 
 
 def test_random_spread_is_seeded_bounded_and_prefix_stable():
-    d = tiny_dict(heterogeneity={"eta_percent": 50, "spread": "random", "seed": 7})
+    d = tiny_scenario_dict(heterogeneity={"eta_percent": 50, "spread": "random", "seed": 7})
     a, b = scenario_from_dict(d), scenario_from_dict(d)
     ma = [a.multiplier(i) for i in range(3)]
     assert ma == [b.multiplier(i) for i in range(3)]
     assert all(1.0 <= m <= 1.5 for m in ma) and len(set(ma)) == 3
     two = scenario_for_nodes(a, 2)
     assert [two.multiplier(i) for i in range(2)] == ma[:2]
-    other = scenario_from_dict(tiny_dict(heterogeneity={"eta_percent": 50, "spread": "random", "seed": 8}))
+    other = scenario_from_dict(tiny_scenario_dict(heterogeneity={"eta_percent": 50, "spread": "random", "seed": 8}))
     assert [other.multiplier(i) for i in range(3)] != ma
 
 
@@ -161,7 +145,7 @@ def test_time_budget_steps():
     assert s.time_budget_steps(1.0, 1) == 2
     assert s.time_budget_steps(1.1, 1) == 3  # the step that crosses the budget is finished
     assert s.time_budget_steps(0.0, 1) == 1
-    lan = scenario_from_dict(tiny_dict(model={"step_time_s": 0.1}))
+    lan = scenario_from_dict(tiny_scenario_dict(model={"step_time_s": 0.1}))
     assert lan.time_budget_steps(0.3, 0) == 3  # 0.3 / 0.1 = 2.9999999999999996
     assert lan.time_budget_steps(0.7, 0) == 7
 
@@ -250,7 +234,7 @@ def test_scenario_for_nodes_truncates_or_refuses():
 
 
 def test_failures_are_validated_and_follow_truncation():
-    d = tiny_dict(failures=[{"node": 2, "at_time": 10.0, "duration": 5.0}, {"node": 0, "at_time": 3.0}])
+    d = tiny_scenario_dict(failures=[{"node": 2, "at_time": 10.0, "duration": 5.0}, {"node": 0, "at_time": 3.0}])
     s = scenario_from_dict(d)
     assert [(f.node, f.at_time, f.duration) for f in s.failures] == [(2, 10.0, 5.0), (0, 3.0, None)]
     assert [f.node for f in scenario_for_nodes(s, 2).failures] == [0]
@@ -284,7 +268,7 @@ def test_failures_are_validated_and_follow_truncation():
 )
 def test_bad_scenarios_are_clear_errors(change, needles):
     with pytest.raises(ScenarioError) as exc:
-        scenario_from_dict(tiny_dict(**change), source="tiny.yaml")
+        scenario_from_dict(tiny_scenario_dict(**change), source="tiny.yaml")
     msg = str(exc.value)
     assert msg.startswith("tiny.yaml: ")
     for needle in needles:
