@@ -17,13 +17,14 @@ import logging
 import os
 import time
 from functools import lru_cache
+from typing import Any
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.builders import inner_config, make_model, partitions
-from fl_geo.data import BatchSampler, eval_batches
+from fl_geo.data import BatchNoise, BatchSampler, eval_batches
 from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
 from fl_geo.model import Decoder
@@ -86,6 +87,24 @@ def _setup(msg: Message, context: Context) -> tuple[ConfigRecord, int, int, Inne
     return cfg, pid, nparts, icfg, model, spec, base
 
 
+def make_sampler(
+    data_cfg: dict[str, Any], tokens: torch.Tensor, icfg: InnerConfig, pid: int, vocab_size: int, data_seed: int
+) -> BatchSampler:
+    """This partition's training sampler; partitions in ``data.noise_partitions`` get a fraction of
+    low-quality batches (``data.noise_*``, EDiT-style loss spikes). Keys missing from an older
+    data section mean no noise."""
+    noise = None
+    fraction = float(data_cfg.get("noise_fraction", 0.0) or 0.0)
+    if fraction > 0 and pid in {int(p) for p in data_cfg.get("noise_partitions") or []}:
+        noise = BatchNoise(
+            fraction=fraction,
+            kind=str(data_cfg.get("noise_kind", "random")),
+            block=int(data_cfg.get("noise_block", 1)),
+            vocab_size=int(vocab_size),
+        )
+    return BatchSampler(tokens, icfg.seq_len, icfg.batch_size, seed=data_seed, stream=pid, noise=noise)
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
@@ -119,12 +138,15 @@ def train(msg: Message, context: Context) -> Message:
 
     parts, _ = partitions(cfg["data"], nparts)
     part = parts[pid]
-    data_seed = int(json.loads(str(cfg["data"]))["seed"]) * 1_000_003 + int(cfg["seed"])
-    sampler = BatchSampler(part.train, icfg.seq_len, icfg.batch_size, seed=data_seed, stream=pid)
+    data_cfg = json.loads(str(cfg["data"]))
+    data_seed = int(data_cfg["seed"]) * 1_000_003 + int(cfg["seed"])
+    sampler = make_sampler(data_cfg, part.train, icfg, pid, model.cfg.vocab_size, data_seed)
 
     t0 = time.perf_counter()
-    result = trainer.train(sampler, int(cfg["inner_steps"]), start_step)
+    budget = float(cfg.get("time_budget_s", 0.0))  # A-EDiT: train for a time, H is a cap
+    result = trainer.train(sampler, int(cfg["inner_steps"]), start_step, time_budget_s=budget)
     train_time = time.perf_counter() - t0
+    noisy_steps = sum(sampler.is_noisy(start_step + i) for i in range(result.steps))
 
     local = flatten(model.state_dict())
     if str(cfg.get("send", "pseudo_grad")) == "params":
@@ -149,6 +171,7 @@ def train(msg: Message, context: Context) -> Message:
             "train_time_s": float(train_time),
             "partition_id": pid,
             "base_version": int(cfg.get("base_version", 0)),
+            "noisy_steps": int(noisy_steps),  # batches replaced by data.noise_* garbage in this job
         }
     )
     return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.model import ModelConfig
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
@@ -37,6 +38,9 @@ STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "async_diloco": ("nesterov",),
     "async_local_sgd": ("delayed_nesterov",),
     "dips": ("nesterov",),
+    # EDiT / A-EDiT (ALGORITHMS.md §4, §1): synchronous, per-module penalty
+    "edit": ("nesterov",),
+    "a_edit": ("nesterov",),
 }
 STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "diloco": (0.7, 0.9),
@@ -49,7 +53,16 @@ STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "async_diloco": (0.7, 0.9),
     "async_local_sgd": (0.05 * 32, 0.9),  # HALoS harness: lr 0.05 x N with N = 32
     "dips": (0.7, 0.8),  # Di-PS: Nesterov 0.7 / 0.8
+    "edit": (0.8, 0.85),  # EDiT: Nesterov 0.8 / 0.85
+    "a_edit": (0.8, 0.85),
 }
+# EDiT's penalty (EDiT §3.2 / Algorithm 2; atorch defaults): filled in when a strategy named
+# edit / a_edit leaves the penalty section at its schema defaults.
+EDIT_PENALTY: dict[str, Any] = {
+    "enabled": True, "granularity": "module", "rule": "zscore", "threshold": 3.0,
+    "keying": "node", "weighting": "norm_softmax", "temperature": 1.0, "clip": 10.0,
+}
+EDIT_STRATEGIES = ("edit", "a_edit")
 ASYNC_STRATEGIES = ("fedbuff", "fedasync", "async_diloco", "async_local_sgd", "dips")
 
 
@@ -92,7 +105,7 @@ class RunSection:
 class StrategySection:
     """Server side: which synchronous outer loop and its outer optimizer."""
 
-    name: str = "diloco"  # diloco | fedavg | fedavgm | fedadam | fedyogi
+    name: str = "diloco"  # a key of STRATEGY_OPTIMIZERS (diloco, fedavg, ..., dips, edit, a_edit)
     outer_optimizer: str = ""  # "" = the strategy's default (STRATEGY_OPTIMIZERS)
     outer_lr: float | None = None  # None = the strategy's default (STRATEGY_DEFAULTS)
     outer_momentum: float | None = None
@@ -117,6 +130,16 @@ class StrategySection:
     outer_lr_scaling: str = "none"
     weighting: str = "uniform"  # uniform | tokens
     inner_steps: int = 50  # H
+    # A-EDiT: each inner loop runs for this long instead of H steps (0 = off). Wall clock: the
+    # client trains until the elapsed time reaches it, finishing the step that crosses it, with H
+    # as a cap; virtual clock: max(1, ceil(budget / step_time_i)) steps from the scenario.
+    time_budget_s: float = 0.0
+    # A-EDiT (atorch use_step_weight): w_i = (1 - r) * penalty weight_i + r * steps_i / sum steps
+    step_weight_ratio: float = 0.0
+    # EDiT warm-up (Algorithm 1, lines 7 and 19-20): the first t_warm inner steps are averaged
+    # every step (rounds of one inner step, plain model averaging, no penalty) before the
+    # periodic syncs start. Counted in inner steps; these rounds come on top of run.rounds.
+    sync_warmup_steps: int = 0
     clients_per_round: int = 0  # 0 = every live node
     min_replies: int = 1  # fewer accepted updates than this: skip the outer step
     round_timeout_s: float = 0.0  # 0 = wait for every selected node (or its error reply)
@@ -139,6 +162,9 @@ class PenaltySection:
     temperature: float = 1.0  # norm_softmax T; 0 = auto (mean accepted norm of the previous step)
     clip: float = 0.0  # phi; 0 = no clipping
     adaptive_threshold: bool = False
+    # Ablation switch (EDiT Fig. 7a "w/o AE"): false = never reject (statistics still kept).
+    # "w/o WA" is weighting=uniform, "w/o GC" is clip=0.
+    outlier: bool = True
 
 
 @dataclass
@@ -160,6 +186,11 @@ class DataSection:
     partition: str = "by_group"  # by_group (natural non-IID) | iid | by_document
     val_fraction: float = 0.05
     seed: int = 0
+    # Low-quality training batches in bursts (EDiT-style loss spikes); validation data stays clean.
+    noise_partitions: list[int] = field(default_factory=list)  # partition ids whose batches are corrupted
+    noise_fraction: float = 0.0  # probability that a block of batches is corrupted
+    noise_kind: str = "random"  # random (uniform token ids) | shuffle (real windows, tokens permuted)
+    noise_block: int = 1  # consecutive inner steps sharing one corrupt/clean decision
 
 
 @dataclass
@@ -215,9 +246,8 @@ def _wrap(exc: OmegaConfBaseException, where: str) -> ConfigError:
     return ConfigError(f"{where}: invalid config key or value '{key}': {first_line}{hint}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FlGeoConfig:
-    """Merge schema defaults, an optional YAML file and ``key=value`` overrides, then validate."""
-    cfg = _schema()
+def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[str] | None) -> DictConfig:
+    cfg = base
     if path:
         p = Path(path)
         if not p.is_file():
@@ -233,6 +263,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
             raise _wrap(exc, f"override '{item}'") from None
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FlGeoConfig:
+    """Merge schema defaults, an optional YAML file and ``key=value`` overrides, then validate.
+
+    A strategy with its own penalty defaults (EDiT, A-EDiT: `EDIT_PENALTY`) gets them as the
+    base the file and overrides are merged onto, so ``strategy.name=edit`` alone is full EDiT and
+    any penalty key the user sets still wins.
+    """
+    cfg = _merge_sources(_schema(), path, overrides)
+    if cfg.strategy.name in EDIT_STRATEGIES:
+        base = OmegaConf.merge(_schema(), {"penalty": EDIT_PENALTY})
+        cfg = _merge_sources(base, path, overrides)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out)
     return out
@@ -320,6 +364,14 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(p.threshold > 0 and p.warmup >= 0 and p.clip >= 0 and p.temperature >= 0, "penalty: threshold > 0, warmup, clip, temperature >= 0")
     for part in p.weighting.split("*"):
         _require(part in ("tokens", "norm_softmax", "uniform", "staleness"), f"penalty.weighting part '{part}' is unknown")
+    _require(s.time_budget_s >= 0, f"strategy.time_budget_s must be >= 0, got {s.time_budget_s}")
+    _require(not (s.time_budget_s > 0 and is_async), "strategy.time_budget_s is for synchronous strategies (A-EDiT)")
+    _require(s.name != "a_edit" or s.time_budget_s > 0, "strategy a_edit needs strategy.time_budget_s > 0 (seconds of inner training per round)")
+    _require(0 <= s.step_weight_ratio <= 1, f"strategy.step_weight_ratio must be in [0, 1], got {s.step_weight_ratio}")
+    _require(s.step_weight_ratio == 0 or (p.enabled and not is_async),
+             "strategy.step_weight_ratio mixes step weights into the penalty's weights: it needs penalty.enabled and a synchronous strategy")
+    _require(s.sync_warmup_steps >= 0, f"strategy.sync_warmup_steps must be >= 0, got {s.sync_warmup_steps}")
+    _require(s.sync_warmup_steps == 0 or not is_async, "strategy.sync_warmup_steps (EDiT warm-up) is for synchronous strategies")
     _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
@@ -330,6 +382,12 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(d.partition in ("by_group", "iid", "by_document"), f"data.partition '{d.partition}' is unknown; valid: by_group, iid, by_document")
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
     _require(d.corpus != "files" or bool(d.files), "data.corpus=files needs data.files (paths or globs of .txt/.jsonl)")
+    _require(0 <= d.noise_fraction <= 1, f"data.noise_fraction must be in [0, 1], got {d.noise_fraction}")
+    _require(d.noise_kind in NOISE_KINDS, f"data.noise_kind must be one of {NOISE_KINDS}, got '{d.noise_kind}'")
+    _require(d.noise_block >= 1, f"data.noise_block must be >= 1, got {d.noise_block}")
+    out_of_range = [p for p in d.noise_partitions if not 0 <= p < r.num_clients]
+    _require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
+    _require(len(set(d.noise_partitions)) == len(d.noise_partitions), f"data.noise_partitions has duplicates: {d.noise_partitions}")
     _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
     _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     _require(c.device in ("auto", "cuda", "npu", "mps", "cpu"), f"client.device '{c.device}' is unknown")
@@ -353,7 +411,7 @@ def schedule_length(cfg: FlGeoConfig) -> int:
         return cfg.client.total_steps
     s, r = cfg.strategy, cfg.run
     if s.schedule_clock == "local":
-        return r.rounds * s.inner_steps
+        return r.rounds * s.inner_steps + s.sync_warmup_steps
     if r.max_tokens:
         return max(1, r.max_tokens // (cfg.client.batch_size * cfg.client.seq_len))
     return max(1, r.rounds * s.inner_steps * min(s.buffer_size, r.num_clients))

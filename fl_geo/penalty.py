@@ -60,6 +60,7 @@ __all__ = [
     "Penalty",
     "Rejection",
     "StepReport",
+    "StepWeightMix",
     "StreamingWeights",
     "Verdict",
     "base_weight",
@@ -730,7 +731,8 @@ class Penalty:
     before z is real (20); ``keying`` ``node``|``pooled``; ``weighting`` one of `WEIGHT_KINDS`
     or a list (product, renormalised); ``temperature`` T of ``norm_softmax`` (1) or ``"auto"``;
     ``clip`` φ or None; ``eps`` ε of the clip (1e-6) and floor of an auto temperature;
-    ``ema_alpha`` α (0.02); ``window`` W of E (16); ``adaptive_threshold`` (zscore only).
+    ``ema_alpha`` α (0.02); ``window`` W of E (16); ``adaptive_threshold`` (zscore only);
+    ``reject`` False turns the outlier test off (every finite update is accepted).
 
     Per step: `norms` → `observe` (→ `fold_`) for each update, then `normalise_`, `clip_`,
     `rolled_back`, the caller's outer step, `commit`. `score` is the side-effect-free test.
@@ -754,8 +756,12 @@ class Penalty:
         ema_alpha: float = 0.02,
         window: int = 16,
         adaptive_threshold: bool = False,
+        reject: bool = True,
     ) -> None:
         self.spec = spec
+        # reject=False (EDiT ablation "w/o anomaly elimination"): score and keep statistics, but
+        # accept every finite update.
+        self.reject = bool(reject)
         self.granularity = granularity
         self.groups = module_groups(spec, granularity)
         if spec.numel == 0:
@@ -808,6 +814,8 @@ class Penalty:
         commit; changes nothing. Non-finite norms are always rejected."""
         g = _check_norms(norms, self.num_groups)
         z = self.stats.zscores(node, g)
+        if not self.reject:
+            return torch.isfinite(g), z
         return self.test.accept(self.stats.stats_key(node), z) & torch.isfinite(g), z
 
     def observe(self, node: Any, norms: NormsLike, tokens: int | None = None,
@@ -1001,3 +1009,58 @@ class Penalty:
             self._step = _Step(StreamingWeights(self.num_groups, self.weighting, temp,
                                                 self.eps))
         return self._step
+
+
+class StepWeightMix:
+    """A-EDiT's step weights (atorch ``use_step_weight``) mixed into the penalty's weights.
+
+    Per group, over the updates accepted for it: ``w_i = (1 − r)·w_i^pen + r·s_i / Σ_j s_j``,
+    with ``w^pen`` the penalty's normalised weights and ``s_i`` the inner steps update i took
+    (under a time budget fast workers take more). The mix is not separable (each term has its own
+    normaliser), so the step-weighted sum is kept in a second running sum: the server holds one
+    more model-sized buffer, still O(1) in the number of replies.
+
+    Per step: `fold_` after `Penalty.fold_` for every update, `mix_` on the penalty's normalised
+    mean before the clip, `reset` when the step is done.
+    """
+
+    def __init__(self, penalty: Penalty, ratio: float) -> None:
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"step weight ratio must be in [0, 1], got {ratio}")
+        self.penalty = penalty
+        self.ratio = float(ratio)
+        self.acc = WeightedAccumulator(penalty.spec.numel)
+        self.totals = torch.zeros(penalty.num_groups, dtype=torch.float64)
+
+    def reset(self) -> None:
+        self.acc.reset()
+        self.totals.zero_()
+
+    def fold_(self, update: Update, verdict: Verdict, steps: int) -> None:
+        """Fold the accepted groups of ``update`` with weight ``steps``."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        accepted = verdict.accepted
+        if not bool(accepted.any()):
+            return
+        self.totals += accepted.to(torch.float64) * float(steps)
+        if self.penalty._full:
+            self.acc.add(update, float(steps))
+            return
+        pieces = _as_pieces(update)
+        for (_, ranges), ok in zip(self.penalty.groups, accepted.tolist(), strict=True):
+            if ok:
+                self.acc.add(restrict(pieces, ranges), float(steps))
+
+    def mix_(self, mean: torch.Tensor) -> torch.Tensor:
+        """``mean ← (1 − r)·mean + r·(Σ s·Δ / Σ s)`` per group with accepted updates, in place."""
+        if mean.dim() != 1 or mean.numel() != self.penalty.spec.numel:
+            raise ValueError(f"mean must be 1-D with {self.penalty.spec.numel} elements")
+        r = self.ratio
+        buf = self.acc.buffer
+        for (_, ranges), total in zip(self.penalty.groups, self.totals.tolist(), strict=True):
+            if total <= 0:
+                continue
+            for b, e in ranges:
+                mean[b:e].mul_(1.0 - r).add_(buf[b:e], alpha=r / total)
+        return mean

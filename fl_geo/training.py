@@ -115,17 +115,23 @@ class InnerTrainer:
         elif self.device.type == "mps":
             torch.mps.synchronize()
 
-    def train(self, sampler: BatchSampler, steps: int, start_step: int) -> TrainResult:
+    def train(self, sampler: BatchSampler, steps: int, start_step: int, time_budget_s: float = 0.0) -> TrainResult:
         """Run ``steps`` optimizer steps at schedule positions ``start_step …``.
 
         Batch ``start_step + i`` is drawn for step i, so the data order continues across rounds
         without any sampler state. Losses stay on the device until the end: reading each one
         would force an accelerator sync every step.
+
+        ``time_budget_s > 0`` (A-EDiT): stop after the step during which the elapsed time reached
+        the budget (``steps`` is then a cap). Measuring the time needs the device to finish each
+        step, so a budgeted loop synchronises the accelerator every step.
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if not time_budget_s >= 0:
+            raise ValueError(f"time_budget_s must be >= 0, got {time_budget_s}")
         self.model.train()
         losses = []
         self._synchronize()
@@ -142,14 +148,19 @@ class InnerTrainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
+            if time_budget_s > 0:
+                self._synchronize()
+                if time.perf_counter() - started >= time_budget_s:
+                    break
+        done = len(losses)
         all_losses = torch.stack(losses).cpu()
         self._synchronize()
         elapsed = time.perf_counter() - started
         return TrainResult(
-            steps=steps,
-            tokens=steps * sampler.batch_size * sampler.seq_len,
+            steps=done,
+            tokens=done * sampler.batch_size * sampler.seq_len,
             mean_loss=float(all_losses.mean()),
-            step_time_s=elapsed / steps,
+            step_time_s=elapsed / done,
             final_loss=float(all_losses[-1]),
         )
 

@@ -27,7 +27,6 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fl_geo.dispatch import Event, JobTiming
 from fl_geo.grace import GraceTimer
-from fl_geo.penalty import Penalty
 from fl_geo.progress import Progress
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, read_train_reply
@@ -53,7 +52,7 @@ class AsyncOuterLoop(OuterLoop):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg, spec = self.cfg, self.spec
+        cfg = self.cfg
         s = cfg.strategy
         self._scratch: torch.Tensor | None = None  # θ_current − θ_worker for the "current" base
         self.dispatched_samples = 0  # for schedule_clock=global (ALGORITHMS.md §1)
@@ -62,15 +61,6 @@ class AsyncOuterLoop(OuterLoop):
         self.last_arrival: float | None = None
         self._send = "params" if s.pseudo_grad_base == "current" or s.name == "fedasync" else "pseudo_grad"
         self._fedasync_scale = 1.0
-        p = cfg.penalty
-        self.penalty: Penalty | None = None
-        if p.enabled:
-            self.penalty = Penalty(
-                spec, granularity=p.granularity, rule=p.rule, threshold=p.threshold, warmup=p.warmup,
-                keying=p.keying, weighting=p.weighting.split("*"),
-                temperature="auto" if p.temperature == 0 else p.temperature,
-                clip=p.clip or None, adaptive_threshold=p.adaptive_threshold,
-            )
         # Di-PS grace window (ski rental on running estimates) unless strategy.grace_s fixes it.
         self.grace_timer = GraceTimer(tau_max=s.grace_max_s) if s.name == "dips" and s.grace_s < 0 else None
         # A grace window closes steps for Di-PS, or for any strategy given strategy.grace_s >= 0;
@@ -144,9 +134,10 @@ class AsyncOuterLoop(OuterLoop):
         if self._send == "params":
             update = self._current_base_grad(pieces)
         if self.penalty is not None:
-            norm = self._fold_penalised(node, update, tokens, staleness)
-            if norm is None:
+            verdict = self.fold_penalised(self.tally, node, update, tokens, staleness)
+            if verdict is None:
                 return
+            norm = float(verdict.norms.norm())
         else:
             result = self.accumulator.add_batch_checked([update], [self._weight(tokens, staleness)])
             if 0 in result.rejected:
@@ -157,40 +148,6 @@ class AsyncOuterLoop(OuterLoop):
             s = self.cfg.strategy
             self._fedasync_scale = fedasync_alpha(s.mixing, s.staleness_exponent, staleness)
         self.tally.accept(r, norm, staleness)
-
-    def _fold_penalised(self, node: int, update: Any, tokens: int, staleness: int) -> float | None:
-        """Norm -> outlier test against the step-start statistics -> weighted fold (ALGORITHMS.md §4).
-
-        Returns the update's norm, or None when every group was rejected (logged with its score).
-        Statistics are keyed by partition id: Flower's node ids change from run to run.
-        """
-        assert self.penalty is not None
-        norms = self.penalty.norms(update)
-        key = self.profiles[node].partition_id
-        verdict = self.penalty.observe(key, norms, tokens=tokens, staleness=staleness)
-        if not verdict.any_accepted:
-            z = float(verdict.z.max()) if verdict.z.numel() else float("nan")
-            self._reject(self.tally, node, f"outlier (z={z:.2f}, norm={float(norms.norm()):.4g}, rule {self.cfg.penalty.rule})")
-            return None
-        self.penalty.fold_(self.accumulator, update, verdict)
-        return float(norms.norm())
-
-    def _penalised_step(self) -> None:
-        """Mean, clip, then the outer step; modules every worker failed on are not stepped."""
-        assert self.penalty is not None
-        buf = self.accumulator.buffer
-        self.penalty.normalise_(buf)
-        self.penalty.clip_(buf)
-        skip = self.penalty.ranges(self.penalty.rolled_back)
-        live = [t for t in self.optimizer.state_dict().values() if torch.is_tensor(t) and t.numel() == self.spec.numel]
-        saved = [(b, e, [x[b:e].clone() for x in (self.global_params, *live)]) for b, e in skip]
-        self.optimizer.step(self.global_params, buf)
-        for b, e, copies in saved:  # rollback: parameters and outer momentum of those modules unchanged
-            for x, c in zip((self.global_params, *live), copies, strict=True):
-                x[b:e].copy_(c)
-        if skip:
-            log.warning("outer step %d: modules %s had no accepted update and were not stepped",
-                        self.version + 1, ", ".join(self.penalty.rolled_back))
 
     def _current_base_grad(self, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """g = θ_current − θ_worker in one reusable model-sized scratch buffer."""
@@ -241,7 +198,7 @@ class AsyncOuterLoop(OuterLoop):
         self.optimizer.lr = base_lr * self._lr_share()
         stepped = t.accepted > 0
         if stepped and self.penalty is not None:
-            self._penalised_step()
+            self.penalised_step()
             self.version += 1
         elif stepped:
             mean = self.accumulator.mean()

@@ -20,6 +20,7 @@ from fl_geo.dispatch import Dispatcher, NodeProfile
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
 from fl_geo.outer import OuterOptimizer, build_outer_optimizer
+from fl_geo.penalty import Penalty
 from fl_geo.state import ParamSpec
 from fl_geo.strategies.replies import Tally
 
@@ -61,6 +62,23 @@ def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
     }
 
 
+def penalty_from_config(cfg: FlGeoConfig, spec: ParamSpec) -> Penalty | None:
+    """The pseudo-gradient penalty of ALGORITHMS.md §4, or None when ``penalty.enabled`` is off.
+
+    ``penalty.outlier: false`` (an ablation switch) keeps the statistics but never rejects.
+    """
+    p = cfg.penalty
+    if not p.enabled:
+        return None
+    return Penalty(
+        spec, granularity=p.granularity, rule=p.rule,
+        threshold=p.threshold, warmup=p.warmup, reject=p.outlier,
+        keying=p.keying, weighting=p.weighting.split("*"),
+        temperature="auto" if p.temperature == 0 else p.temperature,
+        clip=p.clip or None, adaptive_threshold=p.adaptive_threshold,
+    )
+
+
 class OuterLoop:
     """Shared state and helpers of `SyncOuterLoop` and `AsyncOuterLoop`."""
 
@@ -92,6 +110,7 @@ class OuterLoop:
         self.total_rejected = 0
         self._client_cfg = client_config_record(cfg)
         self.history: list[dict[str, Any]] = []
+        self.penalty = penalty_from_config(cfg, spec)
 
     def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Live nodes with no job in flight, in rank order; nodes seen for the first time are
@@ -130,3 +149,53 @@ class OuterLoop:
         first = self.evaluate()
         if first:
             self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()})
+
+    # ---- the pseudo-gradient penalty (ALGORITHMS.md §4), shared by Di-PS, EDiT and HALoS --------
+    def fold_penalised(self, tally: Tally, node: int, update: Any, tokens: int, staleness: float = 0) -> Any:
+        """Norms -> outlier test against the step-start statistics -> weighted fold.
+
+        Returns the verdict, or None when every group was rejected (logged with node and score).
+        Statistics are keyed by partition id: Flower's node ids change from run to run.
+        """
+        assert self.penalty is not None
+        norms = self.penalty.norms(update)
+        if not bool(torch.isfinite(norms).all()):
+            self._reject(tally, node, "update holds NaN or Inf values")
+            return None
+        key = self.profiles[node].partition_id if node in self.profiles else node
+        verdict = self.penalty.observe(key, norms, tokens=tokens, staleness=staleness)
+        if not verdict.any_accepted:
+            tally.rejected_groups += self.penalty.num_groups
+            z = float(verdict.z.max()) if verdict.z.numel() else float("nan")
+            self._reject(tally, node, f"outlier (z={z:.2f}, norm={float(norms.norm()):.4g}, rule {self.cfg.penalty.rule})")
+            return None
+        if not bool(verdict.accepted.all()):
+            bad = [n for n, ok in zip(self.penalty.group_names, verdict.accepted.tolist(), strict=True) if not ok]
+            zs = [f"{float(z):.2f}" for z, ok in zip(verdict.z.tolist(), verdict.accepted.tolist(), strict=True) if not ok]
+            log.warning("node %s (partition %s): modules %s rejected as outliers (z=%s)", node, key, ", ".join(bad), ", ".join(zs))
+            tally.rejected_groups += len(bad)
+        self.penalty.fold_(self.accumulator, update, verdict)
+        return verdict
+
+    def penalised_step(self, buf: torch.Tensor | None = None) -> list[str]:
+        """Clip, then the outer step; modules every worker failed on are not stepped (rollback:
+        their parameters and outer momentum stay as they were). ``buf`` is the normalised mean
+        (``self.accumulator.buffer`` after `Penalty.normalise_` by default). Returns the
+        rolled-back module names."""
+        assert self.penalty is not None
+        if buf is None:
+            buf = self.accumulator.buffer
+            self.penalty.normalise_(buf)
+        self.penalty.clip_(buf)
+        rolled = self.penalty.rolled_back
+        skip = self.penalty.ranges(rolled)
+        live = [t for t in self.optimizer.state_dict().values() if torch.is_tensor(t) and t.numel() == self.spec.numel]
+        saved = [(b, e, [x[b:e].clone() for x in (self.global_params, *live)]) for b, e in skip]
+        self.optimizer.step(self.global_params, buf)
+        for b, e, copies in saved:
+            for x, c in zip((self.global_params, *live), copies, strict=True):
+                x[b:e].copy_(c)
+        if skip:
+            log.warning("outer step %d: modules %s had no accepted update and were not stepped",
+                        self.version + 1, ", ".join(rolled))
+        return rolled

@@ -34,6 +34,7 @@ class TrainReply:
     loss: float
     step_time_s: float
     nbytes: int
+    steps: int = 0  # inner steps the worker ran (A-EDiT's time budget makes them differ)
 
 
 def read_train_reply(reply: Message, spec: ParamSpec, precision: str) -> TrainReply:
@@ -53,7 +54,10 @@ def read_train_reply(reply: Message, spec: ParamSpec, precision: str) -> TrainRe
         pieces = decode(record, spec, precision)
     except PayloadError as exc:
         raise ReplyError(str(exc)) from None
-    return TrainReply(pieces, tokens, loss, float(metrics["step_time_s"]), payload_nbytes(record))
+    steps = int(metrics["steps"])
+    if steps < 1:
+        raise ReplyError(f"implausible metrics (steps={steps})")
+    return TrainReply(pieces, tokens, loss, float(metrics["step_time_s"]), payload_nbytes(record), steps)
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Tally:
     bytes_up: int = 0
     staleness_sum: int = 0
     staleness_max: int = 0
+    rejected_groups: int = 0  # penalty groups (modules) rejected, whole rejected updates included
+    steps: int = 0
 
     def accept(self, r: TrainReply, norm: float, staleness: int = 0) -> None:
         self.accepted += 1
@@ -80,6 +86,7 @@ class Tally:
         self.bytes_up += r.nbytes
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
+        self.steps += r.steps
 
     def mean(self, total: float) -> float:
         """``total`` / accepted, NaN when nothing was accepted."""

@@ -1,10 +1,17 @@
-"""Synchronous outer loop: DiLoCo and the FL baselines FedAvg, FedAvgM, FedAdam and FedYogi.
+"""Synchronous outer loop: DiLoCo, EDiT, A-EDiT and the FL baselines FedAvg, FedAvgM, FedAdam, FedYogi.
 
-All five are one loop (ALGORITHMS.md §3): every selected datacenter starts from θ_t, runs H inner
+All are one loop (ALGORITHMS.md §3): every selected datacenter starts from θ_t, runs H inner
 steps, replies with Δ_i = θ_t − θ_i; the server folds the replies into one streaming weighted sum
 (uniform or token weights, one model-sized buffer however many replies) and applies its outer
-optimizer to Δ̄. The methods differ only in the outer optimizer: ``nesterov`` (DiLoCo), ``avg``
+optimizer to Δ̄. The baselines differ only in the outer optimizer: ``nesterov`` (DiLoCo), ``avg``
 (FedAvg: θ ← θ − Δ̄ = mean of the local models), ``sgdm`` (FedAvgM), ``fedadam``/``fedyogi``.
+
+EDiT (ALGORITHMS.md §4) is DiLoCo with the pseudo-gradient penalty applied per module: outlier
+rejection against per-(node, module) EMA statistics, norm-softmax weights, clipping, rollback of
+modules every worker failed on; optionally a warm-up of one-step rounds with plain averaging
+first (``strategy.sync_warmup_steps``). A-EDiT replaces H by a time budget
+(``strategy.time_budget_s``): nobody waits for a straggler to finish H steps, and the steps each
+worker managed can be mixed into the weights (``strategy.step_weight_ratio``).
 
 A reply is validated before it touches anything (metrics present, exact keys, shapes and dtypes,
 finite values); a bad one is logged with its node and reason, counted in ``outer/rejected``, and the
@@ -22,6 +29,7 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fl_geo.dispatch import JobTiming
+from fl_geo.penalty import StepWeightMix
 from fl_geo.progress import Progress
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_train_reply
@@ -37,6 +45,11 @@ class SyncOuterLoop(OuterLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rng = random.Random(self.cfg.run.seed)
+        s = self.cfg.strategy
+        self.warmup_left = s.sync_warmup_steps  # EDiT warm-up: one-step rounds still to run
+        self.step_mix: StepWeightMix | None = None
+        if self.penalty is not None and s.step_weight_ratio > 0:
+            self.step_mix = StepWeightMix(self.penalty, s.step_weight_ratio)
 
     # ---- selection and messages ---------------------------------------------------------------
     def refresh_nodes(self) -> list[int]:
@@ -50,18 +63,28 @@ class SyncOuterLoop(OuterLoop):
             return [n for n in nodes if n in chosen]
         return nodes
 
-    def _message(self, node: int, arrays: Any, rnd: int, mtype: str) -> Message:
-        config = dict(self._client_cfg, round=rnd, base_version=self.version)
+    def _inner_steps(self, node: int, warm: bool) -> int:
+        """H, 1 in the EDiT warm-up, or the steps a time budget buys this node in virtual time."""
+        s = self.cfg.strategy
+        if warm:
+            return 1
+        if s.time_budget_s > 0 and self.scenario is not None:
+            return self.scenario.time_budget_steps(s.time_budget_s, self.profiles[node].partition_id)
+        return s.inner_steps
+
+    def _message(self, node: int, arrays: Any, rnd: int, mtype: str, **extra: Any) -> Message:
+        config = dict(self._client_cfg, round=rnd, base_version=self.version, **extra)
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
         return Message(content, dst_node_id=node, message_type=mtype)
 
     # ---- reply handling -------------------------------------------------------------------------
-    def fold_replies(self, stats: Tally, group: Sequence[tuple[int, Message]]) -> None:
+    def fold_replies(self, stats: Tally, group: Sequence[tuple[int, Message]], warm: bool = False) -> None:
         """Validate a group of replies and fold the good ones in one pass; never raises on bad input.
 
         The fold checks every value for NaN/Inf before anything it carries reaches the sum, and
         gives the same bits as folding the accepted replies one by one in order, however the
-        replies were grouped by arrival.
+        replies were grouped by arrival. With a penalty (outside the warm-up) each reply is
+        normed, tested and folded with its weight (``OuterLoop.fold_penalised``).
         """
         valid: list[tuple[int, TrainReply]] = []
         for node, reply in group:
@@ -70,6 +93,15 @@ class SyncOuterLoop(OuterLoop):
             except ReplyError as exc:
                 self._reject(stats, node, str(exc))
         if not valid:
+            return
+        if self.penalty is not None and not warm:
+            for node, r in valid:
+                verdict = self.fold_penalised(stats, node, r.pieces, r.tokens)
+                if verdict is None:
+                    continue
+                if self.step_mix is not None:
+                    self.step_mix.fold_(r.pieces, verdict, r.steps)
+                stats.accept(r, float(verdict.norms.norm()))
             return
         tokens_weighted = self.cfg.strategy.weighting == "tokens"
         weights = [float(r.tokens) if tokens_weighted else 1.0 for _, r in valid]
@@ -82,26 +114,33 @@ class SyncOuterLoop(OuterLoop):
 
     # ---- the loop -----------------------------------------------------------------------------
     def train_round(self, rnd: int) -> dict[str, float]:
+        s = self.cfg.strategy
+        warm = self.warmup_left > 0
         nodes = self.select(self.refresh_nodes())
         if not nodes:
             raise RuntimeError("no live node to train on")
         arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
         down = payload_nbytes(arrays) * len(nodes)
-        msgs = [self._message(n, arrays, rnd, MessageType.TRAIN) for n in nodes]
+        steps = {n: self._inner_steps(n, warm) for n in nodes}
+        # A-EDiT on a wall clock: the client trains for the budget (H caps it)
+        budget = s.time_budget_s if (s.time_budget_s > 0 and self.scenario is None and not warm) else 0.0
+        msgs = [self._message(n, arrays, rnd, MessageType.TRAIN, inner_steps=steps[n], time_budget_s=budget) for n in nodes]
         stats = Tally()
         self.accumulator.reset()
-        order = nodes if self.cfg.strategy.fold_order == "rank" else None
+        if self.step_mix is not None:
+            self.step_mix.reset()
+        order = nodes if s.fold_order == "rank" else None
         slots = [self.profiles[n].partition_id for n in nodes]
         timings = None
         if self.scenario is not None:
             # Compute only: the exchange of a synchronous round is modelled as one ring
             # all-reduce over the slowest link of the best ring (ALGORITHMS.md §8).
-            timings = [JobTiming(slot, self.cfg.strategy.inner_steps) for slot in slots]
+            timings = [JobTiming(slot, steps[n]) for slot, n in zip(slots, nodes, strict=True)]
         outcome = self.dispatcher.run_jobs(
             msgs,
-            on_replies=lambda group: self.fold_replies(stats, group),
+            on_replies=lambda group: self.fold_replies(stats, group, warm),
             order=order,
-            timeout_s=self.cfg.strategy.round_timeout_s,
+            timeout_s=s.round_timeout_s,
             timings=timings,
         )
         clock = self.dispatcher.clock
@@ -109,23 +148,26 @@ class SyncOuterLoop(OuterLoop):
             nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))
             clock.advance_to(clock.now() + self.scenario.allreduce_time(slots, nbytes))
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
-        stepped = stats.accepted >= self.cfg.strategy.min_replies
+        stepped = stats.accepted >= s.min_replies
         pg_norm = float("nan")
+        rolled: list[str] = []
         if stepped:
-            mean = self.accumulator.mean()
-            pg_norm = float(torch.linalg.vector_norm(mean))
-            self.optimizer.step(self.global_params, mean)
+            pg_norm, rolled = self._step(warm)
             self.version += 1
         else:
             log.warning(
                 "round %d: %d accepted update(s) < strategy.min_replies=%d; outer step skipped, model unchanged",
-                rnd, stats.accepted, self.cfg.strategy.min_replies,
+                rnd, stats.accepted, s.min_replies,
             )
+        if self.penalty is not None and not warm:
+            self.penalty.commit()  # statistics learn from the accepted updates only
+        if warm:
+            self.warmup_left -= 1
         self.total_tokens += stats.tokens
         self.total_bytes_up += stats.bytes_up
         self.total_bytes_down += down
         self.total_rejected += stats.rejected
-        return {
+        metrics = {
             "outer/step": self.version,
             "outer/accepted": stats.accepted,
             "outer/rejected": stats.rejected,
@@ -133,8 +175,10 @@ class SyncOuterLoop(OuterLoop):
             "outer/failed": failed,
             "outer/update_norm": stats.mean(stats.norm_sum),
             "outer/pseudo_grad_norm": pg_norm,
+            "outer/warmup": int(warm),
             "train/loss": stats.loss_x_tokens / stats.tokens if stats.tokens else float("nan"),
             "train/tokens": self.total_tokens,
+            "train/inner_steps": stats.mean(stats.steps),
             "train/step_time_s": stats.mean(stats.step_time_sum),
             "comm/bytes_up": stats.bytes_up,
             "comm/bytes_down": down,
@@ -142,6 +186,32 @@ class SyncOuterLoop(OuterLoop):
             "comm/bytes_down_total": self.total_bytes_down,
             "time/virtual_s": self._virtual_now(),
         }
+        if self.penalty is not None and not warm:
+            metrics["outer/rejected_modules"] = stats.rejected_groups
+            metrics["outer/rolled_back_modules"] = len(rolled)
+        return metrics
+
+    def _step(self, warm: bool) -> tuple[float, list[str]]:
+        """One outer step on the folded replies; returns ‖Δ̄‖ and the rolled-back modules.
+
+        Warm-up: plain averaging θ ← θ − Δ̄ (the outer optimizer and its momentum are untouched).
+        Penalty: Σ w·Δ / Σ w per module, the step-weight mix, clip, step with rollback.
+        """
+        if warm:
+            mean = self.accumulator.mean()
+            self.global_params.sub_(mean)
+            return float(torch.linalg.vector_norm(mean)), []
+        if self.penalty is not None:
+            buf = self.accumulator.buffer
+            self.penalty.normalise_(buf)
+            if self.step_mix is not None:
+                self.step_mix.mix_(buf)
+            pg_norm = float(torch.linalg.vector_norm(buf))
+            return pg_norm, self.penalised_step(buf)
+        mean = self.accumulator.mean()
+        pg_norm = float(torch.linalg.vector_norm(mean))
+        self.optimizer.step(self.global_params, mean)
+        return pg_norm, []
 
     def client_eval(self, rnd: int) -> dict[str, float]:
         """Each node's validation loss on its own partition, token-weighted."""
@@ -167,9 +237,10 @@ class SyncOuterLoop(OuterLoop):
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         r = self.cfg.run
         self.log_initial()
-        for rnd in range(1, r.rounds + 1):
+        total = r.rounds + self.warmup_left
+        for rnd in range(1, total + 1):
             metrics = self.train_round(rnd)
-            last = rnd == r.rounds
+            last = rnd == total
             if (r.eval_every and rnd % r.eval_every == 0) or last:
                 metrics.update(self.evaluate())
             if r.client_eval_every and (rnd % r.client_eval_every == 0 or last):

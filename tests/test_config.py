@@ -48,6 +48,13 @@ def test_explicit_values_win_over_presets():
         ("run.backend=spark", "run.backend"),
         ("client.seq_len=512", "exceeds model.max_seq_len"),
         ("noequals", "key=value"),
+        ("data.noise_fraction=1.5", "data.noise_fraction"),
+        ("data.noise_fraction=-0.1", "data.noise_fraction"),
+        ("data.noise_kind=zeros", "data.noise_kind"),
+        ("data.noise_block=0", "data.noise_block"),
+        ("data.noise_partitions=[4]", "data.noise_partitions"),  # default run.num_clients = 4
+        ("data.noise_partitions=[-1]", "data.noise_partitions"),
+        ("data.noise_partitions=[1,1]", "data.noise_partitions has duplicates"),
     ],
 )
 def test_bad_config_is_a_clear_error(override, needle):
@@ -96,3 +103,12 @@ def test_async_schedule_counts_every_workers_steps():
     one = load_config(None, ["strategy.name=async_diloco", "run.rounds=40", "strategy.inner_steps=20"])
     assert schedule_length(one) == 40 * 20
     assert schedule_length(load_config(None, ["strategy.name=async_diloco", "client.total_steps=77"])) == 77
+
+
+def test_noise_keys_default_off_and_accept_valid_values():
+    d = load_config().data
+    assert (d.noise_partitions, d.noise_fraction, d.noise_kind, d.noise_block) == ([], 0.0, "random", 1)
+    d = load_config(None, ["data.noise_partitions=[0,3]", "data.noise_fraction=0.25", "data.noise_kind=shuffle", "data.noise_block=25"]).data
+    assert (d.noise_partitions, d.noise_fraction, d.noise_kind, d.noise_block) == ([0, 3], 0.25, "shuffle", 25)
+    load_config(None, ["data.noise_fraction=0.5"])  # no partitions: a no-op, not an error
+    load_config(None, ["data.noise_partitions=[1]"])  # fraction 0: also fine

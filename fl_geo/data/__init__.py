@@ -9,7 +9,7 @@ from fl_geo.data.corpus import (
     fetch_command,
     load_corpus,
 )
-from fl_geo.data.loader import BatchSampler, eval_batches
+from fl_geo.data.loader import BatchNoise, BatchSampler, eval_batches
 from fl_geo.data.partition import (
     PARTITION_SCHEMES,
     Partition,
@@ -33,6 +33,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "CORPUS_NAMES",
     "PARTITION_SCHEMES",
+    "BatchNoise",
     "BatchSampler",
     "ByteTokenizer",
     "Corpus",

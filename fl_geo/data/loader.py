@@ -7,10 +7,43 @@ the batch it would have seen, and nothing about the data order needs to be check
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-__all__ = ["BatchSampler", "eval_batches"]
+__all__ = ["BatchNoise", "BatchSampler", "eval_batches"]
+
+# Fixed extra seed words, so the noise draws never collide with the clean window draw
+# ``default_rng([seed, stream, step])``.
+_NOISE_DECISION = 0x6E6F6973  # "nois": corrupt/clean decision per block
+_NOISE_CONTENT = 0x67617262  # "garb": the garbage itself, per step
+NOISE_KINDS = ("random", "shuffle")  # BatchNoise.kind (config: data.noise_kind)
+
+
+@dataclass(frozen=True)
+class BatchNoise:
+    """Low-quality training batches in bursts (EDiT-style loss spikes).
+
+    Steps are grouped in blocks of ``block``; each block is corrupted with probability
+    ``fraction``. ``random``: uniform token ids in ``[0, vocab_size)``. ``shuffle``: the real
+    windows with each sequence's tokens randomly permuted (same bytes, no order).
+    """
+
+    fraction: float
+    kind: str
+    block: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"noise fraction must be in [0, 1], got {self.fraction}")
+        if self.kind not in NOISE_KINDS:
+            raise ValueError(f"noise kind must be one of {NOISE_KINDS}, got '{self.kind}'")
+        if self.block < 1:
+            raise ValueError(f"noise block must be >= 1, got {self.block}")
+        if self.vocab_size < 1:
+            raise ValueError(f"noise vocab_size must be >= 1, got {self.vocab_size}")
 
 
 def _as_tensor(tokens: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -35,16 +68,23 @@ def _windows(
     tokens: torch.Tensor, starts: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather windows of ``seq_len + 1`` tokens in one indexing op; targets are inputs shifted by one."""
-    index = starts[:, None] + torch.arange(seq_len + 1)
-    window = tokens[index].long()
+    window = _raw_windows(tokens, starts, seq_len)
     return window[:, :-1], window[:, 1:]
+
+
+def _raw_windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[len(starts), seq_len + 1] LongTensor of the windows starting at ``starts``."""
+    index = starts[:, None] + torch.arange(seq_len + 1)
+    return tokens[index].long()
 
 
 class BatchSampler:
     """Random training windows; ``batch(step)`` depends only on ``(seed, stream, step)``.
 
     ``stream`` separates samplers that share a seed (one per datacenter, or per worker), so they
-    draw different windows from their own shards.
+    draw different windows from their own shards. With ``noise`` some steps' batches are replaced
+    by garbage (:class:`BatchNoise`); which ones is again a pure function of ``(seed, stream,
+    step)``, and a sampler without noise (or with fraction 0) draws exactly the clean batches.
     """
 
     def __init__(
@@ -54,6 +94,8 @@ class BatchSampler:
         batch_size: int,
         seed: int,
         stream: int = 0,
+        *,
+        noise: BatchNoise | None = None,
     ) -> None:
         self.tokens = _as_tensor(tokens)
         _check_length(self.tokens, seq_len, "the training stream")
@@ -65,6 +107,7 @@ class BatchSampler:
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.stream = int(stream)
+        self.noise = noise
 
     @property
     def tokens_per_batch(self) -> int:
@@ -74,10 +117,38 @@ class BatchSampler:
         """``(x, y)`` LongTensors [batch_size, seq_len] for training step ``step``."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        rng = np.random.default_rng([self.seed, self.stream, int(step)])
+        if self.is_noisy(step):
+            return self._noisy_batch(int(step))
+        return _windows(self.tokens, self._starts(int(step)), self.seq_len)
+
+    def is_noisy(self, step: int) -> bool:
+        """Whether ``batch(step)`` is corrupted: one draw per block of ``noise.block`` steps."""
+        noise = self.noise
+        if noise is None or noise.fraction <= 0.0:
+            return False
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        block = int(step) // noise.block
+        rng = np.random.default_rng([self.seed, self.stream, block, _NOISE_DECISION])
+        return bool(rng.random() < noise.fraction)
+
+    def _starts(self, step: int) -> torch.Tensor:
+        rng = np.random.default_rng([self.seed, self.stream, step])
         high = self.tokens.numel() - self.seq_len  # last valid start is numel - seq_len - 1
-        starts = torch.from_numpy(rng.integers(0, high, size=self.batch_size, dtype=np.int64))
-        return _windows(self.tokens, starts, self.seq_len)
+        return torch.from_numpy(rng.integers(0, high, size=self.batch_size, dtype=np.int64))
+
+    def _noisy_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = self.noise
+        assert noise is not None
+        rng = np.random.default_rng([self.seed, self.stream, step, _NOISE_CONTENT])
+        shape = (self.batch_size, self.seq_len + 1)
+        if noise.kind == "random":
+            window = torch.from_numpy(rng.integers(0, noise.vocab_size, size=shape, dtype=np.int64))
+        else:  # shuffle: the clean windows, each row's tokens in a random order
+            clean = _raw_windows(self.tokens, self._starts(step), self.seq_len)
+            order = torch.from_numpy(np.argsort(rng.random(shape), axis=1))
+            window = torch.gather(clean, 1, order)
+        return window[:, :-1], window[:, 1:]
 
 
 def eval_batches(
