@@ -35,6 +35,7 @@ class TrainReply:
     step_time_s: float
     nbytes: int
     steps: int = 0  # inner steps the worker ran (A-EDiT's time budget makes them differ)
+    noisy_steps: int = 0  # of them, steps on corrupted batches (data.noise_*; 0 otherwise)
 
 
 def read_train_reply(reply: Message, spec: ParamSpec, precision: str) -> TrainReply:
@@ -57,7 +58,8 @@ def read_train_reply(reply: Message, spec: ParamSpec, precision: str) -> TrainRe
     steps = int(metrics["steps"])
     if steps < 1:
         raise ReplyError(f"implausible metrics (steps={steps})")
-    return TrainReply(pieces, tokens, loss, float(metrics["step_time_s"]), payload_nbytes(record), steps)
+    noisy = int(metrics["noisy_steps"]) if "noisy_steps" in metrics else 0
+    return TrainReply(pieces, tokens, loss, float(metrics["step_time_s"]), payload_nbytes(record), steps, noisy)
 
 
 @dataclass
@@ -76,6 +78,8 @@ class Tally:
     staleness_max: int = 0
     rejected_groups: int = 0  # penalty groups (modules) rejected, whole rejected updates included
     steps: int = 0
+    noisy_steps: int = 0  # steps on corrupted batches in every valid reply, accepted or not
+    noisy_steps_accepted: int = 0
 
     def accept(self, r: TrainReply, norm: float, staleness: int = 0) -> None:
         self.accepted += 1
@@ -87,6 +91,7 @@ class Tally:
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
         self.steps += r.steps
+        self.noisy_steps_accepted += r.noisy_steps
 
     def mean(self, total: float) -> float:
         """``total`` / accepted, NaN when nothing was accepted."""

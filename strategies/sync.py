@@ -94,6 +94,7 @@ class SyncOuterLoop(OuterLoop):
                 self._reject(stats, node, str(exc))
         if not valid:
             return
+        stats.noisy_steps += sum(r.noisy_steps for _, r in valid)
         if self.penalty is not None and not warm:
             for node, r in valid:
                 verdict = self.fold_penalised(stats, node, r.pieces, r.tokens)
@@ -179,6 +180,8 @@ class SyncOuterLoop(OuterLoop):
             "train/loss": stats.loss_x_tokens / stats.tokens if stats.tokens else float("nan"),
             "train/tokens": self.total_tokens,
             "train/inner_steps": stats.mean(stats.steps),
+            "data/noisy_steps": stats.noisy_steps,
+            "data/noisy_steps_accepted": stats.noisy_steps_accepted,
             "train/step_time_s": stats.mean(stats.step_time_sum),
             "comm/bytes_up": stats.bytes_up,
             "comm/bytes_down": down,

@@ -306,3 +306,11 @@ def test_a_edit_step_weights_through_the_server(tiny, tmp_path):
 def test_config_errors(tiny, overrides, match):
     with pytest.raises(ConfigError, match=match):
         tiny(*overrides)
+
+
+def test_noisy_steps_reach_the_run_metrics(tiny, tmp_path):
+    cfg = tiny("strategy.name=edit", "data.noise_partitions=[1]", "data.noise_fraction=1.0", "strategy.inner_steps=3")
+    _run(cfg, tmp_path)
+    rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert [r["data/noisy_steps"] for r in rows] == [3, 3]  # partition 1's whole inner loops
+    assert all(r["data/noisy_steps_accepted"] in (0, 3) for r in rows)
