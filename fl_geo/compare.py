@@ -5,6 +5,7 @@ it works on runs made by ``fl-geo run``, ``flwr run .`` or a deployment alike, a
 CONFIG ...`` simply runs the configs first. Time-to-target is read at the evaluation points, without
 interpolation: the first logged step whose ``val/loss`` is at or below the target, reported in
 virtual time (``time/virtual_s``, when the run used the virtual clock), wall time and tokens.
+"Max spike" is the largest rise of the validation loss between consecutive evaluations.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ class RunRecord:
         return None
 
     @property
+    def max_spike(self) -> float | None:
+        """The largest rise of the validation loss from one evaluation to the next (0 if it never
+        rose): EDiT's loss spikes, read without smoothing."""
+        _, ys = self.series(WALL)
+        if len(ys) < 2:
+            return None
+        return max(0.0, *(b - a for a, b in zip(ys, ys[1:], strict=False)))
+
+    @property
     def final_loss(self) -> float | None:
         _, ys = self.series(WALL)
         return ys[-1] if ys else None
@@ -84,9 +94,9 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown_table(runs: list[RunRecord], target: float) -> str:
     head = (
         f"| run | strategy | final val loss | virtual s to {target:.3f} | wall s to {target:.3f} | "
-        f"tokens to {target:.3f} | total tokens | MB up | MB down | rejected |"
+        f"tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in runs:
         s = r.summary
         strategy = s.get("strategy", "?")
@@ -97,7 +107,7 @@ def markdown_table(runs: list[RunRecord], target: float) -> str:
             f"{_fmt(r.first_reaching(target, VIRTUAL), '.1f')} | {_fmt(r.first_reaching(target, WALL), '.1f')} | "
             f"{_fmt(r.first_reaching(target, TOKENS), ',.0f')} | {_fmt(s.get('tokens'), ',')} | "
             f"{_fmt(s.get('bytes_up', 0) / 1e6, '.1f')} | {_fmt(s.get('bytes_down', 0) / 1e6, '.1f')} | "
-            f"{_fmt(s.get('rejected'), 'd')} |"
+            f"{_fmt(s.get('rejected'), 'd')} | {_fmt(r.max_spike, '.3f')} |"
         )
     return "\n".join(lines)
 

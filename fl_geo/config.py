@@ -37,7 +37,7 @@ STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "fedasync": ("avg",),
     "async_diloco": ("nesterov",),
     "async_local_sgd": ("delayed_nesterov",),
-    "dips": ("nesterov",),
+    "dips": ("nesterov", "delayed_nesterov"),  # delayed Nesterov: an fl-geo option (docs/benchmarks.md)
     # EDiT / A-EDiT (ALGORITHMS.md §4, §1): synchronous, per-module penalty
     "edit": ("nesterov",),
     "a_edit": ("nesterov",),

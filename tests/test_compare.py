@@ -38,6 +38,14 @@ def test_time_to_target_is_read_at_evaluation_points(tmp_path):
     table = markdown_table([a, b], 2.0)
     assert "| a | diloco | 1.5000 | 200.0 | 20.0 | 2,000 |" in table
     assert "| b | diloco | 1.9000 | — | 30.0 | 3,000 |" in table  # no virtual clock in run b
+    assert table.splitlines()[2].endswith("| 1 | 0.000 |")  # never rose: no spike
+
+
+def test_max_spike_is_the_largest_rise_between_evaluations(tmp_path):
+    spiky = load_run(_fake_run(tmp_path, "s", [5.0, 3.0, 4.5, 2.0, 2.25, 1.8]))
+    assert spiky.max_spike == pytest.approx(1.5)
+    assert load_run(_fake_run(tmp_path, "one", [5.0])).max_spike is None
+    assert "| 1.500 |" in markdown_table([spiky], 2.0)
 
 
 def test_compare_writes_table_and_plots(tmp_path):
