@@ -120,14 +120,12 @@ class OuterOptimizer(ABC):
                     f"{self.name} state {key!r} must be 1-D float32 of {self.numel} elements, "
                     f"got {value.dtype} {tuple(value.shape)}"
                 )
-        for key in self._hyper:
-            self._set_hyper(key, state[key])
+        # Validate every hyperparameter before setting any, so a bad state changes nothing.
+        hyper = {key: self._validate_hyper(key, state[key]) for key in self._hyper}
+        for key, value in hyper.items():
+            setattr(self, key, value)
         self.steps = steps
         self._state = {k: v.detach().clone() for k, v in buffers.items()}
-
-    def _set_hyper(self, key: str, value: Any) -> None:
-        """Validate through the constructor's rules by re-running `_validate_hyper`."""
-        setattr(self, key, self._validate_hyper(key, value))
 
     def _validate_hyper(self, key: str, value: Any) -> Any:
         return float(value)

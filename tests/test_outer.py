@@ -329,6 +329,12 @@ def test_lazy_allocation_and_load_validation() -> None:
         Nesterov(100).load_state_dict({**state, "momentum_buffer": torch.zeros(99)})
     with pytest.raises(ValueError, match=r"fedyogi state lacks keys \['beta1', 'beta2', 'tau'\]"):
         FedYogi(100).load_state_dict(state)
+    # a bad hyperparameter after a good one changes nothing (all are checked before any is set)
+    dn = DelayedNesterov(100, lr=0.7, buffer_size=2)
+    bad = {**dn.state_dict(), "lr": 0.1, "buffer_size": 0}
+    with pytest.raises(ValueError):
+        dn.load_state_dict(bad)
+    assert dn.lr == 0.7 and dn.buffer_size == 2
 
 
 def test_step_argument_checks() -> None:
