@@ -49,7 +49,7 @@ class WallClock:
 
     def schedule(
         self, job_id: str, node: int, start: float | None = None, *,
-        steps: int = 0, bytes_down: int = 0, bytes_up: int = 0,
+        steps: int = 0, bytes_down: int = 0, bytes_up: int = 0, peer_region: str | int | None = None,
     ) -> float:
         """Record a dispatched job; returns NaN (a real job's finish time is not known in advance)."""
         if job_id in self._jobs:

@@ -41,6 +41,8 @@ STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {
     # EDiT / A-EDiT (ALGORITHMS.md §4, §1): synchronous, per-module penalty
     "edit": ("nesterov",),
     "a_edit": ("nesterov",),
+    # HALoS (ALGORITHMS.md §6): the global server's optimizer; the local servers' is in `halos`
+    "halos": ("delayed_nesterov",),
 }
 STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "diloco": (0.7, 0.9),
@@ -55,6 +57,7 @@ STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "dips": (0.7, 0.8),  # Di-PS: Nesterov 0.7 / 0.8
     "edit": (0.8, 0.85),  # EDiT: Nesterov 0.8 / 0.85
     "a_edit": (0.8, 0.85),
+    "halos": (0.15 * 2, 0.5),  # HALoS global server: lr 0.15 x N, beta 0.5, N = 2 (strategy.delay_buffer)
 }
 # EDiT's penalty (EDiT §3.2 / Algorithm 2; atorch defaults): filled in when a strategy named
 # edit / a_edit leaves the penalty section at its schema defaults.
@@ -63,7 +66,7 @@ EDIT_PENALTY: dict[str, Any] = {
     "keying": "node", "weighting": "norm_softmax", "temperature": 1.0, "clip": 10.0,
 }
 EDIT_STRATEGIES = ("edit", "a_edit")
-ASYNC_STRATEGIES = ("fedbuff", "fedasync", "async_diloco", "async_local_sgd", "dips")
+ASYNC_STRATEGIES = ("fedbuff", "fedasync", "async_diloco", "async_local_sgd", "dips", "halos")
 
 
 class ConfigError(ValueError):
@@ -168,6 +171,19 @@ class PenaltySection:
 
 
 @dataclass
+class HalosSection:
+    """HALoS local parameter servers (ALGORITHMS.md §6); the global server is ``strategy.*``."""
+
+    accumulate: int = 32  # K: local updates per global update
+    alpha: float = 0.25  # weight of the global model when a local server merges
+    group_size: int = 0  # workers per local server ("consistent grouping"); 0 = one per region
+    local_lr: float = 0.2 * 16  # delayed Nesterov of the local servers: lr x N
+    local_momentum: float = 0.9
+    local_buffer: int = 16  # N
+    local_activation: float = 0.0  # c
+
+
+@dataclass
 class WireSection:
     """Precision of model-sized payloads on the wire (the outer state is always fp32)."""
 
@@ -220,6 +236,7 @@ class FlGeoConfig:
     run: RunSection = field(default_factory=RunSection)
     strategy: StrategySection = field(default_factory=StrategySection)
     penalty: PenaltySection = field(default_factory=PenaltySection)
+    halos: HalosSection = field(default_factory=HalosSection)
     wire: WireSection = field(default_factory=WireSection)
     model: ModelConfig = field(default_factory=ModelConfig)  # the model's own dataclass
     data: DataSection = field(default_factory=DataSection)
@@ -372,6 +389,14 @@ def validate(cfg: FlGeoConfig) -> None:
              "strategy.step_weight_ratio mixes step weights into the penalty's weights: it needs penalty.enabled and a synchronous strategy")
     _require(s.sync_warmup_steps >= 0, f"strategy.sync_warmup_steps must be >= 0, got {s.sync_warmup_steps}")
     _require(s.sync_warmup_steps == 0 or not is_async, "strategy.sync_warmup_steps (EDiT warm-up) is for synchronous strategies")
+    _require(not s.dynupd or r.clock == "virtual", "strategy.dynupd needs run.clock=virtual (worker speeds come from the scenario)")
+    h = cfg.halos
+    _require(h.accumulate >= 1, f"halos.accumulate (K) must be >= 1, got {h.accumulate}")
+    _require(0 <= h.alpha <= 1, f"halos.alpha must be in [0, 1], got {h.alpha}")
+    _require(h.group_size >= 0, f"halos.group_size must be >= 0, got {h.group_size}")
+    _require(h.local_lr > 0 and 0 <= h.local_momentum < 1 and h.local_buffer >= 1,
+             "halos: local_lr > 0, local_momentum in [0, 1), local_buffer >= 1")
+    _require(not (s.name == "halos" and p.enabled), "penalty at the HALoS global server is not supported yet (penalty.enabled=false)")
     _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")

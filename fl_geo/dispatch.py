@@ -39,7 +39,7 @@ class Clock(Protocol):
 
     def now(self) -> float: ...
     def schedule(self, job_id: str, node: int, start: float | None = None, *, steps: int,
-                 bytes_down: int, bytes_up: int) -> float: ...
+                 bytes_down: int, bytes_up: int, peer_region: str | int | None = None) -> float: ...
     def due(self) -> str | None: ...
     def finish_time(self, job_id: str) -> float: ...
     def complete(self, job_id: str) -> float: ...
@@ -71,6 +71,7 @@ class JobTiming:
     steps: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    peer_region: str | None = None  # where the server it talks to sits (None: the scenario's server)
 
 
 @dataclass
@@ -213,7 +214,7 @@ class Dispatcher:
             job = Job(job_id, nid, msg.metadata.message_type, next(self._seq), now, dict(meta[i]) if meta else {})
             timing = timings[i] if timings is not None else JobTiming(slot=0)
             self.clock.schedule(job_id, timing.slot, steps=timing.steps, bytes_down=timing.bytes_down,
-                                bytes_up=timing.bytes_up)
+                                bytes_up=timing.bytes_up, peer_region=timing.peer_region)
             self._jobs[job_id] = job
             if not mid:  # Flower returns an empty id for a node it does not know
                 self._arrived[job_id] = _VANISHED

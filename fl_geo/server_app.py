@@ -30,6 +30,7 @@ from fl_geo.metrics import MetricsLogger
 from fl_geo.progress import Progress
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
+from fl_geo.strategies.halos import HalosLoop
 from fl_geo.strategies.sync import SyncOuterLoop
 
 log = logging.getLogger("fl_geo")
@@ -122,7 +123,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         evaluator = GlobalEvaluator(cfg, num_partitions)
         logger.write_json("meta.json", _meta(cfg, spec, evaluator))
         log.info("fl-geo: %s with %d nodes, %d parameters, run dir %s", cfg.strategy.name, len(profiles), spec.numel, run_dir)
-        loop_cls = AsyncOuterLoop if cfg.strategy.name in ASYNC_STRATEGIES else SyncOuterLoop
+        loop_cls = (HalosLoop if cfg.strategy.name == "halos"
+                    else AsyncOuterLoop if cfg.strategy.name in ASYNC_STRATEGIES else SyncOuterLoop)
         loop = loop_cls(cfg, spec, global_params, dispatcher, profiles, logger, evaluator, scenario)
         progress = Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress)
         last = loop.run(progress)

@@ -64,12 +64,15 @@ class SyncOuterLoop(OuterLoop):
         return nodes
 
     def _inner_steps(self, node: int, warm: bool) -> int:
-        """H, 1 in the EDiT warm-up, or the steps a time budget buys this node in virtual time."""
+        """H; 1 in the EDiT warm-up; the steps a time budget buys this node in virtual time; or
+        DynUpd's H·speed_i/max speed."""
         s = self.cfg.strategy
         if warm:
             return 1
         if s.time_budget_s > 0 and self.scenario is not None:
             return self.scenario.time_budget_steps(s.time_budget_s, self.profiles[node].partition_id)
+        if s.dynupd and self.scenario is not None:  # DiLoCo + DynUpd (HALoS Table 1)
+            return self.scenario.dynupd_steps(s.inner_steps, self.profiles[node].partition_id)
         return s.inner_steps
 
     def _message(self, node: int, arrays: Any, rnd: int, mtype: str, **extra: Any) -> Message:

@@ -1,0 +1,277 @@
+"""HALoS in one ServerApp: a global parameter server and one local server per region (or group).
+
+ALGORITHMS.md §6. Workers are Flower nodes; each belongs to a local parameter server (LPS): by
+default one per region of the scenario (a node's region is its scenario entry's, or its ``site``
+without a scenario), or ``halos.group_size`` workers per LPS inside a region ("consistent
+grouping", HALoS §5.3). The server objects are `fl_geo.halos` (framework-free, shared with a
+deployment, where only the transport differs: FLOWER_NOTES.md "Two tiers").
+
+Events, in clock order:
+
+- a **worker reply** (the dispatcher): its pseudo-gradient Δ_i (against the LPS model it was
+  sent) is one delayed-Nesterov step of its LPS; the worker gets the new LPS model at once. When
+  the LPS has applied K updates since its last merge it sends U_k = θ_k^merged − θ_k upwards.
+- **U_k reaches the global server** after the modelled transfer over the inter-region link: one
+  delayed-Nesterov step of θ_g; θ_g is sent back (a snapshot: later global steps do not leak in).
+- **θ_g reaches the LPS**: θ_k ← (1 − α)·θ_k + α·θ_g.
+
+The two server-side transfers are this loop's own small event queue (at most two per LPS), merged
+with the dispatcher's worker events by passing the earliest one's time as the dispatcher's
+deadline; a worker reply due at exactly that time is handled first. With a wall clock (no
+scenario) the global exchange happens at once. ``outer/step`` counts global updates; every metric
+record is written at a global update, and the global model is what is evaluated and saved.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+from fl_geo.dispatch import Event, JobTiming
+from fl_geo.halos import GlobalParameterServer, LocalParameterServer
+from fl_geo.progress import Progress
+from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.replies import ReplyError, Tally, read_train_reply
+from fl_geo.wire import encode, payload_nbytes
+
+log = logging.getLogger("fl_geo")
+
+MAX_CONSECUTIVE_ERRORS = 3
+
+
+@dataclass(order=True)
+class _Transfer:
+    """A modelled server-side transfer: ``up`` (U_k to the global server) or ``down`` (θ_g back)."""
+
+    finish: float
+    seq: int
+    kind: str = field(compare=False)
+    group: int = field(compare=False)
+    payload: torch.Tensor = field(compare=False)
+
+
+class HalosLoop(OuterLoop):
+    """Runs until ``run.rounds`` global updates or ``run.max_tokens`` tokens."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        s, h = self.cfg.strategy, self.cfg.halos
+        self.gps = GlobalParameterServer(
+            self.global_params, lr=s.outer_lr, momentum=s.outer_momentum,
+            buffer_size=s.delay_buffer, activation=s.delay_activation,
+        )
+        self.lps: list[LocalParameterServer] = []
+        self.group_region: list[str] = []
+        self.node_group: dict[int, int] = {}
+        self._h = h
+        self._transfers: list[_Transfer] = []
+        self._seq = itertools.count()
+        self._scratch = torch.empty(self.spec.numel, dtype=torch.float32)
+        self.dispatched_samples = 0
+        self.tally = Tally()
+        self._errors: dict[int, int] = {}
+        self.benched: set[int] = set()
+        self.local_updates = 0
+        self._region_of_partition = (
+            {i: self.scenario.node_region(i) for i in range(self.scenario.num_nodes)} if self.scenario is not None else {}
+        )
+
+    # ---- membership -----------------------------------------------------------------------------
+    def _region(self, node: int) -> str:
+        prof = self.profiles[node]
+        if self.scenario is not None:
+            return str(self._region_of_partition[prof.partition_id])
+        return str(prof.site)
+
+    def _assign(self, nodes: list[int]) -> None:
+        """Give new nodes a local server: their region's (joining its newest group while it has
+        room under ``halos.group_size``), created on first use from the global model."""
+        for node in nodes:
+            if node in self.node_group:
+                continue
+            region = self._region(node)
+            size = self._h.group_size
+            members = {g: sum(1 for n, gg in self.node_group.items() if gg == g) for g, r in enumerate(self.group_region) if r == region}
+            open_groups = [g for g, m in members.items() if not size or m < size]
+            if open_groups:
+                g = open_groups[-1]
+            else:
+                g = len(self.lps)
+                self.lps.append(LocalParameterServer(
+                    self.gps.params, lr=self._h.local_lr, momentum=self._h.local_momentum,
+                    buffer_size=self._h.local_buffer, activation=self._h.local_activation,
+                    accumulate=self._h.accumulate, alpha=self._h.alpha,
+                ))
+                self.group_region.append(region)
+                log.info("HALoS: local server %d in region %s", g, region)
+            self.node_group[node] = g
+
+    def idle_nodes(self) -> list[int]:
+        nodes = self.free_nodes(self.benched)
+        self._assign(nodes)
+        return nodes
+
+    # ---- dispatch -------------------------------------------------------------------------------
+    def _nbytes(self, precision: str) -> int:
+        if self.scenario is not None:
+            return int(self.scenario.payload_bytes(precision, self.scenario.modelled_params(fallback=self.spec.numel)))
+        return self.spec.numel * (4 if precision == "fp32" else 2)
+
+    def _inner_steps(self, node: int) -> int:
+        h = self.cfg.strategy.inner_steps
+        if self.cfg.strategy.dynupd and self.scenario is not None:
+            return int(self.scenario.dynupd_steps(h, self.profiles[node].partition_id))
+        return h
+
+    def dispatch(self, nodes: list[int]) -> None:
+        """Send each node its local server's current model (snapshotted now, in the wire format)."""
+        if not nodes:
+            return
+        msgs, timings, meta = [], [], []
+        batch = self.cfg.client.batch_size
+        encoded: dict[int, Any] = {}
+        for node in nodes:
+            g = self.node_group[node]
+            if g not in encoded:
+                encoded[g] = encode(self.lps[g].params, self.spec, self.cfg.wire.down)
+            steps = self._inner_steps(node)
+            config = dict(self._client_cfg, round=self.gps.version, base_version=self.lps[g].version,
+                          inner_steps=steps, send="pseudo_grad")
+            if self.cfg.strategy.schedule_clock == "global":
+                config["start_step"] = self.dispatched_samples // batch
+            self.dispatched_samples += steps * batch
+            content = RecordDict({"arrays": encoded[g], "config": ConfigRecord(config)})
+            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
+            # worker <-> local server: the intra-region link (the LPS sits in the node's region)
+            timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down),
+                                     self._nbytes(self.cfg.wire.up), peer_region=self.group_region[g]))
+            meta.append({"group": g, "version": self.lps[g].version})
+            self.total_bytes_down += payload_nbytes(encoded[g])
+        self.dispatcher.submit(msgs, timings, meta)
+
+    # ---- events ---------------------------------------------------------------------------------
+    def handle(self, ev: Event) -> None:
+        node = ev.job.node
+        if not ev.ok:
+            self.tally.errors += 1
+            self._errors[node] = self._errors.get(node, 0) + 1
+            if self._errors[node] >= MAX_CONSECUTIVE_ERRORS:
+                log.warning("node %s failed %d jobs in a row; no more jobs go to it", node, self._errors[node])
+                self.benched.add(node)
+            return
+        self._errors.pop(node, None)
+        g = int(ev.job.meta["group"])
+        lps = self.lps[g]
+        try:
+            r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up)
+            delta = self._scratch
+            for offset, piece in r.pieces:
+                delta[offset : offset + piece.numel()].copy_(piece)
+            lps.apply(delta)  # validates finiteness before anything changes
+        except (ReplyError, ValueError) as exc:
+            self._reject(self.tally, node, str(exc))
+            return
+        staleness = lps.version - 1 - int(ev.job.meta["version"])
+        self.tally.accept(r, float(torch.linalg.vector_norm(delta)), staleness)
+        self.local_updates += 1
+        if lps.ready_to_send():
+            self._send_up(g)
+
+    def _send_up(self, g: int) -> None:
+        update = self.lps[g].make_global_update()
+        if self.scenario is None:
+            self._global_step(g, update)
+            return
+        region, server = self.group_region[g], self.scenario.server_region
+        t = self.dispatcher.clock.now() + self.scenario.transfer_time(region, server, self._nbytes(self.cfg.wire.up))
+        heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "up", g, update))
+        self.total_bytes_up += self._nbytes(self.cfg.wire.up)
+
+    def _global_step(self, g: int, update: torch.Tensor) -> None:
+        """U_k reached the global server: step, log, and send θ_g back to local server g."""
+        self.gps.apply(update)
+        self.version = self.gps.version
+        self.global_params.copy_(self.gps.params)
+        self._log_step(g)
+        if self.scenario is None:
+            self.lps[g].merge(self.gps.params)
+            return
+        region, server = self.group_region[g], self.scenario.server_region
+        t = self.dispatcher.clock.now() + self.scenario.transfer_time(server, region, self._nbytes(self.cfg.wire.down))
+        heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "down", g, self.gps.params.clone()))
+        self.total_bytes_down += self._nbytes(self.cfg.wire.down)
+
+    def _transfer_done(self, tr: _Transfer) -> None:
+        self.dispatcher.clock.advance_to(tr.finish)
+        if tr.kind == "up":
+            self._global_step(tr.group, tr.payload)
+        else:
+            self.lps[tr.group].merge(tr.payload)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _done(self) -> bool:
+        r = self.cfg.run
+        return self.version >= r.rounds or (r.max_tokens > 0 and self.total_tokens + self.tally.tokens >= r.max_tokens)
+
+    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        self.log_initial()
+        self._progress = progress
+        self.dispatch(self.idle_nodes())
+        while not self._done():
+            deadline = self._transfers[0].finish if self._transfers else None
+            ev = self.dispatcher.next_event(deadline=deadline) if self.dispatcher.in_flight() else None
+            if ev is not None:
+                self.handle(ev)
+                self.dispatch(self.idle_nodes())
+                continue
+            if self._transfers:
+                self._transfer_done(heapq.heappop(self._transfers))
+                continue
+            idle = self.idle_nodes()
+            if not idle:
+                raise RuntimeError("no live node to train on (all vanished or benched after repeated errors)")
+            self.dispatch(idle)
+        if self.tally.accepted or self.tally.rejected or self.tally.errors:
+            self._log_step(None)  # the local updates since the last global update, evaluated
+        while self.dispatcher.in_flight():  # clean drain: nothing more is applied
+            self.dispatcher.next_event()
+        return self.history[-1] if self.history else {}
+
+    def _log_step(self, group: int | None) -> None:
+        t = self.tally
+        self.total_tokens += t.tokens
+        self.total_bytes_up += t.bytes_up
+        self.total_rejected += t.rejected
+        metrics: dict[str, Any] = {
+            "outer/step": self.version,
+            "outer/local_updates": self.local_updates,
+            "outer/accepted": t.accepted,
+            "outer/rejected": t.rejected,
+            "outer/rejected_total": self.total_rejected,
+            "outer/failed": t.errors,
+            "outer/staleness": t.mean(t.staleness_sum),
+            "outer/staleness_max": t.staleness_max,
+            "outer/update_norm": t.mean(t.norm_sum),
+            "outer/group": -1 if group is None else group,
+            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
+            "train/tokens": self.total_tokens,
+            "comm/bytes_up_total": self.total_bytes_up,
+            "comm/bytes_down_total": self.total_bytes_down,
+            "time/virtual_s": self._virtual_now(),
+        }
+        r = self.cfg.run
+        if (r.eval_every and self.version % r.eval_every == 0) or self._done() or group is None:
+            metrics.update(self.evaluate())
+        # The closing record (group None) shares the last global update's step number.
+        self.history.append(self.logger.log(self.version, metrics))
+        self.tally = Tally()
+        progress = getattr(self, "_progress", None)
+        if progress is not None:
+            fraction = max(self.total_tokens / r.max_tokens, self.version / r.rounds) if r.max_tokens else None
+            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"), fraction)
