@@ -427,7 +427,8 @@ def schedule_length(cfg: FlGeoConfig) -> int:
     """Inner LR schedule length, in the units the schedule position counts.
 
     Explicit ``client.total_steps`` wins. Synchronous (``schedule_clock: local``): each worker's
-    own steps, rounds x H. Asynchronous (``global``, ALGORITHMS.md §1): the position is the number
+    own steps, rounds x H (or each worker's share of ``run.max_tokens`` when that is smaller).
+    Asynchronous (``global``, ALGORITHMS.md §1): the position is the number
     of worker steps dispatched to all workers before a job plus its local step index, so the length
     is every worker's steps together: the token budget / (batch x seq) when one is set, else the
     outer steps times the updates each one takes times H.
@@ -436,7 +437,10 @@ def schedule_length(cfg: FlGeoConfig) -> int:
         return cfg.client.total_steps
     s, r = cfg.strategy, cfg.run
     if s.schedule_clock == "local":
-        return r.rounds * s.inner_steps + s.sync_warmup_steps
+        steps = r.rounds * s.inner_steps
+        if r.max_tokens:  # the budget ends the run first: each worker's share of it
+            steps = min(steps, max(1, r.max_tokens // (cfg.client.batch_size * cfg.client.seq_len * r.num_clients)))
+        return steps + s.sync_warmup_steps
     if r.max_tokens:
         return max(1, r.max_tokens // (cfg.client.batch_size * cfg.client.seq_len))
     return max(1, r.rounds * s.inner_steps * min(s.buffer_size, r.num_clients))

@@ -40,7 +40,8 @@ log = logging.getLogger("fl_geo")
 
 
 class SyncOuterLoop(OuterLoop):
-    """Runs ``run.rounds`` synchronous outer steps over the nodes of a Flower grid."""
+    """Runs ``run.rounds`` synchronous outer steps over the nodes of a Flower grid, or fewer when
+    ``run.max_tokens`` is reached first."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -246,7 +247,8 @@ class SyncOuterLoop(OuterLoop):
         total = r.rounds + self.warmup_left
         for rnd in range(1, total + 1):
             metrics = self.train_round(rnd)
-            last = rnd == total
+            # run.max_tokens: the round that reaches the budget is the last one
+            last = rnd == total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)
             if (r.eval_every and rnd % r.eval_every == 0) or last:
                 metrics.update(self.evaluate())
             if r.client_eval_every and (rnd % r.client_eval_every == 0 or last):
@@ -255,4 +257,6 @@ class SyncOuterLoop(OuterLoop):
             self.history.append(record)
             if progress is not None:
                 progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"))
+            if last:
+                break
         return self.history[-1] if self.history else {}

@@ -204,3 +204,11 @@ def test_client_side_evaluation(tiny, tmp_path):
     _run(tiny("run.client_eval_every=1"), tmp_path)
     rows = read_metrics(tmp_path / "run")
     assert all("val/client_loss" in r for r in rows[1:])
+
+
+def test_max_tokens_ends_a_synchronous_run_after_the_round_that_reaches_it(tiny, tmp_path):
+    per_round = 3 * 3 * 4 * 32  # clients * H * batch * seq
+    cfg = tiny("run.rounds=10", f"run.max_tokens={2 * per_round - 1}")
+    summary, _, _ = _run(cfg, tmp_path)
+    assert summary["outer_steps"] == 2 and summary["tokens"] == 2 * per_round
+    assert "val/loss" in read_metrics(tmp_path / "run")[-1]  # the last round is evaluated
