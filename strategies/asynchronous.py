@@ -234,6 +234,8 @@ class AsyncOuterLoop(OuterLoop):
         self._last_step_wall = _time.perf_counter() - t0
         if self.grace_timer is not None:
             metrics["outer/grace_s"] = self.grace()
+        if self.penalty is not None:
+            metrics["outer/max_z"] = t.max_z
         self.tally = Tally()
         self.waiting = []
         self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node

@@ -164,6 +164,9 @@ class OuterLoop:
             return None
         key = self.profiles[node].partition_id if node in self.profiles else node
         verdict = self.penalty.observe(key, norms, tokens=tokens, staleness=staleness)
+        if bool(verdict.scored.any()):
+            z = float(verdict.z[verdict.scored].max())
+            tally.max_z = z if math.isnan(tally.max_z) else max(tally.max_z, z)
         if not verdict.any_accepted:
             tally.rejected_groups += self.penalty.num_groups
             z = float(verdict.z.max()) if verdict.z.numel() else float("nan")

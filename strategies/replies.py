@@ -80,6 +80,7 @@ class Tally:
     steps: int = 0
     noisy_steps: int = 0  # steps on corrupted batches in every valid reply, accepted or not
     noisy_steps_accepted: int = 0
+    max_z: float = float("nan")  # largest outlier score this step (penalty only; NaN before warm-up)
 
     def accept(self, r: TrainReply, norm: float, staleness: int = 0) -> None:
         self.accepted += 1

@@ -195,6 +195,7 @@ class SyncOuterLoop(OuterLoop):
         }
         if self.penalty is not None and not warm:
             metrics["outer/rejected_modules"] = stats.rejected_groups
+            metrics["outer/max_z"] = stats.max_z
             metrics["outer/rolled_back_modules"] = len(rolled)
         return metrics
 
