@@ -29,8 +29,15 @@ from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
 from fl_geo.model import Decoder
 from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
+from fl_geo.streaming import (
+    Fragments,
+    cocodc_compensate,
+    fragment_record,
+    fragment_spec,
+    streaming_merge,
+)
 from fl_geo.training import InnerConfig, InnerTrainer, evaluate_loss
-from fl_geo.wire import decode, encode
+from fl_geo.wire import decode, decode_into, encode
 
 log = logging.getLogger("fl_geo")
 
@@ -101,6 +108,7 @@ def make_sampler(
             kind=str(data_cfg.get("noise_kind", "random")),
             block=int(data_cfg.get("noise_block", 1)),
             vocab_size=int(vocab_size),
+            shared=bool(data_cfg.get("noise_shared", False)),
         )
     return BatchSampler(tokens, icfg.seq_len, icfg.batch_size, seed=data_seed, stream=pid, noise=noise)
 
@@ -175,6 +183,169 @@ def train(msg: Message, context: Context) -> Message:
         }
     )
     return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+
+# ---- Streaming DiLoCo / CoCoDC (ALGORITHMS.md §7; server side: strategies/streaming.py) --------
+#
+# One "train.stream" message = one tick of the streaming schedule: (1) apply the global fragments
+# attached to it, (2) train `stream_steps` inner steps, (3) start syncing the fragments listed in
+# `stream_sync`: reply with Δ_p = θ^g_p − θ^m_p and keep θ^m_p as the snapshot CoCoDC needs when
+# the new θ^g_p comes back. The worker's own model lives in context.state between messages
+# (deployment starts a fresh process per message), next to the AdamW state and step counter of
+# the plain `train` handler.
+STREAM_LOCAL_KEY = "stream_local"  # ArrayRecord {"flat": θ^m}: the worker's full model, fp32
+STREAM_GLOBAL_KEY = "stream_global"  # ArrayRecord {"flat": θ^g}: fragment p = the last θ^g_p received
+STREAM_SNAPSHOT_KEY = "stream_snapshot"  # ArrayRecord {"<p>": θ^m_p(t_p)} per fragment in flight
+STREAM_META_KEY = "stream_meta"  # ConfigRecord: fragments, numel, snapshot_steps (JSON {p: local step})
+
+
+@lru_cache(maxsize=4)
+def _fragments(model_json: str, seed: int, num_fragments: int) -> tuple[Fragments, tuple[ParamSpec, ...]]:
+    _, spec = _model(model_json, seed)
+    fragments = Fragments(spec, num_fragments)
+    return fragments, tuple(fragment_spec(fragments, p) for p in range(num_fragments))
+
+
+def merge_fragment(
+    rule: str,
+    local_now: torch.Tensor,
+    global_new: torch.Tensor,
+    local_at_start: torch.Tensor | None,
+    overlap: int,
+    H: int,
+    alpha: float,
+    lam: float,
+) -> torch.Tensor:
+    """The worker's new fragment p when the new global fragment θ^g_p arrives (a new tensor).
+
+    ``streaming``: (1 − α)·θ^m_p(now) + α·θ^g_p (`streaming_merge`). ``cocodc``: Algorithm 1's
+    delay compensation from the snapshot θ^m_p(t_p) over the *measured* ``overlap`` steps
+    (`cocodc_compensate`); with no snapshot (the worker joined after the sync started) or no
+    step in between (τ = 0) there is no local progress to carry over, so the result is θ^g_p.
+    """
+    if rule == "streaming":
+        return streaming_merge(local_now, global_new, alpha)
+    if rule != "cocodc":
+        raise ValueError(f"unknown stream_rule {rule!r} (streaming or cocodc)")
+    if local_at_start is None or overlap < 1:
+        return global_new.clone()
+    return cocodc_compensate(local_at_start, local_now, global_new, overlap, H, lam)
+
+
+def _flat_array(t: torch.Tensor) -> Array:
+    return Array(t.detach().to("cpu", torch.float32).contiguous().numpy())
+
+
+@app.train("stream")
+def train_stream(msg: Message, context: Context) -> Message:
+    """One tick of Streaming DiLoCo / CoCoDC on this worker (message type ``train.stream``)."""
+    cfg = msg.content.config_records["config"]
+    _set_threads(cfg)
+    pid, nparts = _partition_ids(context)
+    icfg = inner_config(str(cfg["client"]), int(cfg["schedule_total"]))
+    device = pick_device(str(context.node_config.get("device", icfg.device)))
+    model, spec = _model(str(cfg["model"]), int(cfg["seed"]))
+    fragments, frag_specs = _fragments(str(cfg["model"]), int(cfg["seed"]), int(cfg["fragments"]))
+    rule, H = str(cfg["stream_rule"]), int(cfg["H"])
+    alpha, lam = float(cfg["alpha"]), float(cfg["lambda"])
+    wire_down, wire_up = str(cfg["wire_down"]), str(cfg["wire_up"])
+    state = context.state
+    progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
+    local_step = int(progress["step"])
+
+    # The worker's model, its copies of the global fragments and the snapshots of syncs in flight
+    arrays = msg.content.array_records
+    snapshots: dict[int, tuple[torch.Tensor, int]] = {}
+    if "arrays" in arrays:  # the first message (or a re-initialisation): the full global model
+        local = decode_into(arrays["arrays"], spec, wire_down)
+        global_copy = local.clone()
+    else:
+        if STREAM_LOCAL_KEY not in state.array_records or STREAM_META_KEY not in state.config_records:
+            raise RuntimeError("train.stream: this node holds no streaming state and the message "
+                               "carries no initial model ('arrays'); the server must initialise it")
+        meta = state.config_records[STREAM_META_KEY]
+        if int(meta["fragments"]) != fragments.num_fragments or int(meta["numel"]) != spec.numel:
+            raise RuntimeError(f"train.stream: stored state is for {meta['fragments']} fragments of "
+                               f"{meta['numel']} parameters, the message for "
+                               f"{fragments.num_fragments} of {spec.numel}")
+        local = torch.from_numpy(state.array_records[STREAM_LOCAL_KEY]["flat"].numpy())
+        global_copy = torch.from_numpy(state.array_records[STREAM_GLOBAL_KEY]["flat"].numpy())
+        steps_at = {int(k): int(v) for k, v in json.loads(str(meta["snapshot_steps"])).items()}
+        for key, array in state.array_records[STREAM_SNAPSHOT_KEY].items():
+            snapshots[int(key)] = (torch.from_numpy(array.numpy()), steps_at[int(key)])
+
+    # (1) apply the new global fragments
+    overlaps: list[int] = []
+    for p in json.loads(str(cfg["stream_apply"])):
+        name = fragment_record(p)
+        if name not in arrays:
+            raise ValueError(f"train.stream: stream_apply lists fragment {p} but the message has no {name!r}")
+        global_new = decode_into(arrays[name], frag_specs[p], wire_down)
+        snapshot = snapshots.pop(p, None)
+        overlap = local_step - snapshot[1] if snapshot is not None else 0
+        if snapshot is not None:
+            overlaps.append(overlap)
+        merged = merge_fragment(rule, fragments.gather(local, p), global_new,
+                                snapshot[0] if snapshot is not None else None, overlap, H, alpha, lam)
+        fragments.scatter_(local, p, merged)
+        fragments.scatter_(global_copy, p, global_new)
+
+    # (2) train
+    load_flat_into(model, local, spec)
+    model.to(device)
+    trainer = InnerTrainer(model, icfg)
+    if OPT_STATE_KEY in state.array_records:
+        opt = state.array_records[OPT_STATE_KEY]
+        trainer.load_optimizer_state({k: torch.from_numpy(a.numpy()) for k, a in opt.items()})
+    parts, _ = partitions(cfg["data"], nparts)
+    data_cfg = json.loads(str(cfg["data"]))
+    data_seed = int(data_cfg["seed"]) * 1_000_003 + int(cfg["seed"])
+    sampler = make_sampler(data_cfg, parts[pid].train, icfg, pid, model.cfg.vocab_size, data_seed)
+    t0 = time.perf_counter()
+    result = trainer.train(sampler, int(cfg["stream_steps"]), local_step)
+    train_time = time.perf_counter() - t0
+    noisy_steps = sum(sampler.is_noisy(local_step + i) for i in range(result.steps))
+    local = flatten(model.state_dict())
+    step_after = local_step + result.steps
+
+    # (3) start the requested syncs: Δ_p = θ^g_p − θ^m_p against our copy of the global fragment
+    content: dict[str, Any] = {}
+    for p in json.loads(str(cfg["stream_sync"])):
+        local_p = fragments.gather(local, p)
+        delta = torch.sub(fragments.gather(global_copy, p), local_p)
+        content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
+        snapshots[p] = (local_p, step_after)
+
+    state[STREAM_LOCAL_KEY] = ArrayRecord({"flat": _flat_array(local)})
+    state[STREAM_GLOBAL_KEY] = ArrayRecord({"flat": _flat_array(global_copy)})
+    state[STREAM_SNAPSHOT_KEY] = ArrayRecord({str(p): _flat_array(t) for p, (t, _) in sorted(snapshots.items())})
+    state[STREAM_META_KEY] = ConfigRecord({
+        "fragments": fragments.num_fragments,
+        "numel": spec.numel,
+        "snapshot_steps": json.dumps({str(p): s for p, (_, s) in sorted(snapshots.items())}),
+    })
+    state[OPT_STATE_KEY] = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
+    state[PROGRESS_KEY] = ConfigRecord({"step": step_after, "rounds": int(progress["rounds"]) + 1})
+
+    content["metrics"] = MetricRecord(
+        {
+            "tokens": int(result.tokens),
+            "num-examples": int(result.tokens),
+            "steps": int(result.steps),
+            "train_loss": float(result.mean_loss),
+            "final_loss": float(result.final_loss),
+            "step_time_s": float(result.step_time_s),
+            "train_time_s": float(train_time),
+            "partition_id": pid,
+            "noisy_steps": int(noisy_steps),
+            # measured τ of the fragments applied by this message (local steps since their sync start)
+            "overlap_count": len(overlaps),
+            "overlap_sum": int(sum(overlaps)),
+            "overlap_max": int(max(overlaps, default=-1)),
+            "overlap_min": int(min(overlaps, default=-1)),
+        }
+    )
+    return Message(RecordDict(content), reply_to=msg)
 
 
 @app.evaluate()

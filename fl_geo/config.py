@@ -43,6 +43,9 @@ STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "a_edit": ("nesterov",),
     # HALoS (ALGORITHMS.md §6): the global server's optimizer; the local servers' is in `halos`
     "halos": ("delayed_nesterov",),
+    # Streaming DiLoCo / CoCoDC (ALGORITHMS.md §7): synchronous, one outer optimizer per fragment
+    "streaming_diloco": ("nesterov",),
+    "cocodc": ("nesterov",),
 }
 STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "diloco": (0.7, 0.9),
@@ -58,6 +61,8 @@ STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
     "edit": (0.8, 0.85),  # EDiT: Nesterov 0.8 / 0.85
     "a_edit": (0.8, 0.85),
     "halos": (0.15 * 2, 0.5),  # HALoS global server: lr 0.15 x N, beta 0.5, N = 2 (strategy.delay_buffer)
+    "streaming_diloco": (0.7, 0.9),  # as DiLoCo
+    "cocodc": (0.7, 0.9),
 }
 # EDiT's penalty (EDiT §3.2 / Algorithm 2; atorch defaults): filled in when a strategy named
 # edit / a_edit leaves the penalty section at its schema defaults.
@@ -67,6 +72,7 @@ EDIT_PENALTY: dict[str, Any] = {
 }
 EDIT_STRATEGIES = ("edit", "a_edit")
 ASYNC_STRATEGIES = ("fedbuff", "fedasync", "async_diloco", "async_local_sgd", "dips", "halos")
+STREAMING_STRATEGIES = ("streaming_diloco", "cocodc")  # strategies/streaming.py (StreamingLoop)
 
 
 class ConfigError(ValueError):
@@ -184,6 +190,18 @@ class HalosSection:
 
 
 @dataclass
+class StreamingSection:
+    """Streaming DiLoCo and CoCoDC (ALGORITHMS.md §7); H is ``strategy.inner_steps``."""
+
+    fragments: int = 4  # P: strided fragments of the transformer blocks (1 <= P <= model.n_layers)
+    overlap: int = 5  # tau: inner steps between a fragment's sync start and its merge (0 <= tau < H/P)
+    alpha: float = 0.5  # streaming_diloco merge: weight of the global fragment (1 = overwrite)
+    compensation: float = 0.5  # cocodc lambda (0 = new global fragment + local progress)
+    adaptive: bool = False  # CoCoDC Algorithm 2: N = max(P, floor(gamma H T_c / T_s)) syncs per H steps
+    gamma: float = 0.4  # adaptive: share of the network capacity to use, in (0, 1]
+
+
+@dataclass
 class WireSection:
     """Precision of model-sized payloads on the wire (the outer state is always fp32)."""
 
@@ -207,6 +225,7 @@ class DataSection:
     noise_fraction: float = 0.0  # probability that a block of batches is corrupted
     noise_kind: str = "random"  # random (uniform token ids) | shuffle (real windows, tokens permuted)
     noise_block: int = 1  # consecutive inner steps sharing one corrupt/clean decision
+    noise_shared: bool = False  # true: every noisy partition is corrupted in the same blocks
 
 
 @dataclass
@@ -237,6 +256,7 @@ class FlGeoConfig:
     strategy: StrategySection = field(default_factory=StrategySection)
     penalty: PenaltySection = field(default_factory=PenaltySection)
     halos: HalosSection = field(default_factory=HalosSection)
+    streaming: StreamingSection = field(default_factory=StreamingSection)
     wire: WireSection = field(default_factory=WireSection)
     model: ModelConfig = field(default_factory=ModelConfig)  # the model's own dataclass
     data: DataSection = field(default_factory=DataSection)
@@ -397,6 +417,7 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(h.local_lr > 0 and 0 <= h.local_momentum < 1 and h.local_buffer >= 1,
              "halos: local_lr > 0, local_momentum in [0, 1), local_buffer >= 1")
     _require(not (s.name == "halos" and p.enabled), "penalty at the HALoS global server is not supported yet (penalty.enabled=false)")
+    _validate_streaming(cfg)
     _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
@@ -421,6 +442,34 @@ def validate(cfg: FlGeoConfig) -> None:
         m.validate()
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
+
+
+def _validate_streaming(cfg: FlGeoConfig) -> None:
+    """The ``streaming`` section: ranges always (the defaults pass); the schedule and the
+    strategy knobs the streaming loop does not implement only for streaming_diloco / cocodc."""
+    st, s = cfg.streaming, cfg.strategy
+    _require(st.fragments >= 1, f"streaming.fragments (P) must be >= 1, got {st.fragments}")
+    _require(st.overlap >= 0, f"streaming.overlap (tau) must be >= 0, got {st.overlap}")
+    _require(0 <= st.alpha <= 1, f"streaming.alpha must be in [0, 1], got {st.alpha}")
+    _require(st.compensation >= 0, f"streaming.compensation (lambda) must be >= 0, got {st.compensation}")
+    _require(0 < st.gamma <= 1, f"streaming.gamma must be in (0, 1], got {st.gamma}")
+    if s.name not in STREAMING_STRATEGIES:
+        return
+    P, H = st.fragments, s.inner_steps
+    _require(cfg.model.n_layers >= P,
+             f"streaming.fragments (P={P}) must be <= model.n_layers ({cfg.model.n_layers}): "
+             "every fragment needs at least one transformer block")
+    _require(st.adaptive or H % P == 0,
+             f"streaming.fragments (P={P}) must divide strategy.inner_steps (H={H}) for the fixed "
+             "schedule (or set streaming.adaptive=true)")
+    _require(st.overlap * P < H,
+             f"streaming.overlap (tau={st.overlap}) must be < strategy.inner_steps / streaming.fragments "
+             f"(H/P = {H / P:g}) so that a fragment's sync ends before the next one starts")
+    for key, bad in (("penalty.enabled", cfg.penalty.enabled), ("strategy.time_budget_s", s.time_budget_s > 0),
+                     ("strategy.dynupd", s.dynupd), ("strategy.sync_warmup_steps", s.sync_warmup_steps > 0),
+                     ("strategy.clients_per_round", s.clients_per_round > 0)):
+        _require(not bad, f"{key} is not supported by strategy {s.name} (every worker trains every "
+                          "message and keeps its own model between them)")
 
 
 def schedule_length(cfg: FlGeoConfig) -> int:

@@ -23,7 +23,15 @@ from flwr.serverapp import Grid, ServerApp
 
 from fl_geo import __version__
 from fl_geo.builders import make_model
-from fl_geo.config import ASYNC_STRATEGIES, ConfigError, FlGeoConfig, load_config, to_dict, to_yaml
+from fl_geo.config import (
+    ASYNC_STRATEGIES,
+    STREAMING_STRATEGIES,
+    ConfigError,
+    FlGeoConfig,
+    load_config,
+    to_dict,
+    to_yaml,
+)
 from fl_geo.dispatch import Dispatcher
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
@@ -31,6 +39,7 @@ from fl_geo.progress import Progress
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.halos import HalosLoop
+from fl_geo.strategies.streaming import StreamingLoop
 from fl_geo.strategies.sync import SyncOuterLoop
 
 log = logging.getLogger("fl_geo")
@@ -124,6 +133,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         logger.write_json("meta.json", _meta(cfg, spec, evaluator))
         log.info("fl-geo: %s with %d nodes, %d parameters, run dir %s", cfg.strategy.name, len(profiles), spec.numel, run_dir)
         loop_cls = (HalosLoop if cfg.strategy.name == "halos"
+                    else StreamingLoop if cfg.strategy.name in STREAMING_STRATEGIES
                     else AsyncOuterLoop if cfg.strategy.name in ASYNC_STRATEGIES else SyncOuterLoop)
         loop = loop_cls(cfg, spec, global_params, dispatcher, profiles, logger, evaluator, scenario)
         progress = Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress)

@@ -41,6 +41,8 @@ __all__ = [
     "Fragments",
     "cocodc_compensate",
     "fixed_schedule",
+    "fragment_record",
+    "fragment_spec",
     "streaming_merge",
 ]
 
@@ -200,6 +202,27 @@ class Fragments:
     def __repr__(self) -> str:
         return (f"Fragments(num_fragments={self.num_fragments}, num_blocks={self.num_blocks}, "
                 f"numels={self._numels})")
+
+
+def fragment_spec(fragments: Fragments, p: int) -> ParamSpec:
+    """The `ParamSpec` of fragment p alone: its parameters in spec order, laid out back to back.
+
+    That is exactly the layout of `Fragments.gather` (ranges in offset order = spec order;
+    zero-sized parameters are named but hold nothing), so a gathered fragment encodes and decodes
+    with `fl_geo.wire` like a small model, and the decoded pieces' offsets index the gathered
+    tensor. With P = 1 it equals the full spec.
+    """
+    spec = fragments.spec
+    keep = set(fragments.names(p))
+    idx = [i for i, name in enumerate(spec.names) if name in keep]
+    return ParamSpec(tuple(spec.names[i] for i in idx), tuple(spec.shapes[i] for i in idx),
+                     tuple(spec.dtypes[i] for i in idx))
+
+
+def fragment_record(p: int) -> str:
+    """Name of the ArrayRecord that carries fragment p in a message (``frag_<p>``): the new
+    global fragment server → worker, the pseudo-gradient Δ_p worker → server."""
+    return f"frag_{int(p)}"
 
 
 # ---------------------------------------------------------------------------------------------

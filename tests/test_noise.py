@@ -148,3 +148,16 @@ def test_client_reports_noisy_steps(tiny, tmp_path):
     summary = run_server(grid, cfg, tmp_path / "run")
     assert summary["outer_steps"] == 2
     assert seen == {0: [0, 0], 1: [3, 3], 2: [0, 0]}
+
+
+def test_shared_noise_hits_every_noisy_stream_in_the_same_blocks():
+    from fl_geo.data.loader import BatchNoise, BatchSampler
+
+    tokens = torch.arange(5000) % 256
+    noise = BatchNoise(fraction=0.3, kind="random", block=5, vocab_size=256, shared=True)
+    own = BatchNoise(fraction=0.3, kind="random", block=5, vocab_size=256)
+    a, b = (BatchSampler(tokens, 16, 2, seed=3, stream=s, noise=noise) for s in (0, 1))
+    decisions_a = [a.is_noisy(t) for t in range(0, 1000, 5)]
+    assert decisions_a == [b.is_noisy(t) for t in range(0, 1000, 5)] and any(decisions_a)
+    c, d = (BatchSampler(tokens, 16, 2, seed=3, stream=s, noise=own) for s in (0, 1))
+    assert [c.is_noisy(t) for t in range(0, 1000, 5)] != [d.is_noisy(t) for t in range(0, 1000, 5)]

@@ -27,13 +27,16 @@ class BatchNoise:
 
     Steps are grouped in blocks of ``block``; each block is corrupted with probability
     ``fraction``. ``random``: uniform token ids in ``[0, vocab_size)``. ``shuffle``: the real
-    windows with each sequence's tokens randomly permuted (same bytes, no order).
+    windows with each sequence's tokens randomly permuted (same bytes, no order). ``shared``: the
+    corrupt/clean decision ignores the sampler's stream, so every noisy partition is hit in the
+    same blocks (a bad shard of a shared data pipeline reaching every site at once).
     """
 
     fraction: float
     kind: str
     block: int
     vocab_size: int
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
@@ -129,7 +132,8 @@ class BatchSampler:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         block = int(step) // noise.block
-        rng = np.random.default_rng([self.seed, self.stream, block, _NOISE_DECISION])
+        stream = 0 if noise.shared else self.stream
+        rng = np.random.default_rng([self.seed, stream, block, _NOISE_DECISION])
         return bool(rng.random() < noise.fraction)
 
     def _starts(self, step: int) -> torch.Tensor:

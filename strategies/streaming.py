@@ -1,0 +1,512 @@
+"""Streaming DiLoCo and CoCoDC (ALGORITHMS.md §7) as a synchronous loop of short messages.
+
+Every worker keeps its own model θ^m between messages (``context.state``, clients/datacenter.py
+``train.stream``); the server keeps the global model ``global_params`` and one outer optimizer per
+fragment (`fl_geo.streaming`). Time is counted in inner steps ``t`` (all workers advance in lock
+step), and the schedule's *events* cut it into ticks: a fragment's sync start, a fragment's
+apply, and the end of each H-step period (one logged "round"). One tick = one ``train.stream``
+message per worker, dispatched together (`Dispatcher.run_jobs`):
+
+* the message starting at ``t`` carries the new global fragment θ^g_p of every sync due to be
+  applied at ``t`` (``stream_apply``, records ``frag_<p>``), the number of steps to the next event
+  (``stream_steps``) and the fragments whose sync starts at the tick's end (``stream_sync``);
+* each reply carries Δ_p = θ^g_p − θ^m_p for those fragments; the server averages them (token
+  or uniform weights, folded in rank order) and steps fragment p's outer optimizer on its slice
+  of ``global_params`` right away, then attaches the result to the message that starts τ steps
+  later (``apply = start + τ``). With τ = 0 that is the very next message.
+
+Schedules: fixed (torchft round-robin, `fixed_schedule`: fragment p syncs at (p+1)·H/P − τ and
+applies at (p+1)·H/P of every period) or adaptive (CoCoDC Algorithm 2, `AdaptiveSchedule`: a
+sync every h = ⌊H/N⌋ steps, the server choosing the fragment; each applies τ steps later).
+
+Virtual time: each tick costs the slowest worker's compute for its steps (the dispatcher's job
+timings). A fragment's ring all-reduce (`Scenario.allreduce_time` of its modelled bytes) starts
+when its sync starts, runs behind the following ticks' compute and must be over before the tick
+that applies it begins: only the part not hidden behind compute is charged. All-reduces share the
+WAN one at a time (a sync that starts while another is on the wire queues behind it).
+
+In deployment a Flower message does not overlap compute with transfer; the staleness semantics
+(a fragment's update is applied τ steps after its sync started) hold all the same, because the
+server, not the network, decides when the new fragment reaches the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+from fl_geo.accumulate import WeightedAccumulator
+from fl_geo.dispatch import JobTiming
+from fl_geo.progress import Progress
+from fl_geo.scenario import payload_bytes
+from fl_geo.state import ParamSpec
+from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, Tally, TrainReply
+from fl_geo.streaming import (
+    AdaptiveSchedule,
+    FragmentOuterOptimizers,
+    Fragments,
+    fixed_schedule,
+    fragment_record,
+    fragment_spec,
+)
+from fl_geo.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
+
+log = logging.getLogger("fl_geo")
+
+STREAM_MESSAGE_TYPE = f"{MessageType.TRAIN}.stream"  # -> @app.train("stream")
+
+
+@dataclass
+class StreamReply:
+    """A valid ``train.stream`` reply: its counts and one decoded Δ_p per synced fragment."""
+
+    reply: TrainReply  # metrics (``pieces`` unused)
+    deltas: dict[int, list[tuple[int, torch.Tensor]]]  # fragment -> zero-copy pieces (wire dtype)
+    nbytes: dict[int, int]  # fragment -> payload bytes
+    train_time_s: float = 0.0
+    overlap_count: int = 0
+    overlap_sum: int = 0
+    overlap_max: int = -1
+
+
+def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Sequence[int],
+                      steps: int, precision: str) -> StreamReply:
+    """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them.
+
+    Raises `ReplyError` naming what is wrong (missing record, keys, shapes, dtypes, metrics, a
+    step count other than the one asked for). Finiteness is checked when folding.
+    """
+    content = reply.content
+    if "metrics" not in content.metric_records:
+        raise ReplyError("reply lacks the 'metrics' record")
+    m = content.metric_records["metrics"]
+    missing = [k for k in REPLY_METRICS if k not in m]
+    if missing:
+        raise ReplyError(f"reply metrics lack {missing}")
+    tokens, loss, done = int(m["tokens"]), float(m["train_loss"]), int(m["steps"])
+    if tokens <= 0 or not math.isfinite(loss):
+        raise ReplyError(f"implausible metrics (tokens={tokens}, train_loss={loss})")
+    if done != steps:
+        raise ReplyError(f"reply ran {done} inner steps, the message asked for {steps}")
+    deltas: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    nbytes: dict[int, int] = {}
+    for p in syncs:
+        name = fragment_record(p)
+        record = content.array_records.get(name)
+        if record is None:
+            raise ReplyError(f"reply lacks the fragment record {name!r}")
+        try:
+            deltas[p] = decode(record, frag_specs[p], precision)
+        except PayloadError as exc:
+            raise ReplyError(f"{name}: {exc}") from None
+        nbytes[p] = payload_nbytes(record)
+    noisy = int(m["noisy_steps"]) if "noisy_steps" in m else 0
+    r = TrainReply([], tokens, loss, float(m["step_time_s"]), sum(nbytes.values()), done, noisy)
+    return StreamReply(
+        r, deltas, nbytes,
+        train_time_s=float(m["train_time_s"]) if "train_time_s" in m else 0.0,
+        overlap_count=int(m.get("overlap_count", 0)),
+        overlap_sum=int(m.get("overlap_sum", 0)),
+        overlap_max=int(m.get("overlap_max", -1)),
+    )
+
+
+@dataclass
+class _Sync:
+    """A fragment sync whose new global fragment the workers have not applied yet."""
+
+    start: int  # step at which the sync started (t_p)
+    apply: int  # step at whose message the new fragment is attached (t_p + τ)
+    record: ArrayRecord  # the new θ^g_p in the downlink precision
+    comm_done: float  # virtual time at which its all-reduce is over (0 with a wall clock)
+    norm: float  # ‖Δ̄_p‖₂ (CoCoDC's change rate)
+
+
+@dataclass
+class _RoundStats:
+    """What one H-step period (one logged round) adds up to, over its ticks."""
+
+    tally: Tally = field(default_factory=Tally)
+    bytes_down: int = 0
+    failed: int = 0
+    ticks: int = 0
+    syncs: int = 0
+    skipped_syncs: int = 0
+    pg_norm_sum: float = 0.0
+    update_norm_sum: float = 0.0
+    update_norms: int = 0
+    overlap_sum: int = 0
+    overlap_count: int = 0
+    overlap_max: int = -1
+    nodes: set[int] = field(default_factory=set)
+
+
+def _mean(total: float, n: int) -> float:
+    return total / n if n else float("nan")
+
+
+class StreamingLoop(OuterLoop):
+    """``run.rounds`` periods of H inner steps per worker (or fewer, at ``run.max_tokens``), each
+    cut into ticks by the fragment schedule; ``outer/step`` counts fragment outer steps."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        s, st = self.cfg.strategy, self.cfg.streaming
+        self.H, self.P, self.tau = s.inner_steps, st.fragments, st.overlap
+        self.rule = "cocodc" if s.name == "cocodc" else "streaming"
+        try:
+            self.fragments = Fragments(self.spec, self.P)
+        except ValueError as exc:
+            raise ValueError(f"streaming.fragments (P={self.P}) does not fit the model: {exc}") from None
+        if s.outer_optimizer != "nesterov":
+            raise ValueError(f"strategy {s.name} uses outer_optimizer nesterov, got {s.outer_optimizer!r}")
+        self.frag_specs = [fragment_spec(self.fragments, p) for p in range(self.P)]
+        self.outer = FragmentOuterOptimizers(self.fragments, s.outer_optimizer, lr=s.outer_lr,
+                                             momentum=s.outer_momentum)
+        self._accumulators: dict[int, WeightedAccumulator] = {}
+        self.schedule: AdaptiveSchedule | None = None
+        self._starts: dict[int, list[int]] = {}  # fixed: step within a period (1..H) -> fragments
+        if st.adaptive:
+            self.schedule = AdaptiveSchedule(self.P, self.H, st.gamma)
+        else:
+            for p, start, _ in fixed_schedule(self.P, self.H, self.tau):
+                self._starts.setdefault(start, []).append(p)
+        self.step = 0  # inner steps every worker has run (lock step)
+        self.in_flight: dict[int, _Sync] = {}
+        self._initialised: set[int] = set()  # nodes that hold streaming state
+        self._link_free = 0.0  # virtual time at which the WAN is free for the next all-reduce
+        self._next_adaptive: int | None = None
+        self.interval = self.H // self.P  # adaptive h (updated at every sync decision)
+        self._measured_tc: float | None = None  # wall clock: slowest step time of the last tick
+        self._measured_ts: float | None = None  # wall clock: exchange overhead of the last sync tick
+        self._tick_step_time = self._tick_train_time = 0.0
+        self.peak_bytes_per_sync = 0
+        self._rule_cfg = {
+            "stream_rule": self.rule,
+            "fragments": self.P,
+            "alpha": float(st.alpha),
+            "lambda": float(st.compensation),
+            "tau": self.tau,
+            "H": self.H,
+        }
+
+    # ---- schedule -------------------------------------------------------------------------------
+    def _slots(self, nodes: Sequence[int]) -> list[int]:
+        return [self.profiles[n].partition_id for n in nodes]
+
+    def _fragment_bytes(self, p: int) -> int:
+        """Modelled bytes of fragment p's pseudo-gradient: its share of the modelled model."""
+        assert self.scenario is not None
+        params = self.scenario.modelled_params(fallback=self.spec.numel)
+        share = round(params * self.fragments.numel(p) / self.spec.numel)
+        return payload_bytes(self.cfg.wire.up, share)  # not Scenario.payload_bytes: that is the whole model
+
+    def _allreduce_s(self, p: int, slots: list[int]) -> float:
+        return self.scenario.allreduce_time(slots, self._fragment_bytes(p)) if self.scenario is not None else 0.0
+
+    def _adaptive_interval(self, nodes: Sequence[int]) -> int:
+        """h of CoCoDC Eq. 10 from T_c (one inner step of the slowest worker) and T_s (one
+        fragment sync, the mean over fragments): modelled by the scenario on a virtual clock,
+        measured on a wall clock (H/P until both have been measured)."""
+        assert self.schedule is not None
+        if self.scenario is not None:
+            slots = self._slots(nodes)
+            t_c = max(self.scenario.step_time(i) for i in slots)
+            t_s = sum(self._allreduce_s(p, slots) for p in range(self.P)) / self.P
+        else:
+            t_c, t_s = self._measured_tc or 0.0, self._measured_ts or 0.0
+        if not (t_c > 0 and t_s > 0):  # one worker (no all-reduce) or nothing measured yet
+            return max(1, self.H // self.P)
+        return self.schedule.interval(t_c, t_s)
+
+    def _next_sync_after(self, t: int) -> int:
+        """The first sync start after step ``t``."""
+        if self.schedule is not None:
+            assert self._next_adaptive is not None
+            return self._next_adaptive
+        base = self.H * (t // self.H)
+        return min(b + s for b in (base, base + self.H) for s in self._starts if b + s > t)
+
+    def _syncs_at(self, end: int, nodes: Sequence[int]) -> list[int]:
+        """Fragments whose sync starts at step ``end`` (the end of the tick being dispatched)."""
+        if self.schedule is None:
+            offset = end - self.H * ((end - 1) // self.H)  # in 1..H
+            return list(self._starts.get(offset, []))
+        if end != self._next_adaptive:
+            return []
+        self.interval = self._adaptive_interval(nodes)
+        self._next_adaptive = end + self.interval
+        p = self.schedule.choose(end, frozenset(self.in_flight))
+        if p is None:
+            log.warning("step %d: every fragment is still in flight; this sync slot is skipped", end)
+            return []
+        return [p]
+
+    def _take_applies(self) -> list[tuple[int, _Sync]]:
+        """Syncs whose new fragment the message starting now carries; they complete here."""
+        due = sorted(p for p, sync in self.in_flight.items() if sync.apply == self.step)
+        out = [(p, self.in_flight.pop(p)) for p in due]
+        if self.schedule is not None:
+            for p, sync in out:
+                self.schedule.completed(p, self.step, sync.norm)
+        return out
+
+    # ---- one tick -------------------------------------------------------------------------------
+    def _accumulator(self, p: int) -> WeightedAccumulator:
+        if p not in self._accumulators:
+            self._accumulators[p] = WeightedAccumulator(self.fragments.numel(p))
+        return self._accumulators[p]
+
+    def _fold(self, stats: _RoundStats, group: Sequence[tuple[int, Message]], syncs: list[int], steps: int) -> None:
+        """Validate a group of replies and fold every fragment's Δ_p; never raises on bad input.
+
+        A reply is accepted or rejected as a whole. With one fragment per tick (always, for both
+        schedules) the fold's own NaN/Inf check decides; with several, each reply's fragments are
+        checked first so that none of them is folded when another one is bad.
+        """
+        tally = stats.tally
+        valid: list[tuple[int, StreamReply]] = []
+        for node, reply in group:
+            try:
+                r = read_stream_reply(reply, self.frag_specs, syncs, steps, self.cfg.wire.up)
+            except ReplyError as exc:
+                self._reject(tally, node, str(exc))
+                continue
+            if len(syncs) > 1:
+                try:
+                    for p in syncs:
+                        check_finite_and_norm(r.deltas[p], self.frag_specs[p])
+                except PayloadError as exc:
+                    self._reject(tally, node, f"{fragment_record(p)}: {exc}")
+                    continue
+            valid.append((node, r))
+            self._tick_step_time = max(self._tick_step_time, r.reply.step_time_s)
+            self._tick_train_time = max(self._tick_train_time, r.train_time_s)
+        if not valid:
+            return
+        tally.noisy_steps += sum(r.reply.noisy_steps for _, r in valid)
+        tokens_weighted = self.cfg.strategy.weighting == "tokens"
+        weights = [float(r.reply.tokens) if tokens_weighted else 1.0 for _, r in valid]
+        accepted = list(range(len(valid)))
+        norms = [0.0] * len(valid)
+        for p in syncs:
+            batch = list(accepted)
+            result = self._accumulator(p).add_batch_checked([valid[i][1].deltas[p] for i in batch],
+                                                            [weights[i] for i in batch])
+            for j, i in enumerate(batch):
+                if j in result.rejected:
+                    self._reject(tally, valid[i][0], f"{fragment_record(p)}: {result.rejected[j]}")
+                    accepted.remove(i)
+                else:
+                    norms[i] = math.hypot(norms[i], float(result.norms[j]))
+        for i in accepted:
+            node, r = valid[i]
+            tally.accept(r.reply, norms[i])
+            stats.nodes.add(node)
+            if syncs:
+                stats.update_norm_sum += norms[i]
+                stats.update_norms += 1
+                self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, *r.nbytes.values())
+            if r.overlap_count:
+                stats.overlap_sum += r.overlap_sum
+                stats.overlap_count += r.overlap_count
+                stats.overlap_max = max(stats.overlap_max, r.overlap_max)
+
+    def _tick(self, rnd: int, end: int, applies: list[tuple[int, _Sync]], stats: _RoundStats) -> None:
+        s = self.cfg.strategy
+        start, steps = self.step, end - self.step
+        clock = self.dispatcher.clock
+        nodes = self.free_nodes()
+        if not nodes:
+            raise RuntimeError("no live node to train on")
+        syncs = self._syncs_at(end, nodes)
+        if clock.is_virtual:  # the applied fragments' all-reduces must be over
+            for _, sync in applies:
+                clock.advance_to(sync.comm_done)
+        init = [n for n in nodes if n not in self._initialised]
+        init_arrays = encode(self.global_params, self.spec, self.cfg.wire.down) if init else None
+        apply_ids = [p for p, _ in applies]
+        msgs = []
+        for n in nodes:
+            fresh = n in init
+            config = dict(self._client_cfg, **self._rule_cfg, round=rnd, base_version=self.version,
+                          stream_step=start, stream_steps=steps,
+                          # a node initialised now gets the current global model, outer steps of
+                          # syncs still in flight included: nothing to apply on top of it
+                          stream_apply=json.dumps([] if fresh else apply_ids),
+                          stream_sync=json.dumps(syncs))
+            records: dict[str, Any] = {"config": ConfigRecord(config)}
+            if fresh:
+                assert init_arrays is not None
+                records["arrays"] = init_arrays
+                stats.bytes_down += payload_nbytes(init_arrays)
+            else:
+                for p, sync in applies:
+                    records[fragment_record(p)] = sync.record
+                    stats.bytes_down += payload_nbytes(sync.record)
+            msgs.append(Message(RecordDict(records), dst_node_id=n, message_type=STREAM_MESSAGE_TYPE))
+        for p in syncs:
+            self._accumulator(p).reset()
+        order = nodes if s.fold_order == "rank" else None
+        timings = [JobTiming(slot, steps) for slot in self._slots(nodes)] if self.scenario is not None else None
+        self._tick_step_time = self._tick_train_time = 0.0
+        t0 = time.perf_counter()
+        outcome = self.dispatcher.run_jobs(
+            msgs,
+            on_replies=lambda group: self._fold(stats, group, syncs, steps),
+            order=order,
+            timeout_s=s.round_timeout_s,
+            timings=timings,
+        )
+        wall = time.perf_counter() - t0
+        self._initialised.update(nodes)
+        lost = set(outcome.errors) | set(outcome.vanished) | set(outcome.timed_out)
+        self._initialised -= lost  # their state may be gone or half-written: initialise again
+        stats.failed += len(lost)
+        stats.ticks += 1
+        self._measure(wall, bool(syncs or applies))
+        self.step = end
+        slots = self._slots([n for n in nodes if n not in lost]) or self._slots(nodes)
+        for p in syncs:
+            self._outer_step(p, end, slots, stats)
+
+    def _measure(self, wall: float, exchanged: bool) -> None:
+        """Wall-clock T_c / T_s for the adaptive schedule (unused with a scenario): the slowest
+        step time of the tick's replies, and, when fragments travelled, the tick's wall time
+        outside the slowest worker's training (transfer, (de)serialisation, merging)."""
+        if self.scenario is not None or self.schedule is None:
+            return
+        if self._tick_step_time > 0:
+            self._measured_tc = self._tick_step_time
+        if exchanged and self._tick_train_time > 0:
+            self._measured_ts = max(1e-6, wall - self._tick_train_time)
+
+    def _outer_step(self, p: int, end: int, slots: list[int], stats: _RoundStats) -> None:
+        """Fragment p's outer step on the mean Δ_p; its result is applied τ steps later."""
+        acc = self._accumulator(p)
+        if acc.count < self.cfg.strategy.min_replies:
+            log.warning("step %d: fragment %d got %d accepted update(s) < strategy.min_replies=%d; "
+                        "its outer step is skipped, the global fragment is unchanged",
+                        end, p, acc.count, self.cfg.strategy.min_replies)
+            stats.skipped_syncs += 1
+            return
+        mean = acc.mean()
+        norm = float(torch.linalg.vector_norm(mean))
+        fragment = self.fragments.gather(self.global_params, p)
+        self.outer.step(p, fragment, mean)
+        self.fragments.scatter_(self.global_params, p, fragment)
+        self.version += 1
+        stats.syncs += 1
+        stats.pg_norm_sum += norm
+        done = 0.0
+        clock = self.dispatcher.clock
+        if clock.is_virtual:
+            begin = max(clock.now(), self._link_free)
+            done = self._link_free = begin + self._allreduce_s(p, slots)
+        record = encode(fragment, self.frag_specs[p], self.cfg.wire.down)
+        self.in_flight[p] = _Sync(end, end + self.tau, record, done, norm)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _model_time(self) -> float:
+        """Virtual time at which the current global model exists: now, or later while an
+        all-reduce whose outer step it already holds is still on the wire."""
+        if not self.dispatcher.clock.is_virtual:
+            return float("nan")
+        return max([self.dispatcher.clock.now(), *(s.comm_done for s in self.in_flight.values())])
+
+    def _round_metrics(self, stats: _RoundStats) -> dict[str, float]:
+        t = stats.tally
+        self.total_tokens += t.tokens
+        self.total_bytes_up += t.bytes_up
+        self.total_bytes_down += stats.bytes_down
+        self.total_rejected += t.rejected
+        return {
+            "outer/step": self.version,
+            "outer/accepted": t.accepted,
+            "outer/rejected": t.rejected,
+            "outer/rejected_total": self.total_rejected,
+            "outer/failed": stats.failed,
+            "outer/update_norm": _mean(stats.update_norm_sum, stats.update_norms),
+            "outer/pseudo_grad_norm": _mean(stats.pg_norm_sum, stats.syncs),
+            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
+            "train/tokens": self.total_tokens,
+            "train/inner_steps": _mean(t.steps, len(stats.nodes)),
+            "train/step_time_s": _mean(t.step_time_sum, t.accepted),
+            "data/noisy_steps": t.noisy_steps,
+            "data/noisy_steps_accepted": t.noisy_steps_accepted,
+            "comm/bytes_up": t.bytes_up,
+            "comm/bytes_down": stats.bytes_down,
+            "comm/bytes_up_total": self.total_bytes_up,
+            "comm/bytes_down_total": self.total_bytes_down,
+            "comm/peak_bytes_per_sync": self.peak_bytes_per_sync,
+            "stream/syncs": stats.syncs,
+            "stream/skipped_syncs": stats.skipped_syncs,
+            "stream/messages": stats.ticks,
+            "stream/overlap_steps": _mean(stats.overlap_sum, stats.overlap_count),
+            "stream/overlap_steps_max": stats.overlap_max if stats.overlap_count else float("nan"),
+            "stream/interval": self.interval if self.schedule is not None else self.H // self.P,
+            "time/virtual_s": self._model_time(),
+        }
+
+    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        r = self.cfg.run
+        self.log_initial()
+        total = r.rounds * self.H
+        if self.schedule is not None:
+            self.interval = self._adaptive_interval(self.free_nodes())
+            self._next_adaptive = self.interval
+        stats = _RoundStats()
+        while self.step < total:
+            rnd = self.step // self.H + 1
+            applies = self._take_applies()
+            period_end = self.H * rnd
+            end = min(period_end, self._next_sync_after(self.step),
+                      *(sync.apply for sync in self.in_flight.values()))
+            self._tick(rnd, end, applies, stats)
+            if self.step < period_end:
+                continue
+            last = rnd == r.rounds or (r.max_tokens > 0 and self.total_tokens + stats.tally.tokens >= r.max_tokens)
+            metrics = self._round_metrics(stats)
+            stats = _RoundStats()
+            if (r.eval_every and rnd % r.eval_every == 0) or last:
+                metrics.update(self.evaluate())
+            if r.client_eval_every and (rnd % r.client_eval_every == 0 or last):
+                metrics.update(self.client_eval(rnd))
+            record = self.logger.log(rnd, metrics)
+            self.history.append(record)
+            if progress is not None:
+                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"))
+            if last:
+                break
+        if self.dispatcher.clock.is_virtual:  # the final model exists once its last sync is over
+            self.dispatcher.clock.advance_to(self._model_time())
+        return self.history[-1] if self.history else {}
+
+    def client_eval(self, rnd: int) -> dict[str, float]:
+        """Each node's validation loss of the global model on its own partition, token-weighted."""
+        nodes = self.free_nodes()
+        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
+        msgs = [Message(RecordDict({"arrays": arrays, "config": ConfigRecord(dict(self._client_cfg, round=rnd))}),
+                        dst_node_id=n, message_type=MessageType.EVALUATE) for n in nodes]
+        total = {"loss": 0.0, "tokens": 0}
+
+        def keep(group: Sequence[tuple[int, Message]]) -> None:
+            for node, reply in group:
+                m = reply.content.metric_records.get("metrics")
+                if m is None or "val_loss" not in m or "val_tokens" not in m:
+                    log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", node)
+                    continue
+                total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
+                total["tokens"] += int(m["val_tokens"])
+
+        self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
+        return {"val/client_loss": total["loss"] / total["tokens"]} if total["tokens"] else {}

@@ -1,0 +1,374 @@
+"""Streaming DiLoCo and CoCoDC end to end (strategies/streaming.py + the ``train.stream`` client
+handler), on the in-process InlineGrid: real Messages, real Contexts, real ClientApp."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+from omegaconf import OmegaConf
+
+from fl_geo.builders import make_model
+from fl_geo.clients.datacenter import (
+    PROGRESS_KEY,
+    STREAM_META_KEY,
+    STREAM_SNAPSHOT_KEY,
+    merge_fragment,
+)
+from fl_geo.clients.datacenter import app as client_app
+from fl_geo.config import ConfigError
+from fl_geo.inline import InlineGrid
+from fl_geo.metrics import read_metrics
+from fl_geo.server_app import run_server
+from fl_geo.state import ParamSpec, flatten
+from fl_geo.streaming import AdaptiveSchedule, Fragments, fragment_spec, streaming_merge
+from fl_geo.wire import encode, payload_nbytes
+
+STREAM = ["run.sim_cpus=1", "model.n_layers=2"]
+
+
+def _cfg(tiny, *overrides):
+    return tiny(*STREAM, *overrides)
+
+
+class Recorder:
+    """A reply hook that records every train.stream message (per node, in order) and can
+    tamper with replies."""
+
+    def __init__(self, tamper=None):
+        self.messages: dict[int, list[dict]] = {}
+        self.tamper = tamper
+
+    def __call__(self, node, msg, reply):
+        if msg.metadata.message_type != "train.stream":
+            return reply
+        c = msg.content.config_records["config"]
+        self.messages.setdefault(node, []).append({
+            "step": int(c["stream_step"]), "steps": int(c["stream_steps"]),
+            "apply": json.loads(str(c["stream_apply"])), "sync": json.loads(str(c["stream_sync"])),
+            "init": "arrays" in msg.content.array_records,
+        })
+        if self.tamper is not None and not reply.has_error():
+            return self.tamper(node, msg, reply)
+        return reply
+
+
+def _run(cfg, tmp_path, name="run", hook=None, grid=None):
+    grid = grid or InlineGrid(client_app, cfg.run.num_clients, seed=cfg.run.seed)
+    grid.reply_hook = hook
+    summary = run_server(grid, cfg, tmp_path / name)
+    final = torch.load(tmp_path / name / "final_model.pt")["params"]
+    return summary, final, grid, read_metrics(tmp_path / name)
+
+
+def _initial(cfg):
+    return flatten(make_model(cfg.model, cfg.run.seed).state_dict())
+
+
+def _scenario(tmp_path, num_params, name="one_region", step_time=1.0):
+    """Three nodes in one region on a 1 Gbit/s link (ring all-reduce over M = 3 nodes:
+    2·(2/3)·bytes·8/1e9 s), ``step_time`` s per inner step."""
+    d = {
+        "name": name,
+        "server_region": "A",
+        "regions": ["A"],
+        "links": {"bandwidth_gbps": [[1.0]]},
+        "model": {"num_params": int(num_params), "step_time_s": step_time},
+        "nodes": [{"region": "A"}, {"region": "A"}, {"region": "A"}],
+    }
+    path = tmp_path / f"{name}.yaml"
+    OmegaConf.save(OmegaConf.create(d), path)
+    return str(path)
+
+
+def _allreduce_s(num_params: int) -> float:
+    return 2 * 2 / 3 * 4 * num_params * 8 / 1e9  # fp32, M = 3, 1 Gbit/s
+
+
+# ---- DiLoCo is the special case P = 1, τ = 0, α = 1 ---------------------------------------------
+
+
+def test_streaming_p1_tau0_alpha1_is_diloco_bit_for_bit(tiny, tmp_path):
+    common = ["run.rounds=3", "strategy.inner_steps=4", "strategy.weighting=tokens",
+              "run.clock=virtual", f"run.scenario={_scenario(tmp_path, 1_000_000)}"]
+    sd, diloco, _, drows = _run(_cfg(tiny, *common), tmp_path, "diloco")
+    ss, streaming, grid, srows = _run(_cfg(tiny, *common, "strategy.name=streaming_diloco",
+                                           "streaming.fragments=1", "streaming.overlap=0",
+                                           "streaming.alpha=1.0"), tmp_path, "streaming")
+    assert torch.equal(diloco, streaming)
+    assert ss["outer_steps"] == sd["outer_steps"] == 3
+    assert ss["tokens"] == sd["tokens"] and ss["bytes_up"] == sd["bytes_up"]
+    # same virtual time, round by round: H steps + one full all-reduce per round
+    assert [r["time/virtual_s"] for r in srows] == pytest.approx([r["time/virtual_s"] for r in drows])
+    assert ss["virtual_s"] == pytest.approx(sd["virtual_s"]) == pytest.approx(3 * (4 + _allreduce_s(1_000_000)))
+    assert [r["val/loss"] for r in srows] == [r["val/loss"] for r in drows]
+    assert {t for _, t in grid.executed} == {"query", "train.stream"}
+    assert all(r["stream/overlap_steps"] == 0 for r in srows[2:])  # applied at the next message
+
+
+def test_cocodc_with_tau0_is_streaming_with_overwrite(tiny, tmp_path):
+    """τ = 0 leaves no local progress to compensate: CoCoDC then overwrites with θ^g_p, as
+    Streaming DiLoCo with α = 1 does, for any P."""
+    common = ["strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=0"]
+    _, a, _, _ = _run(_cfg(tiny, *common, "strategy.name=streaming_diloco", "streaming.alpha=1.0"), tmp_path, "s")
+    _, b, _, _ = _run(_cfg(tiny, *common, "strategy.name=cocodc", "streaming.compensation=0.5"), tmp_path, "c")
+    assert torch.equal(a, b)
+
+
+# ---- the merge helper (CoCoDC with λ = 0 = overwrite + local progress) --------------------------
+
+
+def test_merge_helper_rules():
+    g = torch.Generator().manual_seed(3)
+    start, now, new = (torch.randn(1000, generator=g) for _ in range(3))
+    # λ = 0: the new global fragment plus the local progress since the sync started, exactly
+    c0 = merge_fragment("cocodc", now, new, start, overlap=5, H=100, alpha=0.5, lam=0.0)
+    assert torch.equal(c0, streaming_merge(now, new, 1.0) + (now - start))
+    # λ > 0 corrects it (damped where the global moved the same way as the worker)
+    c1 = merge_fragment("cocodc", now, new, start, overlap=5, H=100, alpha=0.5, lam=0.5)
+    assert not torch.equal(c0, c1) and torch.isfinite(c1).all()
+    # no snapshot (joined after the sync started) or no step in between: θ^g_p
+    assert torch.equal(merge_fragment("cocodc", now, new, None, 5, 100, 0.5, 0.5), new)
+    assert torch.equal(merge_fragment("cocodc", now, new, start, 0, 100, 0.5, 0.5), new)
+    # streaming: the α-mix, α = 1 the global fragment exactly
+    assert torch.equal(merge_fragment("streaming", now, new, start, 5, 100, 0.3, 0.5), streaming_merge(now, new, 0.3))
+    assert torch.equal(merge_fragment("streaming", now, new, start, 5, 100, 1.0, 0.5), new)
+    for t in (start, now, new):  # inputs untouched
+        assert torch.isfinite(t).all()
+    with pytest.raises(ValueError, match="stream_rule"):
+        merge_fragment("bogus", now, new, start, 5, 100, 0.5, 0.5)
+
+
+# ---- staleness: applied exactly τ steps after the sync started ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["streaming_diloco", "cocodc"])
+def test_fragments_apply_tau_steps_after_their_sync(tiny, tmp_path, name):
+    H, P, tau = 8, 2, 2
+    cfg = _cfg(tiny, f"strategy.name={name}", f"strategy.inner_steps={H}", f"streaming.fragments={P}",
+               f"streaming.overlap={tau}", "run.rounds=2")
+    rec = Recorder()
+    summary, final, grid, rows = _run(cfg, tmp_path, hook=rec)
+    assert torch.isfinite(final).all() and summary["outer_steps"] == 2 * P
+    for msgs in rec.messages.values():
+        assert msgs[0]["init"] and not any(m["init"] for m in msgs[1:])
+        # fixed schedule: syncs at (p+1)·H/P − τ = 2, 6, 10, 14; applies τ later; ticks between events
+        assert [m["step"] for m in msgs] == [0, 2, 4, 6, 8, 10, 12, 14]
+        assert sum(m["steps"] for m in msgs) == 2 * H
+        started = {}
+        for m in msgs:
+            for p in m["apply"]:
+                assert m["step"] - started.pop(p) == tau
+            for p in m["sync"]:
+                started[p] = m["step"] + m["steps"]
+        # the last sync (started at 2H − τ) would apply at 2H, after the run: its outer step is
+        # in the final global model, the workers never merge it
+        assert started == {1: 2 * H - tau}
+    assert [r["stream/overlap_steps"] for r in rows[1:]] == [tau, tau]
+    assert [r["stream/syncs"] for r in rows[1:]] == [P, P]
+    # the client's state: 2H steps run; the fragment synced last is still in flight
+    for ctx in grid.contexts.values():
+        assert int(ctx.state.config_records[PROGRESS_KEY]["step"]) == 2 * H
+        meta = ctx.state.config_records[STREAM_META_KEY]
+        assert json.loads(str(meta["snapshot_steps"])) == {"1": 2 * H - tau}
+        assert list(ctx.state.array_records[STREAM_SNAPSHOT_KEY].keys()) == ["1"]
+
+
+# ---- adaptive schedule (CoCoDC Algorithm 2) ------------------------------------------------------
+
+
+def test_adaptive_schedule_picks_and_syncs_every_fragment(tiny, tmp_path):
+    H, P, tau = 8, 2, 1
+    cfg0 = _cfg(tiny)
+    numel = _initial(cfg0).numel()
+    # one fragment sync (the mean fragment: half the model) takes one inner step: T_s = T_c
+    num_params = round(2 * 1e9 / (2 * 2 / 3 * 4 * 8))
+    cfg = _cfg(tiny, "strategy.name=cocodc", f"strategy.inner_steps={H}", f"streaming.fragments={P}",
+               f"streaming.overlap={tau}", "streaming.adaptive=true", "run.rounds=3", "run.clock=virtual",
+               f"run.scenario={_scenario(tmp_path, num_params)}")
+    expected_h = AdaptiveSchedule(P, H, 0.4).interval(1.0, _allreduce_s(num_params) / P)
+    assert expected_h == 2  # N = max(2, floor(0.4 · 8 · 1 / 1)) = 3
+    rec = Recorder()
+    summary, final, _, rows = _run(cfg, tmp_path, hook=rec)
+    assert torch.isfinite(final).all() and numel == final.numel()
+    msgs = next(iter(rec.messages.values()))
+    syncs = [(m["step"] + m["steps"], p) for m in msgs for p in m["sync"]]
+    assert [t for t, _ in syncs] == list(range(expected_h, 3 * H + 1, expected_h))
+    assert [p for _, p in syncs[:P]] == list(range(P))  # R_p = ∞ before a first sync: in order
+    assert {p for _, p in syncs} == set(range(P))
+    assert summary["outer_steps"] == len(syncs)
+    assert all(r["stream/interval"] == expected_h for r in rows[1:])
+    assert all(r["stream/overlap_steps"] == tau for r in rows[1:])
+
+
+def test_adaptive_on_a_wall_clock_runs(tiny, tmp_path):
+    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=6", "streaming.fragments=2",
+               "streaming.overlap=1", "streaming.adaptive=true")
+    summary, final, _, rows = _run(cfg, tmp_path)
+    assert torch.isfinite(final).all() and summary["outer_steps"] >= 2
+    assert rows[-1]["stream/interval"] >= 1
+
+
+# ---- virtual time: only the communication not hidden behind compute is charged -------------------
+
+
+@pytest.mark.parametrize("allreduce_s,expected", [(3.0, 10.0), (1.5, 8.0)])
+def test_virtual_clock_charges_the_unhidden_communication(tiny, tmp_path, allreduce_s, expected):
+    # P = 1, H = 4, τ = 2, 1 s per step: syncs start at steps 2 and 6 and apply at 4 and 8.
+    # A 3 s all-reduce delays the apply at step 4 by 1 s (starts at 2 s, over at 5 s), the second
+    # (starts at 7 s) ends the run at 10 s; a 1.5 s one is always hidden: 8 s of compute.
+    num_params = round(allreduce_s * 1e9 / (2 * 2 / 3 * 4 * 8))
+    cfg = _cfg(tiny, "strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=1",
+               "streaming.overlap=2", "run.clock=virtual", f"run.scenario={_scenario(tmp_path, num_params)}")
+    summary, _, _, rows = _run(cfg, tmp_path)
+    assert summary["virtual_s"] == pytest.approx(expected, rel=1e-6)
+    assert rows[-1]["time/virtual_s"] == pytest.approx(expected, rel=1e-6)
+
+
+# ---- bad replies ---------------------------------------------------------------------------------
+
+
+def _tamper(kind, victims):
+    def hook(node, msg, reply):
+        if victims is not None and node not in victims:
+            return reply
+        content = dict(reply.content.array_records.items())
+        frags = [k for k in content if k.startswith("frag_")]
+        if not frags:
+            return reply
+        key = frags[0]
+        if kind == "missing":
+            content.pop(key)
+        else:
+            items = dict(content[key].items())
+            name = next(iter(items))
+            arr = items[name].numpy().copy()
+            if kind == "nan":
+                arr.reshape(-1)[0] = np.nan
+            else:  # shape
+                arr = arr.reshape(-1)[:-1]
+            items[name] = Array(arr)
+            content[key] = ArrayRecord(items)
+        return Message(RecordDict({**content, "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["nan", "missing", "shape"])
+def test_a_bad_fragment_reply_is_rejected_and_the_run_goes_on(tiny, tmp_path, kind, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1")
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[1]
+    summary, final, _, rows = _run(cfg, tmp_path, hook=Recorder(_tamper(kind, {victim})), grid=grid)
+    assert torch.isfinite(final).all()
+    assert summary["outer_steps"] == 4  # the two other workers carry every sync
+    assert summary["rejected"] == 4  # one per sync
+    assert "rejected update from node" in caplog.text
+    assert all(math.isfinite(r["val/loss"]) for r in rows)
+
+
+def test_when_every_reply_is_bad_the_global_model_is_untouched(tiny, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = _cfg(tiny, "strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1")
+    summary, final, _, rows = _run(cfg, tmp_path, hook=Recorder(_tamper("nan", None)))
+    assert torch.equal(final, _initial(cfg))  # bit-identical: no outer step
+    assert summary["outer_steps"] == 0 and rows[-1]["stream/skipped_syncs"] == 2
+    assert "outer step is skipped" in caplog.text
+
+
+def test_a_vanished_worker_does_not_stall_the_run(tiny, tmp_path):
+    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1", "run.rounds=3")
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[2]
+    state = {"n": 0}
+
+    def hook(node, msg, reply):
+        state["n"] += 1
+        if state["n"] == 7:
+            grid.remove_node(victim)
+        return reply
+
+    summary, final, _, rows = _run(cfg, tmp_path, hook=hook, grid=grid)
+    assert summary["outer_steps"] == 6 and torch.isfinite(final).all()
+
+
+# ---- bandwidth: P = 4 moves a quarter of the model (plus the tied embedding) per sync ------------
+
+
+def test_peak_bytes_per_sync_shrinks_with_p(tiny, tmp_path):
+    common = ["strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.overlap=0",
+              "model.n_layers=4", "run.rounds=1"]
+    s1, _, _, r1 = _run(_cfg(tiny, *common, "streaming.fragments=1"), tmp_path, "p1")
+    s4, _, _, r4 = _run(_cfg(tiny, *common, "streaming.fragments=4"), tmp_path, "p4")
+    cfg = _cfg(tiny, *common)
+    flat = _initial(cfg)
+    spec = ParamSpec.from_state_dict(make_model(cfg.model, 0).state_dict())
+    frags = Fragments(spec, 4)
+    sizes = [payload_nbytes(encode(frags.gather(flat, p), fragment_spec(frags, p))) for p in range(4)]
+    peak1, peak4 = r1[-1]["comm/peak_bytes_per_sync"], r4[-1]["comm/peak_bytes_per_sync"]
+    assert peak1 == payload_nbytes(encode(flat, spec))
+    assert peak4 == max(sizes)
+    # the largest fragment holds one block of four and the (tied) embedding: 0.35 of this tiny model
+    assert 0.25 < peak4 / peak1 < 0.4
+    # every fragment synced once per period either way: the same data in total (+ npy headers)
+    assert s4["bytes_up"] == pytest.approx(s1["bytes_up"], rel=0.02)
+
+
+# ---- determinism ---------------------------------------------------------------------------------
+
+
+def test_same_seed_same_bits(tiny, tmp_path):
+    common = ["strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=1"]
+    _, a, _, _ = _run(_cfg(tiny, *common), tmp_path, "a")
+    _, b, _, _ = _run(_cfg(tiny, *common), tmp_path, "b")
+    _, c, _, _ = _run(_cfg(tiny, *common, "run.seed=1"), tmp_path, "c")
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["streaming.fragments=3"], "streaming.fragments (P=3) must be <= model.n_layers"),
+        (["model.n_layers=4", "streaming.fragments=3", "strategy.inner_steps=4"], "must divide strategy.inner_steps"),
+        (["streaming.overlap=2", "strategy.inner_steps=4"], "streaming.overlap (tau=2) must be <"),
+        (["streaming.alpha=1.5"], "streaming.alpha"),
+        (["streaming.compensation=-1"], "streaming.compensation"),
+        (["streaming.gamma=0"], "streaming.gamma"),
+        (["streaming.fragments=0"], "streaming.fragments (P) must be >= 1"),
+        (["penalty.enabled=true"], "penalty.enabled is not supported"),
+        (["strategy.outer_optimizer=avg"], "uses outer_optimizer nesterov"),
+    ],
+)
+def test_bad_streaming_config_is_a_clear_error(tiny, overrides, needle):
+    with pytest.raises(ConfigError) as exc:
+        tiny(*STREAM, "strategy.name=cocodc", "strategy.inner_steps=8", "streaming.fragments=2",
+             "streaming.overlap=1", *overrides)
+    assert needle in str(exc.value)
+
+
+def test_streaming_defaults_and_presets(tiny):
+    cfg = tiny(*STREAM, "strategy.name=streaming_diloco", "strategy.inner_steps=8", "streaming.fragments=2",
+               "streaming.overlap=1")
+    s = cfg.strategy
+    assert (s.outer_optimizer, s.outer_lr, s.outer_momentum) == ("nesterov", 0.7, 0.9)
+    st = tiny().streaming  # other strategies do not look at the section
+    assert (st.fragments, st.overlap, st.alpha, st.compensation, st.adaptive, st.gamma) == (4, 5, 0.5, 0.5, False, 0.4)
+
+
+def test_too_many_fragments_for_the_model_fails_at_loop_start(tiny, tmp_path):
+    cfg = _cfg(tiny, "strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=0")
+    cfg.streaming.fragments = 4  # past validation: the model has 2 blocks
+    with pytest.raises(ValueError, match=r"streaming.fragments \(P=4\) does not fit the model"):
+        _run(cfg, tmp_path)
