@@ -221,6 +221,4 @@ def test_inner_loop_converges_on_real_text(two_threads: None) -> None:
     tolerance = 0.3 if corpus.name == "bible" else 0.45
     assert initial == pytest.approx(math.log(256), abs=tolerance)
     assert final < 2.5
-    # ~6 s alone on 2 cores; the generous bound only catches pathologies (thread oversubscription),
-    # not contention from other processes sharing the machine.
-    assert elapsed < 60
+    # No time bound here: speed lives in benchmarks (a loaded machine made a 60 s bound flaky).
