@@ -125,7 +125,9 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         dispatcher = Dispatcher(grid, clock)
         minimum = cfg.run.min_nodes or cfg.run.num_clients
         nodes = dispatcher.wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
-        profiles = dispatcher.query_profiles(nodes)
+        # The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
+        # process per message in deployment), which is slow on a loaded machine.
+        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
         if not profiles:
             raise RuntimeError("no node answered the profile query")
         num_partitions = max(p.num_partitions for p in profiles.values())
