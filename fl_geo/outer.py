@@ -261,6 +261,14 @@ class DelayedNesterov(OuterOptimizer):
 
     def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
         n, beta, c, lr = self.buffer_size, self.momentum, self.activation, self.lr
+        if beta == 0.0:
+            # Both momentum terms vanish (θ -= lr·g/N every step): keep no model-sized buffers
+            # (HALoS's global server without momentum, paper §5.4).
+            (tmp,) = self._scratches(params)
+            for b, e in chunk_ranges(0, self.numel):
+                g_over_n = grad[b:e] if n == 1 else torch.div(grad[b:e], n, out=tmp[: e - b])
+                params[b:e].add_(g_over_n, alpha=-lr)
+            return
         boundary = (self.steps + 1) % n == 0
         coef = (1 - c * n + c) * beta if boundary else c * beta
         m_all = self._buffer("momentum_buffer", params)

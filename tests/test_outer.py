@@ -358,3 +358,16 @@ def test_factory_errors_list_valid_choices() -> None:
     assert build_outer_optimizer("sgdm", 10).momentum == 0.9
     assert build_outer_optimizer("avg", 10).name == "avg"
     assert isinstance(build_outer_optimizer("fedyogi", 10, lr=0.02), FedYogi)
+
+
+def test_delayed_nesterov_without_momentum_keeps_no_buffers() -> None:
+    opt = DelayedNesterov(64, lr=0.3, momentum=0.0, buffer_size=4)
+    p = torch.zeros(64)
+    ref = torch.zeros(64)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        g = torch.randn(64, generator=gen)
+        opt.step(p, g)
+        ref.add_(g / 4, alpha=-0.3)
+    assert torch.equal(p, ref)
+    assert "momentum_buffer" not in opt.state_dict() and "accumulator" not in opt.state_dict()
