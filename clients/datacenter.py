@@ -113,6 +113,21 @@ def make_sampler(
     return BatchSampler(tokens, icfg.seq_len, icfg.batch_size, seed=data_seed, stream=pid, noise=noise)
 
 
+def _train_metrics(result: Any, train_time: float, pid: int, noisy_steps: int) -> dict[str, Any]:
+    """The metrics every train reply carries (strategies/replies.py REPLY_METRICS and more)."""
+    return {
+        "tokens": int(result.tokens),
+        "num-examples": int(result.tokens),  # the key Flower's own strategies weight by
+        "steps": int(result.steps),
+        "train_loss": float(result.mean_loss),
+        "final_loss": float(result.final_loss),
+        "step_time_s": float(result.step_time_s),
+        "train_time_s": float(train_time),
+        "partition_id": pid,
+        "noisy_steps": int(noisy_steps),  # batches replaced by data.noise_* garbage in this job
+    }
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
@@ -170,16 +185,8 @@ def train(msg: Message, context: Context) -> Message:
 
     metrics = MetricRecord(
         {
-            "tokens": int(result.tokens),
-            "num-examples": int(result.tokens),  # the key Flower's own strategies weight by
-            "steps": int(result.steps),
-            "train_loss": float(result.mean_loss),
-            "final_loss": float(result.final_loss),
-            "step_time_s": float(result.step_time_s),
-            "train_time_s": float(train_time),
-            "partition_id": pid,
+            **_train_metrics(result, train_time, pid, noisy_steps),
             "base_version": int(cfg.get("base_version", 0)),
-            "noisy_steps": int(noisy_steps),  # batches replaced by data.noise_* garbage in this job
         }
     )
     return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
@@ -329,15 +336,7 @@ def train_stream(msg: Message, context: Context) -> Message:
 
     content["metrics"] = MetricRecord(
         {
-            "tokens": int(result.tokens),
-            "num-examples": int(result.tokens),
-            "steps": int(result.steps),
-            "train_loss": float(result.mean_loss),
-            "final_loss": float(result.final_loss),
-            "step_time_s": float(result.step_time_s),
-            "train_time_s": float(train_time),
-            "partition_id": pid,
-            "noisy_steps": int(noisy_steps),
+            **_train_metrics(result, train_time, pid, noisy_steps),
             # measured τ of the fragments applied by this message (local steps since their sync start)
             "overlap_count": len(overlaps),
             "overlap_sum": int(sum(overlaps)),

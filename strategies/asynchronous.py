@@ -212,24 +212,10 @@ class AsyncOuterLoop(OuterLoop):
         self.accumulator.reset()
         if self.grace_timer is not None:
             self.grace_timer.observe_cost(self._update_cost())
-        self.total_tokens += t.tokens
-        self.total_bytes_up += t.bytes_up
-        self.total_rejected += t.rejected
         metrics = {
-            "outer/step": self.version,
-            "outer/accepted": t.accepted,
-            "outer/rejected": t.rejected,
-            "outer/rejected_total": self.total_rejected,
-            "outer/failed": t.errors,
+            **self.tally_metrics(t),
             "outer/staleness": t.mean(t.staleness_sum),
             "outer/staleness_max": t.staleness_max,
-            "outer/update_norm": t.mean(t.norm_sum),
-            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
-            "train/tokens": self.total_tokens,
-            "comm/bytes_up": t.bytes_up,
-            "comm/bytes_up_total": self.total_bytes_up,
-            "comm/bytes_down_total": self.total_bytes_down,
-            "time/virtual_s": self._virtual_now(),
         }
         self._last_step_wall = _time.perf_counter() - t0
         if self.grace_timer is not None:

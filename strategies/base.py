@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fl_geo.accumulate import WeightedAccumulator
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
@@ -23,6 +25,7 @@ from fl_geo.outer import OuterOptimizer, build_outer_optimizer
 from fl_geo.penalty import Penalty
 from fl_geo.state import ParamSpec
 from fl_geo.strategies.replies import Tally
+from fl_geo.wire import encode
 
 log = logging.getLogger("fl_geo")
 
@@ -143,6 +146,48 @@ class OuterLoop:
             return {}
         loss = self.evaluator.evaluate(self.global_params)
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def client_eval(self, rnd: int) -> dict[str, float]:
+        """Each free node's validation loss of the global model on its own partition,
+        token-weighted (``run.client_eval_every``)."""
+        nodes = self.free_nodes()
+        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
+        config = ConfigRecord(dict(self._client_cfg, round=rnd, base_version=self.version))
+        msgs = [Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=n,
+                        message_type=MessageType.EVALUATE) for n in nodes]
+        total = {"loss": 0.0, "tokens": 0}
+
+        def keep(group: Sequence[tuple[int, Message]]) -> None:
+            for node, reply in group:
+                m = reply.content.metric_records.get("metrics")
+                if m is None or "val_loss" not in m or "val_tokens" not in m:
+                    log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", node)
+                    continue
+                total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
+                total["tokens"] += int(m["val_tokens"])
+
+        self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
+        return {"val/client_loss": total["loss"] / total["tokens"]} if total["tokens"] else {}
+
+    def tally_metrics(self, t: Tally) -> dict[str, float]:
+        """Add a step's tally to the run totals and return the metrics every loop logs for it."""
+        self.total_tokens += t.tokens
+        self.total_bytes_up += t.bytes_up
+        self.total_rejected += t.rejected
+        return {
+            "outer/step": self.version,
+            "outer/accepted": t.accepted,
+            "outer/rejected": t.rejected,
+            "outer/rejected_total": self.total_rejected,
+            "outer/failed": t.errors,
+            "outer/update_norm": t.mean(t.norm_sum),
+            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
+            "train/tokens": self.total_tokens,
+            "comm/bytes_up": t.bytes_up,
+            "comm/bytes_up_total": self.total_bytes_up,
+            "comm/bytes_down_total": self.total_bytes_down,
+            "time/virtual_s": self._virtual_now(),
+        }
 
     def log_initial(self) -> None:
         """The step-0 record: the untrained model's validation loss."""

@@ -245,25 +245,12 @@ class HalosLoop(OuterLoop):
 
     def _log_step(self, group: int | None) -> None:
         t = self.tally
-        self.total_tokens += t.tokens
-        self.total_bytes_up += t.bytes_up
-        self.total_rejected += t.rejected
         metrics: dict[str, Any] = {
-            "outer/step": self.version,
+            **self.tally_metrics(t),
             "outer/local_updates": self.local_updates,
-            "outer/accepted": t.accepted,
-            "outer/rejected": t.rejected,
-            "outer/rejected_total": self.total_rejected,
-            "outer/failed": t.errors,
             "outer/staleness": t.mean(t.staleness_sum),
             "outer/staleness_max": t.staleness_max,
-            "outer/update_norm": t.mean(t.norm_sum),
             "outer/group": -1 if group is None else group,
-            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
-            "train/tokens": self.total_tokens,
-            "comm/bytes_up_total": self.total_bytes_up,
-            "comm/bytes_down_total": self.total_bytes_down,
-            "time/virtual_s": self._virtual_now(),
         }
         r = self.cfg.run
         if (r.eval_every and self.version % r.eval_every == 0) or self._done() or group is None:

@@ -425,28 +425,18 @@ class StreamingLoop(OuterLoop):
 
     def _round_metrics(self, stats: _RoundStats) -> dict[str, float]:
         t = stats.tally
-        self.total_tokens += t.tokens
-        self.total_bytes_up += t.bytes_up
+        t.errors = stats.failed
         self.total_bytes_down += stats.bytes_down
-        self.total_rejected += t.rejected
         return {
-            "outer/step": self.version,
-            "outer/accepted": t.accepted,
-            "outer/rejected": t.rejected,
-            "outer/rejected_total": self.total_rejected,
-            "outer/failed": stats.failed,
+            **self.tally_metrics(t),
+            # per-fragment norms: a round holds several syncs, each with its own updates
             "outer/update_norm": _mean(stats.update_norm_sum, stats.update_norms),
             "outer/pseudo_grad_norm": _mean(stats.pg_norm_sum, stats.syncs),
-            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
-            "train/tokens": self.total_tokens,
             "train/inner_steps": _mean(t.steps, len(stats.nodes)),
             "train/step_time_s": _mean(t.step_time_sum, t.accepted),
             "data/noisy_steps": t.noisy_steps,
             "data/noisy_steps_accepted": t.noisy_steps_accepted,
-            "comm/bytes_up": t.bytes_up,
             "comm/bytes_down": stats.bytes_down,
-            "comm/bytes_up_total": self.total_bytes_up,
-            "comm/bytes_down_total": self.total_bytes_down,
             "comm/peak_bytes_per_sync": self.peak_bytes_per_sync,
             "stream/syncs": stats.syncs,
             "stream/skipped_syncs": stats.skipped_syncs,
@@ -454,7 +444,7 @@ class StreamingLoop(OuterLoop):
             "stream/overlap_steps": _mean(stats.overlap_sum, stats.overlap_count),
             "stream/overlap_steps_max": stats.overlap_max if stats.overlap_count else float("nan"),
             "stream/interval": self.interval if self.schedule is not None else self.H // self.P,
-            "time/virtual_s": self._model_time(),
+            "time/virtual_s": self._model_time(),  # when this global model exists (syncs in flight)
         }
 
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
@@ -490,23 +480,3 @@ class StreamingLoop(OuterLoop):
         if self.dispatcher.clock.is_virtual:  # the final model exists once its last sync is over
             self.dispatcher.clock.advance_to(self._model_time())
         return self.history[-1] if self.history else {}
-
-    def client_eval(self, rnd: int) -> dict[str, float]:
-        """Each node's validation loss of the global model on its own partition, token-weighted."""
-        nodes = self.free_nodes()
-        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
-        msgs = [Message(RecordDict({"arrays": arrays, "config": ConfigRecord(dict(self._client_cfg, round=rnd))}),
-                        dst_node_id=n, message_type=MessageType.EVALUATE) for n in nodes]
-        total = {"loss": 0.0, "tokens": 0}
-
-        def keep(group: Sequence[tuple[int, Message]]) -> None:
-            for node, reply in group:
-                m = reply.content.metric_records.get("metrics")
-                if m is None or "val_loss" not in m or "val_tokens" not in m:
-                    log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", node)
-                    continue
-                total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
-                total["tokens"] += int(m["val_tokens"])
-
-        self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
-        return {"val/client_loss": total["loss"] / total["tokens"]} if total["tokens"] else {}

@@ -168,30 +168,17 @@ class SyncOuterLoop(OuterLoop):
             self.penalty.commit()  # statistics learn from the accepted updates only
         if warm:
             self.warmup_left -= 1
-        self.total_tokens += stats.tokens
-        self.total_bytes_up += stats.bytes_up
         self.total_bytes_down += down
-        self.total_rejected += stats.rejected
+        stats.errors = failed  # error replies, vanished and timed-out nodes
         metrics = {
-            "outer/step": self.version,
-            "outer/accepted": stats.accepted,
-            "outer/rejected": stats.rejected,
-            "outer/rejected_total": self.total_rejected,
-            "outer/failed": failed,
-            "outer/update_norm": stats.mean(stats.norm_sum),
+            **self.tally_metrics(stats),
             "outer/pseudo_grad_norm": pg_norm,
             "outer/warmup": int(warm),
-            "train/loss": stats.loss_x_tokens / stats.tokens if stats.tokens else float("nan"),
-            "train/tokens": self.total_tokens,
             "train/inner_steps": stats.mean(stats.steps),
+            "train/step_time_s": stats.mean(stats.step_time_sum),
             "data/noisy_steps": stats.noisy_steps,
             "data/noisy_steps_accepted": stats.noisy_steps_accepted,
-            "train/step_time_s": stats.mean(stats.step_time_sum),
-            "comm/bytes_up": stats.bytes_up,
             "comm/bytes_down": down,
-            "comm/bytes_up_total": self.total_bytes_up,
-            "comm/bytes_down_total": self.total_bytes_down,
-            "time/virtual_s": self._virtual_now(),
         }
         if self.penalty is not None and not warm:
             metrics["outer/rejected_modules"] = stats.rejected_groups
@@ -220,27 +207,6 @@ class SyncOuterLoop(OuterLoop):
         pg_norm = float(torch.linalg.vector_norm(mean))
         self.optimizer.step(self.global_params, mean)
         return pg_norm, []
-
-    def client_eval(self, rnd: int) -> dict[str, float]:
-        """Each node's validation loss on its own partition, token-weighted."""
-        nodes = self.refresh_nodes()
-        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
-        msgs = [self._message(n, arrays, rnd, MessageType.EVALUATE) for n in nodes]
-        total = {"loss": 0.0, "tokens": 0}
-
-        def keep(group: Sequence[tuple[int, Message]]) -> None:
-            for node, reply in group:
-                m = reply.content.metric_records.get("metrics")
-                if m is None or "val_loss" not in m or "val_tokens" not in m:
-                    log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", node)
-                    continue
-                total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
-                total["tokens"] += int(m["val_tokens"])
-
-        self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
-        if not total["tokens"]:
-            return {}
-        return {"val/client_loss": total["loss"] / total["tokens"]}
 
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         r = self.cfg.run

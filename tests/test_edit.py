@@ -92,18 +92,7 @@ def test_outlier_module_is_rejected_and_a_module_all_reject_rolls_back(tiny, tmp
     groups = dict(module_groups(spec, "module"))
     gen = torch.Generator().manual_seed(0)
     base = {pid: torch.randn(spec.numel, generator=gen) * 1e-3 for pid in range(3)}
-    seen: dict[int, int] = {}
-
-    def make(pid):
-        seen[pid] = seen.get(pid, 0) + 1
-        rnd = seen[pid]
-        d = base[pid] * FACTORS[rnd]
-        if rnd == 4 and pid == 0:
-            d = d * 100.0
-        if rnd == 5:  # every node: embedding ×100
-            for b, e in groups["embed"]:
-                d[b:e] *= 100.0
-        return d
+    make = _fresh_make(base, groups["embed"])  # round 4: node 0 ×100; round 5: every embedding ×100
 
     summary, final, _ = _run(cfg, tmp_path, _crafted(spec, make))
     rows = read_metrics(tmp_path / "run")
@@ -113,7 +102,7 @@ def test_outlier_module_is_rejected_and_a_module_all_reject_rolls_back(tiny, tmp
     assert by_step[5]["outer/rolled_back_modules"] == 1
     assert "not stepped" in caplog.text and "embed" in caplog.text
     # the embedding after round 5 equals the embedding after round 4
-    ckpt_after_4 = _replay(cfg, tmp_path, make_factory=lambda: _fresh_make(base, groups), rounds=4)
+    ckpt_after_4 = _replay(cfg, tmp_path, make_factory=lambda: _fresh_make(base), rounds=4)
     for b, e in groups["embed"]:
         torch.testing.assert_close(final[b:e], ckpt_after_4[b:e], rtol=0, atol=0)
     others = [r for name, rs in groups.items() if name != "embed" for r in rs]
@@ -125,7 +114,9 @@ def test_outlier_module_is_rejected_and_a_module_all_reject_rolls_back(tiny, tmp
 FACTORS = {1: 1.0, 2: 1.3, 3: 0.75, 4: 1.0, 5: 1.0}
 
 
-def _fresh_make(base, groups):
+def _fresh_make(base, embed_ranges=()):
+    """Δ of node ``pid`` in its r-th round: base × FACTORS[r]; node 0 sends ×100 in round 4 and,
+    when ``embed_ranges`` are given, every node's embedding is ×100 in round 5."""
     seen: dict[int, int] = {}
 
     def make(pid):
@@ -134,6 +125,9 @@ def _fresh_make(base, groups):
         d = base[pid] * FACTORS[rnd]
         if rnd == 4 and pid == 0:
             d = d * 100.0
+        if rnd == 5:
+            for b, e in embed_ranges:
+                d[b:e] *= 100.0
         return d
 
     return make
@@ -172,7 +166,7 @@ def test_outlier_switch_off_folds_the_outlier(tiny, tmp_path):
     _, spec = _initial(cfg)
     gen = torch.Generator().manual_seed(1)
     base = {pid: torch.randn(spec.numel, generator=gen) * 1e-3 for pid in range(3)}
-    summary, final, _ = _run(cfg, tmp_path, _crafted(spec, _fresh_make(base, {})))
+    summary, final, _ = _run(cfg, tmp_path, _crafted(spec, _fresh_make(base)))
     assert summary["rejected"] == 0
     assert all(r.get("outer/rejected_modules", 0) == 0 for r in read_metrics(tmp_path / "run"))
 
