@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from fl_geo.builders import inner_config, make_model, partitions
+from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
 from fl_geo.data import BatchNoise, BatchSampler, eval_batches
 from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
@@ -45,6 +47,9 @@ app = ClientApp()
 
 OPT_STATE_KEY = "inner_opt"
 PROGRESS_KEY = "inner_progress"
+PREV_OPT_STATE_KEY = "inner_opt_prev"  # the inner state before the last round (run.checkpoint_every)
+PREV_PROGRESS_KEY = "inner_progress_prev"
+INNER_STATE_KEYS = (OPT_STATE_KEY, PROGRESS_KEY, PREV_OPT_STATE_KEY, PREV_PROGRESS_KEY)
 
 
 def _partition_ids(context: Context) -> tuple[int, int]:
@@ -128,6 +133,39 @@ def _train_metrics(result: Any, train_time: float, pid: int, noisy_steps: int) -
     }
 
 
+def _state_file(context: Context, cfg: ConfigRecord, pid: int) -> Path | None:
+    """Where this node keeps its inner state on disk: node config ``state-dir`` (off if unset)."""
+    state_dir = str(context.node_config.get("state-dir", "") or "")
+    return state_path(state_dir, str(cfg.get("run_name", "run")), pid) if state_dir else None
+
+
+def rewind_to_round(state: RecordDict, cfg: ConfigRecord) -> None:
+    """A synchronous server that resumed from a checkpoint may send a round this node already
+    trained (it crashed after the node replied). With ``keep_prev`` the node kept the inner state
+    from before its last round: it goes back to it, so the round is redone from the same start and
+    the run stays bit-identical to one that never stopped. Anything older cannot be rewound: the
+    node continues from its current state and says so."""
+    if not bool(cfg.get("keep_prev", False)) or "round" not in cfg:
+        return
+    progress = state.config_records.get(PROGRESS_KEY)
+    if progress is None or "last_round" not in progress:
+        return
+    rnd, last = int(cfg["round"]), int(progress["last_round"])
+    if rnd > last:
+        return
+    prev = state.config_records.get(PREV_PROGRESS_KEY)
+    if rnd == last and prev is not None:
+        if PREV_OPT_STATE_KEY in state.array_records:
+            state[OPT_STATE_KEY] = state.array_records[PREV_OPT_STATE_KEY]
+        else:  # the round being redone was this node's first: it started with a fresh optimizer
+            del state[OPT_STATE_KEY]
+        state[PROGRESS_KEY] = prev
+        log.info("round %d sent again (server resumed): rewound the inner state to before it", rnd)
+        return
+    log.warning("round %d sent again but this node's state is from round %d and only one round can be "
+                "rewound: continuing from the current inner state (the run is no longer bit-identical)", rnd, last)
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
@@ -150,10 +188,15 @@ def train(msg: Message, context: Context) -> Message:
     cfg, pid, nparts, icfg, model, spec, base = _setup(msg, context)
     trainer = InnerTrainer(model, icfg)
     state = context.state
-    if OPT_STATE_KEY in state.array_records:
-        opt = state.array_records[OPT_STATE_KEY]
-        trainer.load_optimizer_state({k: torch.from_numpy(a.numpy()) for k, a in opt.items()})
+    disk = _state_file(context, cfg, pid)
+    if disk is not None and bool(cfg.get("resumed", False)) and PROGRESS_KEY not in state.config_records:
+        load_inner_state(state, disk)  # a restarted server is a new Flower run: context.state is empty
+    rewind_to_round(state, cfg)
+    start_opt = state.array_records.get(OPT_STATE_KEY)
+    if start_opt is not None:
+        trainer.load_optimizer_state({k: torch.from_numpy(a.numpy()) for k, a in start_opt.items()})
     progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
+    start_progress = progress
     # schedule_clock (ALGORITHMS.md §1): "local" continues our own step count; asynchronous
     # strategies send a global position so a slow worker does not linger at a high learning rate.
     local_step = int(progress["step"])
@@ -180,8 +223,17 @@ def train(msg: Message, context: Context) -> Message:
         delta = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
         arrays = encode(delta, spec, str(cfg["wire_up"]))
 
+    if bool(cfg.get("keep_prev", False)):
+        # What this round started from (the same objects, no copy): a resumed server that sends
+        # this round again gets the same result (rewind_to_round).
+        if start_opt is not None:
+            state[PREV_OPT_STATE_KEY] = start_opt
+        state[PREV_PROGRESS_KEY] = ConfigRecord(dict(start_progress))
     state[OPT_STATE_KEY] = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
-    state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1})
+    state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1,
+                                        "last_round": int(cfg.get("round", -1))})
+    if disk is not None:
+        save_inner_state(state, INNER_STATE_KEYS, disk)
 
     metrics = MetricRecord(
         {

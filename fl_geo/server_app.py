@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fl_geo import __version__
 from fl_geo.builders import make_model
+from fl_geo.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.config import (
     ASYNC_STRATEGIES,
     STREAMING_STRATEGIES,
@@ -43,6 +44,7 @@ from fl_geo.strategies.streaming import StreamingLoop
 from fl_geo.strategies.sync import SyncOuterLoop
 
 log = logging.getLogger("fl_geo")
+
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +97,29 @@ def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) 
     }
 
 
+def open_checkpoints(cfg: FlGeoConfig, run_dir: Path) -> tuple[CheckpointStore | None, Checkpoint | None]:
+    """The run's checkpoint store (when ``run.checkpoint_every`` > 0 or ``run.resume``) and,
+    with ``run.resume``, the newest checkpoint that verifies (None: start fresh)."""
+    r = cfg.run
+    if not r.checkpoint_every and not r.resume:
+        return None, None
+    store = CheckpointStore(Path(r.checkpoint_dir) if r.checkpoint_dir else run_dir / "checkpoints", r.checkpoint_keep)
+    if not r.resume:
+        return store, None
+    latest = store.load_latest()
+    if latest is None:
+        log.info("fl-geo: run.resume=true but no valid checkpoint in %s: starting fresh", store.directory)
+    return store, latest
+
+
+def write_history(path: Path, history: list[str]) -> None:
+    """Rewrite metrics.jsonl from a checkpoint's history (atomically), so a resumed run's file
+    has each step once."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(h + "\n" for h in history), encoding="utf-8")
+    tmp.replace(path)
+
+
 def make_clock(cfg: FlGeoConfig, num_params: int) -> tuple[Any, Any]:
     """The run's clock, and its scenario when the clock is virtual (ALGORITHMS.md §8)."""
     from fl_geo.clock import VirtualClock, WallClock
@@ -110,7 +135,11 @@ def make_clock(cfg: FlGeoConfig, num_params: int) -> tuple[Any, Any]:
 def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Run one experiment to completion on ``grid``; returns (and writes) the run summary."""
     run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
-    _clear_previous(run_dir)
+    store, checkpoint = open_checkpoints(cfg, run_dir)
+    if checkpoint is None:
+        _clear_previous(run_dir)
+    else:  # the metrics up to the checkpoint come back from it; later lines are dropped
+        write_history(run_dir / "metrics.jsonl", checkpoint.state["history"])
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     t0 = time.perf_counter()
@@ -138,6 +167,13 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
                     else StreamingLoop if cfg.strategy.name in STREAMING_STRATEGIES
                     else AsyncOuterLoop if cfg.strategy.name in ASYNC_STRATEGIES else SyncOuterLoop)
         loop = loop_cls(cfg, spec, global_params, dispatcher, profiles, logger, evaluator, scenario)
+        loop.checkpoints = store
+        if checkpoint is not None:
+            try:
+                loop.load_state_dict(checkpoint.state)
+            except ValueError as exc:
+                raise ConfigError(f"cannot resume from {checkpoint.path}: {exc}") from exc
+            log.info("fl-geo: resumed from %s (outer step %d, %d tokens)", checkpoint.path, loop.version, loop.total_tokens)
         progress = Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress)
         last = loop.run(progress)
         torch.save({"params": global_params, "spec": spec.to_json()}, run_dir / "final_model.pt")

@@ -70,6 +70,34 @@ class AsyncOuterLoop(OuterLoop):
         self._errors: dict[int, int] = {}  # consecutive failed jobs per node
         self.benched: set[int] = set()
 
+    # ---- checkpoint -----------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        """Taken right after a step: the buffer is empty and this step's pushers have new work,
+        so what remains is schedule position, grace estimates and per-partition bookkeeping."""
+        return {
+            "dispatched_samples": self.dispatched_samples,
+            "grace": self.grace_timer.state_dict() if self.grace_timer is not None else None,
+            "last_arrival": self.last_arrival,
+            "fedasync_scale": self._fedasync_scale,
+            "benched_partitions": sorted(self.partition_of(n) for n in self.benched),
+            "errors_by_partition": {str(self.partition_of(n)): c for n, c in self._errors.items()},
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        keys = ("dispatched_samples", "grace", "last_arrival", "fedasync_scale", "benched_partitions", "errors_by_partition")
+        if missing := [k for k in keys if k not in state]:
+            raise ValueError(f"asynchronous loop state lacks keys {missing}")
+        if self.grace_timer is not None:
+            if state["grace"] is None:
+                raise ValueError("checkpoint has no grace-window estimates but this run uses them")
+            self.grace_timer.load_state_dict(state["grace"])
+        self.dispatched_samples = int(state["dispatched_samples"])
+        self.last_arrival = None if state["last_arrival"] is None else float(state["last_arrival"])
+        self._fedasync_scale = float(state["fedasync_scale"])
+        self.benched = self.nodes_of(state["benched_partitions"])
+        errors = {int(k): int(v) for k, v in dict(state["errors_by_partition"]).items()}
+        self._errors = {n: errors[p.partition_id] for n, p in self.profiles.items() if p.partition_id in errors}
+
     # ---- dispatch -----------------------------------------------------------------------------
     def _inner_steps(self, node: int) -> int:
         h = self.cfg.strategy.inner_steps
@@ -192,6 +220,7 @@ class AsyncOuterLoop(OuterLoop):
     def step(self) -> dict[str, float]:
         import time as _time
 
+        self.wait_for_quorum()
         t0 = _time.perf_counter()
         t = self.tally
         base_lr = self.optimizer.lr
@@ -280,6 +309,7 @@ class AsyncOuterLoop(OuterLoop):
             metrics.update(self.evaluate())
         record = self.logger.log(self.version, metrics)
         self.history.append(record)
+        self.maybe_checkpoint(self.version, self._done())
         if progress is not None:
             fraction = None
             if r.max_tokens:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fl_geo.accumulate import WeightedAccumulator
+from fl_geo.checkpoint import CheckpointStore
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
 from fl_geo.dispatch import Dispatcher, NodeProfile
 from fl_geo.evaluation import GlobalEvaluator
@@ -28,6 +30,8 @@ from fl_geo.strategies.replies import Tally
 from fl_geo.wire import encode
 
 log = logging.getLogger("fl_geo")
+
+CHECKPOINT_FORMAT = 1
 
 
 def outer_optimizer_from_config(cfg: FlGeoConfig, numel: int) -> OuterOptimizer:
@@ -52,6 +56,7 @@ def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
     across sites cannot drift out of sync with the experiment definition.
     """
     return {
+        "run_name": cfg.run.name,  # names the node's on-disk inner state (node config state-dir)
         "inner_steps": cfg.strategy.inner_steps,
         "schedule_total": schedule_length(cfg),
         "wire_up": cfg.wire.up,
@@ -114,6 +119,8 @@ class OuterLoop:
         self._client_cfg = client_config_record(cfg)
         self.history: list[dict[str, Any]] = []
         self.penalty = penalty_from_config(cfg, spec)
+        self.checkpoints: CheckpointStore | None = None  # set by the server when checkpointing is on
+        self.resumed = False
 
     def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Live nodes with no job in flight, in rank order; nodes seen for the first time are
@@ -189,11 +196,131 @@ class OuterLoop:
             "time/virtual_s": self._virtual_now(),
         }
 
+    # ---- checkpoint and resume (fl_geo/checkpoint.py) -------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the server needs to continue where it stopped: model, outer optimizer,
+        penalty statistics, counters, versions, clock and RNG. Loops add their own part in
+        `extra_state`. Jobs in flight are not part of it: a resumed server sends fresh work."""
+        clock = self.dispatcher.clock.state_dict()
+        if "jobs" in clock:
+            clock["jobs"] = []  # in-flight work is re-sent by the resumed server
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "strategy": self.cfg.strategy.name,
+            "param_spec": self.spec.to_json(),
+            "params": self.global_params,
+            "optimizer": self.optimizer.state_dict(),
+            "penalty": self.penalty.state_dict() if self.penalty is not None else None,
+            "counters": {
+                "version": self.version,
+                "total_tokens": self.total_tokens,
+                "total_bytes_up": self.total_bytes_up,
+                "total_bytes_down": self.total_bytes_down,
+                "total_rejected": self.total_rejected,
+            },
+            "history": [json.dumps(h) for h in self.history],
+            "clock": clock,
+            "torch_rng": torch.get_rng_state(),
+            "loop": self.extra_state(),
+        }
+
+    def extra_state(self) -> dict[str, Any]:
+        """The loop-specific part of a checkpoint (overridden by the loops)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore `extra_state` output (overridden by the loops)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict`. Everything is validated against this run (format, strategy,
+        model layout, buffer size) before anything changes; a mismatch raises ValueError and
+        leaves the loop as it was."""
+        missing = [k for k in ("format", "strategy", "param_spec", "params", "optimizer", "counters",
+                               "history", "clock", "loop") if k not in state]
+        if missing:
+            raise ValueError(f"checkpoint lacks keys {missing}")
+        if state["format"] != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint format {state['format']} is not {CHECKPOINT_FORMAT}")
+        if state["strategy"] != self.cfg.strategy.name:
+            raise ValueError(f"checkpoint was written by strategy '{state['strategy']}', this run is '{self.cfg.strategy.name}'")
+        if state["param_spec"] != self.spec.to_json():
+            raise ValueError("checkpoint holds a model with a different parameter layout (model section changed?)")
+        params = state["params"]
+        if not torch.is_tensor(params) or params.shape != self.global_params.shape or params.dtype != torch.float32:
+            raise ValueError(f"checkpoint params are not an fp32 tensor of {self.spec.numel} elements")
+        if not bool(torch.isfinite(params).all()):
+            raise ValueError("checkpoint params hold NaN or Inf")
+        # The pieces that validate themselves: load into scratch copies first, then swap in.
+        optimizer = outer_optimizer_from_config(self.cfg, self.spec.numel)
+        optimizer.load_state_dict(dict(state["optimizer"]))
+        penalty = None
+        if self.penalty is not None:
+            if state.get("penalty") is None:
+                raise ValueError("checkpoint has no penalty statistics but this run uses the penalty")
+            penalty = penalty_from_config(self.cfg, self.spec)
+            assert penalty is not None
+            penalty.load_state_dict(state["penalty"])
+        self.load_extra_state(dict(state["loop"]))  # validates before it sets anything
+        self.dispatcher.clock.load_state_dict(dict(state["clock"]))
+        self.global_params.copy_(params)
+        self.optimizer = optimizer
+        self.penalty = penalty
+        c = state["counters"]
+        self.version = int(c["version"])
+        self.total_tokens = int(c["total_tokens"])
+        self.total_bytes_up = int(c["total_bytes_up"])
+        self.total_bytes_down = int(c["total_bytes_down"])
+        self.total_rejected = int(c["total_rejected"])
+        self.history = [json.loads(h) for h in state["history"]]
+        self._client_cfg["resumed"] = True  # nodes may reload their inner state from disk
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        self.resumed = True
+
+    def partition_of(self, node: int) -> int:
+        """A node's partition id: the key that survives restarts (Flower node ids do not)."""
+        return self.profiles[node].partition_id if node in self.profiles else -1
+
+    def nodes_of(self, partitions: Sequence[int]) -> set[int]:
+        """The live nodes (by profile) that serve the given partitions."""
+        wanted = set(int(p) for p in partitions)
+        return {n for n, prof in self.profiles.items() if prof.partition_id in wanted}
+
+    def wait_for_quorum(self) -> None:
+        """``run.min_live_nodes``: pause before an outer step while fewer nodes are live, rather
+        than step on too little; give up with a clear error after ``run.min_live_wait_s``."""
+        need = self.cfg.run.min_live_nodes
+        if not need or len(self.dispatcher.live_nodes()) >= need:
+            return
+        wait_s = self.cfg.run.min_live_wait_s
+        log.warning("only %d live node(s) < run.min_live_nodes=%d: outer steps paused (up to %.0f s)",
+                    len(self.dispatcher.live_nodes()), need, wait_s)
+        deadline = time.monotonic() + wait_s
+        while len(live := self.dispatcher.live_nodes()) < need:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(live)} live node(s) after waiting {wait_s:.0f} s for run.min_live_nodes={need}; "
+                    "the model is unchanged since the last step (resume from its checkpoint when nodes are back)"
+                )
+            time.sleep(0.5)
+        log.info("%d live nodes again: outer steps resume", len(live))
+
+    def maybe_checkpoint(self, step: int, last: bool = False) -> None:
+        """Write a checkpoint after outer step ``step`` when ``run.checkpoint_every`` says so
+        (and after the last one)."""
+        every = self.cfg.run.checkpoint_every
+        if self.checkpoints is None or not every or not (step % every == 0 or last):
+            return
+        path = self.checkpoints.save(step, self.state_dict())
+        log.info("checkpoint after step %d: %s", step, path)
+
     def log_initial(self) -> None:
         """The step-0 record: the untrained model's validation loss."""
+        if self.resumed:
+            return  # the restored history already holds it
         first = self.evaluate()
         if first:
-            self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()})
+            self.history.append(self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()}))
 
     # ---- the pseudo-gradient penalty (ALGORITHMS.md §4), shared by Di-PS, EDiT and HALoS --------
     def fold_penalised(self, tally: Tally, node: int, update: Any, tokens: int, staleness: float = 0) -> Any:

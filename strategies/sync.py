@@ -51,6 +51,25 @@ class SyncOuterLoop(OuterLoop):
         self.step_mix: StepWeightMix | None = None
         if self.penalty is not None and s.step_weight_ratio > 0:
             self.step_mix = StepWeightMix(self.penalty, s.step_weight_ratio)
+        self.rounds_done = 0
+
+    # ---- checkpoint -----------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        version, internal, gauss = self._rng.getstate()
+        return {"rounds_done": self.rounds_done, "warmup_left": self.warmup_left,
+                "rng": [version, list(internal), gauss]}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        missing = [k for k in ("rounds_done", "warmup_left", "rng") if k not in state]
+        if missing:
+            raise ValueError(f"synchronous loop state lacks keys {missing}")
+        version, internal, gauss = state["rng"]
+        rng = random.Random()
+        rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        rounds_done, warmup_left = int(state["rounds_done"]), int(state["warmup_left"])
+        if rounds_done < 0 or warmup_left < 0:
+            raise ValueError(f"synchronous loop state has negative counters ({rounds_done}, {warmup_left})")
+        self._rng, self.rounds_done, self.warmup_left = rng, rounds_done, warmup_left
 
     # ---- selection and messages ---------------------------------------------------------------
     def refresh_nodes(self) -> list[int]:
@@ -77,7 +96,10 @@ class SyncOuterLoop(OuterLoop):
         return s.inner_steps
 
     def _message(self, node: int, arrays: Any, rnd: int, mtype: str, **extra: Any) -> Message:
-        config = dict(self._client_cfg, round=rnd, base_version=self.version, **extra)
+        # With checkpoints on, clients keep their inner state from before this round so that a
+        # resumed server re-sending the round gets the same result (clients/datacenter.py).
+        keep_prev = bool(self.cfg.run.checkpoint_every)
+        config = dict(self._client_cfg, round=rnd, base_version=self.version, keep_prev=keep_prev, **extra)
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
         return Message(content, dst_node_id=node, message_type=mtype)
 
@@ -121,6 +143,7 @@ class SyncOuterLoop(OuterLoop):
     def train_round(self, rnd: int) -> dict[str, float]:
         s = self.cfg.strategy
         warm = self.warmup_left > 0
+        self.wait_for_quorum()
         nodes = self.select(self.refresh_nodes())
         if not nodes:
             raise RuntimeError("no live node to train on")
@@ -211,9 +234,12 @@ class SyncOuterLoop(OuterLoop):
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         r = self.cfg.run
         self.log_initial()
-        total = r.rounds + self.warmup_left
-        for rnd in range(1, total + 1):
+        total = r.rounds + self.cfg.strategy.sync_warmup_steps
+        if self.rounds_done >= total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens):
+            return self.history[-1] if self.history else {}  # resumed from the final checkpoint
+        for rnd in range(self.rounds_done + 1, total + 1):
             metrics = self.train_round(rnd)
+            self.rounds_done = rnd
             # run.max_tokens: the round that reaches the budget is the last one
             last = rnd == total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)
             if (r.eval_every and rnd % r.eval_every == 0) or last:
@@ -222,6 +248,7 @@ class SyncOuterLoop(OuterLoop):
                 metrics.update(self.client_eval(rnd))
             record = self.logger.log(rnd, metrics)
             self.history.append(record)
+            self.maybe_checkpoint(rnd, last)
             if progress is not None:
                 progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"))
             if last:

@@ -1,0 +1,263 @@
+"""Server checkpoints: atomic verified files, resume after a crash, fallback past a corrupt one,
+and the minimum-live-nodes pause."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from fl_geo.checkpoint import CheckpointError, CheckpointStore, decode_checkpoint, encode_checkpoint
+from fl_geo.clients.datacenter import app as client_app
+from fl_geo.config import ConfigError
+from fl_geo.inline import InlineGrid
+from fl_geo.metrics import read_metrics
+from fl_geo.server_app import run_server
+
+
+# ---- the store ---------------------------------------------------------------------------------
+def _state(i: int) -> dict:
+    return {"params": torch.full((5,), float(i)), "step": i, "history": ["{}"] * i}
+
+
+def test_roundtrip_and_rotation(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", keep=2)
+    for i in range(1, 5):
+        store.save(i, _state(i))
+    assert store.steps() == [3, 4]
+    latest = store.load_latest()
+    assert latest is not None and latest.step == 4
+    assert torch.equal(latest.state["params"], torch.full((5,), 4.0))
+    assert not list((tmp_path / "ck").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "empty"])
+def test_corrupt_newest_falls_back_to_previous(tmp_path, damage, caplog):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(1, _state(1))
+    path = store.save(2, _state(2))
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[-10] ^= 0xFF
+    elif damage == "magic":
+        data[:8] = b"NOTOURS!"
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError):
+        store.load(2)
+    with caplog.at_level(logging.WARNING, logger="fl_geo"):
+        latest = store.load_latest()
+    assert latest is not None and latest.step == 1
+    assert "does not verify" in caplog.text
+
+
+def test_partial_write_is_never_read(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(1, _state(1))
+    (tmp_path / "ckpt-00000002.pt.tmp").write_bytes(encode_checkpoint(_state(2))[:100])
+    assert store.load_latest().step == 1
+    assert store.load_latest() is not None
+
+
+def test_payload_must_be_plain_data(tmp_path):
+    from fractions import Fraction  # picklable, but not plain data: weights_only refuses it
+
+    with pytest.raises(CheckpointError, match="does not load"):
+        decode_checkpoint(encode_checkpoint({"x": Fraction(1, 3)}))
+    assert CheckpointStore(tmp_path / "none").load_latest() is None
+    with pytest.raises(ValueError):
+        CheckpointStore(tmp_path, keep=0)
+
+
+# ---- resume ------------------------------------------------------------------------------------
+class Crash(RuntimeError):
+    """The ServerApp dies (raised from inside its pull loop)."""
+
+
+def _crash_on(round_no: int, nth: int):
+    """A reply hook that kills the server when it pulls the ``nth`` train reply of a round:
+    the client has already run the job (its inner state moved on), the server never sees it."""
+    seen = {"n": 0}
+
+    def hook(node, msg, reply):
+        cfg = msg.content.config_records.get("config")
+        if msg.metadata.message_type == "train" and cfg is not None and int(cfg.get("round", -1)) == round_no:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise Crash(f"server killed in round {round_no}")
+        return reply
+
+    return hook
+
+
+def _final(run_dir):
+    return torch.load(run_dir / "final_model.pt")["params"]
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "edit"])
+def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(tiny, tmp_path, strategy):
+    common = [f"strategy.name={strategy}", "run.rounds=5", "run.clock=virtual", "run.checkpoint_every=1"]
+    cfg = tiny(*common)
+    full = run_server(InlineGrid(client_app, 3, seed=0), cfg, tmp_path / "full")
+
+    grid = InlineGrid(client_app, 3, seed=0)  # the SuperNodes: they outlive the server
+    grid.reply_hook = _crash_on(4, 2)
+    with pytest.raises(Crash):
+        run_server(grid, cfg, tmp_path / "resumed")
+    assert CheckpointStore(tmp_path / "resumed" / "checkpoints").steps() == [1, 2, 3]
+    grid.reply_hook = None
+    resumed = run_server(grid, tiny(*common, "run.resume=true"), tmp_path / "resumed")
+
+    assert torch.equal(_final(tmp_path / "full"), _final(tmp_path / "resumed"))
+    assert resumed["outer_steps"] == full["outer_steps"] == 5
+    assert resumed["tokens"] == full["tokens"]
+    rows_full, rows_res = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in rows_res] == [r["step"] for r in rows_full] == [0, 1, 2, 3, 4, 5]
+    assert [r["val/loss"] for r in rows_res] == [r["val/loss"] for r in rows_full]
+    assert [r["time/virtual_s"] for r in rows_res] == [r["time/virtual_s"] for r in rows_full]
+
+
+def test_resume_past_a_corrupt_checkpoint_continues_from_the_previous(tiny, tmp_path, caplog):
+    cfg = tiny("run.rounds=4", "run.checkpoint_every=1", "run.checkpoint_keep=2")
+    grid = InlineGrid(client_app, 3, seed=0)
+    grid.reply_hook = _crash_on(4, 1)
+    with pytest.raises(Crash):
+        run_server(grid, cfg, tmp_path / "r")
+    store = CheckpointStore(tmp_path / "r" / "checkpoints")
+    assert store.steps() == [2, 3]
+    newest = store.path_for(3)
+    newest.write_bytes(newest.read_bytes()[:-7])  # a torn write
+    ckpt2 = store.load(2).state["params"].clone()
+    grid.reply_hook = None
+    with caplog.at_level(logging.INFO, logger="fl_geo"):
+        summary = run_server(grid, tiny("run.rounds=4", "run.checkpoint_every=1", "run.checkpoint_keep=2", "run.resume=true"), tmp_path / "r")
+    assert "skipping checkpoint that does not verify" in caplog.text
+    assert "resumed from" in caplog.text and "ckpt-00000002" in caplog.text
+    assert summary["outer_steps"] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "r")] == [0, 1, 2, 3, 4]
+    # the clients had run round 3 already; the fallback redoes it from their later state and says so
+    assert "only one round can be rewound" in caplog.text or "rewound the inner state" in caplog.text
+    assert not torch.equal(ckpt2, _final(tmp_path / "r"))
+
+
+def test_async_resume_keeps_every_accepted_step(tiny, tmp_path):
+    common = ["strategy.name=fedbuff", "strategy.buffer_size=2", "run.rounds=5", "run.clock=virtual",
+              "run.checkpoint_every=1"]
+    grid = InlineGrid(client_app, 3, seed=0)
+    calls = {"n": 0}
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "train":
+            calls["n"] += 1
+            if calls["n"] == 7:
+                raise Crash("server killed")
+        return reply
+
+    grid.reply_hook = hook
+    with pytest.raises(Crash):
+        run_server(grid, tiny(*common), tmp_path / "a")
+    store = CheckpointStore(tmp_path / "a" / "checkpoints")
+    saved = store.load_latest()
+    assert saved is not None and saved.state["counters"]["version"] >= 2
+    grid.reply_hook = None
+    summary = run_server(grid, tiny(*common, "run.resume=true"), tmp_path / "a")
+    assert summary["outer_steps"] == 5
+    assert summary["tokens"] > saved.state["counters"]["total_tokens"]
+    steps = [r["step"] for r in read_metrics(tmp_path / "a")]
+    assert steps == sorted(steps) and steps[-1] == 5 and len(steps) == len(set(steps))
+
+
+def test_resume_refuses_another_strategy_or_model(tiny, tmp_path):
+    run_server(InlineGrid(client_app, 3, seed=0), tiny("run.checkpoint_every=1"), tmp_path / "r")
+    with pytest.raises(ConfigError, match="strategy 'diloco'"):
+        run_server(InlineGrid(client_app, 3, seed=0), tiny("strategy.name=fedavg", "run.resume=true"), tmp_path / "r")
+    with pytest.raises(ConfigError, match="parameter layout"):
+        run_server(InlineGrid(client_app, 3, seed=0), tiny("model.d_model=16", "run.resume=true"), tmp_path / "r")
+
+
+def test_resume_without_a_checkpoint_starts_fresh(tiny, tmp_path):
+    summary = run_server(InlineGrid(client_app, 3, seed=0), tiny("run.resume=true"), tmp_path / "fresh")
+    assert summary["outer_steps"] == 2
+
+
+def test_checkpointing_is_refused_where_it_is_not_complete(tiny):
+    with pytest.raises(ConfigError, match="not supported for strategy 'halos'"):
+        tiny("strategy.name=halos", "run.clock=virtual", "run.checkpoint_every=1")
+
+
+# ---- minimum live nodes --------------------------------------------------------------------------
+def test_too_few_live_nodes_pause_then_resume(tiny, tmp_path, monkeypatch, caplog):
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[2]
+    state = {"removed": False, "slept": 0}
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "train" and node == victim and not state["removed"]:
+            state["removed"] = True
+            grid.remove_node(victim)
+        return reply
+
+    def fake_sleep(_s):  # the wait loop sleeps; a replacement node joins meanwhile
+        state["slept"] += 1
+        if state["slept"] == 2:
+            grid.add_node({"partition-id": 2, "num-partitions": 3})
+
+    import fl_geo.strategies.base as base
+
+    monkeypatch.setattr(base.time, "sleep", fake_sleep)
+    grid.reply_hook = hook
+    with caplog.at_level(logging.INFO, logger="fl_geo"):
+        summary = run_server(grid, tiny("run.rounds=3", "run.min_live_nodes=3", "run.min_live_wait_s=60"), tmp_path / "q")
+    assert "outer steps paused" in caplog.text and "outer steps resume" in caplog.text
+    assert summary["outer_steps"] == 3
+    # the victim's round-1 reply had arrived; round 2 waited for the replacement instead of running on 2
+    assert [r["outer/accepted"] for r in read_metrics(tmp_path / "q")[1:]] == [3, 3, 3]
+
+
+def test_too_few_live_nodes_for_too_long_is_a_clear_error(tiny, tmp_path, monkeypatch):
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[0]
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "train" and victim in grid.contexts:
+            grid.remove_node(victim)
+        return reply
+
+    import fl_geo.strategies.base as base
+
+    monkeypatch.setattr(base.time, "sleep", lambda s: None)
+    grid.reply_hook = hook
+    cfg = tiny("run.rounds=3", "run.min_live_nodes=3", "run.min_live_wait_s=0", "run.checkpoint_every=1")
+    with pytest.raises(TimeoutError, match="run.min_live_nodes=3"):
+        run_server(grid, cfg, tmp_path / "t")
+    # the step before the pause is safe on disk: the run can resume from it when nodes are back
+    assert CheckpointStore(tmp_path / "t" / "checkpoints").steps() == [1]
+
+
+def test_restart_as_a_new_flower_run_reloads_the_inner_state_from_disk(tiny, tmp_path):
+    """Deployment: a restarted ServerApp is a new Flower run, so context.state starts empty; nodes
+    with node config ``state-dir`` reload their inner state and the run stays bit-identical."""
+    common = ["run.rounds=4", "run.clock=virtual", "run.checkpoint_every=1"]
+    run_server(InlineGrid(client_app, 3, seed=0), tiny(*common), tmp_path / "full")
+
+    def nodes(d):
+        return [{"partition-id": i, "num-partitions": 3, "state-dir": str(d)} for i in range(3)]
+
+    grid = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=0)
+    grid.reply_hook = _crash_on(3, 2)
+    with pytest.raises(Crash):
+        run_server(grid, tiny(*common), tmp_path / "r")
+    assert sorted(p.name for p in (tmp_path / "state" / "run").iterdir()) == [
+        "partition-0.pt", "partition-1.pt", "partition-2.pt"]
+    fresh = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=1)  # new run: empty contexts
+    run_server(fresh, tiny(*common, "run.resume=true"), tmp_path / "r")
+    assert torch.equal(_final(tmp_path / "full"), _final(tmp_path / "r"))
+
+    # without the state files the resumed run still finishes, from fresh inner optimizers
+    other = InlineGrid(client_app, 3, seed=2)
+    summary = run_server(other, tiny("run.rounds=5", "run.clock=virtual", "run.checkpoint_every=1", "run.resume=true"), tmp_path / "r")
+    assert summary["outer_steps"] == 5
