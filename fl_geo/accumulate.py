@@ -178,8 +178,8 @@ class WeightedAccumulator:
                     dst.add_(torch.mul(x, weight, out=self._scratch[: e - b]))
         self._commit(weight)
 
-    def add_batch_checked(self, updates: Sequence[Update], weights: Sequence[float]
-                          ) -> BatchResult:
+    def add_batch_checked(self, updates: Sequence[Update], weights: Sequence[float],
+                          max_norm: float | None = None) -> BatchResult:
         """Check every update for NaN/±Inf, take its L2 norm and fold the finite ones, in one
         pass over the sum; bit-identical to `add` of the accepted updates one by one, in order.
 
@@ -199,6 +199,10 @@ class WeightedAccumulator:
         (as `fl_geo.wire.decode` returns) that cover ``[0, numel)`` exactly once, in any order;
         any floating dtype. ``weights[i]``: > 0 and finite in fp32. Argument errors (ValueError,
         TypeError) are raised before anything is folded. An empty batch folds nothing.
+
+        ``max_norm``: an update whose L2 norm exceeds it is rejected too (a hostile or broken
+        update scaled ×1e6 is finite and well-shaped); its norm is only known after the pass, so
+        the others are folded again from the untouched sum (rare path, same bits as above).
         """
         self._check_state()
         if len(updates) != len(weights):
@@ -221,6 +225,15 @@ class WeightedAccumulator:
                 redo_end = begin
             if not active:
                 return result  # everything rejected: the sum was never written
+        if max_norm is not None:
+            limit = float(max_norm) ** 2
+            for i in [i for i in active if batch[i].sum_sq > limit]:
+                result.rejected[i] = (f"update norm {math.sqrt(batch[i].sum_sq):.4g} exceeds the bound "
+                                      f"{float(max_norm):.4g}")
+                active.remove(i)
+                redo_end = self.numel
+            if not active:
+                return result
         if redo_end:
             for begin, end in chunk_ranges(0, redo_end):
                 self._fold_chunk(batch, active, begin, end, check=False)

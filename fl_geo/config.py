@@ -164,6 +164,9 @@ class StrategySection:
     clients_per_round: int = 0  # 0 = every live node
     min_replies: int = 1  # fewer accepted updates than this: skip the outer step
     round_timeout_s: float = 0.0  # 0 = wait for every selected node (or its error reply)
+    # Reject an update whose L2 norm exceeds this multiple of the global model's (at least 1):
+    # a broken or hostile update scaled x1e6 is finite and well-shaped. 0 = no bound.
+    max_update_ratio: float = 10.0
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
@@ -440,6 +443,7 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
+    _require(s.max_update_ratio >= 0, f"strategy.max_update_ratio must be >= 0, got {s.max_update_ratio}")
     _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
     for side in ("up", "down"):
         val = getattr(w, side)

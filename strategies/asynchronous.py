@@ -152,7 +152,7 @@ class AsyncOuterLoop(OuterLoop):
         self._errors.pop(node, None)
         self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
         try:
-            r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up)
+            r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]))
         except ReplyError as exc:
             self._reject(self.tally, node, str(exc))
             return
@@ -167,7 +167,7 @@ class AsyncOuterLoop(OuterLoop):
                 return
             norm = float(verdict.norms.norm())
         else:
-            result = self.accumulator.add_batch_checked([update], [self._weight(tokens, staleness)])
+            result = self.accumulator.add_batch_checked([update], [self._weight(tokens, staleness)], self.update_bound())
             if 0 in result.rejected:
                 self._reject(self.tally, node, result.rejected[0])
                 return

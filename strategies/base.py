@@ -120,6 +120,8 @@ class OuterLoop:
         self.history: list[dict[str, Any]] = []
         self.penalty = penalty_from_config(cfg, spec)
         self.checkpoints: CheckpointStore | None = None  # set by the server when checkpointing is on
+        self._bound: float | None = None
+        self._bound_version = -1
         self.resumed = False
 
     def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -132,6 +134,17 @@ class OuterLoop:
         busy = self.dispatcher.busy_nodes() | set(exclude)
         nodes = [n for n in live if n in self.profiles and n not in busy]
         return sorted(nodes, key=lambda n: self.profiles[n].rank)
+
+    def update_bound(self) -> float | None:
+        """The largest update norm accepted (``strategy.max_update_ratio`` × max(‖θ‖, 1)), or None.
+        Computed once per model version."""
+        ratio = self.cfg.strategy.max_update_ratio
+        if not ratio:
+            return None
+        if self._bound_version != self.version or self._bound is None:
+            self._bound = ratio * max(float(torch.linalg.vector_norm(self.global_params)), 1.0)
+            self._bound_version = self.version
+        return self._bound
 
     def _reject(self, tally: Tally, node: int, reason: str) -> None:
         """Log a rejected update with its node, partition and reason, and count it."""
@@ -333,6 +346,10 @@ class OuterLoop:
         norms = self.penalty.norms(update)
         if not bool(torch.isfinite(norms).all()):
             self._reject(tally, node, "update holds NaN or Inf values")
+            return None
+        bound = self.update_bound()
+        if bound is not None and float(norms.norm()) > bound:
+            self._reject(tally, node, f"update norm {float(norms.norm()):.4g} exceeds the bound {bound:.4g} (strategy.max_update_ratio)")
             return None
         key = self.profiles[node].partition_id if node in self.profiles else node
         verdict = self.penalty.observe(key, norms, tokens=tokens, staleness=staleness)

@@ -38,8 +38,13 @@ class TrainReply:
     noisy_steps: int = 0  # of them, steps on corrupted batches (data.noise_*; 0 otherwise)
 
 
-def read_train_reply(reply: Message, spec: ParamSpec, precision: str) -> TrainReply:
-    """Validate records, metrics, keys, shapes, dtypes and sizes; decode without copying."""
+def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None) -> TrainReply:
+    """Validate records, metrics, keys, shapes, dtypes and sizes; decode without copying.
+
+    ``expected_version``: the model version the job was sent with. A reply that says it trained
+    from another one (a stale reply replayed, or a version from the future) is refused: its
+    staleness would be wrong, and so would everything weighted by it.
+    """
     content = reply.content
     if "arrays" not in content.array_records or "metrics" not in content.metric_records:
         raise ReplyError("reply lacks the 'arrays' or 'metrics' record")
@@ -47,6 +52,9 @@ def read_train_reply(reply: Message, spec: ParamSpec, precision: str) -> TrainRe
     missing = [k for k in REPLY_METRICS if k not in metrics]
     if missing:
         raise ReplyError(f"reply metrics lack {missing}")
+    if expected_version is not None and "base_version" in metrics and int(metrics["base_version"]) != expected_version:
+        raise ReplyError(f"reply says it trained from model version {int(metrics['base_version'])}, "
+                         f"the job sent version {expected_version} (stale, replayed or from the future)")
     tokens, loss = int(metrics["tokens"]), float(metrics["train_loss"])
     if tokens <= 0 or not math.isfinite(loss):
         raise ReplyError(f"implausible metrics (tokens={tokens}, train_loss={loss})")

@@ -115,7 +115,7 @@ class SyncOuterLoop(OuterLoop):
         valid: list[tuple[int, TrainReply]] = []
         for node, reply in group:
             try:
-                valid.append((node, read_train_reply(reply, self.spec, self.cfg.wire.up)))
+                valid.append((node, read_train_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version)))
             except ReplyError as exc:
                 self._reject(stats, node, str(exc))
         if not valid:
@@ -132,7 +132,7 @@ class SyncOuterLoop(OuterLoop):
             return
         tokens_weighted = self.cfg.strategy.weighting == "tokens"
         weights = [float(r.tokens) if tokens_weighted else 1.0 for _, r in valid]
-        result = self.accumulator.add_batch_checked([r.pieces for _, r in valid], weights)
+        result = self.accumulator.add_batch_checked([r.pieces for _, r in valid], weights, self.update_bound())
         for i, (node, r) in enumerate(valid):
             if i in result.rejected:
                 self._reject(stats, node, result.rejected[i])

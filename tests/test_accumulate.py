@@ -360,3 +360,19 @@ def test_batch_layouts_and_argument_errors() -> None:
     assert torch.equal(acc.mean(), a)
     with pytest.raises(RuntimeError, match="reset"):
         acc.add_batch_checked([a], [1.0])
+
+
+def test_max_norm_rejects_an_oversized_update_and_folds_the_rest_bit_identically():
+    torch.manual_seed(3)
+    n = 3 * CHUNK_ELEMS + 17  # several chunks: the rejected update was folded into all of them
+    a, b = torch.randn(n), torch.randn(n)
+    big = torch.randn(n) * 1e6
+    acc = WeightedAccumulator(n)
+    res = acc.add_batch_checked([a, big, b], [1.0, 2.0, 3.0], max_norm=10 * float(a.norm()))
+    assert list(res.rejected) == [1] and "exceeds the bound" in res.rejected[1]
+    ref = WeightedAccumulator(n)
+    ref.add_batch_checked([a, b], [1.0, 3.0])
+    assert torch.equal(acc.buffer, ref.buffer) and acc.total_weight == ref.total_weight
+    none = WeightedAccumulator(n)
+    assert list(none.add_batch_checked([big], [1.0], max_norm=1.0).rejected) == [0]
+    assert none.total_weight == 0

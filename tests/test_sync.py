@@ -114,6 +114,14 @@ def _tamper(kind: str):
         elif kind == "extra":
             items["evil"] = Array(np.zeros(3, dtype=np.float32))
             return ArrayRecord(items)
+        elif kind == "scaled":  # finite and well-shaped, but x1e6: the norm bound catches it
+            return ArrayRecord({k: Array(a.numpy() * np.float32(1e6)) for k, a in items.items()})
+        elif kind == "oversized":
+            arr = np.zeros(arr.size * 1000, dtype=np.float32)
+        elif kind == "lying":  # the Array's shape field is right, its bytes hold 1000x more
+            big = Array(np.zeros(arr.size * 1000, dtype=np.float32))
+            items[key] = Array(dtype=big.dtype, shape=tuple(arr.shape), stype=big.stype, data=big.data)
+            return ArrayRecord(items)
         items[key] = Array(arr)
         return ArrayRecord(items)
 
@@ -132,7 +140,7 @@ def _hook_all(kind):
     return hook
 
 
-@pytest.mark.parametrize("kind", ["nan", "inf", "shape", "dtype", "missing", "extra"])
+@pytest.mark.parametrize("kind", ["nan", "inf", "shape", "dtype", "missing", "extra", "scaled", "oversized", "lying"])
 def test_bad_payloads_are_rejected_and_model_untouched(tiny, tmp_path, kind, caplog):
     cfg = tiny("run.rounds=1")
     caplog.set_level("WARNING", logger="fl_geo")
@@ -212,3 +220,45 @@ def test_max_tokens_ends_a_synchronous_run_after_the_round_that_reaches_it(tiny,
     summary, _, _ = _run(cfg, tmp_path)
     assert summary["outer_steps"] == 2 and summary["tokens"] == 2 * per_round
     assert "val/loss" in read_metrics(tmp_path / "run")[-1]  # the last round is evaluated
+
+
+@pytest.mark.parametrize("claimed", [5, -1])
+def test_reply_for_another_model_version_is_rejected(tiny, tmp_path, claimed, caplog):
+    """A reply claiming a base version from the future (or a stale one) is refused."""
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        metrics = MetricRecord(dict(reply.content.metric_records["metrics"], base_version=claimed))
+        return Message(RecordDict({"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
+
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny("run.rounds=1")
+    summary, final, _ = _run(cfg, tmp_path, hook=hook)
+    assert summary["rejected"] == 3 and torch.equal(final, _initial_params(cfg))
+    assert "from the future" in caplog.text
+
+
+def test_scaled_update_rejected_alone_others_fold_bit_identically(tiny, tmp_path):
+    """One x1e6 update among good ones: the others fold exactly as if it had never come."""
+    bad = {}
+
+    def scale_one(node, msg, reply):
+        if msg.metadata.message_type == "train":
+            bad.setdefault("node", node)
+            if node == bad["node"]:
+                return _hook_all("scaled")(node, msg, reply)
+        return reply
+
+    def drop_one(node, msg, reply):  # the same node's reply never counts
+        if msg.metadata.message_type == "train":
+            bad.setdefault("node", node)
+            if node == bad["node"]:
+                return _hook_all("nan")(node, msg, reply)
+        return reply
+
+    cfg = tiny("run.rounds=2")
+    s1, f1, _ = _run(cfg, tmp_path, "scaled", hook=scale_one)
+    bad.clear()
+    s2, f2, _ = _run(cfg, tmp_path, "nan", hook=drop_one)
+    assert s1["rejected"] == s2["rejected"] == 2
+    assert torch.equal(f1, f2)
