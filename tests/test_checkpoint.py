@@ -261,3 +261,18 @@ def test_restart_as_a_new_flower_run_reloads_the_inner_state_from_disk(tiny, tmp
     other = InlineGrid(client_app, 3, seed=2)
     summary = run_server(other, tiny("run.rounds=5", "run.clock=virtual", "run.checkpoint_every=1", "run.resume=true"), tmp_path / "r")
     assert summary["outer_steps"] == 5
+
+
+def test_damaged_inner_state_file_means_a_fresh_optimizer_not_a_crash(tiny, tmp_path, caplog):
+    common = ["run.rounds=3", "run.checkpoint_every=1"]
+    nodes = [{"partition-id": i, "num-partitions": 3, "state-dir": str(tmp_path / "s")} for i in range(3)]
+    grid = InlineGrid(client_app, 3, node_configs=nodes, seed=0)
+    grid.reply_hook = _crash_on(3, 1)
+    with pytest.raises(Crash):
+        run_server(grid, tiny(*common), tmp_path / "r")
+    damaged = tmp_path / "s" / "run" / "partition-0.pt"
+    damaged.write_bytes(damaged.read_bytes()[:50])
+    with caplog.at_level(logging.INFO, logger="fl_geo"):
+        summary = run_server(InlineGrid(client_app, 3, node_configs=nodes, seed=1), tiny(*common, "run.resume=true"), tmp_path / "r")
+    assert summary["outer_steps"] == 3
+    assert "is unusable" in caplog.text and "restored the inner state" in caplog.text
