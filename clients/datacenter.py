@@ -134,8 +134,9 @@ def _train_metrics(result: Any, train_time: float, pid: int, noisy_steps: int) -
 
 
 def _state_file(context: Context, cfg: ConfigRecord, pid: int) -> Path | None:
-    """Where this node keeps its inner state on disk: node config ``state-dir`` (off if unset)."""
-    state_dir = str(context.node_config.get("state-dir", "") or "")
+    """Where this node keeps its inner state on disk: its node config ``state-dir``, else the
+    run's ``run.client_state_dir`` (simulation); off when neither is set."""
+    state_dir = str(context.node_config.get("state-dir", "") or cfg.get("state_dir", "") or "")
     return state_path(state_dir, str(cfg.get("run_name", "run")), pid) if state_dir else None
 
 

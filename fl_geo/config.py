@@ -117,6 +117,10 @@ class RunSection:
     checkpoint_keep: int = 3
     checkpoint_dir: str = ""
     resume: bool = False
+    # Where simulated clients keep their inner state on disk so a resumed run finds it ("" = off;
+    # `fl-geo run` fills in <run dir>/client_state when checkpoints are on). Deployed SuperNodes
+    # use their own node config `state-dir` instead.
+    client_state_dir: str = ""
     # Live nodes below which the server pauses instead of stepping on too little (0 = off).
     min_live_nodes: int = 0
     min_live_wait_s: float = 600.0  # how long to wait for enough live nodes before giving up

@@ -74,6 +74,9 @@ def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[
     from fl_geo.clients.datacenter import app as client_app
 
     run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+    if (cfg.run.checkpoint_every or cfg.run.resume) and not cfg.run.client_state_dir:
+        # A restarted simulation starts new client processes: their inner state must be on disk.
+        cfg.run.client_state_dir = str((run_dir / "client_state").resolve())
     if cfg.run.backend == "inline":
         from fl_geo.inline import InlineGrid
         from fl_geo.server_app import run_server

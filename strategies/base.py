@@ -57,6 +57,7 @@ def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
     """
     return {
         "run_name": cfg.run.name,  # names the node's on-disk inner state (node config state-dir)
+        "state_dir": cfg.run.client_state_dir,
         "inner_steps": cfg.strategy.inner_steps,
         "schedule_total": schedule_length(cfg),
         "wire_up": cfg.wire.up,

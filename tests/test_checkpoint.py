@@ -276,3 +276,44 @@ def test_damaged_inner_state_file_means_a_fresh_optimizer_not_a_crash(tiny, tmp_
         summary = run_server(InlineGrid(client_app, 3, node_configs=nodes, seed=1), tiny(*common, "run.resume=true"), tmp_path / "r")
     assert summary["outer_steps"] == 3
     assert "is unusable" in caplog.text and "restored the inner state" in caplog.text
+
+
+@pytest.mark.slow
+def test_kill_minus_9_then_the_same_command_resumes_bit_identically(tmp_path):
+    """A real process kill: `fl-geo run` is SIGKILLed mid-run, the same command with
+    run.resume=true finishes it, and the model equals an uninterrupted run's bit for bit
+    (the simulated clients' inner state survives on disk in <run dir>/client_state)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import TINY
+
+    args = [*TINY, "run.rounds=6", "run.clock=virtual", "run.checkpoint_every=1", "run.name=k"]
+    cmd = [sys.executable, "-m", "fl_geo.cli", "run", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    subprocess.run([*cmd, "--out", str(tmp_path / "full")], check=True, env=env, capture_output=True, timeout=300)
+
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "cut")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpts = tmp_path / "cut" / "k" / "checkpoints"
+    deadline = time.monotonic() + 240
+    try:
+        while not (ckpts / "ckpt-00000003.pt").exists():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no checkpoint 3 within 240 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert not (tmp_path / "cut" / "k" / "final_model.pt").exists()
+    resumed = subprocess.run([*cmd, "run.resume=true", "--out", str(tmp_path / "cut")], check=True, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert "resumed from" in resumed.stderr, resumed.stderr[-2000:]
+    full = torch.load(tmp_path / "full" / "k" / "final_model.pt")["params"]
+    cut = torch.load(tmp_path / "cut" / "k" / "final_model.pt")["params"]
+    assert torch.equal(full, cut)
+    steps = [r["step"] for r in read_metrics(tmp_path / "cut" / "k")]
+    assert steps == [0, 1, 2, 3, 4, 5, 6]
