@@ -1,0 +1,440 @@
+"""fl-geo deploy: topology validation, Flower config writing, certificates, process ownership,
+and two end-to-end runs on loopback (a real SuperLink with three SuperNodes each).
+
+The end-to-end tests are slow (each message starts a fresh ClientApp process that imports torch,
+and an idle SuperNode polls every 3 s), so they use a 1-layer model, two outer steps and five
+inner steps: what they check is the deployment path, not learning.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fl_geo import cli, deploy
+from fl_geo.deploy import DeployError, load_topology, parse_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = ROOT / "configs" / "deploy" / "loopback.yaml"
+LOOPBACK_TLS = ROOT / "configs" / "deploy" / "loopback_tls.yaml"
+
+# The smallest run that still exercises every message type (see tests/conftest.py TINY).
+TINY_RUN = [
+    "run.num_clients=3",
+    "run.tensorboard=false",
+    "run.progress=false",
+    "run.eval_batches=2",
+    "model.n_layers=1",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.max_seq_len=32",
+    "client.seq_len=32",
+    "client.batch_size=4",
+    "client.warmup_steps=2",
+    "client.eval_batches=2",
+    "strategy.inner_steps=5",
+    "data.corpus=pydoc",
+    "data.partition=iid",
+]
+TOKENS_PER_UPDATE = 5 * 4 * 32  # inner steps x batch x seq_len
+
+
+def _base() -> dict[str, Any]:
+    return yaml.safe_load(LOOPBACK.read_text(encoding="utf-8"))
+
+
+def _topo(data: dict[str, Any], tmp_path: Path) -> deploy.Topology:
+    return parse_topology(data, tmp_path, "test.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# Topology validation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shipped_topologies_validate():
+    plain = load_topology(LOOPBACK)
+    assert plain.name == "loopback" and plain.loopback
+    assert not plain.security.tls and not plain.security.auth
+    assert [n.node_config["partition-id"] for n in plain.nodes] == [0, 1, 2]
+    assert {n.node_config["num-partitions"] for n in plain.nodes} == {3}
+    assert plain.flwr_home == ROOT / ".flwr-deploy" / "loopback"  # inside the project, never ~/.flwr
+    assert plain.pids_path == ROOT / ".flwr-deploy" / "loopback" / "state" / "pids.json"
+    secure = load_topology(LOOPBACK_TLS)
+    assert secure.security.tls and secure.security.auth
+    ports = [secure.port, *(n.port for n in secure.nodes), plain.port, *(n.port for n in plain.nodes)]
+    assert len(set(ports)) == len(ports)  # both can be up at once
+
+
+def test_node_config_arg_quotes_strings_only(tmp_path):
+    node = _topo(_base(), tmp_path).nodes[1]
+    assert node.node_config_arg() == 'partition-id=1 num-partitions=3 site="dc1" region="us-east" device="cpu"'
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(superlnk={}), "superlnk"),
+        (lambda d: d["security"].update(tsl=True), "tsl"),
+        (lambda d: d["nodes"][0].update(prot=1), "prot"),
+        (lambda d: d["nodes"][0]["node_config"].update(partition_id=0), "partition_id"),
+        (lambda d: d["nodes"][1]["node_config"].pop("site"), "site"),
+        (lambda d: d["nodes"][2].pop("port"), "port"),
+        (lambda d: d["superlink"].pop("port"), "port"),
+        (lambda d: d.pop("nodes"), "nodes"),
+        (lambda d: d["nodes"][0].update(port=d["superlink"]["port"]), "used twice"),
+        (lambda d: d["nodes"][1]["node_config"].update({"partition-id": 0}), "more than one node"),
+        (lambda d: d["nodes"][0]["node_config"].update({"partition-id": 3}), "must be <"),
+        (lambda d: d["nodes"][0]["node_config"].update(device="tpu"), "device"),
+        (lambda d: d["nodes"][0]["node_config"].update(site='a"b'), "double quotes"),
+        (lambda d: d["nodes"][0].update(name="dc1"), "duplicate node name"),
+        (lambda d: d["security"].update(tls="yes"), "true or false"),
+        (lambda d: d["security"].update(auth=True), "needs security.tls=true"),
+        (lambda d: d["superlink"].update(port=70000), "1-65535"),
+        (lambda d: d["superlink"].update(bind="0.0.0.0"), "superlink.bind"),  # plaintext on every interface
+    ],
+)
+def test_topology_errors_name_the_key(tmp_path, mutate, message):
+    data = _base()
+    mutate(data)
+    with pytest.raises(DeployError, match=message):
+        _topo(data, tmp_path)
+
+
+def test_remote_host_defaults_to_tls_and_auth_and_refuses_plaintext(tmp_path):
+    data = _base()
+    data["superlink"]["host"] = "10.1.2.3"
+    del data["security"]
+    topo = _topo(data, tmp_path)
+    assert topo.security.tls and topo.security.auth and not topo.loopback
+    assert "10.1.2.3" in topo.cert_hosts()
+
+    data["security"] = {"tls": False}
+    with pytest.raises(DeployError, match="not a loopback address"):
+        _topo(data, tmp_path)
+    data["security"] = {"tls": False, "allow_insecure_remote": True}
+    assert not _topo(data, tmp_path).security.tls
+
+
+def test_loopback_defaults_and_relative_paths(tmp_path):
+    data = _base()
+    for key in ("security", "flwr_home", "state_dir"):
+        data.pop(key, None)
+    topo = _topo(data, tmp_path)
+    assert not topo.security.tls and not topo.security.auth  # a loopback demo may be plaintext
+    assert topo.flwr_home == (tmp_path / ".flwr-deploy" / "loopback").resolve()
+    assert topo.state_dir == topo.flwr_home / "state"
+    assert topo.security.certs_dir == topo.flwr_home / "certs"
+
+
+def test_load_topology_reports_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(DeployError, match="not found"):
+        load_topology(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: [\n", encoding="utf-8")
+    with pytest.raises(DeployError, match="not valid YAML"):
+        load_topology(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# $FLWR_HOME/config.toml and the run config
+# ---------------------------------------------------------------------------------------------
+
+
+def test_write_flwr_config_adds_connections_and_keeps_others(tmp_path):
+    data = _base()
+    data["flwr_home"] = str(tmp_path / "home")
+    plain = _topo(data, tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n'
+        "options.num-supernodes = 4\noptions.backend.init-args.num-cpus = 2\n",
+        encoding="utf-8",
+    )
+    deploy.write_flwr_config(plain)
+    secure_data = copy.deepcopy(data)
+    secure_data.update(name="secure", security={"tls": True, "auth": True, "certs_dir": str(tmp_path / "c")})
+    deploy.write_flwr_config(_topo(secure_data, tmp_path))
+    deploy.write_flwr_config(plain)  # rewriting is idempotent
+
+    conf = tomllib.loads((home / "config.toml").read_text(encoding="utf-8"))["superlink"]
+    assert conf["default"] == "local"
+    assert conf["local"]["options"]["backend"]["init-args"]["num-cpus"] == 2
+    assert conf["loopback"] == {"address": f"127.0.0.1:{plain.port}", "insecure": True}
+    assert conf["secure"] == {"address": f"127.0.0.1:{plain.port}", "root-certificates": str(tmp_path / "c" / "ca.crt")}
+
+
+def test_run_config_toml_survives_quotes_through_flower_parser(tmp_path):
+    """Overrides with quotes go to `flwr run --run-config FILE.toml` (its k="v" form cannot escape)."""
+    import shlex
+
+    from flwr.common.config import parse_config_args
+
+    overrides = ["data.corpus=files", 'data.files=[a.txt, "b c.txt"]', "run.name=x\\y"]
+    path = tmp_path / "rc.toml"
+    path.write_text(deploy.dumps_toml({"config": "configs/diloco.yaml", "overrides": shlex.join(overrides)}),
+                    encoding="utf-8")
+    parsed = parse_config_args([str(path)])
+    assert parsed["config"] == "configs/diloco.yaml"
+    assert shlex.split(parsed["overrides"]) == overrides
+
+
+# ---------------------------------------------------------------------------------------------
+# Certificates and keys
+# ---------------------------------------------------------------------------------------------
+
+
+def _san(cert: Path) -> str:
+    return subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_generate_certs_verifies_and_is_idempotent(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import (
+        load_ssh_private_key,
+        load_ssh_public_key,
+    )
+
+    out = tmp_path / "certs"
+    paths = deploy.generate_certs(out, ["127.0.0.1", "localhost", "link.example.org"], ["dc0", "dc1"])
+    for f in (paths.ca_cert, paths.ca_key, paths.server_cert, paths.server_key, paths.public_keys):
+        assert f.is_file(), f
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(paths.ca_cert), str(paths.server_cert)],
+                            capture_output=True, text=True, check=False)
+    assert verify.returncode == 0 and "OK" in verify.stdout, verify.stderr
+    san = _san(paths.server_cert)
+    assert "IP Address:127.0.0.1" in san and "DNS:localhost" in san and "DNS:link.example.org" in san
+    assert oct(paths.server_key.stat().st_mode & 0o777) == "0o600"
+
+    # The key format Flower 1.41 loads: OpenSSH, EC on a NIST curve (P-384).
+    for node in ("dc0", "dc1"):
+        key = load_ssh_private_key(paths.node_private_key(node).read_bytes(), None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
+        pub = load_ssh_public_key(paths.node_public_key(node).read_bytes())
+        assert pub.public_numbers() == key.public_key().public_numbers()
+    assert len(paths.public_keys.read_text().splitlines()) == 2
+
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    deploy.generate_certs(out, ["127.0.0.1", "localhost", "link.example.org"], ["dc0", "dc1"])
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing re-issued
+
+    # New hosts: a new server certificate from the same CA; node keys kept; a new node added.
+    deploy.generate_certs(out, ["127.0.0.1", "10.0.0.5"], ["dc0", "dc1", "dc2"])
+    assert paths.ca_cert.read_bytes() == before[paths.ca_cert]
+    assert paths.node_private_key("dc0").read_bytes() == before[paths.node_private_key("dc0")]
+    assert paths.server_cert.read_bytes() != before[paths.server_cert]
+    assert "IP Address:10.0.0.5" in _san(paths.server_cert) and "localhost" not in _san(paths.server_cert)
+    assert len(paths.public_keys.read_text().splitlines()) == 3
+
+
+def test_missing_openssl_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("OPENSSL", raising=False)
+    with pytest.raises(DeployError, match="openssl not found"):
+        deploy.generate_certs(tmp_path / "c")
+
+
+def test_cli_certs_and_errors(tmp_path, capsys):
+    assert cli.main(["deploy", "certs", "--out", str(tmp_path / "c"), "--nodes", "a,b"]) == 0
+    assert (tmp_path / "c" / "supernodes" / "b.key").is_file()
+    bad = tmp_path / "t.yaml"
+    bad.write_text(yaml.safe_dump({**_base(), "colour": "red"}), encoding="utf-8")
+    assert cli.main(["deploy", "up", str(bad)]) == 1
+    assert "colour" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Process ownership (no Flower involved: fast)
+# ---------------------------------------------------------------------------------------------
+
+# A parent that starts a child in a *new session* (as flower-superlink starts flower-superexec)
+# and a grandchild that ignores SIGTERM: down() must still stop all three. The grandchild touches
+# a file once its handler is set, so the test cannot signal it before.
+_SPAWNER = """
+import subprocess, sys, time
+ready = sys.argv[1]
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+subprocess.Popen([sys.executable, "-c",
+    "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "open(sys.argv[1] + '-' + str(os.getpid()), 'w').close(); time.sleep(120)", ready])
+time.sleep(120)
+"""
+
+
+def test_down_stops_groups_and_detached_descendants_and_is_idempotent(tmp_path):
+    data = _base()
+    data.update(flwr_home=str(tmp_path / "home"))
+    topo = _topo(data, tmp_path)
+    procs = [deploy.launch(topo, "supernode", f"n{i}", [sys.executable, "-c", _SPAWNER, str(tmp_path / f"ready{i}")])[0]
+             for i in range(2)]
+    deadline = time.monotonic() + 30
+    while (len(deploy._descendants(p.pid for p in procs)) < 4 or len(list(tmp_path.glob("ready*"))) < 2) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    family = {p.pid for p in procs} | deploy._descendants(p.pid for p in procs)
+    assert len(family) == 6
+    assert [r.name for r in deploy.load_records(topo)] == ["n0", "n1"]
+
+    res = deploy.down(topo, grace_s=1.0)
+    assert set(res.signalled) == family and not res.survivors
+    assert res.killed  # the SIGTERM-ignoring grandchildren needed SIGKILL
+    assert not any(deploy._alive(pid) for pid in family)
+    assert not topo.pids_path.exists()
+    assert deploy.down(topo).signalled == []  # twice is fine
+
+
+def test_down_ignores_a_recorded_pid_that_was_reused(tmp_path):
+    data = _base()
+    data.update(flwr_home=str(tmp_path / "home"))
+    topo = _topo(data, tmp_path)
+    me = os.getpid()
+    rec = deploy.ProcRecord("superlink", "x", me, me, (deploy._start_ticks(me) or 0) + 1, "log")
+    deploy._save_records(topo, [rec])
+    assert not rec.alive()
+    assert deploy.down(topo).signalled == []  # never signals a process it did not start
+    assert not topo.pids_path.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on loopback
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports (all held until chosen, so they cannot repeat)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def federation(tmp_path):
+    """Start a loopback topology (plain or TLS + auth) on free ports in tmp_path; always stop it.
+
+    Teardown runs even when the test failed, and then asserts that no recorded process (nor any
+    process they spawned, such as flower-superexec and app processes) is still alive.
+    """
+    started: list[deploy.Topology] = []
+
+    def start(tls: bool, via_cli: bool = False) -> tuple[deploy.Topology, Path]:
+        data = _base()
+        ports = _free_ports(1 + len(data["nodes"]))
+        data["name"] = "e2e-tls" if tls else "e2e"
+        data["superlink"]["port"] = ports[0]
+        for node, port in zip(data["nodes"], ports[1:], strict=True):
+            node["port"] = port
+        data["flwr_home"] = str(tmp_path / "flwr")
+        data["state_dir"] = str(tmp_path / "state")
+        data["security"] = {"tls": tls, "auth": tls, "certs_dir": str(tmp_path / "certs")}
+        path = tmp_path / "topology.yaml"
+        path.write_text(yaml.safe_dump(data), encoding="utf-8")
+        topo = load_topology(path)
+        started.append(topo)
+        if via_cli:
+            assert cli.main(["deploy", "up", str(path), "--timeout", "90"]) == 0
+        else:
+            deploy.up(topo, timeout_s=90)
+        return topo, path
+
+    yield start
+
+    for topo in started:
+        records = deploy.load_records(topo)
+        family = {r.pid for r in records} | deploy._descendants(r.pid for r in records if r.alive())
+        res = deploy.down(topo, grace_s=5)
+        assert not res.survivors, f"still alive after down: {res.survivors}"
+        alive = [pid for pid in family if deploy._alive(pid)]
+        assert not alive, f"processes left behind: {alive}"
+        assert not topo.pids_path.exists()
+
+
+def _received(log: str, kind: str = "train") -> int:
+    return Path(log).read_text(encoding="utf-8", errors="replace").count(f"Receiving: {kind} message")
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_e2e_diloco_on_three_insecure_supernodes(federation, tmp_path, capsys):
+    """Synchronous DiLoCo across a SuperLink and three SuperNodes, all through the fl-geo CLI."""
+    topo, path = federation(tls=False, via_cli=True)
+    assert cli.main(["deploy", "status", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("alive") == 4 and shown.count(": online") == 3
+
+    out = tmp_path / "runs"
+    t0 = time.monotonic()
+    rc = cli.main(["deploy", "run", str(path), "configs/diloco.yaml", *TINY_RUN, "run.rounds=2",
+                   "run.name=e2e-diloco", "--out", str(out), "--timeout", "150"])
+    wall = time.monotonic() - t0
+    assert rc == 0, capsys.readouterr().err
+    (run_dir,) = out.glob("e2e-diloco-*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == "diloco" and summary["outer_steps"] == 2
+    assert summary["tokens"] == 3 * 2 * TOKENS_PER_UPDATE  # 3 nodes x 2 rounds, every update counted
+    assert math.isfinite(summary["final_val_loss"]) and summary["final_val_loss"] > 0
+    steps = [m for m in _metrics(run_dir) if m.get("step", 0) > 0]
+    assert [m["outer/accepted"] for m in steps] == [3.0, 3.0]  # each outer step averaged all three sites
+    for rec in deploy.load_records(topo):
+        if rec.role == "supernode":
+            assert _received(rec.log) == 2, rec.log  # one train message per round on every site
+            assert _received(rec.log, "query") == 1, rec.log  # the profile query (site, partition)
+    print(f"\n[e2e diloco] deploy run {wall:.1f} s, ServerApp {summary['wall_s']:.1f} s", file=sys.stderr)
+
+
+@pytest.mark.slow
+def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
+    """Asynchronous FedBuff with TLS and SuperNode authentication; an unregistered node is refused."""
+    topo, _ = federation(tls=True)
+    conf = tomllib.loads((topo.flwr_home / "config.toml").read_text())["superlink"][topo.name]
+    assert "insecure" not in conf and conf["root-certificates"] == str(topo.certs.ca_cert)
+    (link,) = [r for r in deploy.load_records(topo) if r.role == "superlink"]
+    assert "--enable-supernode-auth" in link.cmd and "--insecure" not in link.cmd
+    plaintext = dataclasses.replace(topo, security=dataclasses.replace(topo.security, tls=False, auth=False))
+    assert not deploy.health_ok(plaintext)  # no plaintext on this port
+
+    # An intruder with a valid TLS trust root but an unregistered key is refused at activation.
+    key, pub = tmp_path / "intruder.key", tmp_path / "intruder.pub"
+    deploy.generate_node_key(deploy._openssl(), key, pub, "intruder")
+    intruder = deploy.NodeSpec("intruder", _free_ports(1)[0], dict(topo.nodes[0].node_config))
+    proc, rec = deploy.launch(topo, "supernode", "intruder", deploy.supernode_command(topo, intruder, key))
+    assert proc.wait(timeout=60) != 0
+    assert "Failed to activate SuperNode" in Path(rec.log).read_text()
+    assert len([n for n in deploy.list_nodes(topo) if n.get("status") == "online"]) == 3
+
+    res = deploy.run_experiment(topo, "configs/fedbuff.yaml", [*TINY_RUN, "run.rounds=2", "run.name=e2e-fedbuff"],
+                                out_dir=tmp_path / "runs", timeout_s=150, echo=False)
+    assert res.ok, (res.status, res.details)
+    assert res.run_dir is not None and res.run_dir.parent == tmp_path / "runs"
+    s = res.summary
+    assert s is not None and s["strategy"] == "fedbuff" and s["outer_steps"] == 2
+    assert s["tokens"] == 2 * 2 * TOKENS_PER_UPDATE  # buffer_size 2 per outer step
+    assert math.isfinite(s["final_val_loss"]) and s["final_val_loss"] > 0
+    for r in deploy.load_records(topo):
+        if r.role == "supernode" and r.name != "intruder":
+            assert _received(r.log) >= 1, r.log  # the asynchronous loop dispatched to every site
+    print(f"\n[e2e fedbuff tls+auth] run {res.wall_s:.1f} s, ServerApp {s['wall_s']:.1f} s", file=sys.stderr)
