@@ -7,6 +7,7 @@
     fl-geo data fetch [--data-dir D] [NAME ...]      download + extract the pinned corpora
     fl-geo bench outer [--params N] [--updates K] [--precision P] [--quick]
     fl-geo deploy certs|up|run|status|down ...       SuperLink + SuperNodes across sites (docs/deploy.md)
+    fl-geo deploy halos-up|halos-run|halos-status|halos-down ...   HALoS's two tiers (docs/deploy.md)
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def _deploy(args: argparse.Namespace, deploy: Any) -> int:
               f"SuperNode keys   {paths.root / 'supernodes'}/<node>.key|.pub for {', '.join(nodes)}\n"
               f"public key list  {paths.public_keys}")
         return 0
+    if args.deploy_cmd.startswith("halos-"):
+        return _deploy_halos(args)
     topo = deploy.load_topology(args.topology)
     if args.deploy_cmd == "up":
         res = deploy.up(topo, timeout_s=args.timeout, echo=True)
@@ -185,6 +188,44 @@ def _deploy(args: argparse.Namespace, deploy: Any) -> int:
     raise AssertionError(args.deploy_cmd)
 
 
+def _deploy_halos(args: argparse.Namespace) -> int:
+    """``fl-geo deploy halos-*``: the two-tier HALoS layout (fl_geo/deploy_halos.py)."""
+    import json
+
+    from fl_geo import deploy_halos as dh
+
+    topo = dh.load_halos_topology(args.topology)
+    if args.deploy_cmd == "halos-up":
+        times = dh.halos_up(topo, timeout_s=args.timeout, echo=True)
+        tiers = ", ".join(f"{k} {v:.1f} s" for k, v in times.items())
+        print(f"{topo.name} up: {len(topo.regions)} regions, {topo.num_workers} workers, "
+              f"{len(topo.regions)} bridges; online after: {tiers}; LPS sockets in {topo.ipc_dir}")
+        return 0
+    if args.deploy_cmd == "halos-run":
+        configs, overrides = _split(args.items)
+        if len(configs) != 1:
+            raise ConfigError("fl-geo deploy halos-run takes one config file (plus key=value overrides)")
+        res = dh.run_halos(topo, configs[0], overrides, out_dir=args.out, timeout_s=args.timeout,
+                           ipc_timeout_s=args.ipc_timeout)
+        print(json.dumps({"statuses": res.statuses, "wall_s": round(res.wall_s, 1),
+                          "run_dirs": {k: str(v) for k, v in res.run_dirs.items()},
+                          "summaries": res.summaries}, indent=2))
+        return 0 if res.ok else 1
+    if args.deploy_cmd == "halos-status":
+        st = dh.halos_status(topo)
+        print(json.dumps(st, indent=2, default=str))
+        return 0 if all(t["processes"] and all(p["alive"] for p in t["processes"]) for t in st.values()) else 3
+    if args.deploy_cmd == "halos-down":
+        res = dh.halos_down(topo, grace_s=args.grace)
+        survivors = [p for r in res.values() for p in r.survivors]
+        print(f"{topo.name}: stopped {sum(len(r.signalled) for r in res.values())} processes")
+        if survivors:
+            print(f"still alive: {survivors}", file=sys.stderr)
+            return 1
+        return 0
+    raise AssertionError(args.deploy_cmd)
+
+
 def _add_deploy_parser(sub: Any) -> None:
     dp = sub.add_parser("deploy", help="deployment across sites: certificates, SuperLink/SuperNodes, runs")
     dsub = dp.add_subparsers(dest="deploy_cmd", required=True)
@@ -210,6 +251,21 @@ def _add_deploy_parser(sub: Any) -> None:
     d = dsub.add_parser("down", help="stop every recorded process (SIGTERM, then SIGKILL)")
     d.add_argument("topology")
     d.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    hu = dsub.add_parser("halos-up", help="HALoS two tiers: global SuperLink + bridges, regional SuperLinks + workers")
+    hu.add_argument("topology")
+    hu.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health and node registration")
+    hr = dsub.add_parser("halos-run", help="submit the regional ServerApps (LPS) and the global ServerApp (GPS), wait")
+    hr.add_argument("topology")
+    hr.add_argument("items", nargs="+", help="one config file (strategy.name=halos) and key=value overrides")
+    hr.add_argument("--out", default=None, help="run.out_dir of every tier (default <project>/runs)")
+    hr.add_argument("--timeout", type=float, default=0.0, help="stop the runs after this many seconds (0 = none)")
+    hr.add_argument("--ipc-timeout", type=float, default=600.0,
+                    help="seconds an LPS/bridge waits for the other tier before giving up")
+    hs = dsub.add_parser("halos-status", help="processes, health and nodes of every tier (JSON)")
+    hs.add_argument("topology")
+    hd = dsub.add_parser("halos-down", help="stop every tier's recorded processes")
+    hd.add_argument("topology")
+    hd.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     dp.set_defaults(func=cmd_deploy)
 
 

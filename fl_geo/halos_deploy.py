@@ -1,0 +1,517 @@
+"""HALoS in Flower's deployment runtime: regional ServerApps (LPS) and a global ServerApp (GPS).
+
+The two-tier layout (FLOWER_NOTES.md "Two tiers", docs/deploy.md "HALoS across regions"):
+
+- per region, a SuperLink with the region's worker SuperNodes (the datacenter ClientApp) and a
+  long-running **regional ServerApp** (`regional_app`): the local parameter server. It trains its
+  workers asynchronously with exactly the rules of the simulation (`RegionalLoop` is
+  `fl_geo.strategies.halos.HalosLoop` with one LPS; the LPS object is
+  `fl_geo.halos.LocalParameterServer`), and hosts `LpsService`, a Unix-socket service in a
+  background thread, through which its update U_k leaves and the global model θ_g comes back;
+- one global SuperLink with the **global ServerApp** (`global_app`, `GlobalParameterServer`)
+  and one bridge SuperNode per region (`fl_geo.halos_bridge`), which carries θ_g down and U_k up.
+
+The GPS keeps one ``train`` message in flight per bridge. The first carries no model; each later
+one carries θ_g right after the GPS applied that region's U_k. The bridge hands θ_g to the LPS,
+which merges it (θ_k ← (1 − α)·θ_k + α·θ_g) and answers with its next U_k once K more worker
+updates were applied; the LPS keeps serving its workers while an exchange is in flight. The run
+ends after ``run.rounds`` global updates, split evenly: a region is sent ``stop`` (with θ_g for
+its last merge) once it has contributed ``ceil(rounds / regions)`` updates, so every region is
+represented and a fast region cannot starve a slow one of the budget.
+
+Each role is a separate Flower app (``apps/halos-regional``, ``apps/halos-global``: a FAB has one
+ServerApp and one ClientApp), whose ``[tool.flwr.app.config]`` adds the deployment knobs to the
+usual ``config``/``overrides``: ``lps-address`` (regional), ``regions`` (global) and the IPC
+timeouts. Both tiers write a normal run directory (``metrics.jsonl``, ``summary.json``) with the
+counters that show updates crossed both tiers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import queue
+import shlex
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fl_geo.builders import make_model
+from fl_geo.clock import WallClock
+from fl_geo.config import FlGeoConfig, load_config, to_yaml
+from fl_geo.dispatch import Dispatcher, Event, NodeProfile
+from fl_geo.evaluation import GlobalEvaluator
+from fl_geo.halos import GlobalParameterServer
+from fl_geo.halos_ipc import IpcError, recv_frame, send_frame, unix_path
+from fl_geo.metrics import MetricsLogger
+from fl_geo.progress import Progress
+from fl_geo.server_app import PROJECT_ROOT, new_run_dir
+from fl_geo.state import ParamSpec, flatten
+from fl_geo.strategies.halos import HalosLoop
+from fl_geo.wire import PayloadError, decode_into, encode, payload_nbytes
+
+log = logging.getLogger("fl_geo")
+
+__all__ = ["LpsService", "RegionalLoop", "global_app", "regional_app", "run_global", "run_regional"]
+
+DEFAULT_IPC_TIMEOUT_S = 600.0
+
+
+def _config(run_config: dict[str, Any]) -> FlGeoConfig:
+    """The fl-geo config of a run (``config`` + ``overrides``), as `fl_geo.server_app` does; the
+    strategy must be ``halos`` (the two tiers need its ``halos.*`` and ``strategy.*`` settings)."""
+    name = str(run_config.get("config", "")).strip() or "configs/halos.yaml"
+    path = Path(name)
+    if not path.is_absolute() and not path.exists():
+        path = PROJECT_ROOT / name
+    cfg = load_config(path, shlex.split(str(run_config.get("overrides", ""))))
+    if cfg.strategy.name != "halos":
+        raise ValueError(f"the HALoS deployment apps need strategy.name=halos, got {cfg.strategy.name!r}")
+    if cfg.run.clock != "wall":
+        raise ValueError("a deployment runs on the wall clock: set run.clock=wall (no virtual time)")
+    return cfg
+
+
+def _model(cfg: FlGeoConfig) -> tuple[ParamSpec, torch.Tensor]:
+    """θ_0: the same seeded initial model on every tier (LPSs and GPS start from one point)."""
+    model = make_model(cfg.model, cfg.run.seed)
+    spec = ParamSpec.from_state_dict(model.state_dict())
+    return spec, flatten(model.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# The LPS side of the IPC
+# ---------------------------------------------------------------------------------------------
+
+
+class LpsService:
+    """The regional ServerApp's Unix-socket endpoint for its bridge (one exchange per connection).
+
+    Runs in a daemon thread and never touches the LPS: it validates what arrives (keys, shapes,
+    precision ``wire.down``, finiteness) into a fresh fp32 tensor, queues it on `inbox` for the
+    training loop's merge, and waits up to ``reply_timeout_s`` for the loop to put the next update
+    (already encoded in ``wire.up``) on `outbox`. A rejected frame is answered with an error frame
+    naming the cause, and the loop is not disturbed. The socket file is created with mode 0600
+    (only this user's bridge can connect) and removed on `close`.
+    """
+
+    def __init__(self, address: str, spec: ParamSpec, precision_down: str, reply_timeout_s: float) -> None:
+        self.address = address
+        self.path = unix_path(address)
+        self.spec = spec
+        self.precision_down = precision_down
+        self.reply_timeout_s = reply_timeout_s
+        self.inbox: queue.Queue[tuple[torch.Tensor | None, bool, int]] = queue.Queue()
+        self.outbox: queue.Queue[tuple[ArrayRecord, dict[str, int]]] = queue.Queue()
+        self.exchanges = 0
+        self.rejected = 0
+        self.last_contact = time.monotonic()
+        self.counters: dict[str, int] = {}  # the loop's counters, sent with an acknowledgement
+        self._closed = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.stat(self.path).st_mode):
+                raise IpcError(f"{self.path} exists and is not a socket; refusing to replace it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(self.path)
+                raise IpcError(f"another LPS already listens on {self.address}")
+            except OSError:
+                os.unlink(self.path)  # stale socket of a previous run
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        sock.listen(4)
+        sock.settimeout(0.5)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="halos-lps-ipc", daemon=True)
+        self._thread.start()
+        log.info("HALoS LPS service listening on %s", self.address)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._handle(conn)
+                except Exception as exc:  # a broken connection must not kill the service
+                    log.warning("HALoS LPS service: exchange failed: %s", exc)
+
+    def _error(self, conn: socket.socket, reason: str) -> None:
+        self.rejected += 1
+        log.warning("HALoS LPS service: %s", reason)
+        send_frame(conn, {"op": "error", "error": reason})
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(60.0)  # reading the request: the bridge sends at once
+        try:
+            header, record = recv_frame(conn)
+        except IpcError as exc:
+            self._error(conn, f"malformed request: {exc}")
+            return
+        if header.get("op") != "exchange":
+            self._error(conn, f"unknown op {header.get('op')!r}")
+            return
+        stop = header.get("stop", False)
+        if not isinstance(stop, bool):
+            self._error(conn, f"'stop' must be a bool, got {stop!r}")
+            return
+        theta: torch.Tensor | None = None
+        if record is not None:
+            try:
+                theta = decode_into(record, self.spec, self.precision_down)
+            except (PayloadError, ValueError) as exc:
+                self._error(conn, f"global model rejected: {exc}")
+                return
+            if not bool(torch.isfinite(theta).all()):
+                self._error(conn, "global model rejected: non-finite values")
+                return
+        elif stop:
+            self._error(conn, "stop without the global model for the final merge")
+            return
+        self.last_contact = time.monotonic()
+        self.exchanges += 1
+        self.inbox.put((theta, stop, int(header.get("global_version", 0))))
+        if stop:
+            send_frame(conn, {"op": "result", **self.counters})
+            return
+        deadline = time.monotonic() + self.reply_timeout_s
+        while True:  # wait for the loop's next update, but not past close(): the bridge must hear
+            try:
+                update, counters = self.outbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                if self._closed.is_set():
+                    self._error(conn, "the regional ServerApp is shutting down (its run ended or failed)")
+                    return
+                if time.monotonic() >= deadline:
+                    self._error(conn, f"no update within {self.reply_timeout_s:g} s (workers stalled?)")
+                    return
+        conn.settimeout(self.reply_timeout_s)
+        send_frame(conn, {"op": "result", **counters}, update)
+        self.last_contact = time.monotonic()
+
+
+# ---------------------------------------------------------------------------------------------
+# Regional ServerApp: the simulation's HalosLoop with one LPS; only the transport differs
+# ---------------------------------------------------------------------------------------------
+
+
+class RegionalLoop(HalosLoop):
+    """One region's LPS serving its workers; global exchanges go through an `LpsService`.
+
+    Worker replies are applied exactly as in `HalosLoop.handle` (reply validation, delayed
+    Nesterov, the worker gets the new θ_k at once). When K updates are due the update U_k is
+    encoded and queued for the bridge; θ_g is merged as soon as it arrives. ``outer/step`` counts
+    merges here; every merge writes a metrics record with the LPS model's validation loss.
+    """
+
+    def __init__(self, *args: Any, service: LpsService, region: str, ipc_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.service = service
+        self.region = region
+        self.ipc_timeout_s = ipc_timeout_s
+        self.merges = 0
+        self.stopped = False
+        self._last_global_version = 0
+
+    def _region(self, node: int) -> str:
+        return self.region  # every worker of this SuperLink belongs to this region's LPS
+
+    def _counters(self) -> dict[str, int]:
+        lps = self.lps[0] if self.lps else None
+        return {"lps_version": lps.version if lps else 0, "sends": lps.sends if lps else 0,
+                "merges": self.merges, "local_updates": self.local_updates,
+                "tokens": self.total_tokens + self.tally.tokens}
+
+    def _send_up(self, g: int) -> None:
+        update = self.lps[g].make_global_update()
+        record = encode(update, self.spec, self.cfg.wire.up)
+        self.total_bytes_up += payload_nbytes(record)
+        self.service.outbox.put((record, self._counters()))
+        log.info("HALoS LPS %s: update %d queued for the GPS (version %d)", self.region, self.lps[g].sends,
+                 self.lps[g].version)
+
+    def _done(self) -> bool:
+        return self.stopped
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                theta, stop, global_version = self.service.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if theta is not None:
+                if not self.lps:
+                    raise RuntimeError("global model arrived before this LPS had any worker")
+                self.lps[0].merge(theta)  # RuntimeError if nothing was outstanding: a protocol bug
+                self.merges += 1
+                self._last_global_version = global_version
+                self.total_bytes_down += theta.numel() * (4 if self.cfg.wire.down == "fp32" else 2)
+                self._log_step(0)
+            if stop:
+                self.stopped = True
+            self.service.counters = self._counters()
+
+    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        self.log_initial()
+        self._progress = progress
+        self.dispatch(self.idle_nodes())
+        clock = self.dispatcher.clock
+        while True:
+            self._drain_inbox()
+            if self.stopped:
+                break
+            if time.monotonic() - self.service.last_contact > self.ipc_timeout_s:
+                raise TimeoutError(f"no exchange with the global server for {self.ipc_timeout_s:.0f} s "
+                                   f"(bridge at {self.service.address}); giving up")
+            if self.dispatcher.in_flight():
+                ev: Event | None = self.dispatcher.next_event(deadline=clock.now() + 0.2)
+                if ev is not None:
+                    self.handle(ev)
+                    self.dispatch(self.idle_nodes())
+                continue
+            idle = self.idle_nodes()
+            if idle:
+                self.dispatch(idle)
+            elif not self.dispatcher.live_nodes():
+                raise RuntimeError("no live worker left in this region")
+            else:
+                time.sleep(0.2)  # every live worker is benched; the GPS may still stop us
+        if self.tally.accepted or self.tally.rejected or self.tally.errors:
+            self._log_step(None)
+        # Unlike the simulation, no drain: a worker job takes seconds of deployment overhead and
+        # its result would not be applied anyway; its late reply is dropped with the run.
+        for job in self.dispatcher.in_flight():
+            self.dispatcher.abandon(job)
+        return self.history[-1] if self.history else {}
+
+    def _log_step(self, group: int | None) -> None:
+        self.version = self.merges
+        if self.lps:
+            self.global_params.copy_(self.lps[0].params)  # what `evaluate` scores: the LPS model
+        t = self.tally
+        metrics: dict[str, Any] = {
+            **self.tally_metrics(t),
+            "outer/local_updates": self.local_updates,
+            "outer/staleness": t.mean(t.staleness_sum),
+            "outer/staleness_max": t.staleness_max,
+            "halos/lps_version": self.lps[0].version if self.lps else 0,
+            "halos/sends": self.lps[0].sends if self.lps else 0,
+            "halos/merges": self.merges,
+            "halos/global_version": self._last_global_version,
+        }
+        metrics.update(self.evaluate())
+        self.history.append(self.logger.log(self.version, metrics))
+        from fl_geo.strategies.replies import Tally
+
+        self.tally = Tally()
+        progress = getattr(self, "_progress", None)
+        if progress is not None:
+            progress.update(self.merges, metrics.get("train/loss"), metrics.get("val/loss"), None)
+
+
+def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
+                 ipc_timeout_s: float = DEFAULT_IPC_TIMEOUT_S, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """One region's LPS until the GPS sends ``stop``; writes and returns the run summary."""
+    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+    t0 = time.perf_counter()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.run.server_threads)
+    spec, params = _model(cfg)
+    service = LpsService(address, spec, cfg.wire.down, reply_timeout_s=ipc_timeout_s)
+    service.start()  # first: the bridge may already be knocking
+    try:
+        dispatcher = Dispatcher(grid, WallClock())
+        nodes = dispatcher.wait_for_nodes(cfg.run.min_nodes or cfg.run.num_clients, cfg.run.wait_nodes_timeout_s)
+        profiles: dict[int, NodeProfile] = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
+        if not profiles:
+            raise RuntimeError("no worker answered the profile query")
+        region = region or next(iter(profiles.values())).site
+        evaluator = GlobalEvaluator(cfg, max(p.num_partitions for p in profiles.values()))
+        loop = RegionalLoop(cfg, spec, params, dispatcher, profiles, logger, evaluator, None,
+                            service=service, region=region, ipc_timeout_s=ipc_timeout_s)
+        log.info("HALoS regional server %s: %d workers, K=%d, alpha=%s, IPC %s", region, len(profiles),
+                 cfg.halos.accumulate, cfg.halos.alpha, address)
+        last = loop.run(Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress))
+        lps = loop.lps[0] if loop.lps else None
+        first = loop.history[0] if loop.history else {}
+        summary = {
+            "name": cfg.run.name, "strategy": "halos", "role": "regional", "region": region,
+            "workers": len(profiles), "accumulate": cfg.halos.accumulate, "alpha": cfg.halos.alpha,
+            "local_updates": loop.local_updates, "lps_version": lps.version if lps else 0,
+            "sends": lps.sends if lps else 0, "merges": loop.merges, "exchanges": service.exchanges,
+            "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
+            "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"),
+            "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
+            "late_replies": dispatcher.late_replies, "wall_s": round(time.perf_counter() - t0, 3),
+            "num_params": spec.numel, "run_dir": str(run_dir), "lps_address": address,
+        }
+        torch.save({"params": params, "spec": spec.to_json()}, run_dir / "final_model.pt")
+        logger.write_json("summary.json", summary)
+        return summary
+    finally:
+        service.close()
+        torch.set_num_threads(threads_before)
+        logger.close()
+
+
+regional_app = ServerApp()
+
+
+@regional_app.main()
+def _regional_main(grid: Grid, context: Context) -> None:
+    """``flwr run apps/halos-regional`` with run config ``lps-address``, ``region``, ``ipc-timeout-s``."""
+    rc = dict(context.run_config)
+    address = str(rc.get("lps-address", "")).strip()
+    if not address:
+        raise ValueError("the regional ServerApp needs run config 'lps-address' (unix:///path/region.sock)")
+    run_regional(grid, _config(rc), address, str(rc.get("region", "")),
+                 float(rc.get("ipc-timeout-s", DEFAULT_IPC_TIMEOUT_S)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Global ServerApp: the GPS
+# ---------------------------------------------------------------------------------------------
+
+
+def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: float = DEFAULT_IPC_TIMEOUT_S,
+               connect_timeout_s: float = 120.0, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The GPS: one bridge message in flight per region until ``run.rounds`` global updates."""
+    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+    t0 = time.perf_counter()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.run.server_threads)
+    try:
+        spec, params = _model(cfg)
+        s = cfg.strategy
+        gps = GlobalParameterServer(params, lr=s.outer_lr, momentum=s.outer_momentum,
+                                    buffer_size=s.delay_buffer, activation=s.delay_activation)
+        evaluator = GlobalEvaluator(cfg, cfg.run.num_clients)
+        dispatcher = Dispatcher(grid, WallClock())
+        nodes = dispatcher.wait_for_nodes(regions, cfg.run.wait_nodes_timeout_s)
+        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
+        if len(profiles) < regions:
+            raise RuntimeError(f"only {len(profiles)} of {regions} bridges answered the region query")
+        quota = math.ceil(cfg.run.rounds / len(profiles))
+        region_of = {n: p.site for n, p in profiles.items()}
+        sends = dict.fromkeys(profiles, 0)
+        counters: dict[str, dict[str, int]] = {}
+        scratch = torch.empty(spec.numel, dtype=torch.float32)
+        initial = evaluator.evaluate(gps.params)
+        history = [logger.log(0, {"outer/step": 0, "val/loss": initial, "val/ppl": math.exp(min(initial, 50.0))})]
+        log.info("HALoS GPS: %d regions %s, %d global updates (%d per region)", len(profiles),
+                 sorted(region_of.values()), quota * len(profiles), quota)
+        bytes_up = bytes_down = 0
+
+        def push(node: int, stop: bool) -> None:
+            nonlocal bytes_down
+            config = ConfigRecord({"stop": stop, "global_version": gps.version,
+                                   "exchange_timeout_s": float(exchange_timeout_s),
+                                   "connect_timeout_s": float(connect_timeout_s)})
+            content = RecordDict({"config": config})
+            if gps.version > 0 or stop:
+                content["arrays"] = encode(gps.params, spec, cfg.wire.down)  # a snapshot, copied
+                bytes_down += payload_nbytes(content["arrays"])
+            dispatcher.submit([Message(content, dst_node_id=node, message_type=MessageType.TRAIN)],
+                              meta=[{"stop": stop}])
+
+        for node in sorted(profiles, key=lambda n: profiles[n].partition_id):
+            push(node, stop=False)
+        while dispatcher.in_flight():
+            ev = dispatcher.next_event()
+            if ev is None:
+                continue
+            node, region = ev.job.node, region_of[ev.job.node]
+            if not ev.ok:
+                raise RuntimeError(f"bridge of region {region} (node {node}) failed: {ev.error}")
+            if ev.job.meta["stop"]:
+                continue  # acknowledged: that region merged θ_g and ends its run
+            m = ev.reply.content.metric_records.get("metrics")
+            counters[region] = {k: int(v) for k, v in (m or {}).items()}  # the LPS when it sent U_k
+            if "arrays" not in ev.reply.content.array_records:
+                raise RuntimeError(f"bridge of region {region} replied without an update")
+            update = decode_into(ev.reply.content.array_records["arrays"], spec, cfg.wire.up, out=scratch)
+            gps.apply(update)  # validates finiteness; ValueError stops the run with the cause
+            bytes_up += payload_nbytes(ev.reply.content.array_records["arrays"])
+            sends[node] += 1
+            loss = evaluator.evaluate(gps.params) if (cfg.run.eval_every and gps.version % cfg.run.eval_every == 0) else float("nan")
+            history.append(logger.log(gps.version, {
+                "outer/step": gps.version, "val/loss": loss, "val/ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss,
+                "halos/region": profiles[node].partition_id, "halos/region_updates": sends[node],
+                "halos/lps_version": counters[region].get("lps_version", -1),
+                "halos/lps_sends": counters[region].get("sends", -1),
+                "comm/bytes_up_total": bytes_up, "comm/bytes_down_total": bytes_down,
+            }))
+            log.info("HALoS GPS: update %d from region %s (its #%d)", gps.version, region, sends[node])
+            push(node, stop=sends[node] >= quota)
+        final = evaluator.evaluate(gps.params)
+        history.append(logger.log(gps.version, {"outer/step": gps.version, "val/loss": final,
+                                                "val/ppl": math.exp(min(final, 50.0))}))
+        torch.save({"params": gps.params, "spec": spec.to_json()}, run_dir / "final_model.pt")
+        summary = {
+            "name": cfg.run.name, "strategy": "halos", "role": "global", "rounds": cfg.run.rounds,
+            "outer_steps": gps.version, "global_version": gps.version, "regions": len(profiles),
+            "updates_per_region": {region_of[n]: c for n, c in sends.items()},
+            "lps_counters": counters, "initial_val_loss": initial, "final_val_loss": final,
+            "bytes_up": bytes_up, "bytes_down": bytes_down, "wall_s": round(time.perf_counter() - t0, 3),
+            "num_params": spec.numel, "run_dir": str(run_dir),
+        }
+        logger.write_json("summary.json", summary)
+        return summary
+    finally:
+        torch.set_num_threads(threads_before)
+        logger.close()
+
+
+global_app = ServerApp()
+
+
+@global_app.main()
+def _global_main(grid: Grid, context: Context) -> None:
+    """``flwr run apps/halos-global`` with run config ``regions``, ``exchange-timeout-s``."""
+    rc = dict(context.run_config)
+    cfg = _config(rc)
+    regions = int(rc.get("regions", 0) or 0)
+    if regions < 1:
+        raise ValueError("the global ServerApp needs run config 'regions' (number of bridge SuperNodes)")
+    run_global(grid, cfg, regions, float(rc.get("exchange-timeout-s", DEFAULT_IPC_TIMEOUT_S)),
+               float(rc.get("connect-timeout-s", 120.0)))

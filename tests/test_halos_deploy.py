@@ -1,0 +1,311 @@
+"""HALoS in the Flower-native two-tier deployment (fl_geo/halos_deploy.py, fl_geo/deploy_halos.py).
+
+Fast tests cover the IPC (framing, validation, timeouts, a missing LPS) and the two-tier topology
+file. The slow test runs the whole layout on loopback: a global SuperLink with two bridge
+SuperNodes, two regional SuperLinks with two workers each, two regional ServerApps (LPS) and the
+global ServerApp (GPS), with K = 2 and two global updates per region, and checks that updates
+crossed both tiers and that every process started is stopped again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from fl_geo import cli, deploy
+from fl_geo.deploy import DeployError
+from fl_geo.deploy_halos import (
+    halos_down,
+    load_halos_topology,
+    parse_halos_topology,
+    run_halos,
+)
+from fl_geo.halos_deploy import LpsService
+from fl_geo.halos_ipc import IpcError, exchange, recv_frame, send_frame, unix_path
+from fl_geo.state import ParamSpec
+from fl_geo.wire import encode
+
+ROOT = Path(__file__).resolve().parents[1]
+HALOS_LOOPBACK = ROOT / "configs" / "deploy" / "halos_loopback.yaml"
+
+TINY_RUN = [
+    "run.tensorboard=false",
+    "run.progress=false",
+    "run.eval_batches=2",
+    "model.n_layers=1",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.max_seq_len=32",
+    "client.seq_len=32",
+    "client.batch_size=4",
+    "client.warmup_steps=2",
+    "client.eval_batches=2",
+    "strategy.inner_steps=5",
+    "strategy.dynupd=false",
+    "data.corpus=pydoc",
+    "data.partition=iid",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# IPC
+# ---------------------------------------------------------------------------------------------
+
+
+def _spec() -> ParamSpec:
+    return ParamSpec.from_state_dict({"w": torch.zeros(3, 2), "b": torch.zeros(4)})
+
+
+@pytest.fixture
+def sock_dir():
+    """A short socket folder (tmp_path can exceed the Unix socket path limit)."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="flgeo-ipc-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_unix_path_rejects_other_schemes():
+    assert unix_path("unix:///tmp/a.sock") == "/tmp/a.sock"
+    for bad in ("tcp://127.0.0.1:1", "unix://rel.sock", "/tmp/a.sock", "unix:///" + "x" * 120):
+        with pytest.raises(IpcError):
+            unix_path(bad)
+
+
+def test_missing_lps_is_a_clear_error(sock_dir):
+    t0 = time.monotonic()
+    with pytest.raises(IpcError, match="not reachable within 1 s"):
+        exchange(f"unix://{sock_dir}/none.sock", {"op": "exchange"}, None, connect_timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_service_round_trip_and_validation(sock_dir, precision):
+    spec = _spec()
+    svc = LpsService(f"unix://{sock_dir}/r0.sock", spec, precision, reply_timeout_s=5.0)
+    svc.start()
+    try:
+        assert oct(Path(svc.path).stat().st_mode & 0o777) == "0o600"  # only this user's bridge
+        theta = torch.arange(spec.numel, dtype=torch.float32) / 7
+        update = encode(-theta, spec, precision)
+        svc.outbox.put((update, {"lps_version": 5, "sends": 2}))
+        reply, out = exchange(svc.address, {"op": "exchange", "stop": False, "global_version": 3},
+                              encode(theta, spec, precision), connect_timeout_s=2, reply_timeout_s=5)
+        got, stop, gv = svc.inbox.get(timeout=1)
+        expect = theta.to(torch.bfloat16).float() if precision == "bf16" else theta
+        assert torch.equal(got, expect) and stop is False and gv == 3
+        assert reply["lps_version"] == 5 and out is not None
+        assert {k: bytes(a.data) for k, a in out.items()} == {k: bytes(a.data) for k, a in update.items()}
+
+        # Invalid payloads are refused with the cause and never reach the inbox.
+        bad = encode(theta, spec, "fp32" if precision == "bf16" else "bf16")
+        with pytest.raises(IpcError, match="global model rejected"):
+            exchange(svc.address, {"op": "exchange"}, bad, connect_timeout_s=2, reply_timeout_s=5)
+        nan = theta.clone()
+        nan[1] = float("nan")
+        with pytest.raises(IpcError, match="non-finite|rejected"):
+            exchange(svc.address, {"op": "exchange"}, encode(nan, spec, precision), connect_timeout_s=2)
+        with pytest.raises(IpcError, match="stop without the global model"):
+            exchange(svc.address, {"op": "exchange", "stop": True}, None, connect_timeout_s=2)
+        with pytest.raises(IpcError, match="unknown op"):
+            exchange(svc.address, {"op": "hello"}, None, connect_timeout_s=2)
+        assert svc.inbox.empty() and svc.rejected == 4
+
+        # No update in time: an error frame, not a hang.
+        svc.reply_timeout_s = 0.5
+        with pytest.raises(IpcError, match="no update within"):
+            exchange(svc.address, {"op": "exchange"}, None, connect_timeout_s=2, reply_timeout_s=5)
+        # A garbage connection does not kill the service.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(svc.path)
+            s.sendall(b"GARBAGE-not-a-frame")
+            s.shutdown(socket.SHUT_WR)
+            header, _ = recv_frame(s)
+            assert header["op"] == "error" and "malformed request" in header["error"]
+        svc.outbox.put((update, {}))
+        assert exchange(svc.address, {"op": "exchange"}, None, connect_timeout_s=2)[1] is not None
+    finally:
+        svc.close()
+    assert not Path(svc.path).exists()
+
+
+def test_bridge_hears_when_the_lps_shuts_down(sock_dir):
+    """A bridge waiting for an update gets an error at once when the regional run ends, not at
+    its reply timeout."""
+    svc = LpsService(f"unix://{sock_dir}/r1.sock", _spec(), "fp32", reply_timeout_s=60.0)
+    svc.start()
+    errors: list[str] = []
+
+    def bridge() -> None:
+        try:
+            exchange(svc.address, {"op": "exchange"}, None, connect_timeout_s=2, reply_timeout_s=60)
+        except IpcError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=bridge)
+    t.start()
+    deadline = time.monotonic() + 10
+    while svc.exchanges == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    svc.close()
+    t.join(timeout=10)
+    assert time.monotonic() - t0 < 8 and errors and "shutting down" in errors[0]
+
+
+def test_exchange_reply_timeout(sock_dir):
+    path = sock_dir / "slow.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    conns: list[socket.socket] = []
+    threading.Thread(target=lambda: conns.append(srv.accept()[0]), daemon=True).start()
+    try:
+        with pytest.raises(IpcError, match="no reply within"):
+            exchange(f"unix://{path}", {"op": "exchange"}, None, connect_timeout_s=2, reply_timeout_s=0.5)
+    finally:
+        for c in conns:
+            c.close()
+        srv.close()
+
+
+def test_frame_limits(sock_dir):
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, {"op": "result"}, encode(torch.ones(10), _spec(), "fp32"))
+        with pytest.raises(IpcError, match="exceeds the limit"):
+            recv_frame(b, max_payload_bytes=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-tier topology
+# ---------------------------------------------------------------------------------------------
+
+
+def _halos_base() -> dict[str, Any]:
+    return yaml.safe_load(HALOS_LOOPBACK.read_text(encoding="utf-8"))
+
+
+def test_shipped_halos_topology():
+    topo = load_halos_topology(HALOS_LOOPBACK)
+    assert [r for r, _ in topo.regions] == ["r0", "r1"] and topo.num_workers == 4
+    bridges = topo.global_tier.nodes
+    assert [b.node_config["region-id"] for b in bridges] == [0, 1]
+    assert bridges[1].node_config["lps-address"] == topo.lps_address("r1") == "unix:///tmp/fl-geo-halos-loopback/r1.sock"
+    assert 'lps-address="unix:///tmp/fl-geo-halos-loopback/r0.sock"' in bridges[0].node_config_arg()
+    assert len({t.state_dir for t in topo.tiers}) == 3  # one pids.json per tier
+    assert not any(t.security.tls for t in topo.tiers)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(extra=1), "extra"),
+        (lambda d: d["regions"][1].update(bridge_port=9302), "used twice"),
+        (lambda d: d["regions"][1]["nodes"][0]["node_config"].update(region="r0"), "expected 'r1'"),
+        (lambda d: d["regions"][1]["nodes"][0]["node_config"].update({"partition-id": 0}), "more than one worker"),
+        (lambda d: d["regions"][1].update(name="r0"), "duplicate region"),
+        (lambda d: d["regions"][0].pop("bridge_port"), "bridge_port"),
+        (lambda d: d.update(ipc_dir="/tmp/" + "x" * 90), "too long"),
+    ],
+)
+def test_halos_topology_errors(tmp_path, mutate, message):
+    data = _halos_base()
+    mutate(data)
+    with pytest.raises(DeployError, match=message):
+        parse_halos_topology(data, tmp_path, "h.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on loopback
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def halos_federation(tmp_path, sock_dir):
+    """The two-tier loopback layout on free ports; always stopped, and checked that nothing survives."""
+    data = _halos_base()
+    ports = iter(_free_ports(1 + 2 * 4))
+    data["global"]["superlink"]["port"] = next(ports)
+    for region in data["regions"]:
+        region["superlink"]["port"] = next(ports)
+        region["bridge_port"] = next(ports)
+        for node in region["nodes"]:
+            node["port"] = next(ports)
+    data.update(name="halos-e2e", flwr_home=str(tmp_path / "flwr"), state_dir=str(tmp_path / "state"),
+                ipc_dir=str(sock_dir))
+    path = tmp_path / "halos.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    topo = load_halos_topology(path)
+    try:
+        yield topo, path
+    finally:
+        records = [r for t in topo.tiers for r in deploy.load_records(t)]
+        family = {r.pid for r in records} | deploy._descendants(r.pid for r in records if r.alive())
+        res = halos_down(topo, grace_s=5)
+        assert not [p for r in res.values() for p in r.survivors], res
+        alive = [pid for pid in family if deploy._alive(pid)]
+        assert not alive, f"processes left behind: {alive}"
+        assert not any(t.pids_path.exists() for t in topo.tiers)
+        assert not list(sock_dir.glob("*.sock"))
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
+    topo, path = halos_federation
+    t0 = time.monotonic()
+    assert cli.main(["deploy", "halos-up", str(path), "--timeout", "120"]) == 0
+    up_s = time.monotonic() - t0
+    res = run_halos(topo, "configs/halos.yaml", [*TINY_RUN, "run.rounds=4", "halos.accumulate=2",
+                                                 "run.name=halos-e2e"],
+                    out_dir=tmp_path / "runs", timeout_s=240, ipc_timeout_s=180, echo=False)
+    g = res.summaries[topo.global_tier.name]
+    print(f"\n[e2e halos] up {up_s:.1f} s, runs {res.wall_s:.1f} s (GPS {g and g['wall_s']} s, LPS "
+          f"{[(res.summaries[t.name] or {}).get('wall_s') for _, t in topo.regions]} s)", file=sys.stderr)
+    assert res.ok, (res.statuses, res.run_dirs)
+    assert g is not None and g["role"] == "global"
+    # GPS: 4 global updates, 2 from each LPS (K = 2 worker updates each)
+    assert g["global_version"] == 4 and g["updates_per_region"] == {"r0": 2, "r1": 2}
+    assert math.isfinite(g["final_val_loss"]) and g["final_val_loss"] < g["initial_val_loss"]
+    for region, tier in topo.regions:
+        s = res.summaries[tier.name]
+        assert s is not None and s["role"] == "regional" and s["region"] == region, s
+        assert s["workers"] == 2 and s["accumulate"] == 2
+        assert s["sends"] == 2 and s["merges"] == 2, s  # both sends applied at the GPS, both replies merged
+        assert s["local_updates"] >= 4 and s["lps_version"] == s["local_updates"]  # K per send, applied at the LPS
+        assert s["exchanges"] == 3  # first pull, θ_g + continue, θ_g + stop
+        assert math.isfinite(s["final_val_loss"])
+        merges = [m for m in _metrics(res.run_dirs[tier.name]) if m.get("halos/merges", 0) > 0]
+        assert [m["halos/merges"] for m in merges][:2] == [1.0, 2.0]
+        assert g["lps_counters"][region]["sends"] == 2
+    steps = [m for m in _metrics(res.run_dirs[topo.global_tier.name]) if m.get("halos/region") is not None]
+    assert sorted(m["halos/region"] for m in steps) == [0, 0, 1, 1]
