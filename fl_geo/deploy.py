@@ -75,6 +75,9 @@ __all__ = [
 # CUDA torch wheels from the internet.
 NO_DEPS_ENV = {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "site", "region", "device")
+# Optional: where the site keeps its inner optimizer state across a restarted ServerApp
+# (clients/persist.py); a relative path is resolved like the topology's other paths.
+NODE_CONFIG_OPTIONAL = ("state-dir",)
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 DEFAULT_GRACE_S = 10.0
 
@@ -233,15 +236,20 @@ def _node_value(where: str, key: str, value: Any) -> str | int:
     return value
 
 
-def _parse_node(i: int, data: Any) -> NodeSpec:
+def _parse_node(i: int, data: Any, base_dir: Path) -> NodeSpec:
     where = f"nodes[{i}]"
     d = _check_keys(where, data, _NODE_KEYS, required=("port", "node_config"))
     name = _str(f"{where}.name", d.get("name", f"node{i}"))
     if not _NAME_RE.match(name):
         raise DeployError(f"{where}.name: {name!r} may only use letters, digits, '_', '.', '-'")
     where = f"nodes[{i}] ({name})"
-    cfg = _check_keys(f"{where}.node_config", d["node_config"], set(NODE_CONFIG_KEYS), required=NODE_CONFIG_KEYS)
+    cfg = _check_keys(f"{where}.node_config", d["node_config"], set(NODE_CONFIG_KEYS + NODE_CONFIG_OPTIONAL),
+                      required=NODE_CONFIG_KEYS)
     node_config: dict[str, str | int] = {k: _node_value(f"{where}.node_config", k, cfg[k]) for k in NODE_CONFIG_KEYS}
+    if "state-dir" in cfg:
+        state_dir = Path(_str(f"{where}.node_config.state-dir", cfg["state-dir"])).expanduser()
+        state_dir = (state_dir if state_dir.is_absolute() else base_dir / state_dir).resolve()
+        node_config["state-dir"] = _node_value(f"{where}.node_config", "state-dir", str(state_dir))
     if node_config["partition-id"] >= node_config["num-partitions"]:  # type: ignore[operator]
         raise DeployError(f"{where}.node_config: partition-id {node_config['partition-id']} must be < "
                           f"num-partitions {node_config['num-partitions']}")
@@ -303,7 +311,7 @@ def parse_topology(data: Any, base_dir: Path, source: str = "<topology>") -> Top
     nodes_raw = d["nodes"]
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise DeployError(f"{source}: nodes must be a non-empty list")
-    nodes = tuple(_parse_node(i, n) for i, n in enumerate(nodes_raw))
+    nodes = tuple(_parse_node(i, n, base_dir) for i, n in enumerate(nodes_raw))
     names = [n.name for n in nodes]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -114,7 +114,9 @@ def open_checkpoints(cfg: FlGeoConfig, run_dir: Path) -> tuple[CheckpointStore |
 
 def write_history(path: Path, history: list[str]) -> None:
     """Rewrite metrics.jsonl from a checkpoint's history (atomically), so a resumed run's file
-    has each step once."""
+    has each step once. In deployment the resumed ServerApp writes to a new run directory, which
+    does not exist yet at this point."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(h + "\n" for h in history), encoding="utf-8")
     tmp.replace(path)
@@ -217,7 +219,22 @@ def make_server_app(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> Serv
 app = ServerApp()
 
 
+def _log_to_stderr() -> None:
+    """In deployment nothing configures the ``fl_geo`` logger, so its INFO lines (the run dir,
+    checkpoints, "resumed from") would be dropped. Flower mirrors the ServerApp's stderr to
+    ``flwr log``; ``fl-geo run`` configures the logger itself and is left alone."""
+    logger = logging.getLogger("fl_geo")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for ``flwr run .`` (see ``[tool.flwr.app.config]`` in pyproject.toml)."""
+    _log_to_stderr()
     run_server(grid, config_from_run_config(dict(context.run_config)))

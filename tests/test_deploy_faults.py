@@ -1,0 +1,295 @@
+"""Faults in a real deployment (issue 7): a SuperLink and three SuperNodes on loopback, and
+
+- a SuperNode SIGKILLed mid-run, then started again with the same node config (same partition);
+- the ServerApp SIGKILLed mid-run, then the same run submitted again with ``run.resume=true``.
+
+A killed SuperNode cannot say goodbye: the SuperLink only notices when its heartbeats stop, which
+in Flower 1.41 is after ``HEARTBEAT_PATIENCE`` (2) x the interval the node reports (30 s, a
+constant with no command-line flag). The SuperNodes of these tests run through a small wrapper
+that sets the interval to 10 s, the least the SuperLink accepts, so a dead node goes offline
+within ~20 s instead of ~60 s. Nothing else about the processes changes.
+
+Every process started here (and everything it spawned) is stopped at the end, even on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from fl_geo import deploy
+from fl_geo.deploy import DeployError, load_topology, parse_topology
+from tests.test_deploy import TINY_RUN, TOKENS_PER_UPDATE, _base, _free_ports, _metrics, _received
+
+ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT_S = 10  # flwr.common.constant.HEARTBEAT_MIN_INTERVAL: the SuperLink refuses less
+
+# flower-supernode with a shorter heartbeat: the interval is a module constant in Flower 1.41.
+_SUPERNODE_WRAPPER = f"""
+import sys
+import flwr.supercore.heartbeat as hb
+import flwr.supernode.fleet_http_connection as conn
+hb.HEARTBEAT_DEFAULT_INTERVAL = conn.HEARTBEAT_DEFAULT_INTERVAL = {HEARTBEAT_S}
+from flwr.supernode.cli.flower_supernode import flower_supernode
+sys.argv[0] = "flower-supernode"
+sys.exit(flower_supernode())
+"""
+
+
+def _wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_family(pid: int) -> set[int]:
+    """SIGKILL a process, its process group and every descendant (a site losing power)."""
+    family = {pid} | deploy._descendants([pid])
+    for p in family:
+        deploy._signal(p, signal.SIGKILL, group=False)
+    deploy._signal(pid, signal.SIGKILL, group=True)
+    for p in family:
+        deploy._reap(p)
+    _wait_for(f"pids {sorted(family)} to die", lambda: not any(deploy._alive(p) for p in family), 10)
+    return family
+
+
+def _run_dir(out: Path, name: str) -> Path | None:
+    dirs = sorted(out.glob(f"{name}-*"))
+    return dirs[-1] if dirs else None
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        return [m for m in _metrics(run_dir) if m.get("step", 0) > 0]
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def _wait_run(topo: deploy.Topology, run_id: int, timeout_s: float) -> str:
+    def done() -> str | None:
+        state, details = deploy.run_status(topo, run_id)
+        return f"{state} {details}".strip() if state.startswith("finished") else None
+
+    return _wait_for(f"run {run_id} to finish", done, timeout_s, poll_s=1.0)
+
+
+@pytest.fixture
+def fault_federation(tmp_path, monkeypatch):
+    """A plaintext loopback topology on free ports whose SuperNodes use a 10 s heartbeat.
+
+    Teardown (also after a failure) stops everything the topology recorded and asserts that no
+    process of it, nor any process it spawned or a test killed by hand, is left alive.
+    """
+    wrapper = tmp_path / "supernode_short_heartbeat.py"
+    wrapper.write_text(_SUPERNODE_WRAPPER, encoding="utf-8")
+    original = deploy.supernode_command
+
+    def supernode_command(topo, node, private_key=None):
+        return [sys.executable, str(wrapper), *original(topo, node, private_key)[1:]]
+
+    monkeypatch.setattr(deploy, "supernode_command", supernode_command)
+    started: list[deploy.Topology] = []
+    killed: set[int] = set()
+
+    def start(node_state_dir: Path | None = None) -> deploy.Topology:
+        data = _base()
+        ports = _free_ports(1 + len(data["nodes"]))
+        data["name"] = "faults"
+        data["superlink"]["port"] = ports[0]
+        for node, port in zip(data["nodes"], ports[1:], strict=True):
+            node["port"] = port
+            if node_state_dir is not None:
+                node["node_config"]["state-dir"] = str(node_state_dir)
+        data["flwr_home"] = str(tmp_path / "flwr")
+        data["state_dir"] = str(tmp_path / "state")
+        path = tmp_path / "topology.yaml"
+        path.write_text(yaml.safe_dump(data), encoding="utf-8")
+        topo = load_topology(path)
+        started.append(topo)
+        deploy.up(topo, timeout_s=90)
+        return topo
+
+    start.killed = killed  # type: ignore[attr-defined]
+    yield start
+
+    for topo in started:
+        records = deploy.load_records(topo)
+        family = {r.pid for r in records} | deploy._descendants(r.pid for r in records if r.alive())
+        res = deploy.down(topo, grace_s=5)
+        assert not res.survivors, f"still alive after down: {res.survivors}"
+        alive = [pid for pid in family | killed if deploy._alive(pid)]
+        assert not alive, f"processes left behind: {alive}"
+        assert not topo.pids_path.exists()
+
+
+def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
+    data = _base()
+    data["nodes"][0]["node_config"]["state-dir"] = "node-state"
+    data["nodes"][1]["node_config"]["state-dir"] = str(tmp_path / "abs")
+    topo = parse_topology(data, tmp_path, "t.yaml")
+    assert topo.nodes[0].node_config["state-dir"] == str(tmp_path.resolve() / "node-state")
+    assert topo.nodes[1].node_config_arg().endswith(f'state-dir="{tmp_path / "abs"}"')
+    assert "state-dir" not in topo.nodes[2].node_config
+    for bad, message in ((42, "non-empty string"), ("", "non-empty string"), ('a"b', "double quotes")):
+        data["nodes"][0]["node_config"]["state-dir"] = bad
+        with pytest.raises(DeployError, match=message):
+            parse_topology(data, tmp_path, "t.yaml")
+
+
+@pytest.mark.slow
+def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
+    """SIGKILL one SuperNode after the first outer step: the run neither stalls nor crashes; the
+    rounds after run on the two others until a SuperNode with the same node config (partition)
+    is started again, which is profiled and trains from the server's current model."""
+    t0 = time.monotonic()
+    topo = fault_federation()
+    up_s = time.monotonic() - t0
+    out = tmp_path / "runs"
+    rounds = 4
+    res = deploy.run_experiment(topo, "configs/diloco.yaml", [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-node"],
+                                out_dir=out, wait=False, echo=False)
+    _wait_for("the first outer step", lambda: (d := _run_dir(out, "kill-node")) is not None and _steps(d), 150)
+    run_dir = _run_dir(out, "kill-node")
+    assert run_dir is not None
+
+    victim = next(r for r in deploy.load_records(topo) if r.role == "supernode" and r.name == "dc2")
+    t_kill = time.monotonic()
+    fault_federation.killed.update(_kill_family(victim.pid))
+    done_before_kill = len(_steps(run_dir))
+
+    # The same site comes back (same node config, so the same partition); a fresh Runtime API
+    # port avoids waiting for the dead one's socket. Flower gives it a new node id.
+    spec = next(n for n in topo.nodes if n.name == "dc2")
+    again = deploy.NodeSpec("dc2-again", _free_ports(1)[0], dict(spec.node_config))
+    _, rejoined = deploy.launch(topo, "supernode", again.name, deploy.supernode_command(topo, again))
+
+    final = _wait_run(topo, res.run_id, 240)
+    wall = time.monotonic() - t0
+    assert final.startswith("finished:completed"), final
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outer_steps"] == rounds and summary["rejected"] == 0
+    assert math.isfinite(summary["final_val_loss"])
+    steps = _steps(run_dir)
+    accepted = [int(m["outer/accepted"]) for m in steps]
+    assert [m["step"] for m in steps] == list(range(1, rounds + 1))
+    assert accepted[0] == 3, accepted  # before the kill: the killed node's update counted
+    assert done_before_kill >= 1
+    # The round in flight at the kill loses the dead node (it vanishes once its heartbeat lapses),
+    # later rounds run with the two others or with the rejoined node; the last one has all three.
+    assert 2 in accepted[done_before_kill:], accepted
+    assert set(accepted) <= {2, 3}, accepted
+    assert accepted[-1] == 3, accepted
+    assert summary["tokens"] == sum(accepted) * TOKENS_PER_UPDATE
+    # Rejoined: asked for its profile once, then trained; its updates were accepted, and an update
+    # is only accepted when the base_version it reports equals the server's current version.
+    assert _received(rejoined.log, "query") == 1, rejoined.log
+    assert _received(rejoined.log) >= 1, rejoined.log
+    for name in ("dc0", "dc1"):
+        rec = next(r for r in deploy.load_records(topo) if r.name == name)
+        assert _received(rec.log) == rounds, rec.log  # the survivors trained every round
+    print(f"\n[fault: supernode killed] up {up_s:.1f} s, run {wall - up_s:.1f} s "
+          f"(kill at {t_kill - t0:.1f} s), accepted per step {accepted}, ServerApp {summary['wall_s']:.1f} s",
+          file=sys.stderr)
+
+
+def _sent(log: str, kind: str = "train") -> int:
+    return Path(log).read_text(encoding="utf-8", errors="replace").count(f"Sending: {kind} message")
+
+
+def _server_apps(topo: deploy.Topology) -> list[int]:
+    """The ServerApp processes the topology's SuperLink spawned (``flwr-serverapp``)."""
+    link = next(r for r in deploy.load_records(topo) if r.role == "superlink")
+    return sorted(p for p in deploy._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
+
+
+@pytest.mark.slow
+def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
+    """SIGKILL the ServerApp after checkpoint 2, submit the same run with ``run.resume=true``: it
+    resumes from the checkpoint (a new Flower run: the nodes reload their inner state from their
+    node config ``state-dir``), finishes every round with each step once, and its final model is
+    bit-identical to an uninterrupted run of the same config."""
+    from fl_geo.clients.datacenter import app as client_app
+    from fl_geo.config import load_config
+    from fl_geo.inline import InlineGrid
+    from fl_geo.server_app import run_server
+
+    t0 = time.monotonic()
+    node_state = tmp_path / "node-state"
+    topo = fault_federation(node_state_dir=node_state)
+    up_s = time.monotonic() - t0
+    out, ckpts = tmp_path / "runs", tmp_path / "checkpoints"
+    rounds = 3
+    common = [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-server", "run.checkpoint_every=1",
+              f"run.checkpoint_dir={ckpts}"]
+    first = deploy.run_experiment(topo, "configs/diloco.yaml", common, out_dir=out, wait=False, echo=False)
+    _wait_for("checkpoint 2", lambda: (ckpts / "ckpt-00000002.pt").exists(), 180, poll_s=0.05)
+    apps = _wait_for("the ServerApp process", lambda: _server_apps(topo), 10)
+    assert len(apps) == 1, [_cmdline(p) for p in apps]
+    # Kill in the middle of round 3: as soon as one site has sent its round-3 update (the others
+    # are usually still training, so the server never folds that round; the nodes that already
+    # trained it must rewind when the resumed server sends it again).
+    logs = [r.log for r in deploy.load_records(topo) if r.role == "supernode"]
+    _wait_for("a round-3 reply", lambda: any(_sent(log) >= 3 for log in logs), 120, poll_s=0.05)
+    fault_federation.killed.update(_kill_family(apps[0]))
+    t_kill = time.monotonic()
+    folded = (ckpts / "ckpt-00000003.pt").exists()  # all three were quicker than the kill: rare
+    trained_round3 = sum(_sent(log) >= 3 for log in logs)
+    (cut_dir,) = out.glob("kill-server-*")
+    assert not (cut_dir / "final_model.pt").exists()
+    # What an operator does next: stop the dead run. Otherwise the SuperLink keeps it RUNNING
+    # until the ServerApp's heartbeat lapses (~60 s, "No heartbeat received from the task") and
+    # each SuperNode sits on its queued message of the dead run until then.
+    stop = deploy.flwr_cli(topo, ["stop", str(first.run_id), topo.name])
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert deploy.run_status(topo, first.run_id)[0] == "finished:stopped"
+
+    resumed = deploy.run_experiment(topo, "configs/diloco.yaml", [*common, "run.resume=true"], out_dir=out,
+                                    timeout_s=240, echo=False)
+    wall = time.monotonic() - t0
+    assert resumed.ok, (resumed.status, resumed.details)
+    assert resumed.run_dir is not None and resumed.run_dir != cut_dir
+    logs = deploy.flwr_cli(topo, ["log", str(resumed.run_id), topo.name]).stdout
+    assert "resumed from" in logs, logs[-3000:]
+    s = resumed.summary
+    assert s is not None and s["outer_steps"] == rounds and s["rejected"] == 0
+    steps = [m["step"] for m in _metrics(resumed.run_dir)]
+    assert steps == list(range(rounds + 1)), steps  # each step once, in order
+    assert sorted(p.name for p in (node_state / "kill-server").iterdir()) == [
+        "partition-0.pt", "partition-1.pt", "partition-2.pt"]
+
+    # The uninterrupted run, in-process on the same code path (InlineGrid): synchronous DiLoCo
+    # folds in rank order and every client trains single-threaded, so the bits must agree.
+    t_ref = time.monotonic()
+    cfg = load_config(ROOT / "configs" / "diloco.yaml", [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-server",
+                                                          "run.checkpoint_every=1"])
+    run_server(InlineGrid(client_app, 3, seed=0), cfg, tmp_path / "reference")
+    ref = torch.load(tmp_path / "reference" / "final_model.pt")["params"]
+    got = torch.load(resumed.run_dir / "final_model.pt")["params"]
+    assert torch.equal(ref, got), f"max |diff| {float((ref - got).abs().max())}"
+    print(f"\n[fault: ServerApp killed] up {up_s:.1f} s, killed at {t_kill - t0:.1f} s, resumed run "
+          f"{resumed.wall_s:.1f} s (ServerApp {s['wall_s']:.1f} s), deployment total {wall:.1f} s, reference "
+          f"{time.monotonic() - t_ref:.1f} s; {trained_round3} node(s) had trained round 3 before the kill, "
+          f"round 3 {'already' if folded else 'not'} folded", file=sys.stderr)
