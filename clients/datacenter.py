@@ -24,11 +24,12 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl_geo.builders import inner_config, make_model, partitions
+from fl_geo.builders import inner_config, make_model, model_config, partitions
 from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
 from fl_geo.data import BatchNoise, BatchSampler, eval_batches
 from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
+from fl_geo.distributed import DataParallelTrainer, model_spec, resolve_devices
 from fl_geo.model import Decoder
 from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
 from fl_geo.streaming import (
@@ -87,6 +88,12 @@ def _set_threads(cfg: ConfigRecord) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+def _first_device(setting: str) -> str:
+    """A node's ``device`` may list the devices of a data-parallel site (``"cuda:0,cuda:2"``,
+    fl_geo.distributed); a handler that uses one device takes the first."""
+    return setting.split(",", 1)[0].strip()
+
+
 def _setup(msg: Message, context: Context) -> tuple[ConfigRecord, int, int, InnerConfig, Decoder, ParamSpec, torch.Tensor]:
     """What every handler needs: config, partition, inner settings, and the received model loaded."""
     cfg = msg.content.config_records["config"]
@@ -94,9 +101,42 @@ def _setup(msg: Message, context: Context) -> tuple[ConfigRecord, int, int, Inne
     pid, nparts = _partition_ids(context)
     icfg = inner_config(str(cfg["client"]), int(cfg["schedule_total"]))
     # A node may override its device (e.g. --node-config 'device="cuda:1"'); else the run's choice.
-    device = pick_device(str(context.node_config.get("device", icfg.device)))
+    device = pick_device(_first_device(str(context.node_config.get("device", icfg.device))))
     model, spec, base = _load_global(msg, cfg, device)
     return cfg, pid, nparts, icfg, model, spec, base
+
+
+def _num_devices(cfg: ConfigRecord, context: Context) -> int:
+    """Processes for this site's inner loop: node config ``devices`` (a site knows its hardware:
+    ``--node-config 'devices=8'``), else ``client.devices``; a client section without the key
+    (from an older run) means one."""
+    client = json.loads(str(cfg["client"]))
+    return int(context.node_config.get("devices", client.get("devices", 1)))
+
+
+def _setup_data_parallel(
+    msg: Message, context: Context, count: int
+) -> tuple[ConfigRecord, int, int, InnerConfig, DataParallelTrainer, ParamSpec, torch.Tensor]:
+    """``_setup`` for a data-parallel job of ``count`` ranks (fl_geo.distributed).
+
+    This process builds no trainable model: the received model is decoded straight into the
+    job's shared-memory parameter buffer (which the ranks train from and rank 0 writes back
+    into), and ``base`` keeps θ_global for the pseudo-gradient. The devices are checked here, on
+    the site's own machine (the server that validated the config may have no GPU).
+    """
+    cfg = msg.content.config_records["config"]
+    _set_threads(cfg)
+    pid, nparts = _partition_ids(context)
+    client = json.loads(str(cfg["client"]))
+    icfg = inner_config(client, int(cfg["schedule_total"]))
+    device = str(context.node_config.get("device", icfg.device))
+    devices, backend = resolve_devices(device, count, str(client.get("dist_backend", "auto")))
+    model_cfg = model_config(str(cfg["model"]))
+    spec = model_spec(model_cfg)
+    trainer = DataParallelTrainer(model_cfg, icfg, spec, devices, backend, threads=int(cfg.get("threads", 1)))
+    decode_into(msg.content.array_records["arrays"], spec, str(cfg["wire_down"]), out=trainer.params)
+    base = trainer.params.clone()
+    return cfg, pid, nparts, icfg, trainer, spec, base
 
 
 def make_sampler(
@@ -176,7 +216,7 @@ def query(msg: Message, context: Context) -> Message:
         {
             "partition_id": pid,
             "num_partitions": nparts,
-            "device": str(pick_device(device)),
+            "device": str(pick_device(_first_device(device))),
             "site": str(context.node_config.get("site", f"dc{pid}")),
         }
     )
@@ -185,9 +225,22 @@ def query(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Run the inner loop from the received global model; reply with the pseudo-gradient."""
-    cfg, pid, nparts, icfg, model, spec, base = _setup(msg, context)
-    trainer = InnerTrainer(model, icfg)
+    """Run the inner loop from the received global model; reply with the pseudo-gradient.
+
+    One process by default. With ``client.devices`` (or node config ``devices``) > 1 the inner
+    loop runs as a data-parallel job across the site's devices (fl_geo.distributed,
+    docs/multidevice.md), each rank with batch ``client.batch_size``; the state handling and the
+    reply are the same. (The streaming handler ``train.stream`` always runs in one process.)
+    """
+    trainer: InnerTrainer | DataParallelTrainer
+    count = _num_devices(msg.content.config_records["config"], context)
+    if count > 1:
+        cfg, pid, nparts, icfg, trainer, spec, base = _setup_data_parallel(msg, context, count)
+        vocab_size = trainer.model_cfg.vocab_size
+    else:
+        cfg, pid, nparts, icfg, model, spec, base = _setup(msg, context)
+        trainer = InnerTrainer(model, icfg)
+        vocab_size = model.cfg.vocab_size
     state = context.state
     disk = _state_file(context, cfg, pid)
     if disk is not None and bool(cfg.get("resumed", False)) and PROGRESS_KEY not in state.config_records:
@@ -207,7 +260,7 @@ def train(msg: Message, context: Context) -> Message:
     part = parts[pid]
     data_cfg = json.loads(str(cfg["data"]))
     data_seed = int(data_cfg["seed"]) * 1_000_003 + int(cfg["seed"])
-    sampler = make_sampler(data_cfg, part.train, icfg, pid, model.cfg.vocab_size, data_seed)
+    sampler = make_sampler(data_cfg, part.train, icfg, pid, vocab_size, data_seed)
 
     t0 = time.perf_counter()
     budget = float(cfg.get("time_budget_s", 0.0))  # A-EDiT: train for a time, H is a cap
@@ -215,7 +268,8 @@ def train(msg: Message, context: Context) -> Message:
     train_time = time.perf_counter() - t0
     noisy_steps = sum(sampler.is_noisy(start_step + i) for i in range(result.steps))
 
-    local = flatten(model.state_dict())
+    # One process: copy the trained model out. Data-parallel: rank 0 wrote it into shared memory.
+    local = trainer.params if isinstance(trainer, DataParallelTrainer) else flatten(model.state_dict())
     if str(cfg.get("send", "pseudo_grad")) == "params":
         # Di-PS's "current" base (Algorithm 1, line 10): the server subtracts from its own
         # current model, so the worker ships its parameters.
@@ -298,12 +352,15 @@ def _flat_array(t: torch.Tensor) -> Array:
 
 @app.train("stream")
 def train_stream(msg: Message, context: Context) -> Message:
-    """One tick of Streaming DiLoCo / CoCoDC on this worker (message type ``train.stream``)."""
+    """One tick of Streaming DiLoCo / CoCoDC on this worker (message type ``train.stream``).
+
+    Always one process: ``client.devices`` applies to the plain ``train`` handler only.
+    """
     cfg = msg.content.config_records["config"]
     _set_threads(cfg)
     pid, nparts = _partition_ids(context)
     icfg = inner_config(str(cfg["client"]), int(cfg["schedule_total"]))
-    device = pick_device(str(context.node_config.get("device", icfg.device)))
+    device = pick_device(_first_device(str(context.node_config.get("device", icfg.device))))
     model, spec = _model(str(cfg["model"]), int(cfg["seed"]))
     fragments, frag_specs = _fragments(str(cfg["model"]), int(cfg["seed"]), int(cfg["fragments"]))
     rule, H = str(cfg["stream_rule"]), int(cfg["H"])

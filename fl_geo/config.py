@@ -260,11 +260,16 @@ class ClientSection:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    batch_size: int = 16
+    batch_size: int = 16  # per process: with devices = N a site trains on N x batch_size sequences a step
     seq_len: int = 128
     device: str = "auto"  # auto | cuda | npu | mps | cpu
     precision: str = "auto"  # auto (bf16 autocast on accelerators) | bf16 | fp32
     eval_batches: int = 8
+    # Data-parallel inner loop over a site's devices (fl_geo.distributed, docs/multidevice.md):
+    # 1 = one process (the default path); N > 1 = N DDP processes started per train message. A
+    # SuperNode may override it (--node-config 'devices=8'); its hardware is checked there.
+    devices: int = 1
+    dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
 
 
 @dataclass
@@ -465,6 +470,12 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     _require(c.device in ("auto", "cuda", "npu", "mps", "cpu"), f"client.device '{c.device}' is unknown")
     _require(c.precision in ("auto", "bf16", "fp32"), f"client.precision '{c.precision}' is unknown")
+    _require(c.devices >= 1, f"client.devices must be >= 1, got {c.devices}")
+    _require(c.dist_backend in ("auto", "gloo", "nccl"), f"client.dist_backend must be auto, gloo or nccl, got '{c.dist_backend}'")
+    _require(c.dist_backend != "nccl" or c.device in ("auto", "cuda"),
+             f"client.dist_backend=nccl needs CUDA devices, but client.device is '{c.device}'")
+    _require(c.devices == 1 or c.device in ("auto", "cuda", "cpu"),
+             f"client.devices > 1 runs on cuda or cpu, not on client.device '{c.device}'")
     try:
         m.validate()
     except ValueError as exc:
@@ -512,13 +523,15 @@ def schedule_length(cfg: FlGeoConfig) -> int:
     if cfg.client.total_steps:
         return cfg.client.total_steps
     s, r = cfg.strategy, cfg.run
+    # tokens one worker step consumes: client.batch_size is per process, a site runs client.devices
+    step_tokens = cfg.client.batch_size * cfg.client.devices * cfg.client.seq_len
     if s.schedule_clock == "local":
         steps = r.rounds * s.inner_steps
         if r.max_tokens:  # the budget ends the run first: each worker's share of it
-            steps = min(steps, max(1, r.max_tokens // (cfg.client.batch_size * cfg.client.seq_len * r.num_clients)))
+            steps = min(steps, max(1, r.max_tokens // (step_tokens * r.num_clients)))
         return steps + s.sync_warmup_steps
     if r.max_tokens:
-        return max(1, r.max_tokens // (cfg.client.batch_size * cfg.client.seq_len))
+        return max(1, r.max_tokens // step_tokens)
     return max(1, r.rounds * s.inner_steps * min(s.buffer_size, r.num_clients))
 
 

@@ -75,6 +75,10 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
 class InnerTrainer:
     """Owns a model on its device and the AdamW state that persists across outer rounds."""
 
+    # Free the gradients after each step (one process: less memory between steps). The
+    # data-parallel rank trainer keeps them, because there they are the all-reduce buckets.
+    zero_grad_to_none: bool = True
+
     def __init__(self, model: Decoder, cfg: InnerConfig) -> None:
         self.cfg = cfg
         self.device = pick_device(cfg.device)
@@ -115,6 +119,15 @@ class InnerTrainer:
         elif self.device.type == "mps":
             torch.mps.synchronize()
 
+    def _stop(self, budget_reached: bool) -> bool:
+        """Whether a budgeted loop stops after this step; one process simply obeys its own clock.
+
+        A hook because a data-parallel job (fl_geo.distributed) must stop every rank at the same
+        step: a rank that stepped once more would wait in its gradient all-reduce until the
+        process group times out.
+        """
+        return budget_reached
+
     def train(self, sampler: BatchSampler, steps: int, start_step: int, time_budget_s: float = 0.0) -> TrainResult:
         """Run ``steps`` optimizer steps at schedule positions ``start_step …``.
 
@@ -146,11 +159,11 @@ class InnerTrainer:
             if self.cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self.zero_grad_to_none)
             losses.append(loss.detach())
             if time_budget_s > 0:
                 self._synchronize()
-                if time.perf_counter() - started >= time_budget_s:
+                if self._stop(time.perf_counter() - started >= time_budget_s):
                     break
         done = len(losses)
         all_losses = torch.stack(losses).cpu()

@@ -103,6 +103,12 @@ def test_async_schedule_counts_every_workers_steps():
     one = load_config(None, ["strategy.name=async_diloco", "run.rounds=40", "strategy.inner_steps=20"])
     assert schedule_length(one) == 40 * 20
     assert schedule_length(load_config(None, ["strategy.name=async_diloco", "client.total_steps=77"])) == 77
+    # a site with 2 devices consumes twice the tokens per step: half the steps fit the budget
+    two = load_config("configs/bench/eta_dips.yaml", ["client.devices=2"])
+    assert schedule_length(two) == 800
+    budget = ["run.max_tokens=1638400"]  # 200 steps per worker at one device: the budget binds
+    assert schedule_length(load_config("configs/bench/eta_diloco.yaml", budget)) == 200
+    assert schedule_length(load_config("configs/bench/eta_diloco.yaml", [*budget, "client.devices=2"])) == 100
 
 
 def test_noise_keys_default_off_and_accept_valid_values():
