@@ -41,6 +41,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import urllib.error
@@ -577,25 +578,34 @@ def connection_entry(topo: Topology) -> dict[str, Any]:
     return entry
 
 
+_CONFIG_LOCK = threading.Lock()
+
+
 def write_flwr_config(topo: Topology) -> Path:
     """Add (or replace) this topology's connection in ``$FLWR_HOME/config.toml``.
 
     Other connections in the file are kept, so several topologies can share one FLWR_HOME.
     """
     path = topo.flwr_home / "config.toml"
-    data: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise DeployError(f"{path}: not valid TOML ({exc}); fix or delete it") from None
-    superlink = data.setdefault("superlink", {})
-    if not isinstance(superlink, dict):
-        raise DeployError(f"{path}: [superlink] must be a table")
-    superlink.setdefault("default", topo.name)
-    superlink[topo.name] = connection_entry(topo)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps_toml(data), encoding="utf-8")
+    # Read-modify-write under a lock, replaced atomically: the HALoS tiers start in parallel
+    # threads and share one FLWR_HOME; without it one tier's entry could be lost (its
+    # `flwr supernode ls` then sees no SuperLink and `up` times out).
+    with _CONFIG_LOCK:
+        data: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                data = tomllib.loads(path.read_text(encoding="utf-8"))
+            except tomllib.TOMLDecodeError as exc:
+                raise DeployError(f"{path}: not valid TOML ({exc}); fix or delete it") from None
+        superlink = data.setdefault("superlink", {})
+        if not isinstance(superlink, dict):
+            raise DeployError(f"{path}: [superlink] must be a table")
+        superlink.setdefault("default", topo.name)
+        superlink[topo.name] = connection_entry(topo)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(dumps_toml(data), encoding="utf-8")
+        tmp.replace(path)
     return path
 
 
