@@ -118,6 +118,12 @@ class HalosLoop(OuterLoop):
         return nodes
 
     # ---- dispatch -------------------------------------------------------------------------------
+    def _payload_bytes(self, precision: str) -> int:
+        """Bytes of one model-sized payload of this model: the byte counters count what was
+        actually sent (as in the other loops), not the scenario's modelled model size, which only
+        times the transfer."""
+        return self.spec.numel * (4 if precision == "fp32" else 2)
+
     def _nbytes(self, precision: str) -> int:
         if self.scenario is not None:
             return int(self.scenario.payload_bytes(precision, self.scenario.modelled_params(fallback=self.spec.numel)))
@@ -191,7 +197,7 @@ class HalosLoop(OuterLoop):
         region, server = self.group_region[g], self.scenario.server_region
         t = self.dispatcher.clock.now() + self.scenario.transfer_time(region, server, self._nbytes(self.cfg.wire.up))
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "up", g, update))
-        self.total_bytes_up += self._nbytes(self.cfg.wire.up)
+        self.total_bytes_up += self._payload_bytes(self.cfg.wire.up)  # what was sent, as every loop counts
 
     def _global_step(self, g: int, update: torch.Tensor) -> None:
         """U_k reached the global server: step, log, and send θ_g back to local server g."""
@@ -205,7 +211,7 @@ class HalosLoop(OuterLoop):
         region, server = self.group_region[g], self.scenario.server_region
         t = self.dispatcher.clock.now() + self.scenario.transfer_time(server, region, self._nbytes(self.cfg.wire.down))
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "down", g, self.gps.params.clone()))
-        self.total_bytes_down += self._nbytes(self.cfg.wire.down)
+        self.total_bytes_down += self._payload_bytes(self.cfg.wire.down)
 
     def _transfer_done(self, tr: _Transfer) -> None:
         self.dispatcher.clock.advance_to(tr.finish)
