@@ -36,6 +36,27 @@ def _seed_and_threads():
     torch.set_num_threads(2)
 
 
+def tiny_overrides(*extra: str, drop: tuple[str, ...] = ()) -> list[str]:
+    """TINY without the keys in ``drop``, then ``extra`` (the deployment tests' run overrides)."""
+    return [o for o in TINY if o.split("=", 1)[0] not in drop] + list(extra)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held until chosen, so they cannot repeat)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def tiny_config(*overrides: str) -> FlGeoConfig:
     return load_config(None, [*TINY, *overrides])
 

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,29 +25,14 @@ import yaml
 
 from fl_geo import cli, deploy
 from fl_geo.deploy import DeployError, load_topology, parse_topology
+from tests.conftest import free_ports, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ROOT / "configs" / "deploy" / "loopback.yaml"
 LOOPBACK_TLS = ROOT / "configs" / "deploy" / "loopback_tls.yaml"
 
 # The smallest run that still exercises every message type (see tests/conftest.py TINY).
-TINY_RUN = [
-    "run.num_clients=3",
-    "run.tensorboard=false",
-    "run.progress=false",
-    "run.eval_batches=2",
-    "model.n_layers=1",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.max_seq_len=32",
-    "client.seq_len=32",
-    "client.batch_size=4",
-    "client.warmup_steps=2",
-    "client.eval_batches=2",
-    "strategy.inner_steps=5",
-    "data.corpus=pydoc",
-    "data.partition=iid",
-]
+TINY_RUN = tiny_overrides("strategy.inner_steps=5", drop=("run.rounds", "run.backend", "run.sim_cpus", "strategy.inner_steps"))
 TOKENS_PER_UPDATE = 5 * 4 * 32  # inner steps x batch x seq_len
 
 
@@ -315,18 +299,6 @@ def test_down_ignores_a_recorded_pid_that_was_reused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free ports (all held until chosen, so they cannot repeat)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture
@@ -340,7 +312,7 @@ def federation(tmp_path):
 
     def start(tls: bool, via_cli: bool = False) -> tuple[deploy.Topology, Path]:
         data = _base()
-        ports = _free_ports(1 + len(data["nodes"]))
+        ports = free_ports(1 + len(data["nodes"]))
         data["name"] = "e2e-tls" if tls else "e2e"
         data["superlink"]["port"] = ports[0]
         for node, port in zip(data["nodes"], ports[1:], strict=True):
@@ -420,7 +392,7 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     # An intruder with a valid TLS trust root but an unregistered key is refused at activation.
     key, pub = tmp_path / "intruder.key", tmp_path / "intruder.pub"
     deploy.generate_node_key(deploy._openssl(), key, pub, "intruder")
-    intruder = deploy.NodeSpec("intruder", _free_ports(1)[0], dict(topo.nodes[0].node_config))
+    intruder = deploy.NodeSpec("intruder", free_ports(1)[0], dict(topo.nodes[0].node_config))
     proc, rec = deploy.launch(topo, "supernode", "intruder", deploy.supernode_command(topo, intruder, key))
     assert proc.wait(timeout=60) != 0
     assert "Failed to activate SuperNode" in Path(rec.log).read_text()

@@ -29,7 +29,8 @@ import yaml
 
 from fl_geo import deploy
 from fl_geo.deploy import DeployError, load_topology, parse_topology
-from tests.test_deploy import TINY_RUN, TOKENS_PER_UPDATE, _base, _free_ports, _metrics, _received
+from tests.conftest import free_ports
+from tests.test_deploy import TINY_RUN, TOKENS_PER_UPDATE, _base, _metrics, _received
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10  # flwr.common.constant.HEARTBEAT_MIN_INTERVAL: the SuperLink refuses less
@@ -116,7 +117,7 @@ def fault_federation(tmp_path, monkeypatch):
 
     def start(node_state_dir: Path | None = None) -> deploy.Topology:
         data = _base()
-        ports = _free_ports(1 + len(data["nodes"]))
+        ports = free_ports(1 + len(data["nodes"]))
         data["name"] = "faults"
         data["superlink"]["port"] = ports[0]
         for node, port in zip(data["nodes"], ports[1:], strict=True):
@@ -183,7 +184,7 @@ def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     # The same site comes back (same node config, so the same partition); a fresh Runtime API
     # port avoids waiting for the dead one's socket. Flower gives it a new node id.
     spec = next(n for n in topo.nodes if n.name == "dc2")
-    again = deploy.NodeSpec("dc2-again", _free_ports(1)[0], dict(spec.node_config))
+    again = deploy.NodeSpec("dc2-again", free_ports(1)[0], dict(spec.node_config))
     _, rejoined = deploy.launch(topo, "supernode", again.name, deploy.supernode_command(topo, again))
 
     final = _wait_run(topo, res.run_id, 240)

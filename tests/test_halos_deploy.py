@@ -34,27 +34,13 @@ from fl_geo.halos_deploy import LpsService
 from fl_geo.halos_ipc import IpcError, exchange, recv_frame, send_frame, unix_path
 from fl_geo.state import ParamSpec
 from fl_geo.wire import encode
+from tests.conftest import free_ports, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 HALOS_LOOPBACK = ROOT / "configs" / "deploy" / "halos_loopback.yaml"
 
-TINY_RUN = [
-    "run.tensorboard=false",
-    "run.progress=false",
-    "run.eval_batches=2",
-    "model.n_layers=1",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.max_seq_len=32",
-    "client.seq_len=32",
-    "client.batch_size=4",
-    "client.warmup_steps=2",
-    "client.eval_batches=2",
-    "strategy.inner_steps=5",
-    "strategy.dynupd=false",
-    "data.corpus=pydoc",
-    "data.partition=iid",
-]
+TINY_RUN = tiny_overrides("strategy.inner_steps=5", "strategy.dynupd=false",
+                          drop=("run.rounds", "run.num_clients", "run.backend", "run.sim_cpus", "strategy.inner_steps"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,24 +219,13 @@ def test_halos_topology_errors(tmp_path, mutate, message):
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture
 def halos_federation(tmp_path, sock_dir):
     """The two-tier loopback layout on free ports; always stopped, and checked that nothing survives."""
     data = _halos_base()
-    ports = iter(_free_ports(1 + 2 * 4))
+    ports = iter(free_ports(1 + 2 * 4))
     data["global"]["superlink"]["port"] = next(ports)
     for region in data["regions"]:
         region["superlink"]["port"] = next(ports)
