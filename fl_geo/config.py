@@ -221,6 +221,30 @@ class StreamingSection:
 
 
 @dataclass
+class PsSection:
+    """Sharded parameter server (Di-PS §4.1; docs/sharded_ps.md): followers own contiguous layers.
+
+    followers = 0 keeps the whole model in the ServerApp (the default). F >= 1 splits θ, the fp32
+    outer state and the running sum over F followers; the ServerApp stays the leader (grace window,
+    membership, versions, tokens, the penalty decision). Strategy dips only.
+    """
+
+    followers: int = 0
+    # local: the followers live in the ServerApp's process and clients' updates come in Flower
+    # replies (the single-server case, and the virtual-clock tests); grpc: follower processes the
+    # leader starts, and clients push/pull shards on the gRPC data path (fl_geo.dataplane) while
+    # Flower messages carry only control.
+    transport: str = "local"
+    norm: str = "global"  # global: ||update||_2 (F-independent) | sum_of_shards: Di-PS's sum of shard norms
+    workdir: str = ""  # follower plan, checkpoints, logs ("" = <run dir>/ps)
+    checkpoint_keep: int = 3  # follower checkpoints kept (one after every outer step)
+    heartbeat_s: float = 1.0  # followers' heartbeat period; dead after 3 missed beats
+    chunk_mib: int = 4  # data-path frame size
+    retry_s: float = 120.0  # how long clients and the leader retry a transfer to a follower
+    max_pending: int = 64  # unhandled pushes a follower holds before it refuses more
+
+
+@dataclass
 class WireSection:
     """Precision of model-sized payloads on the wire (the outer state is always fp32)."""
 
@@ -282,6 +306,7 @@ class FlGeoConfig:
     halos: HalosSection = field(default_factory=HalosSection)
     streaming: StreamingSection = field(default_factory=StreamingSection)
     wire: WireSection = field(default_factory=WireSection)
+    ps: PsSection = field(default_factory=PsSection)
     model: ModelConfig = field(default_factory=ModelConfig)  # the model's own dataclass
     data: DataSection = field(default_factory=DataSection)
     client: ClientSection = field(default_factory=ClientSection)
@@ -453,6 +478,20 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
     _require(s.max_update_ratio >= 0, f"strategy.max_update_ratio must be >= 0, got {s.max_update_ratio}")
+    ps = cfg.ps
+    _require(ps.followers >= 0, f"ps.followers must be >= 0, got {ps.followers}")
+    _require(ps.transport in ("local", "grpc"), f"ps.transport must be local or grpc, got '{ps.transport}'")
+    _require(ps.norm in ("global", "sum_of_shards"), f"ps.norm must be global or sum_of_shards, got '{ps.norm}'")
+    _require(ps.checkpoint_keep >= 1 and ps.heartbeat_s > 0 and ps.chunk_mib >= 1 and ps.retry_s >= 0 and ps.max_pending >= 1,
+             "ps: checkpoint_keep >= 1, heartbeat_s > 0, chunk_mib >= 1, retry_s >= 0, max_pending >= 1")
+    if ps.followers:
+        _require(s.name == "dips", f"ps.followers (the sharded parameter server) is for strategy dips, not '{s.name}'")
+        _require(not p.enabled or p.granularity == "global",
+                 "ps.followers needs penalty.granularity=global (the leader decides on whole updates, Di-PS)")
+        _require(not (r.checkpoint_every or r.resume),
+                 "run.checkpoint_every / run.resume: with ps.followers the followers checkpoint their shards "
+                 "after every step; a leader checkpoint is not supported yet")
+        _require(s.outer_optimizer in ("nesterov", "delayed_nesterov"), "ps.followers supports the nesterov outer optimizers")
     _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
     for side in ("up", "down"):
         val = getattr(w, side)

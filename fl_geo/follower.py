@@ -153,6 +153,10 @@ class FollowerShard:
         return x.clone() if dtype == torch.float32 else x.to(dtype)
 
     # ---- control path (the leader) --------------------------------------------------------------
+    def theta_sq_sums(self) -> list[float]:
+        """Per-tensor Σ θ_s² (the leader's bound on update norms needs ‖θ‖)."""
+        return tensor_sq_sums(self.params, self.ranges)
+
     def norms(self, job: str) -> list[float]:
         """Per-tensor Σ Δ² of a complete push (cached per model version)."""
         buf = self._get(job)

@@ -40,6 +40,7 @@ from fl_geo.progress import Progress
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.halos import HalosLoop
+from fl_geo.strategies.sharded import ShardedDiPSLoop
 from fl_geo.strategies.streaming import StreamingLoop
 from fl_geo.strategies.sync import SyncOuterLoop
 
@@ -167,6 +168,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         log.info("fl-geo: %s with %d nodes, %d parameters, run dir %s", cfg.strategy.name, len(profiles), spec.numel, run_dir)
         loop_cls = (HalosLoop if cfg.strategy.name == "halos"
                     else StreamingLoop if cfg.strategy.name in STREAMING_STRATEGIES
+                    else ShardedDiPSLoop if cfg.ps.followers
                     else AsyncOuterLoop if cfg.strategy.name in ASYNC_STRATEGIES else SyncOuterLoop)
         loop = loop_cls(cfg, spec, global_params, dispatcher, profiles, logger, evaluator, scenario)
         loop.checkpoints = store

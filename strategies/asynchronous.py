@@ -29,7 +29,7 @@ from fl_geo.dispatch import Event, JobTiming
 from fl_geo.grace import GraceTimer
 from fl_geo.progress import Progress
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import ReplyError, Tally, read_train_reply
+from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_train_reply
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -69,6 +69,7 @@ class AsyncOuterLoop(OuterLoop):
         self._last_step_wall = 0.0
         self._errors: dict[int, int] = {}  # consecutive failed jobs per node
         self.benched: set[int] = set()
+        self._job_seq = 0  # names jobs (the sharded loop keys pushed shards by it)
 
     # ---- checkpoint -----------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -114,23 +115,35 @@ class AsyncOuterLoop(OuterLoop):
         """Send the current model to idle nodes, each with its own budget and schedule position."""
         if not nodes:
             return
-        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
-        down = payload_nbytes(arrays)
+        records, down = self.model_records()
         msgs, timings, meta = [], [], []
         # position in worker steps: samples dispatched to all workers / one worker's batch
         global_batch = self.cfg.client.batch_size
         for node in nodes:
             steps = self._inner_steps(node)
-            config = dict(self._client_cfg, round=self.version, base_version=self.version, inner_steps=steps, send=self._send)
+            job = f"v{self.version}-p{self.partition_of(node)}-{self._job_seq}"
+            self._job_seq += 1
+            config = dict(self._client_cfg, round=self.version, base_version=self.version, inner_steps=steps, send=self._send,
+                          **self.job_config(node, job))
             if self.cfg.strategy.schedule_clock == "global":
                 config["start_step"] = self.dispatched_samples // global_batch
             self.dispatched_samples += steps * global_batch
-            content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+            content = RecordDict({**records, "config": ConfigRecord(config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down), self._nbytes(self.cfg.wire.up)))
-            meta.append({"version": self.version, "steps": steps})
+            meta.append({"version": self.version, "steps": steps, "job": job})
         self.dispatcher.submit(msgs, timings, meta)
         self.total_bytes_down += down * len(nodes)
+
+    def model_records(self) -> tuple[dict[str, Any], int]:
+        """What a train message carries besides its config: the model (and its bytes). The
+        sharded loop's gRPC transport carries none: clients pull shards from the followers."""
+        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
+        return {"arrays": arrays}, payload_nbytes(arrays)
+
+    def job_config(self, node: int, job: str) -> dict[str, Any]:
+        """Extra config scalars for one job (the sharded loop: follower addresses, job id)."""
+        return {}
 
     def idle_nodes(self) -> list[int]:
         """Free nodes that are neither waiting for this step's model nor benched."""
@@ -152,30 +165,41 @@ class AsyncOuterLoop(OuterLoop):
         self._errors.pop(node, None)
         self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
         try:
-            r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]))
+            r = self.read_reply(ev)
         except ReplyError as exc:
             self._reject(self.tally, node, str(exc))
+            self.discard(ev)
             return
-        tokens, pieces = r.tokens, r.pieces
         staleness = self.version - int(ev.job.meta["version"])
-        update: Any = pieces
-        if self._send == "params":
-            update = self._current_base_grad(pieces)
-        if self.penalty is not None:
-            verdict = self.fold_penalised(self.tally, node, update, tokens, staleness)
-            if verdict is None:
-                return
-            norm = float(verdict.norms.norm())
-        else:
-            result = self.accumulator.add_batch_checked([update], [self._weight(tokens, staleness)], self.update_bound())
-            if 0 in result.rejected:
-                self._reject(self.tally, node, result.rejected[0])
-                return
-            norm = float(result.norms[0])
+        norm = self.fold_update(ev, r, staleness)
+        if norm is None:
+            return
         if self.cfg.strategy.name == "fedasync":
             s = self.cfg.strategy
             self._fedasync_scale = fedasync_alpha(s.mixing, s.staleness_exponent, staleness)
         self.tally.accept(r, norm, staleness)
+
+    def read_reply(self, ev: Event) -> TrainReply:
+        """Validate a train reply (the sharded loop reads a control-only reply instead)."""
+        return read_train_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]))
+
+    def discard(self, ev: Event) -> None:
+        """Forget whatever a rejected reply left behind (the sharded loop: pushed shards)."""
+
+    def fold_update(self, ev: Event, r: TrainReply, staleness: int) -> float | None:
+        """Score and fold one valid reply; its norm, or None when it was rejected (logged)."""
+        node = ev.job.node
+        update: Any = r.pieces
+        if self._send == "params":
+            update = self._current_base_grad(r.pieces)
+        if self.penalty is not None:
+            verdict = self.fold_penalised(self.tally, node, update, r.tokens, staleness)
+            return None if verdict is None else float(verdict.norms.norm())
+        result = self.accumulator.add_batch_checked([update], [self._weight(r.tokens, staleness)], self.update_bound())
+        if 0 in result.rejected:
+            self._reject(self.tally, node, result.rejected[0])
+            return None
+        return float(result.norms[0])
 
     def _current_base_grad(self, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """g = θ_current − θ_worker in one reusable model-sized scratch buffer."""
@@ -225,15 +249,8 @@ class AsyncOuterLoop(OuterLoop):
         t = self.tally
         base_lr = self.optimizer.lr
         self.optimizer.lr = base_lr * self._lr_share()
-        stepped = t.accepted > 0
-        if stepped and self.penalty is not None:
-            self.penalised_step()
-            self.version += 1
-        elif stepped:
-            mean = self.accumulator.mean()
-            if self.cfg.strategy.name == "fedasync":
-                mean.mul_(self._fedasync_scale)
-            self.optimizer.step(self.global_params, mean)
+        if t.accepted > 0:
+            self.apply_update()
             self.version += 1
         self.optimizer.lr = base_lr
         if self.penalty is not None:
@@ -255,6 +272,16 @@ class AsyncOuterLoop(OuterLoop):
         self.waiting = []
         self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node
         return metrics
+
+    def apply_update(self) -> None:
+        """The outer step on this step's folded updates (at ``self.optimizer.lr``)."""
+        if self.penalty is not None:
+            self.penalised_step()
+            return
+        mean = self.accumulator.mean()
+        if self.cfg.strategy.name == "fedasync":
+            mean.mul_(self._fedasync_scale)
+        self.optimizer.step(self.global_params, mean)
 
     def _update_cost(self) -> float:
         """C_m of the ski-rental rule: the time to get the new model to a worker.

@@ -1,0 +1,88 @@
+"""Di-PS with a sharded parameter server (strategies/sharded.py) end to end on the virtual clock.
+
+In-process followers (``ps.transport=local``); the gRPC transport is tested in test_sharded_grpc.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+
+from fl_geo.clients.datacenter import app as client_app
+from fl_geo.config import ConfigError
+from fl_geo.inline import InlineGrid
+from fl_geo.metrics import read_metrics
+from fl_geo.server_app import run_server
+
+VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16", "model.n_layers=3"]
+DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
+        "penalty.clip=1.0", "penalty.warmup=2"]
+
+
+def _run(cfg, tmp_path, name="run", hook=None):
+    grid = InlineGrid(client_app, cfg.run.num_clients, seed=0)
+    grid.reply_hook = hook
+    summary = run_server(grid, cfg, tmp_path / name)
+    return summary, torch.load(tmp_path / name / "final_model.pt")["params"]
+
+
+@pytest.mark.parametrize("base", ["dispatch", "current"])
+def test_one_two_four_followers_end_bit_identical(tiny, tmp_path, base):
+    finals, summaries = {}, {}
+    for f in (1, 2, 4):
+        cfg = tiny(*VIRTUAL, *DIPS, "run.rounds=6", f"ps.followers={f}", f"strategy.pseudo_grad_base={base}")
+        summaries[f], finals[f] = _run(cfg, tmp_path, f"f{f}")
+    assert torch.equal(finals[1], finals[2]) and torch.equal(finals[1], finals[4])
+    assert {s["outer_steps"] for s in summaries.values()} == {6}
+    assert len({s["virtual_s"] for s in summaries.values()}) == 1
+    steps = [[r.get("outer/accepted") for r in read_metrics(tmp_path / f"f{f}")] for f in (1, 2, 4)]
+    assert steps[0] == steps[1] == steps[2]
+    # the single-server Di-PS (no followers) is the same algorithm: equal up to norm rounding
+    s0, unsharded = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=6", f"strategy.pseudo_grad_base={base}"), tmp_path, "f0")
+    assert s0["outer_steps"] == 6
+    assert torch.allclose(unsharded, finals[1], atol=1e-3)
+
+
+def test_sum_of_shard_norms_rule_runs(tiny, tmp_path):
+    summary, final = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=3", "ps.followers=2", "ps.norm=sum_of_shards"), tmp_path)
+    assert summary["outer_steps"] == 3 and torch.isfinite(final).all()
+
+
+def _nan_once(node, msg, reply):
+    if msg.metadata.message_type != "train" or reply.has_error() or _nan_once.done:
+        return reply
+    _nan_once.done = True
+    items = dict(reply.content.array_records["arrays"].items())
+    key = list(items)[-1]  # a tensor of the last shard
+    arr = items[key].numpy().copy()
+    arr.reshape(-1)[0] = np.int16(0x7FC0)  # a bf16 NaN
+    items[key] = Array(arr)
+    return Message(RecordDict({"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+
+
+def test_nan_update_is_rejected_and_leaves_nothing_on_the_followers(tiny, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    _nan_once.done = False
+    summary, final = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=4", "ps.followers=2"), tmp_path, hook=_nan_once)
+    assert summary["rejected"] == 1 and summary["outer_steps"] == 4 and torch.isfinite(final).all()
+    assert "NaN or Inf" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [(["strategy.name=fedbuff", "ps.followers=2"], "strategy dips"),
+     ([*DIPS, "ps.followers=2", "penalty.granularity=module"], "granularity=global"),
+     ([*DIPS, "ps.followers=2", "run.checkpoint_every=1"], "leader checkpoint"),
+     ([*DIPS, "ps.transport=tcp"], "local or grpc"),
+     ([*DIPS, "ps.norm=max"], "global or sum_of_shards")],
+)
+def test_config_errors(tiny, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny(*overrides)
+
+
+def test_more_followers_than_layers_is_a_config_error(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="only 5 layers"):
+        _run(tiny(*VIRTUAL, *DIPS, "run.rounds=1", "ps.followers=9"), tmp_path)
