@@ -6,6 +6,7 @@
     fl-geo config CONFIG [key=value ...]             print the resolved configuration
     fl-geo data fetch [--data-dir D] [NAME ...]      download + extract the pinned corpora
     fl-geo bench outer [--params N] [--updates K] [--precision P] [--quick]
+    fl-geo place SCENARIO [--candidates R1,R2] [--json]   Di-PS cost model: which region hosts the PS
     fl-geo deploy certs|up|run|status|down ...       SuperLink + SuperNodes across sites (docs/deploy.md)
     fl-geo deploy halos-up|halos-run|halos-status|halos-down ...   HALoS's two tiers (docs/deploy.md)
 """
@@ -104,6 +105,21 @@ def cmd_data(args: argparse.Namespace) -> int:
         groups = ", ".join(e.get("groups", []))
         print(f"{name}: {e.get('status')} - {e.get('documents')} documents, {mb:.1f} MB, groups {groups}; "
               f"text sha256 {str(e.get('text_sha256', ''))[:12]}... at {e.get('path')}")
+    return 0
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    """``fl-geo place``: the Di-PS PS-placement scores of a scenario (docs/placement_and_schedule.md)."""
+    import json
+
+    from fl_geo.placement import format_placement, place_from_scenario
+    from fl_geo.scenario import load_scenario
+
+    candidates = None
+    if args.candidates is not None:
+        candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
+    placement = place_from_scenario(load_scenario(args.scenario), candidates)
+    print(json.dumps(placement.to_dict(), indent=2) if args.json else format_placement(placement))
     return 0
 
 
@@ -297,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("names", nargs="*", help="bible, shakespeare (default: both)")
     f.add_argument("--data-dir", default=None, help="default: $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora")
     f.set_defaults(func=cmd_data)
+
+    pl = sub.add_parser("place", help="Di-PS placement cost model: score each region as the PS host")
+    pl.add_argument("scenario", help="scenario name (configs/scenarios/<name>.yaml) or YAML path")
+    pl.add_argument("--candidates", default=None,
+                    help="comma-separated candidate regions (default: every region of the scenario)")
+    pl.add_argument("--json", action="store_true", help="print the scores, B and p as JSON")
+    pl.set_defaults(func=cmd_place)
 
     b = sub.add_parser(
         "bench",
