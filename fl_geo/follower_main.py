@@ -1,0 +1,123 @@
+"""Process entry of one follower parameter server (`python -m fl_geo.follower_main`).
+
+Started by `fl_geo.dataplane.FollowerSupervisor`, once per shard and again after a crash. It
+rebuilds its `FollowerShard` from the plan and the newest verified checkpoint in its directory
+(one must exist: the supervisor writes version 0 before the first launch), so a restart resumes
+from the last step the leader saw acknowledged. It then serves the data path, heartbeats to the
+leader, writes ``host:port`` to ``--addr-file`` (tmp + rename, so a reader never sees half an
+address), and exits cleanly on SIGTERM/SIGINT or when the process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from fl_geo.checkpoint import CheckpointStore
+from fl_geo.dataplane import INCARNATION, FollowerServer
+from fl_geo.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
+from fl_geo.outer import build_outer_optimizer
+from fl_geo.shards import ShardPlan
+
+log = logging.getLogger("fl_geo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fl_geo.follower_main", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", required=True, help="ShardPlan JSON file")
+    p.add_argument("--index", type=int, required=True, help="shard index this follower holds")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port (reported in --addr-file)")
+    p.add_argument("--checkpoint-dir", required=True, help="this follower's CheckpointStore directory")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    p.add_argument("--leader", default=None, help="host:port of the leader's heartbeat service")
+    p.add_argument("--optimizer", default="nesterov", help="outer optimizer name (fl_geo.outer)")
+    p.add_argument("--optimizer-kwargs", default="{}", help="JSON object of optimizer arguments")
+    p.add_argument("--wire", default="bf16", choices=sorted(WIRE_DTYPES))
+    p.add_argument("--send", default="pseudo_grad", choices=SEND_MODES)
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--addr-file", default=None, help="where to write host:port once serving")
+    p.add_argument("--max-workers", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--max-pending", type=int, default=64, help="unhandled pushes held before refusing more")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is no longer our parent (the supervisor died)")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    return p
+
+
+def load_follower(args: argparse.Namespace) -> tuple[FollowerShard, CheckpointStore]:
+    """The shard as of its newest verified checkpoint (θ, optimizer state, version)."""
+    plan = ShardPlan.from_json(Path(args.plan).read_text())
+    if not 0 <= args.index < plan.num_shards:
+        raise SystemExit(f"shard index {args.index} outside the plan of {plan.num_shards}")
+    kwargs = json.loads(args.optimizer_kwargs)
+    if not isinstance(kwargs, dict):
+        raise SystemExit("--optimizer-kwargs must be a JSON object")
+    store = CheckpointStore(args.checkpoint_dir, keep=args.keep)
+    ckpt = store.load_latest()
+    if ckpt is None:
+        raise SystemExit(f"no verified checkpoint in {args.checkpoint_dir}: the supervisor writes "
+                         "version 0 before the first launch")
+    numel = plan.shards[args.index].numel
+    optimizer = build_outer_optimizer(args.optimizer, numel, **kwargs)
+    params = ckpt.state.get("params")
+    # Adopt the loaded tensor as θ_s instead of allocating a second shard-sized buffer;
+    # load_state_dict validates it (and everything else) and copies it onto itself.
+    if not (torch.is_tensor(params) and params.dtype == torch.float32 and params.dim() == 1
+            and params.numel() == numel and params.is_contiguous()):
+        params = None
+    follower = FollowerShard(plan, args.index, optimizer, params=params, wire=args.wire, send=args.send,
+                             max_pending=args.max_pending)
+    follower.load_state_dict(ckpt.state)
+    log.info("follower %d: loaded checkpoint %s (version %d, %d elements)", args.index, ckpt.path,
+             follower.version, numel)
+    return follower, store
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s follower-{args.index}[{os.getpid()}]: %(message)s")
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+
+    follower, store = load_follower(args)
+    server = FollowerServer(follower, store, host=args.host, port=args.port, leader=args.leader,
+                            heartbeat_s=args.heartbeat_s, max_workers=args.max_workers)
+    try:
+        server.start()
+    except OSError as exc:
+        log.error("follower %d: %s", args.index, exc)
+        return 3
+    if args.addr_file:
+        addr = Path(args.addr_file)
+        tmp = addr.with_name(addr.name + f".{os.getpid()}.tmp")
+        tmp.write_text(server.address + "\n")
+        os.replace(tmp, addr)
+    log.info("follower %d serving at %s (incarnation %s, leader %s)", args.index, server.address,
+             INCARNATION, args.leader)
+    try:
+        while not stop.wait(1.0):
+            if args.parent_pid is not None and os.getppid() != args.parent_pid:
+                log.warning("follower %d: parent %d is gone; shutting down", args.index, args.parent_pid)
+                break
+    finally:
+        server.stop(grace=1.0)
+        log.info("follower %d stopped", args.index)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
