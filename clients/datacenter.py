@@ -26,6 +26,7 @@ from flwr.clientapp import ClientApp
 
 from fl_geo.builders import inner_config, make_model, model_config, partitions
 from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
+from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
 from fl_geo.data import BatchNoise, BatchSampler, eval_batches
 from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
@@ -72,13 +73,20 @@ def _model(model_json: str, seed: int) -> tuple[Decoder, ParamSpec]:
 def _load_global(msg: Message, cfg: ConfigRecord, device: torch.device) -> tuple[Decoder, ParamSpec, torch.Tensor]:
     """Decode the received model (validated against our own spec) into the cached model."""
     model, spec = _model(str(cfg["model"]), int(cfg["seed"]))
-    pieces = decode(msg.content.array_records["arrays"], spec, str(cfg["wire_down"]))
     base = torch.empty(spec.numel, dtype=torch.float32)
-    for offset, piece in pieces:
-        base[offset : offset + piece.numel()].copy_(piece)
+    if has_followers(cfg):  # sharded Di-PS: the model comes over the data path, not in the message
+        PULLED["version"] = pull_model(cfg, base)
+    else:
+        for offset, piece in decode(msg.content.array_records["arrays"], spec, str(cfg["wire_down"])):
+            base[offset : offset + piece.numel()].copy_(piece)
     load_flat_into(model, base, spec)
     model.to(device)
     return model, spec, base
+
+
+# The model version the last pull from the follower PSs returned (one train message at a time
+# per ClientApp process, so one slot suffices).
+PULLED = {"version": -1}
 
 
 def _set_threads(cfg: ConfigRecord) -> None:
@@ -134,7 +142,10 @@ def _setup_data_parallel(
     model_cfg = model_config(str(cfg["model"]))
     spec = model_spec(model_cfg)
     trainer = DataParallelTrainer(model_cfg, icfg, spec, devices, backend, threads=int(cfg.get("threads", 1)))
-    decode_into(msg.content.array_records["arrays"], spec, str(cfg["wire_down"]), out=trainer.params)
+    if has_followers(cfg):
+        PULLED["version"] = pull_model(cfg, trainer.params)
+    else:
+        decode_into(msg.content.array_records["arrays"], spec, str(cfg["wire_down"]), out=trainer.params)
     base = trainer.params.clone()
     return cfg, pid, nparts, icfg, trainer, spec, base
 
@@ -270,13 +281,17 @@ def train(msg: Message, context: Context) -> Message:
 
     # One process: copy the trained model out. Data-parallel: rank 0 wrote it into shared memory.
     local = trainer.params if isinstance(trainer, DataParallelTrainer) else flatten(model.state_dict())
-    if str(cfg.get("send", "pseudo_grad")) == "params":
-        # Di-PS's "current" base (Algorithm 1, line 10): the server subtracts from its own
-        # current model, so the worker ships its parameters.
-        arrays = encode(local, spec, str(cfg["wire_up"]))
+    update = local
+    if str(cfg.get("send", "pseudo_grad")) != "params":
+        # (with send=params, Di-PS's "current" base of Algorithm 1 line 10, the server subtracts
+        # from its own current model, so the worker ships its parameters)
+        update = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
+    records: dict[str, Any] = {}
+    pushed: dict[str, int] = {}
+    if has_followers(cfg):  # the update goes to the follower PSs; the reply carries control only
+        pushed = {"ps_pushed_bytes": push_update(cfg, update), "ps_version": PULLED["version"]}
     else:
-        delta = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
-        arrays = encode(delta, spec, str(cfg["wire_up"]))
+        records["arrays"] = encode(update, spec, str(cfg["wire_up"]))
 
     if bool(cfg.get("keep_prev", False)):
         # What this round started from (the same objects, no copy): a resumed server that sends
@@ -294,9 +309,10 @@ def train(msg: Message, context: Context) -> Message:
         {
             **_train_metrics(result, train_time, pid, noisy_steps),
             "base_version": int(cfg.get("base_version", 0)),
+            **pushed,
         }
     )
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+    return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
 
 # ---- Streaming DiLoCo / CoCoDC (ALGORITHMS.md §7; server side: strategies/streaming.py) --------

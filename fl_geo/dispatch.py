@@ -234,6 +234,14 @@ class Dispatcher:
         time.sleep(self._poll)
         self._poll = min(self._poll * 2, self.poll_interval_s)
 
+    def poll(self) -> bool:
+        """Pull once without waiting (replies are held for their turn). A transport whose
+        clients fetch the model themselves calls it right after `submit`, so an in-process grid
+        runs them now, at the model version they were sent, as real nodes would start at once."""
+        got = self._pull()
+        self._check_liveness()
+        return got
+
     def _pull(self) -> bool:
         ids = [j for j in self._jobs if j not in self._arrived] + list(self._abandoned)
         if not ids:

@@ -960,6 +960,11 @@ class Penalty:
                          else None),
         )
 
+    def discard_step(self) -> None:
+        """Forget the open step without learning from it (its updates were voided: a sharded
+        parameter server lost a follower mid-window). The statistics stay as at the last commit."""
+        self._step = None
+
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

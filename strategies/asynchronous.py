@@ -249,8 +249,7 @@ class AsyncOuterLoop(OuterLoop):
         t = self.tally
         base_lr = self.optimizer.lr
         self.optimizer.lr = base_lr * self._lr_share()
-        if t.accepted > 0:
-            self.apply_update()
+        if t.accepted > 0 and self.apply_update():
             self.version += 1
         self.optimizer.lr = base_lr
         if self.penalty is not None:
@@ -273,15 +272,17 @@ class AsyncOuterLoop(OuterLoop):
         self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node
         return metrics
 
-    def apply_update(self) -> None:
-        """The outer step on this step's folded updates (at ``self.optimizer.lr``)."""
+    def apply_update(self) -> bool:
+        """The outer step on this step's folded updates (at ``self.optimizer.lr``); False when
+        nothing was stepped (the sharded loop: a follower restart voided the window)."""
         if self.penalty is not None:
             self.penalised_step()
-            return
+            return True
         mean = self.accumulator.mean()
         if self.cfg.strategy.name == "fedasync":
             mean.mul_(self._fedasync_scale)
         self.optimizer.step(self.global_params, mean)
+        return True
 
     def _update_cost(self) -> float:
         """C_m of the ski-rental rule: the time to get the new model to a worker.

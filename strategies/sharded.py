@@ -36,6 +36,7 @@ from fl_geo.shards import ShardPlan, global_norm, sum_of_shard_norms
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.base import outer_optimizer_from_config
 from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, TrainReply
+from fl_geo.transfer_schedule import TransferScheduler
 
 log = logging.getLogger("fl_geo")
 
@@ -43,6 +44,7 @@ log = logging.getLogger("fl_geo")
 class Follower(Protocol):
     """What the leader asks of a follower, in process or over the data path."""
 
+    def has(self, job: str) -> bool: ...
     def norms(self, job: str) -> list[float]: ...
     def fold(self, job: str, weight: float, rescale: float = 1.0) -> None: ...
     def drop(self, job: str) -> None: ...
@@ -52,8 +54,9 @@ class Follower(Protocol):
     def theta_sq_sums(self) -> list[float]: ...
 
 
-def read_control_reply(ev: Event, expected_version: int) -> TrainReply:
-    """A train reply of the gRPC transport: metrics only (the update went to the followers)."""
+def read_control_reply(ev: Event, expected_version: int) -> tuple[TrainReply, int]:
+    """A train reply of the gRPC transport: metrics only (the update went to the followers).
+    Returns the reply and the model version the client pulled."""
     assert ev.reply is not None
     content = ev.reply.content
     if "metrics" not in content.metric_records:
@@ -65,12 +68,16 @@ def read_control_reply(ev: Event, expected_version: int) -> TrainReply:
     if missing:
         raise ReplyError(f"reply metrics lack {missing}")
     if "base_version" in m and int(m["base_version"]) != expected_version:
-        raise ReplyError(f"reply says it trained from model version {int(m['base_version'])}, the job sent {expected_version}")
+        raise ReplyError(f"reply says it was sent model version {int(m['base_version'])}, the job sent {expected_version}")
+    # The client pulls θ itself: a step between dispatch and pull gives it a newer version, never an older one.
+    pulled = int(m["ps_version"]) if "ps_version" in m else expected_version
+    if pulled < expected_version:
+        raise ReplyError(f"reply says it pulled model version {pulled}, older than the {expected_version} it was sent")
     tokens, loss, steps = int(m["tokens"]), float(m["train_loss"]), int(m["steps"])
     if tokens <= 0 or steps < 1 or not math.isfinite(loss):
         raise ReplyError(f"implausible metrics (tokens={tokens}, steps={steps}, train_loss={loss})")
     noisy = int(m["noisy_steps"]) if "noisy_steps" in m else 0
-    return TrainReply([], tokens, loss, float(m["step_time_s"]), int(m["ps_pushed_bytes"]), steps, noisy)
+    return TrainReply([], tokens, loss, float(m["step_time_s"]), int(m["ps_pushed_bytes"]), steps, noisy), pulled
 
 
 class ShardedDiPSLoop(AsyncOuterLoop):
@@ -88,6 +95,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         self._bound_key = -1
         self.supervisor: Any = None
         self.voided = 0
+        self.scheduler = TransferScheduler(list(range(ps.followers)), ps.followers)
         send = "params" if self._send == "params" else "pseudo_grad"
         if ps.transport == "local":
             # Views into the leader's buffer: evaluation and the final model need no gather.
@@ -97,20 +105,88 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                               max_pending=ps.max_pending)
                 for s in self.plan.shards]
         else:
-            from fl_geo.dataplane import FollowerClient, FollowerSupervisor
+            from fl_geo.dataplane import FollowerSupervisor
 
             workdir = Path(ps.workdir) if ps.workdir else Path(self.logger.run_dir) / "ps"
+            _clear_followers(workdir)  # a new run starts from this run's model, not an old shard
             opt = outer_optimizer_from_config(cfg, 1)
             kwargs = {k: v for k, v in opt.state_dict().items() if k not in ("numel", "steps")}
             self.supervisor = FollowerSupervisor(
                 self.plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=cfg.wire.up,
-                send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending)
+                send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
+                torch_threads=cfg.run.server_threads)
             self.supervisor.start(self.global_params)
-            self.followers = [RemoteFollower(FollowerClient(a, retry_s=ps.retry_s)) for a in self.supervisor.addresses]
+            self.followers = [self._connect(i) for i in range(ps.followers)]
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))
 
+    # ---- follower failures (gRPC transport) -------------------------------------------------------
+    def _connect(self, i: int) -> RemoteFollower:
+        """A control client for follower i, pinned to its current incarnation: a call that reaches
+        a restarted process fails instead of running on its reloaded state. The leader retries
+        briefly (the supervisor restarts dead followers); clients retry for ``ps.retry_s``."""
+        from fl_geo.dataplane import FollowerClient
+
+        client = FollowerClient(self.supervisor.addresses[i], retry_s=max(3 * self.cfg.ps.heartbeat_s, 5.0))
+        client.incarnation = client.health()["incarnation"]
+        return RemoteFollower(client)
+
+    def _followers_ok(self) -> bool:
+        """Restart dead followers (heartbeats missed or process gone); False when this window
+        was voided because one of them lost what it held."""
+        if self.supervisor is None or not self.supervisor.check():
+            return True
+        self._recover()
+        return False
+
+    def _recover(self) -> None:
+        """Di-PS §4.3: restart dead followers from their newest checkpoint (the state after the
+        last outer step they acknowledged) and void the current window on every follower.
+
+        Outer steps wait meanwhile (this call blocks); clients keep training and their transfers
+        retry. Updates folded in this window count as failed, not accepted: no step that
+        completed is lost, and no half-applied window is stepped. Pushes for jobs not handled yet
+        stay on the live followers; a job whose push the restarted follower lost fails when its
+        reply is handled, and its worker gets the current model."""
+        from fl_geo.dataplane import DataPathError
+
+        restarted = self.supervisor.ensure_alive()
+        for i in range(len(self.followers)):
+            try:
+                self.followers[i].client.health()
+                if i in restarted or self.followers[i].client.address != self.supervisor.addresses[i]:
+                    raise DataPathError("health", self.followers[i].client.address, "restarted")
+            except DataPathError:
+                self.followers[i].client.close()
+                self.followers[i] = self._connect(i)
+        versions = [int(f.client.health()["version"]) for f in self.followers]
+        if set(versions) != {self.version}:
+            raise RuntimeError(
+                f"after restarting follower(s) {restarted} the followers hold versions {versions} and the leader "
+                f"{self.version}: a follower failed during the step itself; their checkpoints are under "
+                f"{self.supervisor.workdir}")
+        for f in self.followers:
+            f.reset_window()
+        if self.penalty is not None:
+            self.penalty.discard_step()
+        t = self.tally
+        log.warning("follower(s) %s restarted from their checkpoint at version %d: the %d update(s) folded in this "
+                    "window are void (counted as failed); their workers get the current model", restarted,
+                    self.version, t.accepted)
+        self.voided += t.accepted
+        t.errors += t.accepted
+        redo, self.waiting = list(self.waiting), []  # this window's pushers: nothing of theirs will be stepped
+        self.dispatch([n for n in self.idle_nodes() if n in redo])
+        t.accepted = t.tokens = t.steps = t.noisy_steps_accepted = t.bytes_up = t.staleness_sum = t.staleness_max = 0
+        t.loss_x_tokens = t.step_time_sum = t.norm_sum = 0.0
+        self._plain_total = 0.0
+
     # ---- dispatch: with the gRPC transport a train message carries control only ------------------
+    def dispatch(self, nodes: list[int]) -> None:
+        super().dispatch(nodes)
+        if nodes and self.supervisor is not None:
+            self.dispatcher.poll()  # let clients start (and pull) at the version they were sent
+
     def model_records(self) -> tuple[dict[str, Any], int]:
         if self.supervisor is None:
             return super().model_records()
@@ -127,25 +203,36 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             "ps_job": job,
             "ps_addresses": json.dumps(self.supervisor.addresses),
             "ps_shards": json.dumps([[s.begin, s.end] for s in self.plan.shards]),
-            "ps_push_order": json.dumps(self.push_order(node)),
+            "ps_push_order": json.dumps(self.push_order(job)),
             "ps_chunk_bytes": ps.chunk_mib << 20,
             "ps_retry_s": ps.retry_s,
         }
 
-    def push_order(self, node: int) -> list[int]:
-        """The order a client sends its shards in: rotated by rank so that clients finishing
-        together start on different followers (Di-PS Appendix A's no-conflict goal)."""
+    def push_order(self, job: str) -> list[int]:
+        """The order this job sends its shards in, planned with Di-PS Appendix A's scheduler
+        among the jobs in flight: it starts on the first follower that no planned transfer uses
+        in the plan's first step, then goes round, and joins the plan without moving anyone
+        else's transfers (`TransferScheduler.add_worker`). A job leaves the plan when its reply
+        (or failure) is handled."""
         f = self.plan.num_shards
-        r = self.profiles[node].rank % f if node in self.profiles else 0
-        return [(r + i) % f for i in range(f)]
+        steps = self.scheduler.steps
+        busy = {t.follower for t in steps[0]} if steps else set()
+        start = next((i for i in range(f) if i not in busy), 0)
+        order = [(start + i) % f for i in range(f)]
+        self.scheduler.add_worker(job, order)
+        return order
 
     # ---- replies ---------------------------------------------------------------------------------
     def read_reply(self, ev: Event) -> TrainReply:
         if self.supervisor is None:
             return super().read_reply(ev)
-        return read_control_reply(ev, int(ev.job.meta["version"]))
+        r, pulled = read_control_reply(ev, int(ev.job.meta["version"]))
+        ev.job.meta["version"] = pulled  # staleness counts from the model the client really pulled
+        return r
 
     def handle(self, ev: Event) -> None:
+        self.scheduler.remove_worker(str(ev.job.meta.get("job", "")))
+        self._followers_ok()
         if not ev.ok:
             self.discard(ev)  # a client may have pushed before it failed
         super().handle(ev)
@@ -173,10 +260,21 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         try:
             if self.supervisor is None:
                 self._push_local(job, r.pieces)
+            missing = [i for i, f in enumerate(self.followers) if not f.has(job)]
+            if missing:
+                # pushed to a follower that has since restarted (or never arrived): the job failed
+                log.warning("job %s of node %s: follower(s) %s hold no push for it; counted as failed", job, node, missing)
+                self._redo(ev)
+                return None
             sums = [f.norms(job) for f in self.followers]
         except FollowerError as exc:
             self._reject(self.tally, node, f"update not usable on the followers: {exc}")
             self.discard(ev)
+            return None
+        except _data_path_errors() as exc:
+            log.warning("follower unreachable while handling job %s: %s", job, exc)
+            self._recover()
+            self._redo(ev)
             return None
         l2 = global_norm(sums)
         g = l2 if self.cfg.ps.norm == "global" else sum_of_shard_norms(sums)
@@ -203,9 +301,25 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             self._reject(self.tally, node, reason)
             self.discard(ev)
             return None
-        for f in self.followers:
-            f.fold(job, weight, rescale)
+        try:
+            for f in self.followers:
+                f.fold(job, weight, rescale)
+        except _data_path_errors() as exc:
+            log.warning("follower unreachable while folding job %s: %s", job, exc)
+            self._recover()  # voids the window, this update included
+            self.discard(ev)
+            return None
         return g
+
+    def _redo(self, ev: Event) -> None:
+        """A job whose update a follower lost: count it as failed and give its worker the
+        current model now (it is not a pusher of this step: nothing of it will be stepped)."""
+        self.tally.errors += 1
+        self.discard(ev)
+        node = ev.job.node
+        if node in self.waiting:
+            self.waiting.remove(node)
+        self.dispatch([n for n in self.idle_nodes() if n == node])
 
     def update_bound(self) -> float | None:
         """``strategy.max_update_ratio`` × max(‖θ‖, 1), with ‖θ‖ from the followers' shards."""
@@ -218,7 +332,21 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         return self._bound
 
     # ---- the outer step ------------------------------------------------------------------------
-    def apply_update(self) -> None:
+    def step(self) -> dict[str, float]:
+        self._followers_ok()  # a dead follower voids the window before anything is stepped
+        return super().step()
+
+    def apply_update(self) -> bool:
+        if self.tally.accepted == 0:
+            return False  # voided by a follower restart
+        try:
+            return self._sharded_step()
+        except _data_path_errors() as exc:
+            log.warning("follower unreachable during outer step %d: %s", self.version + 1, exc)
+            self._recover()
+            return False
+
+    def _sharded_step(self) -> bool:
         total = float(self.penalty.total_weight[0]) if self.penalty is not None else self._plain_total
         sums = [f.mean_sq_sums(total) for f in self.followers]
         factor = 1.0
@@ -231,6 +359,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         if versions != {self.version + 1}:
             raise RuntimeError(f"followers disagree on the model version after the step: {sorted(versions)}")
         self._plain_total = 0.0
+        return True
 
     # ---- model access and life cycle -------------------------------------------------------------
     def sync_model(self) -> None:
@@ -258,6 +387,27 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                 self.supervisor.stop()
 
 
+def _data_path_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean a follower could not be reached (none without the data path)."""
+    try:
+        from fl_geo.dataplane import DataPathError
+    except ImportError:  # pragma: no cover - grpcio is a dependency
+        return ()
+    return (DataPathError,)
+
+
+def _clear_followers(workdir: Path) -> None:
+    """Remove the follower files a previous run left in ``workdir`` (only those: it may be a
+    directory the user chose). Leader resume is not supported, so none of them is wanted."""
+    import shutil
+
+    for path in [*workdir.glob("follower-*"), workdir / "plan.json"]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 class RemoteFollower:
     """The `Follower` interface over the data path's control calls (`fl_geo.dataplane`)."""
 
@@ -272,6 +422,9 @@ class RemoteFollower:
 
     def drop(self, job: str) -> None:
         self.client.control("drop", job=job)
+
+    def has(self, job: str) -> bool:
+        return bool(self.client.control("has", job=job)["has"])
 
     def mean_sq_sums(self, total_weight: float) -> list[float]:
         return [float(x) for x in self.client.control("mean_sq_sums", total_weight=total_weight)["sq_sums"]]

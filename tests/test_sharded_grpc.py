@@ -1,0 +1,131 @@
+"""The sharded Di-PS over the gRPC data path: follower processes, clients push/pull shards there.
+
+Same virtual-clock set-up as test_sharded_loop.py; here the followers are processes started by the
+leader (`FollowerSupervisor`) and every update and model crosses a loopback TCP connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_geo.clients.datacenter import app as client_app
+from fl_geo.inline import InlineGrid
+from fl_geo.metrics import read_metrics
+from fl_geo.server_app import run_server
+from fl_geo.strategies.sharded import ShardedDiPSLoop
+
+VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16", "model.n_layers=3"]
+DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
+        "penalty.clip=1.0", "penalty.warmup=2"]
+
+
+def _run(cfg, run_dir):
+    summary = run_server(InlineGrid(client_app, cfg.run.num_clients, seed=0), cfg, run_dir)
+    return summary, torch.load(run_dir / "final_model.pt")["params"]
+
+
+def _follower_pids(workdir) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "fl_geo.follower_main" in cmd and str(workdir) in cmd:
+                pids.append(int(pid))
+    return pids
+
+
+def test_grpc_followers_give_the_bits_of_in_process_followers(tiny, tmp_path):
+    local_s, local = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=5", "ps.followers=2"), tmp_path / "local")
+    grpc_s, remote = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=5", "ps.followers=2", "ps.transport=grpc",
+                               "ps.checkpoint_keep=2"), tmp_path / "grpc")
+    assert torch.equal(local, remote)
+    assert grpc_s["outer_steps"] == local_s["outer_steps"] == 5
+    workdir = tmp_path / "grpc" / "ps"
+    for i in range(2):  # every follower checkpointed each step and kept the newest two
+        ckpts = sorted(p.name for p in (workdir / f"follower-{i}").glob("ckpt-*.pt"))
+        assert len(ckpts) == 2 and ckpts[-1].startswith("ckpt-00000005")
+    assert not _follower_pids(workdir)  # the leader stopped its followers
+    rows = read_metrics(tmp_path / "grpc")
+    assert sum(r.get("outer/accepted", 0) for r in rows) == sum(r.get("outer/accepted", 0) for r in read_metrics(tmp_path / "local"))
+
+
+@pytest.mark.parametrize("when", ["after_step", "mid_window"])
+def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(tiny, tmp_path, monkeypatch, caplog, when):
+    """``after_step``: killed right after step 2 (pushes it held for step 3 are lost and redone);
+    ``mid_window``: killed once step 3's window has folded an update (the window is voided)."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    seen: dict[str, object] = {}
+    log_step, recover, fold = ShardedDiPSLoop._log_step, ShardedDiPSLoop._recover, ShardedDiPSLoop.fold_update
+
+    def kill(self):
+        shard = self.plan.shards[1]
+        seen["before"] = self.followers[1].pull_params(shard.numel)
+        seen["pid"] = self.supervisor.pid(1)
+        self.supervisor.kill(1)
+        seen["killed"] = True
+
+    def kill_after_step_2(self, metrics, progress):
+        log_step(self, metrics, progress)
+        if when == "after_step" and self.version == 2 and "killed" not in seen:
+            kill(self)
+
+    def kill_mid_window(self, ev, r, staleness):
+        out = fold(self, ev, r, staleness)
+        if when == "mid_window" and self.version == 2 and out is not None and "killed" not in seen:
+            kill(self)
+        return out
+
+    def watch_recover(self):
+        recover(self)
+        seen.setdefault("after", self.followers[1].pull_params(self.plan.shards[1].numel))
+        seen["new_pid"] = self.supervisor.pid(1)
+
+    monkeypatch.setattr(ShardedDiPSLoop, "_log_step", kill_after_step_2)
+    monkeypatch.setattr(ShardedDiPSLoop, "_recover", watch_recover)
+    monkeypatch.setattr(ShardedDiPSLoop, "fold_update", kill_mid_window)
+    cfg = tiny(*VIRTUAL, *DIPS, "run.rounds=6", "ps.followers=2", "ps.transport=grpc", "ps.heartbeat_s=0.5")
+    summary, final = _run(cfg, tmp_path / "run")
+    assert summary["outer_steps"] == 6 and torch.isfinite(final).all()
+    assert seen["new_pid"] != seen["pid"]
+    v_before, theta_before = seen["before"]
+    v_after, theta_after = seen["after"]
+    assert v_before == v_after == 2 and torch.equal(theta_before, theta_after)  # step 2 survived, bit for bit
+    assert "restarting it from its checkpoint" in caplog.text
+    rows = [r for r in read_metrics(tmp_path / "run")[1:] if r["outer/accepted"] > 0]
+    assert [int(r["outer/step"]) for r in rows] == list(range(1, 7))  # every step happened once
+    failed = sum(r["outer/failed"] for r in read_metrics(tmp_path / "run")[1:])
+    assert failed >= 1  # what the dead follower held was lost (voided or redone), never stepped half
+    meta = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert meta["outer_steps"] == 6
+    assert not _follower_pids(tmp_path / "run" / "ps")
+
+
+@pytest.mark.parametrize("transport", ["grpc"])
+def test_reply_with_arrays_is_refused_when_updates_go_to_the_followers(tiny, tmp_path, transport, caplog):
+    """A client that ignores the data path and ships its update in the reply is rejected."""
+    from flwr.app import Array, ArrayRecord, Message, RecordDict
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error() or hook.done:
+            return reply
+        hook.done = True
+        content = RecordDict({"arrays": ArrayRecord({"x": Array(torch.zeros(2).numpy())}),
+                              "metrics": reply.content.metric_records["metrics"]})
+        return Message(content, reply_to=msg)
+
+    hook.done = False
+    caplog.set_level("WARNING", logger="fl_geo")
+    grid = InlineGrid(client_app, 4, seed=0)
+    grid.reply_hook = hook
+    cfg = tiny(*VIRTUAL, *DIPS, "run.rounds=3", "ps.followers=2", f"ps.transport={transport}")
+    summary = run_server(grid, cfg, tmp_path / "run")
+    assert summary["rejected"] == 1 and summary["outer_steps"] == 3
+    assert "carries arrays" in caplog.text
