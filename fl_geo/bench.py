@@ -657,6 +657,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench_dispatch import main as dispatch_main
 
         return dispatch_main(argv[1:])
+    if argv[:1] == ["ps"]:  # the sharded parameter server on loopback; fl_geo.bench_ps owns its options
+        from .bench_ps import main as ps_main
+
+        return ps_main(argv[1:])
+    if argv[:1] == ["flower-path"]:  # Flower's loopback deployment path; fl_geo.flower_path owns its options
+        from .flower_path import main as flower_path_main
+
+        return flower_path_main(argv[1:])
     parser = argparse.ArgumentParser(prog="fl-geo bench",
                                      description="fl-geo benchmarks")
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -672,6 +680,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     outer.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
     sub.add_parser("dispatch", add_help=False,
                    help="server overhead per update vs Flower's message cost (no-op client)")
+    sub.add_parser("ps", add_help=False,
+                   help="sharded parameter server: follower memory, outer-step time, data path vs Flower")
+    sub.add_parser("flower-path", add_help=False,
+                   help="Flower's own message path on a loopback SuperLink + SuperNode (MB/s each way)")
     args = parser.parse_args(argv)
     num_params = QUICK_PARAMS if args.quick else args.params
     result = run_outer_bench(num_params=num_params, num_updates=args.updates,

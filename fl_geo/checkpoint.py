@@ -63,28 +63,62 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def encode_checkpoint(state: dict[str, Any]) -> bytes:
-    """Header (magic, length, sha256) + the ``torch.save`` bytes of ``state``."""
+class _MemoryReader(io.RawIOBase):
+    """A read-only, seekable file over a buffer without copying it (``io.BytesIO`` would copy:
+    for a model-sized checkpoint that is one more model in memory while it loads)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def _encode(state: dict[str, Any]) -> tuple[bytes, memoryview]:
+    """(header, payload view): written one after the other, never joined into a second copy."""
     buf = io.BytesIO()
     torch.save(state, buf)
-    payload = buf.getvalue()
-    return _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
+    payload = buf.getbuffer()
+    return _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest()), payload
 
 
-def decode_checkpoint(data: bytes) -> dict[str, Any]:
+def encode_checkpoint(state: dict[str, Any]) -> bytes:
+    """Header (magic, length, sha256) + the ``torch.save`` bytes of ``state``."""
+    header, payload = _encode(state)
+    return header + bytes(payload)
+
+
+def decode_checkpoint(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Verify and load bytes written by :func:`encode_checkpoint`; raises CheckpointError."""
     if len(data) < _HEADER.size:
         raise CheckpointError(f"file is {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
     magic, length, digest = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CheckpointError(f"not an fl-geo checkpoint (magic {magic!r})")
-    payload = data[_HEADER.size :]
+    payload = memoryview(data)[_HEADER.size :]
     if len(payload) != length:
         raise CheckpointError(f"truncated: header says {length} payload bytes, file holds {len(payload)}")
     if hashlib.sha256(payload).digest() != digest:
         raise CheckpointError("sha256 mismatch: the file was modified or damaged after it was written")
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        state = torch.load(_MemoryReader(payload), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "untrusted"
         raise CheckpointError(f"payload does not load: {type(exc).__name__}: {exc}") from exc
     if not isinstance(state, dict):
@@ -123,9 +157,10 @@ class CheckpointStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.path_for(step)
         tmp = target.with_name(target.name + ".tmp")
-        data = encode_checkpoint(state)
+        header, payload = _encode(state)
         with tmp.open("wb") as fh:
-            fh.write(data)
+            fh.write(header)
+            fh.write(payload)
             fh.flush()
             os.fsync(fh.fileno())
         tmp.replace(target)

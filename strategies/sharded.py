@@ -114,7 +114,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             self.supervisor = FollowerSupervisor(
                 self.plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=cfg.wire.up,
                 send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
-                torch_threads=cfg.run.server_threads)
+                torch_threads=cfg.run.server_threads, host=ps.host)
             self.supervisor.start(self.global_params)
             self.followers = [self._connect(i) for i in range(ps.followers)]
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
