@@ -91,6 +91,26 @@ class _MemoryReader(io.RawIOBase):
         return n
 
 
+class _HashingWriter(io.RawIOBase):
+    """Forwards writes to a file and keeps the sha256 and length of what went through."""
+
+    def __init__(self, fh: Any) -> None:
+        self._fh, self.digest, self.length = fh, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self.digest.update(view)
+        self._fh.write(view)
+        self.length += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
 def _encode(state: dict[str, Any]) -> tuple[bytes, memoryview]:
     """(header, payload view): written one after the other, never joined into a second copy."""
     buf = io.BytesIO()
@@ -157,10 +177,14 @@ class CheckpointStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.path_for(step)
         tmp = target.with_name(target.name + ".tmp")
-        header, payload = _encode(state)
-        with tmp.open("wb") as fh:
-            fh.write(header)
-            fh.write(payload)
+        with tmp.open("w+b") as fh:
+            # Stream torch.save straight into the file behind a placeholder header, hashing as
+            # it goes, then fill the header in: no in-memory copy of a model-sized payload.
+            fh.write(b"\0" * _HEADER.size)
+            sink = _HashingWriter(fh)
+            torch.save(state, sink)
+            fh.seek(0)
+            fh.write(_HEADER.pack(MAGIC, sink.length, sink.digest.digest()))
             fh.flush()
             os.fsync(fh.fileno())
         tmp.replace(target)
