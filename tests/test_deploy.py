@@ -379,6 +379,26 @@ def test_e2e_diloco_on_three_insecure_supernodes(federation, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_e2e_sharded_dips_data_path_beside_flower(federation, tmp_path, capsys):
+    """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and three
+    SuperNodes: the ServerApp leads, clients pull and push shards on the data path."""
+    _, path = federation(tls=False)
+    out = tmp_path / "runs"
+    rc = cli.main(["deploy", "run", str(path), "configs/dips_sharded.yaml", *TINY_RUN, "run.rounds=2", "run.clock=wall",
+                   "strategy.grace_s=2", "run.name=e2e-sharded", "--out", str(out), "--timeout", "150"])
+    assert rc == 0, capsys.readouterr().err
+    (run_dir,) = out.glob("e2e-sharded-*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == "dips" and summary["outer_steps"] == 2 and summary["rejected"] == 0
+    assert math.isfinite(summary["final_val_loss"])
+    steps = [m for m in _metrics(run_dir) if m.get("step", 0) > 0]
+    assert sum(m["outer/accepted"] for m in steps) >= 2
+    for i in range(2):  # each follower checkpointed its shard after both steps, then was stopped
+        assert (run_dir / "ps" / f"follower-{i}" / "ckpt-00000002.pt").is_file()
+        assert "launching follower" in (run_dir / "ps" / f"follower-{i}.log").read_text()
+
+
+@pytest.mark.slow
 def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     """Asynchronous FedBuff with TLS and SuperNode authentication; an unregistered node is refused."""
     topo, _ = federation(tls=True)
