@@ -39,7 +39,8 @@ def _layout(cfg: Any) -> tuple[list[str], list[tuple[int, int]]]:
 def _client(address: str, cfg: Any) -> Any:
     from fl_geo.dataplane import FollowerClient
 
-    return FollowerClient(address, retry_s=float(cfg.get("ps_retry_s", 120.0)))
+    ca = str(cfg.get("ps_tls_ca", ""))
+    return FollowerClient(address, retry_s=float(cfg.get("ps_retry_s", 120.0)), root_certificates=ca.encode() if ca else None)
 
 
 def pull_model(cfg: Any, out: torch.Tensor) -> int:

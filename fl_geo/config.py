@@ -242,9 +242,12 @@ class PsSection:
     chunk_mib: int = 4  # data-path frame size
     retry_s: float = 120.0  # how long clients and the leader retry a transfer to a follower
     max_pending: int = 64  # unhandled pushes a follower holds before it refuses more
-    # Address the follower processes bind and clients reach them at (grpc). The data path has no
-    # TLS yet: an address other than loopback needs allow_insecure_remote=true, said out loud.
+    # Address the follower processes bind and clients reach them at (grpc).
     host: str = "127.0.0.1"
+    # TLS on the data path: a directory with ca.crt, server.crt, server.key (`fl-geo deploy certs`
+    # makes them; the certificate must name ps.host). Clients get the CA certificate with each job.
+    # Without it an address other than loopback needs allow_insecure_remote=true, said out loud.
+    tls_certs_dir: str = ""
     allow_insecure_remote: bool = False
 
 
@@ -496,9 +499,10 @@ def validate(cfg: FlGeoConfig) -> None:
                  "run.checkpoint_every / run.resume: with ps.followers the followers checkpoint their shards "
                  "after every step; a leader checkpoint is not supported yet")
         _require(s.outer_optimizer in ("nesterov", "delayed_nesterov"), "ps.followers supports the nesterov outer optimizers")
-        _require(ps.transport != "grpc" or ps.host in ("127.0.0.1", "localhost", "::1") or ps.allow_insecure_remote,
-                 f"ps.host={ps.host}: the data path is plaintext gRPC; set ps.allow_insecure_remote=true to serve "
-                 "model shards on a non-loopback address (inside a trusted network only)")
+        _require(ps.transport != "grpc" or ps.host in ("127.0.0.1", "localhost", "::1") or ps.tls_certs_dir
+                 or ps.allow_insecure_remote,
+                 f"ps.host={ps.host}: give ps.tls_certs_dir (ca.crt, server.crt, server.key) to serve model shards "
+                 "over TLS, or set ps.allow_insecure_remote=true for plaintext inside a trusted network")
     _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
     for side in ("up", "down"):
         val = getattr(w, side)

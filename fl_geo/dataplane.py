@@ -272,10 +272,49 @@ def _server_options() -> list[tuple[str, int]]:
     ]
 
 
-def _bind(server: grpc.Server, host: str, port: int) -> int:
-    """``add_insecure_port`` that always raises on failure (older grpcio returned 0)."""
+@dataclass(frozen=True)
+class TlsFiles:
+    """TLS for the data path: the CA that signed the followers' (and leader's) certificate, and,
+    on the serving side, that certificate and its key (PEM files, e.g. `fl-geo deploy certs`:
+    ``ca.crt``, ``server.crt``, ``server.key``). Clients need only the CA's PEM text, which the
+    leader sends with each job, so no file has to be copied to the sites."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ca", "cert", "key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"data path TLS {name} file {path} does not exist")
+
+    def ca_pem(self) -> bytes:
+        return Path(self.ca).read_bytes()
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.cert is None or self.key is None:
+            raise ValueError("serving TLS needs the certificate and its key")
+        return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem())
+
+
+def _channel(address: str, root_certificates: bytes | None) -> grpc.Channel:
+    """A TLS channel when a CA is given, else plaintext (loopback or an explicit opt-in)."""
+    if root_certificates:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root_certificates),
+                                   options=_channel_options())
+    return grpc.insecure_channel(address, options=_channel_options())
+
+
+def _bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """``add_insecure_port`` (``add_secure_port`` with credentials) that always raises on
+    failure (older grpcio returned 0)."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
     if not bound:
@@ -720,12 +759,12 @@ class LeaderHeartbeatService:
             beats = [(t, b) for (i, _), (t, b) in self._seen.items() if i == index]
         return max(beats, key=lambda tb: tb[0])[1] if beats else None
 
-    def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
+    def serve(self, port: int = 0, host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None) -> int:
         """Start a gRPC server for this service alone; returns its port."""
         server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="leader-hb"),
                              options=_server_options())
         server.add_generic_rpc_handlers((self.handler(),))
-        self.port = _bind(server, host, port)
+        self.port = _bind(server, host, port, credentials)
         server.start()
         self._server = server
         return self.port
@@ -749,8 +788,9 @@ class FollowerServer:
     def __init__(self, follower: FollowerShard, store: CheckpointStore | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, leader: str | None = None,
                  heartbeat_s: float = 1.0, max_workers: int = 16,
-                 incarnation: str = INCARNATION) -> None:
+                 incarnation: str = INCARNATION, tls: TlsFiles | None = None) -> None:
         self.service = FollowerService(follower, store, incarnation=incarnation)
+        self.tls = tls
         self.host = host
         self.requested_port = port
         self.leader = leader
@@ -773,7 +813,8 @@ class FollowerServer:
         server = grpc.server(ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="follower"),
                              options=_server_options())
         server.add_generic_rpc_handlers((self.service.handler(),))
-        self.port = _bind(server, self.host, self.requested_port)
+        self.port = _bind(server, self.host, self.requested_port,
+                          self.tls.server_credentials() if self.tls is not None else None)
         server.start()
         self._server = server
         if self.leader:
@@ -782,7 +823,7 @@ class FollowerServer:
         return self
 
     def _heartbeats(self) -> None:
-        channel = grpc.insecure_channel(self.leader, options=_channel_options())  # type: ignore[arg-type]
+        channel = _channel(self.leader, self.tls.ca_pem() if self.tls is not None else None)  # type: ignore[arg-type]
         call = channel.unary_unary(f"/{LEADER_SERVICE}/Heartbeat")
         failing = False
         try:
@@ -878,14 +919,15 @@ class FollowerClient:
     incarnation, and the leader voids the window and re-pins."""
 
     def __init__(self, address: str, *, retry_s: float = 120.0, timeout_s: float = 30.0,
-                 min_rate: float = 10e6, read_ahead: int = 4, incarnation: str | None = None) -> None:
+                 min_rate: float = 10e6, read_ahead: int = 4, incarnation: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
         self.address = address
         self.incarnation = incarnation
         self.retry_s = retry_s
         self.timeout_s = timeout_s
         self.min_rate = min_rate
         self.read_ahead = read_ahead
-        self._channel = grpc.insecure_channel(address, options=_channel_options())
+        self._channel = _channel(address, root_certificates)
         self._push = self._channel.stream_unary(f"/{FOLLOWER_SERVICE}/Push")
         self._pull = self._channel.unary_stream(f"/{FOLLOWER_SERVICE}/Pull")
         self._control = self._channel.unary_unary(f"/{FOLLOWER_SERVICE}/Control")
@@ -1072,7 +1114,8 @@ class FollowerSupervisor:
                  optimizer_name: str = "nesterov", optimizer_kwargs: dict[str, Any] | None = None,
                  wire: str = "bf16", send: str = "pseudo_grad", keep: int = 3,
                  heartbeat_s: float = 1.0, miss: int = 3, python: str = sys.executable, *,
-                 max_pending: int = 64, torch_threads: int = 1, heartbeats: LeaderHeartbeatService | None = None,
+                 max_pending: int = 64, torch_threads: int = 1, tls: TlsFiles | None = None,
+                 heartbeats: LeaderHeartbeatService | None = None,
                  start_timeout_s: float = 120.0, host: str = "127.0.0.1") -> None:
         if isinstance(num, str | os.PathLike):  # FollowerSupervisor(plan, workdir, ...)
             if workdir is not None:
@@ -1103,6 +1146,7 @@ class FollowerSupervisor:
         # Reductions (the norms) are summed in a thread-count-dependent order: followers use the
         # leader's thread count so in-process and follower-process runs give the same bits.
         self.torch_threads = torch_threads
+        self.tls = tls  # followers serve TLS with it; the heartbeat service too
         self.heartbeat_s = heartbeat_s
         self.miss = miss
         self.python = python
@@ -1128,6 +1172,11 @@ class FollowerSupervisor:
         """``host:port`` of each follower, in shard order."""
         return [f"{self.host}:{self._procs[i].port}" for i in range(self.num)]
 
+    def client(self, i: int, **kwargs: Any) -> FollowerClient:
+        """A client of follower i over this supervisor's transport (TLS when configured)."""
+        return FollowerClient(f"{self.host}:{self._procs[i].port}",
+                              root_certificates=self.tls.ca_pem() if self.tls else None, **kwargs)
+
     def pid(self, i: int) -> int:
         return self._procs[i].process.pid
 
@@ -1143,7 +1192,8 @@ class FollowerSupervisor:
         self.workdir.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.workdir / "plan.json", self.plan.to_json())
         if self._own_heartbeats and self.heartbeats.port is None:
-            self.leader_port = self.heartbeats.serve(self.leader_port, self.host)
+            self.leader_port = self.heartbeats.serve(self.leader_port, self.host,
+                                                     self.tls.server_credentials() if self.tls else None)
         try:
             for i, shard in enumerate(self.plan.shards):
                 store = CheckpointStore(self.checkpoint_dir(i), self.keep)
@@ -1176,6 +1226,8 @@ class FollowerSupervisor:
             "--optimizer-kwargs", json.dumps(self.optimizer_kwargs), "--wire", self.wire, "--send", self.send,
             "--heartbeat-s", str(self.heartbeat_s), "--addr-file", str(addr), "--parent-pid", str(os.getpid()),
             "--max-pending", str(self.max_pending), "--torch-threads", str(self.torch_threads),
+            *(["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
+              if self.tls is not None else []),
         ]
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # fl_geo importable without installing
@@ -1200,7 +1252,7 @@ class FollowerSupervisor:
                                    f"log {self.log_path(i)}:\n{_log_tail(self.log_path(i))}")
             time.sleep(0.02)
         proc.port = int(addr.read_text().strip().rsplit(":", 1)[1])
-        with FollowerClient(f"{self.host}:{proc.port}", retry_s=max(1.0, deadline - time.monotonic())) as c:
+        with self.client(i, retry_s=max(1.0, deadline - time.monotonic())) as c:
             health = c.health()
         if health["index"] != i:
             raise RuntimeError(f"follower at {self.host}:{proc.port} says it is {health['index']}, expected {i}")

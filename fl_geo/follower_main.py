@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fl_geo.checkpoint import CheckpointStore
-from fl_geo.dataplane import INCARNATION, FollowerServer
+from fl_geo.dataplane import INCARNATION, FollowerServer, TlsFiles
 from fl_geo.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
 from fl_geo.outer import build_outer_optimizer
 from fl_geo.shards import ShardPlan
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=64, help="unhandled pushes held before refusing more")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is no longer our parent (the supervisor died)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM): serve TLS and send heartbeats over it")
+    p.add_argument("--tls-cert", default=None, help="this follower's certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="its private key (PEM)")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     return p
 
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     follower, store = load_follower(args)
     server = FollowerServer(follower, store, host=args.host, port=args.port, leader=args.leader,
-                            heartbeat_s=args.heartbeat_s, max_workers=args.max_workers)
+                            heartbeat_s=args.heartbeat_s, max_workers=args.max_workers,
+                            tls=TlsFiles(Path(args.tls_ca), Path(args.tls_cert), Path(args.tls_key)) if args.tls_ca else None)
     try:
         server.start()
     except OSError as exc:

@@ -94,6 +94,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         self._plain_total = 0.0  # Σ weights without the penalty (with it, the penalty keeps it)
         self._bound_key = -1
         self.supervisor: Any = None
+        self._ca_pem = ""  # the data path's CA certificate, sent to clients (TLS)
         self.voided = 0
         self.scheduler = TransferScheduler(list(range(ps.followers)), ps.followers)
         send = "params" if self._send == "params" else "pseudo_grad"
@@ -105,16 +106,21 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                               max_pending=ps.max_pending)
                 for s in self.plan.shards]
         else:
-            from fl_geo.dataplane import FollowerSupervisor
+            from fl_geo.dataplane import FollowerSupervisor, TlsFiles
 
             workdir = Path(ps.workdir) if ps.workdir else Path(self.logger.run_dir) / "ps"
             _clear_followers(workdir)  # a new run starts from this run's model, not an old shard
             opt = outer_optimizer_from_config(cfg, 1)
             kwargs = {k: v for k, v in opt.state_dict().items() if k not in ("numel", "steps")}
+            tls = None
+            if ps.tls_certs_dir:
+                certs = Path(ps.tls_certs_dir)
+                tls = TlsFiles(certs / "ca.crt", certs / "server.crt", certs / "server.key")
+            self._ca_pem = tls.ca_pem().decode() if tls is not None else ""
             self.supervisor = FollowerSupervisor(
                 self.plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=cfg.wire.up,
                 send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
-                torch_threads=cfg.run.server_threads, host=ps.host)
+                torch_threads=cfg.run.server_threads, host=ps.host, tls=tls)
             self.supervisor.start(self.global_params)
             self.followers = [self._connect(i) for i in range(ps.followers)]
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
@@ -125,9 +131,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         """A control client for follower i, pinned to its current incarnation: a call that reaches
         a restarted process fails instead of running on its reloaded state. The leader retries
         briefly (the supervisor restarts dead followers); clients retry for ``ps.retry_s``."""
-        from fl_geo.dataplane import FollowerClient
 
-        client = FollowerClient(self.supervisor.addresses[i], retry_s=max(3 * self.cfg.ps.heartbeat_s, 5.0))
+        client = self.supervisor.client(i, retry_s=max(3 * self.cfg.ps.heartbeat_s, 5.0))
         client.incarnation = client.health()["incarnation"]
         return RemoteFollower(client)
 
@@ -206,6 +211,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             "ps_push_order": json.dumps(self.push_order(job)),
             "ps_chunk_bytes": ps.chunk_mib << 20,
             "ps_retry_s": ps.retry_s,
+            "ps_tls_ca": self._ca_pem,  # the CA's public certificate: clients verify the followers with it
         }
 
     def push_order(self, job: str) -> list[int]:

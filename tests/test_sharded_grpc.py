@@ -129,3 +129,28 @@ def test_reply_with_arrays_is_refused_when_updates_go_to_the_followers(tiny, tmp
     summary = run_server(grid, cfg, tmp_path / "run")
     assert summary["rejected"] == 1 and summary["outer_steps"] == 3
     assert "carries arrays" in caplog.text
+
+
+def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
+    """ps.tls_certs_dir: followers serve TLS with the `fl-geo deploy certs` files, clients verify
+    them with the CA certificate the leader sends; the bits are those of the plaintext run."""
+    from fl_geo.deploy import generate_certs
+
+    certs = generate_certs(tmp_path / "certs", ["127.0.0.1", "localhost"], [])
+    base = [*VIRTUAL, *DIPS, "run.rounds=3", "ps.followers=2", "ps.transport=grpc"]
+    _, plain = _run(tiny(*base), tmp_path / "plain")
+    summary, secure = _run(tiny(*base, f"ps.tls_certs_dir={certs.root}"), tmp_path / "tls")
+    assert summary["outer_steps"] == 3 and torch.equal(plain, secure)
+    # a TLS follower answers a client that trusts the CA and refuses a plaintext one
+    from fl_geo.dataplane import DataPathError, FollowerClient, FollowerSupervisor, TlsFiles
+    from fl_geo.shards import ShardPlan
+    from fl_geo.state import ParamSpec
+
+    spec = ParamSpec(("blocks.0.w",), ((64,),), ("float32",))
+    tls = TlsFiles(certs.ca_cert, certs.server_cert, certs.server_key)
+    with FollowerSupervisor(ShardPlan.build(spec, 1), workdir=tmp_path / "sup", tls=tls, keep=1) as sup:
+        sup.start(torch.zeros(64))
+        with sup.client(0) as ok:
+            assert ok.health()["index"] == 0
+        with FollowerClient(sup.addresses[0], retry_s=1.0) as plaintext, pytest.raises(DataPathError):
+            plaintext.health()
