@@ -176,7 +176,26 @@ def restrict(update: Update, ranges: Ranges) -> Pieces:
     return out
 
 
-def group_norms(update: Update, groups: Sequence[tuple[str, Ranges]]) -> torch.Tensor:
+def _split_at(groups: Sequence[tuple[str, Ranges]], boundaries: Sequence[int]) -> list[tuple[str, Ranges]]:
+    """The groups with every range cut at the given offsets (tensor starts)."""
+    cuts = sorted(set(int(b) for b in boundaries))
+    out = []
+    for name, ranges in groups:
+        pieces: Ranges = []
+        for b, e in ranges:
+            k = bisect_right(cuts, b)
+            start = b
+            while k < len(cuts) and cuts[k] < e:
+                pieces.append((start, cuts[k]))
+                start = cuts[k]
+                k += 1
+            pieces.append((start, e))
+        out.append((name, pieces))
+    return out
+
+
+def group_norms(update: Update, groups: Sequence[tuple[str, Ranges]],
+                boundaries: Sequence[int] | None = None) -> torch.Tensor:
     """Per-group L2 norms of an update, as a float64 tensor of ``len(groups)``.
 
     ``update``: a 1-D tensor over the flat buffer, or ``(offset, tensor)`` pieces as
@@ -186,12 +205,19 @@ def group_norms(update: Update, groups: Sequence[tuple[str, Ranges]]) -> torch.T
     a chunk-sized scratch (never a whole-piece fp32 copy), chunk sums accumulated in fp64.
     A NaN/±Inf element, or an fp32 overflow of a chunk's sum, makes its group's norm NaN/+Inf:
     nothing is raised, the caller rejects (a non-finite norm never passes `Penalty.observe`).
+
+    ``boundaries`` (the spec's tensor offsets, as `Penalty` passes them): every range is cut at
+    them, so each tensor is read in chunks from its own first element and its sum is added to its
+    group in tensor order. A norm then has the same bits however the buffer is split into
+    pieces or shards (`fl_geo.shards.tensor_sq_sums`, the sharded parameter server).
     """
+    if boundaries is not None:
+        groups = _split_at(groups, boundaries)
     segments = _segments(groups)
     starts = [b for b, _, _ in segments]
     sums = [0.0] * len(groups)
     scratch: torch.Tensor | None = None
-    for offset, flat in _as_pieces(update):
+    for offset, flat in sorted(_as_pieces(update), key=lambda p: p[0]):
         stop = offset + flat.numel()
         k = max(bisect_right(starts, offset) - 1, 0)
         while k < len(segments) and segments[k][0] < stop:
@@ -224,7 +250,7 @@ def scale_ranges_(buffer: torch.Tensor, groups: Sequence[tuple[str, Ranges]],
 
 
 def clip_(update: torch.Tensor, groups: Sequence[tuple[str, Ranges]], phi: float,
-          eps: float = 1e-6) -> torch.Tensor:
+          eps: float = 1e-6, boundaries: Sequence[int] | None = None) -> torch.Tensor:
     """Δ̂ = min(1, φ/(‖Δ̄‖+ε))·Δ̄ per group, in place on a flat buffer; returns the factors.
 
     One group over everything is Di-PS's global clip (φ = 1, there without ε); one group per
@@ -236,7 +262,7 @@ def clip_(update: torch.Tensor, groups: Sequence[tuple[str, Ranges]], phi: float
         raise ValueError(f"clip threshold φ must be finite and > 0, got {phi}")
     if not (eps >= 0 and math.isfinite(eps)):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    norms = group_norms(update, groups)
+    norms = group_norms(update, groups, boundaries)
     if not bool(torch.isfinite(norms).all()):
         bad = [groups[i][0] for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist()]
         raise ValueError(f"cannot clip a non-finite averaged update (groups {bad})")
@@ -807,7 +833,7 @@ class Penalty:
         if isinstance(update, torch.Tensor) and update.numel() != self.spec.numel:
             raise ValueError(f"update has {update.numel()} elements, the buffer "
                              f"{self.spec.numel}")
-        return group_norms(pieces, self.groups)
+        return group_norms(pieces, self.groups, self.spec.offsets)
 
     def score(self, node: Any, norms: NormsLike) -> tuple[torch.Tensor, torch.Tensor]:
         """``(accept[num_groups] bool, z[num_groups])`` against the statistics of the last
@@ -912,7 +938,7 @@ class Penalty:
         if update.dim() != 1 or update.numel() != self.spec.numel:
             raise ValueError(f"update must be 1-D with {self.spec.numel} elements, got "
                              f"{tuple(update.shape)}")
-        return clip_(update, self.groups, self.clip, self.eps)
+        return clip_(update, self.groups, self.clip, self.eps, self.spec.offsets)
 
     def finalize_weights(self) -> torch.Tensor:
         """Normalised weights ``[num_updates, num_groups]`` of the step's updates, from their

@@ -178,3 +178,21 @@ def test_state_round_trip_and_validation(tmp_path) -> None:
     with pytest.raises(FollowerError, match="NaN"):
         fresh.load_state_dict(state)
     assert fresh.version == 1
+
+
+def test_penalty_norms_equal_the_sharded_norms_bit_for_bit() -> None:
+    """`Penalty` cuts its groups at tensor starts, so the single-server norm (whole buffer, or
+    per-tensor wire pieces) and the leader's combination of follower sums are the same bits."""
+    from fl_geo.penalty import Penalty
+
+    spec = _spec()
+    torch.manual_seed(3)
+    delta = torch.randn(spec.numel).to(torch.bfloat16)
+    pen = Penalty(spec, granularity="global")
+    whole = float(pen.norms(delta)[0])
+    pieces = [(o, delta[o:o + n]) for o, n in zip(spec.offsets, spec.numels, strict=True)]
+    assert float(pen.norms(list(reversed(pieces)))[0]) == whole  # any piece order
+    for f in (1, 2, 4):
+        plan = ShardPlan.build(spec, f)
+        sums = [tensor_sq_sums(delta[s.begin:s.end], plan.tensor_ranges(s.index)) for s in plan.shards]
+        assert global_norm(sums) == whole
