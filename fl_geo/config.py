@@ -495,9 +495,9 @@ def validate(cfg: FlGeoConfig) -> None:
         _require(s.name == "dips", f"ps.followers (the sharded parameter server) is for strategy dips, not '{s.name}'")
         _require(not p.enabled or p.granularity == "global",
                  "ps.followers needs penalty.granularity=global (the leader decides on whole updates, Di-PS)")
-        _require(not (r.checkpoint_every or r.resume),
-                 "run.checkpoint_every / run.resume: with ps.followers the followers checkpoint their shards "
-                 "after every step; a leader checkpoint is not supported yet")
+        _require(ps.transport == "local" or not r.checkpoint_every or ps.checkpoint_keep > r.checkpoint_every,
+                 f"ps.checkpoint_keep={ps.checkpoint_keep} must exceed run.checkpoint_every={r.checkpoint_every}: a "
+                 "resumed leader needs every follower's checkpoint of the leader's last checkpointed step")
         _require(s.outer_optimizer in ("nesterov", "delayed_nesterov"), "ps.followers supports the nesterov outer optimizers")
         _require(ps.transport != "grpc" or ps.host in ("127.0.0.1", "localhost", "::1") or ps.tls_certs_dir
                  or ps.allow_insecure_remote,

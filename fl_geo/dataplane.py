@@ -1181,9 +1181,13 @@ class FollowerSupervisor:
         return self._procs[i].process.pid
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def start(self, initial_params: torch.Tensor) -> FollowerSupervisor:
+    def start(self, initial_params: torch.Tensor, resume_version: int | None = None) -> FollowerSupervisor:
         """Write each shard's version-0 checkpoint unless it has one (then it resumes), launch
-        every follower, and wait until all answer ``health``."""
+        every follower, and wait until all answer ``health``.
+
+        ``resume_version``: a restarted leader resumes from its own checkpoint of that outer
+        step; every follower must hold a verified checkpoint of it, and the newer ones (steps the
+        leader never recorded) are removed so each follower starts exactly there."""
         flat = initial_params.detach().reshape(-1)
         if flat.numel() != self.plan.spec.numel:
             raise ValueError(f"initial params have {flat.numel()} elements, the plan {self.plan.spec.numel}")
@@ -1195,6 +1199,8 @@ class FollowerSupervisor:
             self.leader_port = self.heartbeats.serve(self.leader_port, self.host,
                                                      self.tls.server_credentials() if self.tls else None)
         try:
+            if resume_version is not None:
+                self._rewind(resume_version)
             for i, shard in enumerate(self.plan.shards):
                 store = CheckpointStore(self.checkpoint_dir(i), self.keep)
                 if store.steps():
@@ -1214,6 +1220,23 @@ class FollowerSupervisor:
             self.stop()
             raise
         return self
+
+    def _rewind(self, version: int) -> None:
+        """Check every follower holds a verified checkpoint of ``version``, then drop newer ones."""
+        stores = [CheckpointStore(self.checkpoint_dir(i), self.keep) for i in range(self.num)]
+        for i, store in enumerate(stores):
+            if version not in store.steps():
+                raise RuntimeError(
+                    f"follower {i} holds no checkpoint of outer step {version} (it has {store.steps()[-5:]}) "
+                    f"in {store.directory}: keep more of them (ps.checkpoint_keep) than the leader's "
+                    "run.checkpoint_every")
+            store.load(version)  # raises CheckpointError when it does not verify
+        for i, store in enumerate(stores):
+            newer = [s for s in store.steps() if s > version]
+            for step in newer:
+                store.path_for(step).unlink()
+            if newer:
+                log.warning("follower %d: dropped checkpoints %s newer than the leader's step %d", i, newer, version)
 
     def _launch(self, i: int, port: int) -> None:
         addr = self.addr_path(i)

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -222,8 +222,7 @@ class OuterLoop:
             "format": CHECKPOINT_FORMAT,
             "strategy": self.cfg.strategy.name,
             "param_spec": self.spec.to_json(),
-            "params": self.global_params,
-            "optimizer": self.optimizer.state_dict(),
+            **self.model_state(),
             "penalty": self.penalty.state_dict() if self.penalty is not None else None,
             "counters": {
                 "version": self.version,
@@ -237,6 +236,27 @@ class OuterLoop:
             "torch_rng": torch.get_rng_state(),
             "loop": self.extra_state(),
         }
+
+    def model_state(self) -> dict[str, Any]:
+        """``params`` and ``optimizer`` of a checkpoint (the sharded loop keeps them elsewhere)."""
+        return {"params": self.global_params, "optimizer": self.optimizer.state_dict()}
+
+    def prepare_model_state(self, state: dict[str, Any]) -> Callable[[], None]:
+        """Validate a checkpoint's ``params`` and ``optimizer`` without changing anything;
+        return the function that installs them (called once everything else validated)."""
+        params = state["params"]
+        if not torch.is_tensor(params) or params.shape != self.global_params.shape or params.dtype != torch.float32:
+            raise ValueError(f"checkpoint params are not an fp32 tensor of {self.spec.numel} elements")
+        if not bool(torch.isfinite(params).all()):
+            raise ValueError("checkpoint params hold NaN or Inf")
+        optimizer = outer_optimizer_from_config(self.cfg, self.spec.numel)
+        optimizer.load_state_dict(dict(state["optimizer"]))
+
+        def install() -> None:
+            self.global_params.copy_(params)
+            self.optimizer = optimizer
+
+        return install
 
     def extra_state(self) -> dict[str, Any]:
         """The loop-specific part of a checkpoint (overridden by the loops)."""
@@ -259,14 +279,8 @@ class OuterLoop:
             raise ValueError(f"checkpoint was written by strategy '{state['strategy']}', this run is '{self.cfg.strategy.name}'")
         if state["param_spec"] != self.spec.to_json():
             raise ValueError("checkpoint holds a model with a different parameter layout (model section changed?)")
-        params = state["params"]
-        if not torch.is_tensor(params) or params.shape != self.global_params.shape or params.dtype != torch.float32:
-            raise ValueError(f"checkpoint params are not an fp32 tensor of {self.spec.numel} elements")
-        if not bool(torch.isfinite(params).all()):
-            raise ValueError("checkpoint params hold NaN or Inf")
         # The pieces that validate themselves: load into scratch copies first, then swap in.
-        optimizer = outer_optimizer_from_config(self.cfg, self.spec.numel)
-        optimizer.load_state_dict(dict(state["optimizer"]))
+        install_model = self.prepare_model_state(state)
         penalty = None
         if self.penalty is not None:
             if state.get("penalty") is None:
@@ -276,8 +290,7 @@ class OuterLoop:
             penalty.load_state_dict(state["penalty"])
         self.load_extra_state(dict(state["loop"]))  # validates before it sets anything
         self.dispatcher.clock.load_state_dict(dict(state["clock"]))
-        self.global_params.copy_(params)
-        self.optimizer = optimizer
+        install_model()
         self.penalty = penalty
         c = state["counters"]
         self.version = int(c["version"])

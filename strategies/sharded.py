@@ -19,6 +19,7 @@ with one follower this is the single-server Di-PS) or are processes behind the g
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -95,6 +96,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         self._bound_key = -1
         self.supervisor: Any = None
         self._ca_pem = ""  # the data path's CA certificate, sent to clients (TLS)
+        self._resume_version = 0
         self.voided = 0
         self.scheduler = TransferScheduler(list(range(ps.followers)), ps.followers)
         send = "params" if self._send == "params" else "pseudo_grad"
@@ -109,7 +111,6 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             from fl_geo.dataplane import FollowerSupervisor, TlsFiles
 
             workdir = Path(ps.workdir) if ps.workdir else Path(self.logger.run_dir) / "ps"
-            _clear_followers(workdir)  # a new run starts from this run's model, not an old shard
             opt = outer_optimizer_from_config(cfg, 1)
             kwargs = {k: v for k, v in opt.state_dict().items() if k not in ("numel", "steps")}
             tls = None
@@ -121,10 +122,61 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                 self.plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=cfg.wire.up,
                 send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
                 torch_threads=cfg.run.server_threads, host=ps.host, tls=tls)
-            self.supervisor.start(self.global_params)
-            self.followers = [self._connect(i) for i in range(ps.followers)]
+            self.followers = []  # connected when the run starts (`_start_followers`)
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))
+
+    # ---- checkpoint and resume of the leader -------------------------------------------------------
+    def model_state(self) -> dict[str, Any]:
+        """In process: θ (views of the followers' shards) and each shard's outer state. Follower
+        processes: only the version they must resume from; θ and the outer state are in their
+        own checkpoints, written after every step (Di-PS §4.3: the leader saves metadata)."""
+        if self.supervisor is None:
+            return {"params": self.global_params,
+                    "optimizer": {"shards": [f.optimizer.state_dict() for f in self.followers]}}
+        return {"params": torch.empty(0), "optimizer": {"followers_version": self.version}}
+
+    def prepare_model_state(self, state: dict[str, Any]) -> Any:
+        opt = dict(state["optimizer"])
+        version = int(state["counters"]["version"])
+        if self.supervisor is not None:
+            if "followers_version" not in opt or int(opt["followers_version"]) != version:
+                raise ValueError("checkpoint was not written by a leader of follower processes (ps.transport=grpc)")
+
+            def resume_followers() -> None:
+                self._resume_version = version
+
+            return resume_followers
+        shards = opt.get("shards")
+        if not isinstance(shards, list) or len(shards) != self.plan.num_shards:
+            raise ValueError(f"checkpoint does not hold the outer state of {self.plan.num_shards} in-process "
+                             "followers (written with another ps.followers or transport?)")
+        params = state["params"]
+        if not torch.is_tensor(params) or params.shape != self.global_params.shape or params.dtype != torch.float32:
+            raise ValueError(f"checkpoint params are not an fp32 tensor of {self.spec.numel} elements")
+        states = [{"format": 1, "index": s.index, "begin": s.begin, "end": s.end, "version": version,
+                   "params": params[s.begin:s.end], "optimizer": dict(st)} for s, st in zip(self.plan.shards, shards, strict=True)]
+        for f, st in zip(self.followers, states, strict=True):  # validate on scratch copies first
+            scratch = FollowerShard(self.plan, f.index, copy.copy(f.optimizer), params=f.params.clone(),
+                                    wire=f.wire, send=f.send)
+            scratch.load_state_dict(st)
+
+        def install() -> None:
+            for f, st in zip(self.followers, states, strict=True):
+                f.load_state_dict(st)
+
+        return install
+
+    def _start_followers(self) -> None:
+        """Launch the follower processes: fresh from this run's model, or, for a resumed
+        leader, from their checkpoints of the leader's step."""
+        ps = self.cfg.ps
+        if self.resumed:
+            self.supervisor.start(self.global_params, resume_version=self._resume_version)
+        else:
+            _clear_followers(self.supervisor.workdir)  # a new run starts from this run's model
+            self.supervisor.start(self.global_params)
+        self.followers = [self._connect(i) for i in range(ps.followers)]
 
     # ---- follower failures (gRPC transport) -------------------------------------------------------
     def _connect(self, i: int) -> RemoteFollower:
@@ -384,6 +436,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         return super().evaluate()
 
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        if self.supervisor is not None:
+            self._start_followers()
         try:
             out = super().run(progress)
             self.sync_model()

@@ -154,3 +154,74 @@ def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
             assert ok.health()["index"] == 0
         with FollowerClient(sup.addresses[0], retry_s=1.0) as plaintext, pytest.raises(DataPathError):
             plaintext.health()
+
+
+class Crash(Exception):
+    """The leader dies (raised from the grid while it pulls a reply)."""
+
+
+def _crash_at_reply(nth: int):
+    seen = {"n": 0}
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "train":
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise Crash("leader killed")
+        return reply
+
+    return hook
+
+
+def _crash_and_resume(tiny, run_dir, *overrides, between=None):
+    common = [*VIRTUAL, *DIPS, "run.rounds=6", *overrides]
+    grid = InlineGrid(client_app, 4, seed=0)  # the sites outlive the leader
+    grid.reply_hook = _crash_at_reply(11)
+    with pytest.raises(Crash):
+        run_server(grid, tiny(*common), run_dir)
+    if between is not None:
+        between()
+    grid.reply_hook = None
+    summary = run_server(grid, tiny(*common, "run.resume=true"), run_dir)
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(7))  # every step once, the ones before the crash from the checkpoint
+    return summary, torch.load(run_dir / "final_model.pt")["params"]
+
+
+def test_a_restarted_leader_resumes_in_process_followers_bit_identically(tiny, tmp_path):
+    """In process, the leader's checkpoint holds the shards' θ and outer state: a resumed leader
+    gives the bits of the single-server Di-PS resumed at the same point."""
+    _, single = _crash_and_resume(tiny, tmp_path / "f0", "run.checkpoint_every=1")
+    _, local = _crash_and_resume(tiny, tmp_path / "local", "run.checkpoint_every=1", "ps.followers=2")
+    assert torch.equal(single, local)
+
+
+def test_a_restarted_leader_rewinds_follower_processes_to_its_step(tiny, tmp_path, caplog):
+    """With follower processes the leader saves only metadata (every 2 steps here) and the
+    followers their shards (every step): a resumed leader restarts them from their checkpoint of
+    its own last step, dropping the newer ones, and the run completes."""
+    from fl_geo.checkpoint import CheckpointStore
+
+    caplog.set_level("WARNING", logger="fl_geo")
+    run_dir = tmp_path / "grpc"
+    # the uninterrupted in-process run gives the state every follower must resume from
+    reference = [*VIRTUAL, *DIPS, "run.rounds=6", "ps.followers=2", "run.checkpoint_every=2"]
+    _run(tiny(*reference), tmp_path / "ref")
+    at_step_2 = CheckpointStore(tmp_path / "ref" / "checkpoints").load(2).state["params"]
+    seen = {}
+
+    def check_followers():
+        leader = CheckpointStore(run_dir / "checkpoints").load_latest()
+        seen["leader_step"] = leader.step
+        seen["leader_bytes"] = (run_dir / "checkpoints" / leader.path.name).stat().st_size
+        shards = [CheckpointStore(run_dir / "ps" / f"follower-{i}").load(leader.step).state["params"] for i in range(2)]
+        seen["equal"] = torch.equal(torch.cat(shards), at_step_2)
+        seen["ahead"] = max(CheckpointStore(run_dir / "ps" / "follower-0").steps())
+
+    summary, final = _crash_and_resume(tiny, run_dir, "run.checkpoint_every=2", "ps.followers=2", "ps.transport=grpc",
+                                       "ps.checkpoint_keep=3", between=check_followers)
+    assert seen["leader_step"] == 2 and seen["ahead"] > 2 and seen["equal"]
+    assert seen["leader_bytes"] < 200_000  # metadata only: the model lives in the followers' checkpoints
+    assert "newer than the leader's step 2" in caplog.text
+    assert summary["outer_steps"] == 6 and torch.isfinite(final).all()
+    assert not _follower_pids(run_dir / "ps")

@@ -74,7 +74,7 @@ def test_nan_update_is_rejected_and_leaves_nothing_on_the_followers(tiny, tmp_pa
     ("overrides", "match"),
     [(["strategy.name=fedbuff", "ps.followers=2"], "strategy dips"),
      ([*DIPS, "ps.followers=2", "penalty.granularity=module"], "granularity=global"),
-     ([*DIPS, "ps.followers=2", "run.checkpoint_every=1"], "leader checkpoint"),
+     ([*DIPS, "ps.followers=2", "ps.transport=grpc", "run.checkpoint_every=3"], "must exceed run.checkpoint_every"),
      ([*DIPS, "ps.transport=tcp"], "local or grpc"),
      ([*DIPS, "ps.norm=max"], "global or sum_of_shards")],
 )
