@@ -72,7 +72,8 @@ def _rss(pid: int, key: str = "VmHWM") -> float:
 
 def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire: str, workdir: Path,
                 seed: int) -> dict[str, Any]:
-    from fl_geo.dataplane import FollowerClient, FollowerSupervisor
+    from fl_geo.dataplane import FollowerClient
+    from fl_geo.follower_supervisor import FollowerSupervisor
 
     plan = ShardPlan.build(spec, followers)
     gen = torch.Generator().manual_seed(seed)
@@ -178,7 +179,7 @@ def _leader_step(leader: list[Any], jobs: list[str]) -> list[int]:
 def _idle_follower_rss(workdir: Path) -> float:
     """Peak RSS of a follower process holding a negligible shard: the interpreter, torch and
     gRPC, which every follower pays whatever its shard (subtracted to see the 1/F part)."""
-    from fl_geo.dataplane import FollowerSupervisor
+    from fl_geo.follower_supervisor import FollowerSupervisor
 
     spec = ParamSpec(("blocks.0.w",), ((1024,),), ("float32",))
     with FollowerSupervisor(ShardPlan.build(spec, 1), workdir=workdir / "idle", keep=1) as sup:

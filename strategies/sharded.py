@@ -108,7 +108,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                               max_pending=ps.max_pending)
                 for s in self.plan.shards]
         else:
-            from fl_geo.dataplane import FollowerSupervisor, TlsFiles
+            from fl_geo.dataplane import TlsFiles
+            from fl_geo.follower_supervisor import FollowerSupervisor
 
             workdir = Path(ps.workdir) if ps.workdir else Path(self.logger.run_dir) / "ps"
             opt = outer_optimizer_from_config(cfg, 1)

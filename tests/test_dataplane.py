@@ -23,13 +23,12 @@ from fl_geo.dataplane import (
     FollowerClient,
     FollowerServer,
     FollowerService,
-    FollowerSupervisor,
     LeaderHeartbeatService,
-    data_path_throughput,
     decode_frame,
     encode_frames,
 )
 from fl_geo.follower import WIRE_DTYPES, FollowerShard
+from fl_geo.follower_supervisor import FollowerSupervisor, data_path_throughput
 from fl_geo.outer import build_outer_optimizer
 from fl_geo.shards import ShardPlan, tensor_sq_sums
 from fl_geo.state import ParamSpec

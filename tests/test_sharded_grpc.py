@@ -142,7 +142,8 @@ def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
     summary, secure = _run(tiny(*base, f"ps.tls_certs_dir={certs.root}"), tmp_path / "tls")
     assert summary["outer_steps"] == 3 and torch.equal(plain, secure)
     # a TLS follower answers a client that trusts the CA and refuses a plaintext one
-    from fl_geo.dataplane import DataPathError, FollowerClient, FollowerSupervisor, TlsFiles
+    from fl_geo.dataplane import DataPathError, FollowerClient, TlsFiles
+    from fl_geo.follower_supervisor import FollowerSupervisor
     from fl_geo.shards import ShardPlan
     from fl_geo.state import ParamSpec
 
