@@ -33,11 +33,19 @@ from fl_geo.outer import OuterOptimizer
 from fl_geo.shards import ShardPlan, tensor_sq_sums
 from fl_geo.state import CHUNK_ELEMS, chunk_ranges
 
-__all__ = ["FollowerError", "FollowerShard", "PushBuffer", "SEND_MODES", "WIRE_DTYPES"]
+__all__ = ["SEND_MODES", "WIRE_DTYPES", "FollowerError", "FollowerShard", "PushBuffer", "check_wire_and_send"]
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SEND_MODES = ("pseudo_grad", "params")
 STATE_FORMAT = 1
+
+
+def check_wire_and_send(wire: str, send: str) -> None:
+    """A follower's wire precision and send mode are known names (ValueError otherwise)."""
+    if wire not in WIRE_DTYPES:
+        raise ValueError(f"unknown wire precision {wire!r}; valid: {', '.join(WIRE_DTYPES)}")
+    if send not in SEND_MODES:
+        raise ValueError(f"unknown send mode {send!r}; valid: {', '.join(SEND_MODES)}")
 
 
 class FollowerError(ValueError):
@@ -80,10 +88,7 @@ class FollowerShard:
                  max_pending: int = 64) -> None:
         if not 0 <= index < plan.num_shards:
             raise ValueError(f"shard index {index} outside the plan of {plan.num_shards}")
-        if wire not in WIRE_DTYPES:
-            raise ValueError(f"unknown wire precision {wire!r}; valid: {', '.join(WIRE_DTYPES)}")
-        if send not in SEND_MODES:
-            raise ValueError(f"unknown send mode {send!r}; valid: {', '.join(SEND_MODES)}")
+        check_wire_and_send(wire, send)
         self.plan = plan
         self.index = index
         self.shard = plan.shards[index]

@@ -32,7 +32,7 @@ from fl_geo.dataplane import (
     LeaderHeartbeatService,
     TlsFiles,
 )
-from fl_geo.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
+from fl_geo.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
 from fl_geo.outer import build_outer_optimizer
 from fl_geo.shards import ShardPlan, tensor_sq_sums
 from fl_geo.state import ParamSpec
@@ -114,10 +114,7 @@ class FollowerSupervisor:
             plan = ShardPlan.build(plan, num)
         elif num is not None and num != plan.num_shards:
             raise ValueError(f"num={num} but the plan has {plan.num_shards} shards")
-        if wire not in WIRE_DTYPES:
-            raise ValueError(f"unknown wire precision {wire!r}; valid: {', '.join(WIRE_DTYPES)}")
-        if send not in SEND_MODES:
-            raise ValueError(f"unknown send mode {send!r}; valid: {', '.join(SEND_MODES)}")
+        check_wire_and_send(wire, send)
         self.plan = plan
         self.num = plan.num_shards
         self.workdir = Path(workdir)
