@@ -54,6 +54,7 @@ from typing import Any
 from fl_geo.device import DEVICE_KINDS
 
 __all__ = [
+    "free_ports",
     "CertPaths",
     "DeployError",
     "NodeSpec",
@@ -1129,3 +1130,20 @@ def run_experiment(topo: Topology, config: str | Path, overrides: Sequence[str] 
     note = f" ({details})" if details and details != "N/A" else ""
     say(f"run {run_id}: {state}{note} after {wall:.1f} s; run dir {run_dir}")
     return RunResult(run_id, state, details, run_dir, summary, wall)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held until chosen, so they cannot repeat): for
+    loopback topologies built on the fly (tests, `fl-geo bench flower-path`)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -41,27 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo import deploy
-from fl_geo.deploy import DeployError
+from fl_geo.deploy import DeployError, free_ports
 
 __all__ = ["APP_DIR", "format_flower_path", "main", "measure_flower_path"]
 
 APP_DIR = Path(__file__).resolve().parents[1] / "apps" / "flower-path-probe"
 SAMPLE_S = 0.25
 MIB = 1 << 20
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held until chosen, so they cannot repeat)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -111,7 +96,7 @@ class _MemorySampler(threading.Thread):
 
 
 def _topology(workdir: Path, app_dir: Path) -> deploy.Topology:
-    link, node = _free_ports(2)
+    link, node = free_ports(2)
     data = {
         "name": "flower-path",
         "superlink": {"host": "127.0.0.1", "port": link},

@@ -393,7 +393,9 @@ class ShardedDiPSLoop(AsyncOuterLoop):
     # ---- the outer step ------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         self._followers_ok()  # a dead follower voids the window before anything is stepped
-        return super().step()
+        metrics = super().step()
+        metrics["ps/voided_total"] = self.voided  # updates a follower restart voided (Di-PS §4.3)
+        return metrics
 
     def apply_update(self) -> bool:
         if self.tally.accepted == 0:

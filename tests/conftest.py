@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fl_geo.config import FlGeoConfig, load_config
+from fl_geo.deploy import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
 
 TINY = [
     "run.rounds=2",
@@ -39,22 +40,6 @@ def _seed_and_threads():
 def tiny_overrides(*extra: str, drop: tuple[str, ...] = ()) -> list[str]:
     """TINY without the keys in ``drop``, then ``extra`` (the deployment tests' run overrides)."""
     return [o for o in TINY if o.split("=", 1)[0] not in drop] + list(extra)
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held until chosen, so they cannot repeat)."""
-    import socket
-
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def tiny_config(*overrides: str) -> FlGeoConfig:

@@ -101,8 +101,10 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
     assert "restarting it from its checkpoint" in caplog.text
     rows = [r for r in read_metrics(tmp_path / "run")[1:] if r["outer/accepted"] > 0]
     assert [int(r["outer/step"]) for r in rows] == list(range(1, 7))  # every step happened once
-    failed = sum(r["outer/failed"] for r in read_metrics(tmp_path / "run")[1:])
+    rows_all = read_metrics(tmp_path / "run")[1:]
+    failed = sum(r["outer/failed"] for r in rows_all)
     assert failed >= 1  # what the dead follower held was lost (voided or redone), never stepped half
+    assert rows_all[-1]["ps/voided_total"] == (1 if when == "mid_window" else 0)
     meta = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert meta["outer_steps"] == 6
     assert not _follower_pids(tmp_path / "run" / "ps")
