@@ -473,6 +473,39 @@ def train_stream(msg: Message, context: Context) -> Message:
     return Message(RecordDict(content), reply_to=msg)
 
 
+@app.evaluate("stream")
+def evaluate_stream(msg: Message, context: Context) -> Message:
+    """Validation loss of this worker's *own* model θ^m (message type ``evaluate.stream``).
+
+    Why: in Streaming DiLoCo and CoCoDC no moment exists at which the server's global model is
+    what the workers hold. Its fragments were last stepped at different times (with the fixed
+    schedule up to H − H/P steps apart), and the workers train on from the merged fragments.
+    The server therefore asks each worker to score θ^m as it stands, on the same held-out batches
+    (``run.eval_batches`` of the global held-out text) that ``val/loss`` uses. Read-only: nothing
+    in ``context.state`` changes, and fragments still in flight are not merged first.
+    """
+    cfg = msg.content.config_records["config"]
+    _set_threads(cfg)
+    state = context.state
+    if STREAM_LOCAL_KEY not in state.array_records:
+        raise RuntimeError("evaluate.stream: this node holds no streaming model yet (no train.stream message ran)")
+    _, nparts = _partition_ids(context)
+    icfg = inner_config(str(cfg["client"]), int(cfg["schedule_total"]))
+    device = pick_device(_first_device(str(context.node_config.get("device", icfg.device))))
+    model, spec = _model(str(cfg["model"]), int(cfg["seed"]))
+    local = torch.from_numpy(state.array_records[STREAM_LOCAL_KEY]["flat"].numpy())
+    if local.numel() != spec.numel:
+        raise RuntimeError(f"evaluate.stream: stored model has {local.numel()} parameters, the run's {spec.numel}")
+    load_flat_into(model, local, spec)
+    model.to(device)
+    _, val_tokens = partitions(cfg["data"], nparts)
+    batches = eval_batches(val_tokens, icfg.seq_len, icfg.batch_size, int(cfg["eval_batches"]))
+    loss = evaluate_loss(model, batches)
+    tokens = sum(int(y.numel()) for _, y in batches)
+    metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Validation loss of the received model on this node's held-out text."""

@@ -1,7 +1,7 @@
 """``fl-geo``: run experiments, fetch the offline corpora, benchmark the server path.
 
     fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
-    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--out DIR]
+    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--out DIR]
                                                      table + plots of several runs
     fl-geo config CONFIG [key=value ...]             print the resolved configuration
     fl-geo data fetch [--data-dir D] [NAME ...]      download + extract the pinned corpora
@@ -74,10 +74,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     configs, overrides = _split(args.items)
     resolved = [load_config(c, overrides) for c in configs]
     out = Path(args.out)
-    runs = [load_run(p) for p in args.runs]
+    runs = [load_run(p, args.loss) for p in args.runs]
     for cfg in resolved:
         summary = run_simulation(cfg, out / "runs" / cfg.run.name)
-        runs.append(load_run(summary["run_dir"]))
+        runs.append(load_run(summary["run_dir"], args.loss))
     if not runs:
         raise ConfigError("fl-geo compare needs config files to run and/or --runs DIR ...")
     result = compare(runs, out, args.target)
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--runs", nargs="*", default=[], help="finished run directories to include")
     cmp_.add_argument("--target", type=float, default=None, help="target val loss (default: the worst final loss)")
     cmp_.add_argument("--out", default="runs/compare", help="where compare.md and the PNG plots go")
+    cmp_.add_argument("--loss", choices=("global", "workers"), default="global",
+                      help="whose validation loss: the server's model (val/loss), or the workers' own "
+                           "models where a streaming run logged them (val/worker_loss; streaming.eval_workers)")
     cmp_.set_defaults(func=cmd_compare)
 
     c = sub.add_parser("config", help="print a resolved config")

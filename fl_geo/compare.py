@@ -4,8 +4,14 @@ Reads each run directory's ``metrics.jsonl`` and ``summary.json`` (what every fl
 it works on runs made by ``fl-geo run``, ``flwr run .`` or a deployment alike, and ``fl-geo compare
 CONFIG ...`` simply runs the configs first. Time-to-target is read at the evaluation points, without
 interpolation: the first logged step whose ``val/loss`` is at or below the target, reported in
-virtual time (``time/virtual_s``, when the run used the virtual clock), wall time and tokens.
+inner steps per worker (the sum of ``train/inner_steps`` up to it), virtual time
+(``time/virtual_s``, when the run used the virtual clock), wall time and tokens.
 "Max spike" is the largest rise of the validation loss between consecutive evaluations.
+
+Which model's loss: ``global`` (the default) is the server's model, ``val/loss``. ``workers``
+reads ``val/worker_loss``, the mean over the workers' own models, where a run logged it
+(Streaming DiLoCo and CoCoDC with ``streaming.eval_workers``), and ``val/loss`` elsewhere: the
+synchronous loops' workers start every period from the global model, so it is what they hold.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import Any
 from fl_geo.metrics import read_metrics
 
 LOSS = "val/loss"
+WORKER_LOSS = "val/worker_loss"
+LOSS_KINDS = ("global", "workers")
+STEPS = "train/inner_steps"
 VIRTUAL = "time/virtual_s"
 WALL = "time/wall_s"
 TOKENS = "train/tokens"
@@ -32,12 +41,36 @@ class RunRecord:
     path: Path
     summary: dict[str, Any]
     rows: list[dict[str, Any]]
+    loss: str = "global"  # which model's loss (LOSS_KINDS; see the module docstring)
+
+    @property
+    def loss_key(self) -> str:
+        """The metric read as "the" validation loss of this run."""
+        if self.loss == "workers" and any(WORKER_LOSS in row for row in self.rows):
+            return WORKER_LOSS
+        return LOSS
+
+    def _with_steps(self) -> list[dict[str, Any]]:
+        """The rows with ``steps``: inner steps per worker so far (running sum of
+        ``train/inner_steps``, which each logged step reports as its per-worker mean)."""
+        total, out = 0.0, []
+        for row in self.rows:
+            value = row.get(STEPS)
+            if value is not None and math.isfinite(float(value)):
+                total += float(value)
+            out.append({**row, "steps": total})
+        return out
 
     def series(self, x_key: str) -> tuple[list[float], list[float]]:
-        """(x, val loss) at every logged evaluation that has both values."""
+        """(x, val loss) at every logged evaluation that has both values; ``x_key`` "steps" is
+        inner steps per worker. The initial evaluation (before any training) has no worker loss,
+        so with ``workers`` it falls back to ``val/loss``, which is every model's loss then."""
+        key = self.loss_key
         xs, ys = [], []
-        for row in self.rows:
-            x, y = row.get(x_key), row.get(LOSS)
+        for row in self._with_steps() if x_key == "steps" else self.rows:
+            x, y = row.get(x_key), row.get(key)
+            if y is None and key != LOSS and not row.get(STEPS) and not row.get("outer/step"):
+                y = row.get(LOSS)
             if x is not None and y is not None:
                 xs.append(float(x))
                 ys.append(float(y))
@@ -64,8 +97,10 @@ class RunRecord:
         return ys[-1] if ys else None
 
 
-def load_run(path: str | Path) -> RunRecord:
+def load_run(path: str | Path, loss: str = "global") -> RunRecord:
     """A run directory (or its metrics.jsonl); clear error if it is not a finished fl-geo run."""
+    if loss not in LOSS_KINDS:
+        raise ValueError(f"loss must be one of {LOSS_KINDS}, got {loss!r}")
     p = Path(path)
     if p.is_file():
         p = p.parent
@@ -73,7 +108,7 @@ def load_run(path: str | Path) -> RunRecord:
         raise FileNotFoundError(f"{p} has no metrics.jsonl: not an fl-geo run directory")
     summary_path = p / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return RunRecord(summary.get("name", p.name), p, summary, read_metrics(p))
+    return RunRecord(summary.get("name", p.name), p, summary, read_metrics(p), loss)
 
 
 def default_target(runs: list[RunRecord]) -> float:
@@ -93,18 +128,19 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def markdown_table(runs: list[RunRecord], target: float) -> str:
     head = (
-        f"| run | strategy | final val loss | virtual s to {target:.3f} | wall s to {target:.3f} | "
-        f"tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike |"
+        f"| run | strategy | loss of | final val loss | steps to {target:.3f} | virtual s to {target:.3f} | "
+        f"wall s to {target:.3f} | tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 13]
     for r in runs:
         s = r.summary
         strategy = s.get("strategy", "?")
         if s.get("outer_optimizer"):
             strategy += f" ({s['outer_optimizer']})"
+        of = "workers" if r.loss_key == WORKER_LOSS else "global"
         lines.append(
-            f"| {r.name} | {strategy} | {_fmt(r.final_loss, '.4f')} | "
-            f"{_fmt(r.first_reaching(target, VIRTUAL), '.1f')} | {_fmt(r.first_reaching(target, WALL), '.1f')} | "
+            f"| {r.name} | {strategy} | {of} | {_fmt(r.final_loss, '.4f')} | "
+            f"{_fmt(r.first_reaching(target, 'steps'), ',.0f')} | {_fmt(r.first_reaching(target, VIRTUAL), '.1f')} | {_fmt(r.first_reaching(target, WALL), '.1f')} | "
             f"{_fmt(r.first_reaching(target, TOKENS), ',.0f')} | {_fmt(s.get('tokens'), ',')} | "
             f"{_fmt(s.get('bytes_up', 0) / 1e6, '.1f')} | {_fmt(s.get('bytes_down', 0) / 1e6, '.1f')} | "
             f"{_fmt(s.get('rejected'), 'd')} | {_fmt(r.max_spike, '.3f')} |"
@@ -151,5 +187,6 @@ def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = N
         "virtual": plot(runs, VIRTUAL, "virtual time (s, modelled WAN + accelerators)", out / "val_loss_vs_virtual_time.png", target),
         "wall": plot(runs, WALL, "wall time (s)", out / "val_loss_vs_wall_time.png", target),
         "tokens": plot(runs, TOKENS, "tokens consumed", out / "val_loss_vs_tokens.png", target),
+        "steps": plot(runs, "steps", "inner steps per worker", out / "val_loss_vs_steps.png", target),
     }
     return {"table": table, "target": target, "plots": {k: str(v) for k, v in plots.items() if v is not None}}

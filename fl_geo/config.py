@@ -218,6 +218,10 @@ class StreamingSection:
     compensation: float = 0.5  # cocodc lambda (0 = new global fragment + local progress)
     adaptive: bool = False  # CoCoDC Algorithm 2: N = max(P, floor(gamma H T_c / T_s)) syncs per H steps
     gamma: float = 0.4  # adaptive: share of the network capacity to use, in (0, 1]
+    # also score every worker's own model θ^m whenever val/loss is taken (val/worker_loss): the
+    # server's global model is a patchwork of fragments stepped at different times, which no
+    # worker holds. Streaming strategies only (DiLoCo's workers hold the global model after a sync).
+    eval_workers: bool = False
 
 
 @dataclass

@@ -72,6 +72,9 @@ class JobTiming:
     bytes_down: int = 0
     bytes_up: int = 0
     peer_region: str | None = None  # where the server it talks to sits (None: the scenario's server)
+    # a measurement (evaluation) that costs no modelled time: on a virtual clock it finishes at
+    # dispatch, so asking for a figure does not move the time axis the figure is plotted against
+    free: bool = False
 
 
 @dataclass
@@ -213,8 +216,11 @@ class Dispatcher:
             job_id = mid or f"unsent-{nid}-{next(self._seq)}"
             job = Job(job_id, nid, msg.metadata.message_type, next(self._seq), now, dict(meta[i]) if meta else {})
             timing = timings[i] if timings is not None else JobTiming(slot=0)
-            self.clock.schedule(job_id, timing.slot, steps=timing.steps, bytes_down=timing.bytes_down,
-                                bytes_up=timing.bytes_up, peer_region=timing.peer_region)
+            if timing.free and self.clock.is_virtual:
+                self.clock.schedule_at(job_id, now, node=timing.slot)
+            else:
+                self.clock.schedule(job_id, timing.slot, steps=timing.steps, bytes_down=timing.bytes_down,
+                                    bytes_up=timing.bytes_up, peer_region=timing.peer_region)
             self._jobs[job_id] = job
             if not mid:  # Flower returns an empty id for a node it does not know
                 self._arrived[job_id] = _VANISHED

@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from fl_geo.accumulate import WeightedAccumulator
 from fl_geo.checkpoint import CheckpointStore
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
-from fl_geo.dispatch import Dispatcher, NodeProfile
+from fl_geo.dispatch import Dispatcher, JobTiming, NodeProfile
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
 from fl_geo.outer import OuterOptimizer, build_outer_optimizer
@@ -176,7 +176,18 @@ class OuterLoop:
         config = ConfigRecord(dict(self._client_cfg, round=rnd, base_version=self.version))
         msgs = [Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=n,
                         message_type=MessageType.EVALUATE) for n in nodes]
-        total = {"loss": 0.0, "tokens": 0}
+        losses = self.collect_val_losses(msgs, nodes)
+        tokens = sum(t for _, t in losses)
+        return {"val/client_loss": sum(v * t for v, t in losses) / tokens} if tokens else {}
+
+    def collect_val_losses(self, msgs: list[Message], nodes: list[int]) -> list[tuple[float, int]]:
+        """Send evaluation messages (one per node, in ``nodes`` order) and return each good
+        reply's ``(val_loss, val_tokens)``; a missing or non-finite figure is logged and skipped.
+
+        The jobs cost no modelled time (`JobTiming.free`): evaluating is a measurement, and on a
+        virtual clock it must not move the time axis the loss is plotted against.
+        """
+        out: list[tuple[float, int]] = []
 
         def keep(group: Sequence[tuple[int, Message]]) -> None:
             for node, reply in group:
@@ -184,11 +195,16 @@ class OuterLoop:
                 if m is None or "val_loss" not in m or "val_tokens" not in m:
                     log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", node)
                     continue
-                total["loss"] += float(m["val_loss"]) * int(m["val_tokens"])
-                total["tokens"] += int(m["val_tokens"])
+                loss, tokens = float(m["val_loss"]), int(m["val_tokens"])
+                if not math.isfinite(loss) or tokens <= 0:
+                    log.warning("evaluate reply from node %s: val_loss=%s over %s tokens; ignored", node, loss, tokens)
+                    continue
+                out.append((loss, tokens))
 
-        self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s)
-        return {"val/client_loss": total["loss"] / total["tokens"]} if total["tokens"] else {}
+        timings = [JobTiming(self.profiles[n].partition_id if n in self.profiles else 0, free=True) for n in nodes]
+        self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s,
+                                 timings=timings)
+        return out
 
     def tally_metrics(self, t: Tally) -> dict[str, float]:
         """Add a step's tally to the run totals and return the metrics every loop logs for it."""

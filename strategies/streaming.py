@@ -63,6 +63,7 @@ from fl_geo.wire import PayloadError, check_finite_and_norm, decode, encode, pay
 log = logging.getLogger("fl_geo")
 
 STREAM_MESSAGE_TYPE = f"{MessageType.TRAIN}.stream"  # -> @app.train("stream")
+WORKER_EVAL_MESSAGE_TYPE = f"{MessageType.EVALUATE}.stream"  # -> @app.evaluate("stream")
 
 
 @dataclass
@@ -447,6 +448,26 @@ class StreamingLoop(OuterLoop):
             "time/virtual_s": self._model_time(),  # when this global model exists (syncs in flight)
         }
 
+    def worker_eval(self, rnd: int) -> dict[str, float]:
+        """Validation loss of each worker's own model θ^m (``streaming.eval_workers``), on the
+        held-out batches of ``val/loss``: their mean, min and max over the workers that hold one.
+
+        The workers' models, not the server's, are what training produced at this step: the
+        global model's fragments were stepped at different times and the workers have trained on
+        from their merges (Streaming DiLoCo keeps part of its own model at each merge, CoCoDC the
+        local progress since the sync started). Costs no modelled time (`collect_val_losses`).
+        """
+        nodes = [n for n in self.free_nodes() if n in self._initialised]
+        config = ConfigRecord(dict(self._client_cfg, round=rnd, base_version=self.version,
+                                   eval_batches=self.cfg.run.eval_batches))
+        msgs = [Message(RecordDict({"config": config}), dst_node_id=n, message_type=WORKER_EVAL_MESSAGE_TYPE)
+                for n in nodes]
+        losses = [loss for loss, _ in self.collect_val_losses(msgs, nodes)]
+        if not losses:
+            return {}
+        return {"val/worker_loss": sum(losses) / len(losses), "val/worker_loss_min": min(losses),
+                "val/worker_loss_max": max(losses)}
+
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         r = self.cfg.run
         self.log_initial()
@@ -469,6 +490,8 @@ class StreamingLoop(OuterLoop):
             stats = _RoundStats()
             if (r.eval_every and rnd % r.eval_every == 0) or last:
                 metrics.update(self.evaluate())
+                if self.cfg.streaming.eval_workers:
+                    metrics.update(self.worker_eval(rnd))
             if r.client_eval_every and (rnd % r.client_eval_every == 0 or last):
                 metrics.update(self.client_eval(rnd))
             record = self.logger.log(rnd, metrics)

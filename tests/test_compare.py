@@ -10,14 +10,21 @@ from fl_geo.cli import main as cli_main
 from fl_geo.compare import compare, default_target, load_run, markdown_table
 
 
-def _fake_run(tmp_path, name, losses, virtual=True):
+def _fake_run(tmp_path, name, losses, virtual=True, worker_losses=None, steps=25):
     d = tmp_path / name
     d.mkdir()
     rows = []
     for i, loss in enumerate(losses):
         row = {"step": i, "time/wall_s": 10.0 * i, "train/tokens": 1000 * i, "val/loss": loss}
+        if i:
+            row["train/inner_steps"] = steps
+            row["outer/step"] = i
+        else:
+            row["outer/step"] = 0
         if virtual:
             row["time/virtual_s"] = 100.0 * i
+        if worker_losses is not None and i:
+            row["val/worker_loss"] = worker_losses[i - 1]
         rows.append(row)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "summary.json").write_text(json.dumps({"name": name, "strategy": "diloco", "tokens": 1000 * (len(losses) - 1),
@@ -35,9 +42,10 @@ def test_time_to_target_is_read_at_evaluation_points(tmp_path):
     assert b.first_reaching(1.0, "time/wall_s") is None
     diverged = load_run(_fake_run(tmp_path, "c", [5.0, 9.0, 40.0]))
     assert default_target([a, b, diverged]) == 1.9  # a diverged run sets no target
+    assert a.first_reaching(2.0, "steps") == 50  # two logged steps of 25 inner steps per worker
     table = markdown_table([a, b], 2.0)
-    assert "| a | diloco | 1.5000 | 200.0 | 20.0 | 2,000 |" in table
-    assert "| b | diloco | 1.9000 | — | 30.0 | 3,000 |" in table  # no virtual clock in run b
+    assert "| a | diloco | global | 1.5000 | 50 | 200.0 | 20.0 | 2,000 |" in table
+    assert "| b | diloco | global | 1.9000 | 75 | — | 30.0 | 3,000 |" in table  # no virtual clock in run b
     assert table.splitlines()[2].endswith("| 1 | 0.000 |")  # never rose: no spike
 
 
@@ -52,9 +60,28 @@ def test_compare_writes_table_and_plots(tmp_path):
     runs = [load_run(_fake_run(tmp_path, n, ls)) for n, ls in (("a", [5, 3, 2]), ("b", [5, 4, 2.5]))]
     result = compare(runs, tmp_path / "out")
     assert (tmp_path / "out" / "compare.md").read_text().startswith("| run |")
-    for kind in ("virtual", "wall", "tokens"):
+    for kind in ("virtual", "wall", "tokens", "steps"):
         png = tmp_path / "out" / result["plots"][kind].split("/")[-1]
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workers_loss_where_logged_global_elsewhere(tmp_path):
+    """--loss workers reads val/worker_loss where a streaming run logged it, val/loss in runs
+    that did not (the synchronous loops), and val/loss at the initial evaluation."""
+    stream = _fake_run(tmp_path, "stream", [5.0, 4.0, 3.0, 2.5], worker_losses=[3.0, 2.2, 1.8])
+    sync = _fake_run(tmp_path, "sync", [5.0, 3.0, 2.4, 2.0])
+    g, w = load_run(stream), load_run(stream, "workers")
+    assert g.final_loss == 2.5 and w.final_loss == 1.8
+    assert w.series("steps") == ([0.0, 25.0, 50.0, 75.0], [5.0, 3.0, 2.2, 1.8])
+    assert w.first_reaching(2.2, "steps") == 50 and g.first_reaching(2.2, "steps") is None
+    s = load_run(sync, "workers")
+    assert s.loss_key == "val/loss" and s.final_loss == 2.0
+    assert default_target([w, s]) == 2.0
+    table = markdown_table([w, s], 2.0)
+    assert "| stream | diloco | workers | 1.8000 | 75 |" in table
+    assert "| sync | diloco | global | 2.0000 | 75 |" in table
+    with pytest.raises(ValueError, match="loss must be one of"):
+        load_run(stream, "average")
 
 
 def test_not_a_run_directory(tmp_path):

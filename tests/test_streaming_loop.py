@@ -372,3 +372,56 @@ def test_too_many_fragments_for_the_model_fails_at_loop_start(tiny, tmp_path):
     cfg.streaming.fragments = 4  # past validation: the model has 2 blocks
     with pytest.raises(ValueError, match=r"streaming.fragments \(P=4\) does not fit the model"):
         _run(cfg, tmp_path)
+
+
+# ---- the workers' own models (streaming.eval_workers) ---------------------------------------------
+
+
+def test_worker_eval_scores_each_workers_own_model_and_changes_nothing_else(tiny, tmp_path):
+    """val/worker_loss is the mean of the workers' θ^m on val/loss's batches; asking for it moves
+    neither the model bits nor the virtual time axis."""
+    from fl_geo.clients.datacenter import STREAM_LOCAL_KEY
+    from fl_geo.evaluation import GlobalEvaluator
+
+    cfg0 = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+                "streaming.overlap=1", "run.rounds=2")
+    flat = _initial(cfg0)
+    common = ["strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=1",
+              "run.rounds=2", "run.clock=virtual", f"run.scenario={_scenario(tmp_path, flat.numel())}",
+              "run.num_clients=3"]
+    _, plain, _, m_plain = _run(_cfg(tiny, *common), tmp_path, "plain")
+    cfg = _cfg(tiny, *common, "streaming.eval_workers=true")
+    _, scored, grid, m_scored = _run(cfg, tmp_path, "scored")
+    assert torch.equal(plain, scored)
+    assert [r["time/virtual_s"] for r in m_plain] == [r["time/virtual_s"] for r in m_scored]
+    assert [r["val/loss"] for r in m_plain] == [r["val/loss"] for r in m_scored]
+    assert "val/worker_loss" not in m_plain[-1] and "val/worker_loss" not in m_scored[0]  # round 0: no worker model yet
+
+    evaluator = GlobalEvaluator(cfg, cfg.run.num_clients)
+    own = [evaluator.evaluate(torch.from_numpy(ctx.state.array_records[STREAM_LOCAL_KEY]["flat"].numpy()))
+           for ctx in grid.contexts.values()]
+    last = m_scored[-1]
+    assert last["val/worker_loss"] == pytest.approx(sum(own) / len(own), rel=1e-6)
+    assert last["val/worker_loss_min"] == pytest.approx(min(own), rel=1e-6)
+    assert last["val/worker_loss_max"] == pytest.approx(max(own), rel=1e-6)
+    assert min(own) < max(own)  # the workers trained on different data: their models differ
+    # the global model is none of them
+    assert all(abs(v - last["val/loss"]) > 1e-6 for v in own)
+
+
+def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path):
+    """A node asked to score a model it does not hold answers with an error, which the server
+    logs and skips (no figure rather than a wrong one)."""
+    from flwr.app import ConfigRecord, Context, MessageType
+    from flwr.app import RecordDict as RD
+
+    from fl_geo.clients.datacenter import evaluate_stream
+    from fl_geo.strategies.base import client_config_record
+
+    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1")
+    config = dict(client_config_record(cfg), eval_batches=2)
+    msg = Message(RD({"config": ConfigRecord(config)}), dst_node_id=1, message_type=f"{MessageType.EVALUATE}.stream")
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1}, state=RD(), run_config={})
+    with pytest.raises(RuntimeError, match="holds no streaming model"):
+        evaluate_stream(msg, ctx)
