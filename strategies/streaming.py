@@ -141,6 +141,7 @@ class _RoundStats:
     failed: int = 0
     ticks: int = 0
     syncs: int = 0
+    syncs_by_fragment: dict[int, int] = field(default_factory=dict)
     skipped_syncs: int = 0
     pg_norm_sum: float = 0.0
     update_norm_sum: float = 0.0
@@ -407,6 +408,7 @@ class StreamingLoop(OuterLoop):
         self.fragments.scatter_(self.global_params, p, fragment)
         self.version += 1
         stats.syncs += 1
+        stats.syncs_by_fragment[p] = stats.syncs_by_fragment.get(p, 0) + 1
         stats.pg_norm_sum += norm
         done = 0.0
         clock = self.dispatcher.clock
@@ -440,6 +442,8 @@ class StreamingLoop(OuterLoop):
             "comm/bytes_down": stats.bytes_down,
             "comm/peak_bytes_per_sync": self.peak_bytes_per_sync,
             "stream/syncs": stats.syncs,
+            # which fragments the schedule synced (the adaptive one favours fast-changing ones)
+            **{f"stream/syncs_f{p}": stats.syncs_by_fragment.get(p, 0) for p in range(self.P)},
             "stream/skipped_syncs": stats.skipped_syncs,
             "stream/messages": stats.ticks,
             "stream/overlap_steps": _mean(stats.overlap_sum, stats.overlap_count),

@@ -203,6 +203,10 @@ def test_adaptive_schedule_picks_and_syncs_every_fragment(tiny, tmp_path):
     assert summary["outer_steps"] == len(syncs)
     assert all(r["stream/interval"] == expected_h for r in rows[1:])
     assert all(r["stream/overlap_steps"] == tau for r in rows[1:])
+    # the per-fragment counts add up to the syncs the messages started (completed ones per round)
+    assert all(sum(r[f"stream/syncs_f{p}"] for p in range(P)) == r["stream/syncs"] for r in rows[1:])
+    assert [sum(r[f"stream/syncs_f{p}"] for r in rows[1:]) for p in range(P)] == \
+        [sum(1 for _, q in syncs if q == p) for p in range(P)]
 
 
 def test_adaptive_on_a_wall_clock_runs(tiny, tmp_path):
