@@ -32,6 +32,7 @@ from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
 from fl_geo.distributed import DataParallelTrainer, model_spec, resolve_devices
 from fl_geo.model import Decoder
+from fl_geo.quantize import quantize_record
 from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
 from fl_geo.streaming import (
     Fragments,
@@ -446,7 +447,11 @@ def train_stream(msg: Message, context: Context) -> Message:
     for p in json.loads(str(cfg["stream_sync"])):
         local_p = fragments.gather(local, p)
         delta = torch.sub(fragments.gather(global_copy, p), local_p)
-        content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
+        quantize = str(cfg.get("stream_quantize", "none"))
+        if quantize == "none":
+            content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
+        else:
+            content[fragment_record(p)] = quantize_record(delta, quantize, int(cfg["stream_quantize_block"]))
         snapshots[p] = (local_p, step_after)
 
     state[STREAM_LOCAL_KEY] = ArrayRecord({"flat": _flat_array(local)})

@@ -222,6 +222,11 @@ class StreamingSection:
     # server's global model is a patchwork of fragments stepped at different times, which no
     # worker holds. Streaming strategies only (DiLoCo's workers hold the global model after a sync).
     eval_workers: bool = False
+    # the workers' Δ_p payloads: none (wire.up's precision), int8 or int4 (blockwise absmax, one
+    # fp32 scale per quantize_block elements; fl_geo.quantize). The new global fragment travels
+    # back at wire.down: it is a model, not an update to be averaged.
+    quantize: str = "none"
+    quantize_block: int = 128
 
 
 @dataclass
@@ -545,8 +550,14 @@ def _validate_streaming(cfg: FlGeoConfig) -> None:
     _require(0 <= st.alpha <= 1, f"streaming.alpha must be in [0, 1], got {st.alpha}")
     _require(st.compensation >= 0, f"streaming.compensation (lambda) must be >= 0, got {st.compensation}")
     _require(0 < st.gamma <= 1, f"streaming.gamma must be in (0, 1], got {st.gamma}")
+    _require(st.quantize in ("none", "int8", "int4"),
+             f"streaming.quantize must be none, int8 or int4, got {st.quantize!r}")
+    _require(st.quantize_block >= 1, f"streaming.quantize_block must be >= 1, got {st.quantize_block}")
     if s.name not in STREAMING_STRATEGIES:
         return
+    _require(st.quantize == "none" or cfg.wire.up == "fp32",
+             f"streaming.quantize={st.quantize} replaces wire.up for the fragment updates; leave "
+             f"wire.up at fp32 (got {cfg.wire.up})")
     P, H = st.fragments, s.inner_steps
     _require(cfg.model.n_layers >= P,
              f"streaming.fragments (P={P}) must be <= model.n_layers ({cfg.model.n_layers}): "

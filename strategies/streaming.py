@@ -46,6 +46,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from fl_geo.accumulate import WeightedAccumulator
 from fl_geo.dispatch import JobTiming
 from fl_geo.progress import Progress
+from fl_geo.quantize import dequantize_record, quantized_nbytes
 from fl_geo.scenario import payload_bytes
 from fl_geo.state import ParamSpec
 from fl_geo.strategies.base import OuterLoop
@@ -80,8 +81,9 @@ class StreamReply:
 
 
 def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Sequence[int],
-                      steps: int, precision: str) -> StreamReply:
-    """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them.
+                      steps: int, precision: str, quantize: str = "none", block: int = 128) -> StreamReply:
+    """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them
+    (``quantize`` int8/int4: dequantise to one fp32 piece, `fl_geo.quantize`).
 
     Raises `ReplyError` naming what is wrong (missing record, keys, shapes, dtypes, metrics, a
     step count other than the one asked for). Finiteness is checked when folding.
@@ -106,7 +108,10 @@ def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Se
         if record is None:
             raise ReplyError(f"reply lacks the fragment record {name!r}")
         try:
-            deltas[p] = decode(record, frag_specs[p], precision)
+            if quantize == "none":
+                deltas[p] = decode(record, frag_specs[p], precision)
+            else:
+                deltas[p] = [(0, dequantize_record(record, frag_specs[p].numel, quantize, block))]
         except PayloadError as exc:
             raise ReplyError(f"{name}: {exc}") from None
         nbytes[p] = payload_nbytes(record)
@@ -199,6 +204,8 @@ class StreamingLoop(OuterLoop):
             "lambda": float(st.compensation),
             "tau": self.tau,
             "H": self.H,
+            "stream_quantize": st.quantize,
+            "stream_quantize_block": st.quantize_block,
         }
 
     # ---- schedule -------------------------------------------------------------------------------
@@ -210,6 +217,9 @@ class StreamingLoop(OuterLoop):
         assert self.scenario is not None
         params = self.scenario.modelled_params(fallback=self.spec.numel)
         share = round(params * self.fragments.numel(p) / self.spec.numel)
+        st = self.cfg.streaming
+        if st.quantize != "none":
+            return quantized_nbytes(st.quantize, share, st.quantize_block)
         return payload_bytes(self.cfg.wire.up, share)  # not Scenario.payload_bytes: that is the whole model
 
     def _allreduce_s(self, p: int, slots: list[int]) -> float:
@@ -279,7 +289,9 @@ class StreamingLoop(OuterLoop):
         valid: list[tuple[int, StreamReply]] = []
         for node, reply in group:
             try:
-                r = read_stream_reply(reply, self.frag_specs, syncs, steps, self.cfg.wire.up)
+                st = self.cfg.streaming
+                r = read_stream_reply(reply, self.frag_specs, syncs, steps, self.cfg.wire.up,
+                                      st.quantize, st.quantize_block)
             except ReplyError as exc:
                 self._reject(tally, node, str(exc))
                 continue

@@ -352,6 +352,9 @@ def test_same_seed_same_bits(tiny, tmp_path):
         (["streaming.fragments=0"], "streaming.fragments (P) must be >= 1"),
         (["penalty.enabled=true"], "penalty.enabled is not supported"),
         (["strategy.outer_optimizer=avg"], "uses outer_optimizer nesterov"),
+        (["streaming.quantize=int2"], "streaming.quantize must be none, int8 or int4"),
+        (["streaming.quantize_block=0"], "streaming.quantize_block must be >= 1"),
+        (["streaming.quantize=int8", "wire.up=bf16"], "replaces wire.up for the fragment updates"),
     ],
 )
 def test_bad_streaming_config_is_a_clear_error(tiny, overrides, needle):
@@ -429,3 +432,73 @@ def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path)
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1}, state=RD(), run_config={})
     with pytest.raises(RuntimeError, match="holds no streaming model"):
         evaluate_stream(msg, ctx)
+
+
+# ---- quantised fragment updates (streaming.quantize) ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind):
+    """P = 1, τ = 0, one period: the global model is one Nesterov step on the token-weighted mean
+    of the workers' dequantised Δ, and the payloads are a quarter / an eighth of fp32's."""
+    from fl_geo.outer import build_outer_optimizer
+    from fl_geo.quantize import dequantize_record
+
+    common = ["strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=1",
+              "streaming.overlap=0", "run.rounds=1"]
+    s_fp, _, _, _ = _run(_cfg(tiny, *common), tmp_path, "fp32")
+    seen = []
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "train.stream" and "frag_0" in reply.content.array_records:
+            seen.append((reply.content.array_records["frag_0"], int(reply.content.metric_records["metrics"]["tokens"])))
+        return reply
+
+    cfg = _cfg(tiny, *common, f"streaming.quantize={kind}", "streaming.quantize_block=64")
+    s_q, final, _, _ = _run(cfg, tmp_path, kind, hook=hook)
+    init = _initial(cfg)
+    deltas = [dequantize_record(r, init.numel(), kind, 64) for r, _ in seen]
+    tokens = torch.tensor([float(t) for _, t in seen])
+    mean = sum(w * d for w, d in zip(tokens / tokens.sum(), deltas, strict=True))
+    expected = init.clone()
+    build_outer_optimizer("nesterov", init.numel(), lr=0.7, momentum=0.9).step(expected, mean)
+    assert len(seen) == cfg.run.num_clients
+    assert torch.allclose(final, expected, rtol=0, atol=1e-6)
+    assert s_q["bytes_up"] / s_fp["bytes_up"] < (0.3 if kind == "int8" else 0.17)
+
+
+def test_quantised_syncs_are_cheaper_on_the_virtual_clock_so_the_adaptive_schedule_syncs_more(tiny, tmp_path):
+    H, P = 8, 2
+    # fp32: one fragment sync (half the model) takes one inner step, T_s = T_c: N = 3, h = 2
+    num_params = round(2 * 1e9 / (2 * 2 / 3 * 4 * 8))
+    common = ["strategy.name=cocodc", f"strategy.inner_steps={H}", f"streaming.fragments={P}", "streaming.overlap=1",
+              "streaming.adaptive=true", "run.rounds=1", "run.clock=virtual",
+              f"run.scenario={_scenario(tmp_path, num_params)}"]
+    _, _, _, fp = _run(_cfg(tiny, *common), tmp_path, "fp32")
+    _, _, _, q4 = _run(_cfg(tiny, *common, "streaming.quantize=int4"), tmp_path, "int4")
+    assert fp[-1]["stream/interval"] == 2
+    assert q4[-1]["stream/interval"] == 1  # T_s ≈ (0.5 + 4/128) / 4 of fp32's: N = 24 > H, h = 1
+    assert q4[-1]["stream/syncs"] > fp[-1]["stream/syncs"]
+
+
+def test_a_quantised_update_with_a_bad_scale_is_rejected(tiny, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1", "streaming.quantize=int8")
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[1]
+
+    def tamper(node, msg, reply):
+        if node != victim:
+            return reply
+        content = dict(reply.content.array_records.items())
+        for key in [k for k in content if k.startswith("frag_")]:
+            scales = content[key]["scales"].numpy().copy()
+            scales[0] = np.nan
+            content[key] = ArrayRecord({"codes": content[key]["codes"], "scales": Array(scales)})
+        return Message(RecordDict({**content, "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+
+    summary, final, _, _ = _run(cfg, tmp_path, hook=Recorder(tamper), grid=grid)
+    assert torch.isfinite(final).all()
+    assert summary["outer_steps"] == 4 and summary["rejected"] == 4
+    assert "scales must be finite" in caplog.text
