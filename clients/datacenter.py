@@ -444,10 +444,10 @@ def train_stream(msg: Message, context: Context) -> Message:
 
     # (3) start the requested syncs: Δ_p = θ^g_p − θ^m_p against our copy of the global fragment
     content: dict[str, Any] = {}
+    quantize = str(cfg.get("stream_quantize", "none"))
     for p in json.loads(str(cfg["stream_sync"])):
         local_p = fragments.gather(local, p)
         delta = torch.sub(fragments.gather(global_copy, p), local_p)
-        quantize = str(cfg.get("stream_quantize", "none"))
         if quantize == "none":
             content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
         else:
@@ -505,9 +505,17 @@ def evaluate_stream(msg: Message, context: Context) -> Message:
     model.to(device)
     _, val_tokens = partitions(cfg["data"], nparts)
     batches = eval_batches(val_tokens, icfg.seq_len, icfg.batch_size, int(cfg["eval_batches"]))
+    return _eval_reply(msg, model, batches)
+
+
+def _eval_reply(msg: Message, model: Decoder, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                **extra: int) -> Message:
+    """The reply of an evaluate handler: ``val_loss`` and ``val_tokens`` (what
+    `OuterLoop.collect_val_losses` reads; ``num-examples`` too, Flower's weighting key) of
+    ``model`` on ``batches``, plus ``extra`` metrics."""
     loss = evaluate_loss(model, batches)
     tokens = sum(int(y.numel()) for _, y in batches)
-    metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens})
+    metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens, "num-examples": tokens, **extra})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
@@ -518,7 +526,4 @@ def evaluate(msg: Message, context: Context) -> Message:
     parts, _ = partitions(cfg["data"], nparts)
     eval_count = int(json.loads(str(cfg["client"]))["eval_batches"])
     batches = eval_batches(parts[pid].val, icfg.seq_len, icfg.batch_size, eval_count)
-    loss = evaluate_loss(model, batches)
-    tokens = sum(int(y.numel()) for _, y in batches)
-    metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens, "num-examples": tokens, "partition_id": pid})
-    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+    return _eval_reply(msg, model, batches, partition_id=pid)

@@ -287,9 +287,9 @@ class StreamingLoop(OuterLoop):
         """
         tally = stats.tally
         valid: list[tuple[int, StreamReply]] = []
+        st = self.cfg.streaming
         for node, reply in group:
             try:
-                st = self.cfg.streaming
                 r = read_stream_reply(reply, self.frag_specs, syncs, steps, self.cfg.wire.up,
                                       st.quantize, st.quantize_block)
             except ReplyError as exc:
