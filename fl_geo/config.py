@@ -10,6 +10,7 @@ long experiment sweep must not silently fall back to a default.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -19,62 +20,20 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.model import ModelConfig
+from fl_geo.registry import METHODS
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 WEIGHTINGS = ("uniform", "tokens")
 
-# Which outer optimizers each synchronous strategy name may use (first = default), and the
-# outer lr / momentum it gets when the config leaves them unset (ALGORITHMS.md §2-3; FedAdam and
-# FedYogi use Flower's defaults, eta 0.1 and 0.01).
-STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {
-    "diloco": ("nesterov", "delayed_nesterov"),
-    "fedavg": ("avg",),
-    "fedavgm": ("sgdm",),
-    "fedadam": ("fedadam",),
-    "fedyogi": ("fedyogi",),
-    # asynchronous (ALGORITHMS.md §5)
-    "fedbuff": ("avg",),
-    "fedasync": ("avg",),
-    "async_diloco": ("nesterov",),
-    "async_local_sgd": ("delayed_nesterov",),
-    "dips": ("nesterov", "delayed_nesterov"),  # delayed Nesterov: an fl-geo option (docs/benchmarks.md)
-    # EDiT / A-EDiT (ALGORITHMS.md §4, §1): synchronous, per-module penalty
-    "edit": ("nesterov",),
-    "a_edit": ("nesterov",),
-    # HALoS (ALGORITHMS.md §6): the global server's optimizer; the local servers' is in `halos`
-    "halos": ("delayed_nesterov",),
-    # Streaming DiLoCo / CoCoDC (ALGORITHMS.md §7): synchronous, one outer optimizer per fragment
-    "streaming_diloco": ("nesterov",),
-    "cocodc": ("nesterov",),
-}
-STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {
-    "diloco": (0.7, 0.9),
-    "fedavg": (1.0, 0.0),
-    "fedavgm": (1.0, 0.9),
-    "fedadam": (0.1, 0.0),
-    "fedyogi": (0.01, 0.0),
-    "fedbuff": (1.0, 0.0),
-    "fedasync": (1.0, 0.0),
-    "async_diloco": (0.7, 0.9),
-    "async_local_sgd": (0.05 * 32, 0.9),  # HALoS harness: lr 0.05 x N with N = 32
-    "dips": (0.7, 0.8),  # Di-PS: Nesterov 0.7 / 0.8
-    "edit": (0.8, 0.85),  # EDiT: Nesterov 0.8 / 0.85
-    "a_edit": (0.8, 0.85),
-    "halos": (0.15 * 2, 0.5),  # HALoS global server: lr 0.15 x N, beta 0.5, N = 2 (strategy.delay_buffer)
-    "streaming_diloco": (0.7, 0.9),  # as DiLoCo
-    "cocodc": (0.7, 0.9),
-}
-# EDiT's penalty (EDiT §3.2 / Algorithm 2; atorch defaults): filled in when a strategy named
-# edit / a_edit leaves the penalty section at its schema defaults.
-EDIT_PENALTY: dict[str, Any] = {
-    "enabled": True, "granularity": "module", "rule": "zscore", "threshold": 3.0,
-    "keying": "node", "weighting": "norm_softmax", "temperature": 1.0, "clip": 10.0,
-}
-EDIT_STRATEGIES = ("edit", "a_edit")
-# Strategies whose server state checkpoints do not cover yet (run.checkpoint_every / run.resume).
-NO_CHECKPOINT_STRATEGIES = ("halos", "streaming_diloco", "cocodc")
-ASYNC_STRATEGIES = ("fedbuff", "fedasync", "async_diloco", "async_local_sgd", "dips", "halos")
-STREAMING_STRATEGIES = ("streaming_diloco", "cocodc")  # strategies/streaming.py (StreamingLoop)
+# The strategy tables, derived from the one registry entry per method (fl_geo.registry): which
+# outer optimizers a strategy may use (first = default), the outer lr / momentum it gets when the
+# config leaves them unset, EDiT's penalty defaults, and which loops checkpoints cover.
+STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {m.name: m.optimizers for m in METHODS.values()}
+STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {m.name: (m.outer_lr, m.outer_momentum) for m in METHODS.values()}
+EDIT_STRATEGIES = tuple(m.name for m in METHODS.values() if m.penalty)
+NO_CHECKPOINT_STRATEGIES = tuple(m.name for m in METHODS.values() if not m.checkpoints)
+ASYNC_STRATEGIES = tuple(m.name for m in METHODS.values() if m.is_async)
+STREAMING_STRATEGIES = tuple(m.name for m in METHODS.values() if m.family == "streaming")
 
 
 class ConfigError(ValueError):
@@ -348,7 +307,8 @@ def _wrap(exc: OmegaConfBaseException, where: str) -> ConfigError:
     return ConfigError(f"{where}: invalid config key or value '{key}': {first_line}{hint}")
 
 
-def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[str] | None) -> DictConfig:
+def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[str] | None,
+                   values: Mapping[str, Any] | None = None) -> DictConfig:
     cfg = base
     if path:
         p = Path(path)
@@ -358,6 +318,11 @@ def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[st
             cfg = OmegaConf.merge(cfg, OmegaConf.load(p))
         except OmegaConfBaseException as exc:
             raise _wrap(exc, str(p)) from None
+    if values:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.create(dict(values)))
+        except OmegaConfBaseException as exc:
+            raise _wrap(exc, "strategy arguments") from None
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. strategy.outer_lr=0.5)")
@@ -368,17 +333,20 @@ def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[st
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FlGeoConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                values: Mapping[str, Any] | None = None) -> FlGeoConfig:
     """Merge schema defaults, an optional YAML file and ``key=value`` overrides, then validate.
 
-    A strategy with its own penalty defaults (EDiT, A-EDiT: `EDIT_PENALTY`) gets them as the
+    A strategy with its own penalty defaults (EDiT, A-EDiT: `Method.penalty` in fl_geo.registry) gets them as the
     base the file and overrides are merged onto, so ``strategy.name=edit`` alone is full EDiT and
-    any penalty key the user sets still wins.
+    any penalty key the user sets still wins. ``values``: nested plain values (``{"strategy":
+    {"outer_lr": 0.5}}``) merged after the file and before the overrides; how the public strategy
+    classes build their config from keyword arguments.
     """
-    cfg = _merge_sources(_schema(), path, overrides)
-    if cfg.strategy.name in EDIT_STRATEGIES:
-        base = OmegaConf.merge(_schema(), {"penalty": EDIT_PENALTY})
-        cfg = _merge_sources(base, path, overrides)
+    cfg = _merge_sources(_schema(), path, overrides, values)
+    if cfg.strategy.name in METHODS and METHODS[cfg.strategy.name].penalty:
+        base = OmegaConf.merge(_schema(), {"penalty": METHODS[cfg.strategy.name].penalty})
+        cfg = _merge_sources(base, path, overrides, values)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out)
     return out

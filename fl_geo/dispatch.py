@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,11 +56,28 @@ class NodeProfile:
     num_partitions: int
     device: str = "cpu"
     site: str = ""
+    # False for a plain Flower ClientApp (it did not answer the profile query): it is sent the
+    # fp32 model and replies the trained model, from which the server computes Δ.
+    fl_geo_client: bool = True
 
     @property
     def rank(self) -> tuple[int, int]:
         """Sort key that does not depend on Flower's random node ids."""
         return (self.partition_id, self.node_id)
+
+
+def default_profiles(nodes: list[int], known: Mapping[int, NodeProfile]) -> dict[int, NodeProfile]:
+    """Profiles for nodes that did not answer fl-geo's profile query (plain Flower ClientApps).
+
+    Each gets the next partition id not used by a known node, in node-id order, and is marked
+    ``fl_geo_client=False``: it is sent the fp32 model and its reply is read as a trained model.
+    """
+    used = {p.partition_id for p in known.values()}
+    free = (pid for pid in range(len(known) + len(nodes) + len(used)) if pid not in used)
+    total = len(known) + len(nodes)
+    return {nid: NodeProfile(node_id=nid, partition_id=next(free), num_partitions=total, device="unknown",
+                             fl_geo_client=False)
+            for nid in sorted(nodes)}
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ copies the flat global buffer into it: no model-sized allocation per evaluation.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fl_geo.builders import make_model, partitions
@@ -29,3 +31,8 @@ class GlobalEvaluator:
     def evaluate(self, flat: torch.Tensor) -> float:
         load_flat_into(self.model, flat, self.spec)
         return evaluate_loss(self.model, self.batches)
+
+    def metrics(self, flat: torch.Tensor, step: int) -> dict[str, float]:
+        """The outer loops' evaluator interface: ``val/loss`` and ``val/ppl`` at any step."""
+        loss = self.evaluate(flat)
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}

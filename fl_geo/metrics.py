@@ -70,3 +70,33 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         p = p / "metrics.jsonl"
     with p.open(encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+class MemoryLogger:
+    """The `MetricsLogger` interface without files: records are kept in ``records`` only.
+
+    What a public strategy logs to when its user passes no logger: a Flower user's own ServerApp
+    gets the figures back in the `Result` and decides itself where they go.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self.records: list[dict[str, Any]] = []
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def log(self, step: int, metrics: dict[str, float | int]) -> dict[str, Any]:
+        record: dict[str, Any] = {"step": int(step), "time/wall_s": round(self.wall_s, 4)}
+        for key, val in metrics.items():
+            fval = float(val)
+            record[key] = fval if math.isfinite(fval) else None
+        self.records.append(record)
+        return record
+
+    def write_json(self, name: str, payload: dict[str, Any]) -> None:
+        """Side files are dropped: there is no run directory."""
+
+    def close(self) -> None:
+        """Nothing to flush."""

@@ -18,31 +18,24 @@ from typing import Any
 
 import flwr
 import torch
-from flwr.app import Context
+from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fl_geo import __version__
 from fl_geo.builders import make_model
 from fl_geo.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.config import (
-    ASYNC_STRATEGIES,
-    STREAMING_STRATEGIES,
     ConfigError,
     FlGeoConfig,
     load_config,
     to_dict,
     to_yaml,
 )
-from fl_geo.dispatch import Dispatcher
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
 from fl_geo.progress import Progress
-from fl_geo.state import ParamSpec, flatten
-from fl_geo.strategies.asynchronous import AsyncOuterLoop
-from fl_geo.strategies.halos import HalosLoop
-from fl_geo.strategies.sharded import ShardedDiPSLoop
-from fl_geo.strategies.streaming import StreamingLoop
-from fl_geo.strategies.sync import SyncOuterLoop
+from fl_geo.state import ParamSpec
+from fl_geo.strategies import build_strategy
 
 log = logging.getLogger("fl_geo")
 
@@ -123,20 +116,14 @@ def write_history(path: Path, history: list[str]) -> None:
     tmp.replace(path)
 
 
-def make_clock(cfg: FlGeoConfig, num_params: int) -> tuple[Any, Any]:
-    """The run's clock, and its scenario when the clock is virtual (ALGORITHMS.md §8)."""
-    from fl_geo.clock import VirtualClock, WallClock
-
-    if cfg.run.clock == "wall":
-        return WallClock(), None
-    from fl_geo.scenario import load_scenario, scenario_for_nodes
-
-    scenario = scenario_for_nodes(load_scenario(cfg.run.scenario), cfg.run.num_clients)
-    return VirtualClock(scenario, scenario.modelled_params(fallback=num_params)), scenario
-
-
 def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run one experiment to completion on ``grid``; returns (and writes) the run summary."""
+    """Run one experiment to completion on ``grid``; returns (and writes) the run summary.
+
+    The method is the public strategy class the registry names (`build_strategy`), driven through
+    Flower's ``start()`` exactly as a user's own ServerApp would; this function adds what the CLI
+    owns: the run directory, metrics files, checkpoints and resume, the built-in model and the
+    held-out-text evaluator, the final model and summary.json.
+    """
     run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
     store, checkpoint = open_checkpoints(cfg, run_dir)
     if checkpoint is None:
@@ -145,59 +132,44 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         write_history(run_dir / "metrics.jsonl", checkpoint.state["history"])
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    t0 = time.perf_counter()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.run.server_threads)
     try:
         model = make_model(cfg.model, cfg.run.seed)
-        spec = ParamSpec.from_state_dict(model.state_dict())
-        global_params = flatten(model.state_dict())
+        initial_arrays = ArrayRecord(model.state_dict())
         del model
-        clock, scenario = make_clock(cfg, spec.numel)
-        dispatcher = Dispatcher(grid, clock)
-        minimum = cfg.run.min_nodes or cfg.run.num_clients
-        nodes = dispatcher.wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
-        # The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
-        # process per message in deployment), which is slow on a loaded machine.
-        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
-        if not profiles:
-            raise RuntimeError("no node answered the profile query")
-        num_partitions = max(p.num_partitions for p in profiles.values())
-        evaluator = GlobalEvaluator(cfg, num_partitions)
-        logger.write_json("meta.json", _meta(cfg, spec, evaluator))
-        log.info("fl-geo: %s with %d nodes, %d parameters, run dir %s", cfg.strategy.name, len(profiles), spec.numel, run_dir)
-        loop_cls = (HalosLoop if cfg.strategy.name == "halos"
-                    else StreamingLoop if cfg.strategy.name in STREAMING_STRATEGIES
-                    else ShardedDiPSLoop if cfg.ps.followers
-                    else AsyncOuterLoop if cfg.strategy.name in ASYNC_STRATEGIES else SyncOuterLoop)
-        loop = loop_cls(cfg, spec, global_params, dispatcher, profiles, logger, evaluator, scenario)
-        loop.checkpoints = store
-        if checkpoint is not None:
-            try:
-                loop.load_state_dict(checkpoint.state)
-            except ValueError as exc:
-                raise ConfigError(f"cannot resume from {checkpoint.path}: {exc}") from exc
-            log.info("fl-geo: resumed from %s (outer step %d, %d tokens)", checkpoint.path, loop.version, loop.total_tokens)
-        progress = Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress)
-        last = loop.run(progress)
-        torch.save({"params": global_params, "spec": spec.to_json()}, run_dir / "final_model.pt")
+
+        def on_ready(spec: ParamSpec, profiles: dict[int, Any], evaluator: GlobalEvaluator) -> None:
+            logger.write_json("meta.json", _meta(cfg, spec, evaluator))
+            log.info("fl-geo: %s with %d nodes, %d parameters, run dir %s",
+                     cfg.strategy.name, len(profiles), spec.numel, run_dir)
+
+        strategy = build_strategy(
+            cfg, logger=logger, checkpoints=store, resume_from=checkpoint,
+            progress=Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress),
+            evaluator=lambda num_partitions: GlobalEvaluator(cfg, num_partitions), on_ready=on_ready,
+        )
+        strategy.start(grid, initial_arrays, num_rounds=cfg.run.rounds, timeout=cfg.strategy.round_timeout_s)
+        stats = strategy.stats
+        torch.save({"params": strategy.loop.global_params, "spec": strategy.loop.spec.to_json()},
+                   run_dir / "final_model.pt")
         summary = {
             "name": cfg.run.name,
             "strategy": cfg.strategy.name,
             "outer_optimizer": cfg.strategy.outer_optimizer,
             "rounds": cfg.run.rounds,
-            "outer_steps": loop.version,
-            "final_val_loss": last.get("val/loss"),
-            "final_train_loss": last.get("train/loss"),
-            "tokens": loop.total_tokens,
-            "bytes_up": loop.total_bytes_up,
-            "bytes_down": loop.total_bytes_down,
-            "rejected": loop.total_rejected,
-            "late_replies": dispatcher.late_replies,
-            "wall_s": round(time.perf_counter() - t0, 3),
-            "virtual_s": clock.now() if clock.is_virtual else None,
-            "scenario": scenario.name if scenario is not None else None,
-            "num_params": spec.numel,
+            "outer_steps": stats.outer_steps,
+            "final_val_loss": stats.last.get("val/loss"),
+            "final_train_loss": stats.last.get("train/loss"),
+            "tokens": stats.tokens,
+            "bytes_up": stats.bytes_up,
+            "bytes_down": stats.bytes_down,
+            "rejected": stats.rejected,
+            "late_replies": stats.late_replies,
+            "wall_s": stats.wall_s,
+            "virtual_s": stats.virtual_s,
+            "scenario": stats.scenario,
+            "num_params": stats.num_params,
             "run_dir": str(run_dir),
         }
         logger.write_json("summary.json", summary)

@@ -162,11 +162,11 @@ class OuterLoop:
         return clock.now() if clock.is_virtual else float("nan")
 
     def evaluate(self) -> dict[str, float]:
-        """Server-side validation loss of the global model on the held-out text."""
+        """Server-side evaluation of the global model (fl-geo's held-out text, or a Flower user's
+        ``evaluate_fn``): ``val/loss`` and whatever else the evaluator reports."""
         if self.evaluator is None:
             return {}
-        loss = self.evaluator.evaluate(self.global_params)
-        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+        return self.evaluator.metrics(self.global_params, self.version)
 
     def client_eval(self, rnd: int) -> dict[str, float]:
         """Each free node's validation loss of the global model on its own partition,

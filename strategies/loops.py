@@ -1,0 +1,44 @@
+"""Which outer loop and clock a config runs on (the registry's family -> the loop class).
+
+The public strategy classes (`fl_geo.strategies.strategy.FlGeoStrategy`) call these; nothing else
+chooses a loop, so the CLI and a Flower user's ServerApp take one path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fl_geo.config import FlGeoConfig
+from fl_geo.registry import method
+from fl_geo.strategies.asynchronous import AsyncOuterLoop
+from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.halos import HalosLoop
+from fl_geo.strategies.sharded import ShardedDiPSLoop
+from fl_geo.strategies.streaming import StreamingLoop
+from fl_geo.strategies.sync import SyncOuterLoop
+
+LOOPS: dict[str, type[OuterLoop]] = {
+    "sync": SyncOuterLoop,
+    "async": AsyncOuterLoop,
+    "halos": HalosLoop,
+    "streaming": StreamingLoop,
+}
+
+
+def loop_class(cfg: FlGeoConfig) -> type[OuterLoop]:
+    """The method's loop; ``ps.followers`` turns Di-PS into the sharded parameter server."""
+    if cfg.ps.followers:
+        return ShardedDiPSLoop
+    return LOOPS[method(cfg.strategy.name).family]
+
+
+def make_clock(cfg: FlGeoConfig, num_params: int) -> tuple[Any, Any]:
+    """The run's clock, and its scenario when the clock is virtual (modelled WAN and speeds)."""
+    from fl_geo.clock import VirtualClock, WallClock
+
+    if cfg.run.clock == "wall":
+        return WallClock(), None
+    from fl_geo.scenario import load_scenario, scenario_for_nodes
+
+    scenario = scenario_for_nodes(load_scenario(cfg.run.scenario), cfg.run.num_clients)
+    return VirtualClock(scenario, scenario.modelled_params(fallback=num_params)), scenario

@@ -1,0 +1,395 @@
+"""`FlGeoStrategy`: the base of fl-geo's public Flower strategies.
+
+Every method (`DiLoCo`, `DiPS`, `HALoS`, ...) is a subclass of Flower's
+``flwr.serverapp.strategy.Strategy`` built from plain keyword arguments, and honours its contract::
+
+    result = strategy.start(grid, initial_arrays, num_rounds, timeout, train_config,
+                            evaluate_config, evaluate_fn)
+
+Why ``start()`` is overridden instead of Flower's round hooks: Flower's ``start()`` runs a
+synchronous loop of ``configure_train`` / ``send_and_receive`` / ``aggregate_train``, which cannot
+express an asynchronous method (the server steps while other workers are still training), a
+streaming one (fragments synced mid-round) or a two-tier one (HALoS). So every fl-geo strategy
+drives the grid itself through one dispatcher (``fl_geo.dispatch``: non-blocking push/pull, at
+most one message in flight per node, error replies and vanished nodes, a virtual clock), and
+reuses Flower's own pieces: the ``Grid``, ``Message`` and record types, node liveness, the
+``Result`` type and the ``evaluate_fn`` convention. The four round hooks are not used; calling
+them says so.
+
+What ``start()`` does, for every method: read the model layout from ``initial_arrays``; wait for
+``min_nodes`` nodes; ask each for its profile (an fl-geo client answers; a plain Flower ClientApp
+has no query handler and gets a default profile, is sent the fp32 model, and its reply, the trained
+model plus ``num-examples``, is turned into a pseudo-gradient against the model its job was sent
+with); run the method's outer loop; return a Flower ``Result`` (final arrays, per-step train
+metrics, server-side evaluation per step).
+
+``fl-geo run`` builds the same classes from a config (`build_strategy`), so the CLI and a Flower
+user's ServerApp run one code path.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from fl_geo.checkpoint import Checkpoint, CheckpointStore
+from fl_geo.config import ConfigError, FlGeoConfig, load_config, validate
+from fl_geo.dispatch import Dispatcher, NodeProfile, default_profiles
+from fl_geo.metrics import MemoryLogger
+from fl_geo.progress import Progress
+from fl_geo.registry import Method, method
+from fl_geo.state import ParamSpec, flatten, unflatten
+
+log = logging.getLogger("fl_geo")
+
+EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
+
+
+class ServerEvaluator(Protocol):
+    """What an outer loop asks of server-side evaluation: ``metrics(flat, step)`` of the global
+    model as a flat fp32 buffer at outer step ``step`` (``val/loss`` first of all)."""
+
+    def metrics(self, flat: torch.Tensor, step: int) -> dict[str, float]: ...
+
+
+class FlowerEvaluateFn:
+    """Adapts Flower's ``evaluate_fn(server_round, arrays) -> MetricRecord | None``.
+
+    Its ``"loss"`` becomes ``val/loss`` (what fl-geo's progress, tables and comparisons read);
+    every other key ``k`` is logged as ``val/k``. Each record is also kept for the `Result`.
+    """
+
+    def __init__(self, fn: EvaluateFn, spec: ParamSpec) -> None:
+        self.fn = fn
+        self.spec = spec
+        self.by_step: dict[int, MetricRecord] = {}
+
+    def metrics(self, flat: torch.Tensor, step: int) -> dict[str, float]:
+        record = self.fn(step, arrays_from_flat(flat, self.spec))
+        if record is None:
+            return {}
+        self.by_step[step] = record
+        out: dict[str, float] = {}
+        for key, value in record.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out["val/loss" if key == "loss" else f"val/{key}"] = float(value)
+        if "val/loss" in out:
+            out["val/ppl"] = math.exp(min(out["val/loss"], 50.0))
+        return out
+
+
+def arrays_from_flat(flat: torch.Tensor, spec: ParamSpec) -> ArrayRecord:
+    """The model as Flower's ``ArrayRecord`` (one array per tensor, in the spec's dtypes)."""
+    state = {name: t.to(getattr(torch, dtype)) for (name, t), dtype in zip(unflatten(flat, spec).items(), spec.dtypes, strict=True)}
+    return ArrayRecord(state)
+
+
+def spec_and_params(initial_arrays: ArrayRecord) -> tuple[ParamSpec, torch.Tensor]:
+    """The model layout and its fp32 flat buffer from a Flower ``ArrayRecord``; a one-line
+    ConfigError for what an outer optimizer cannot hold (empty, non-floating tensors)."""
+    if not isinstance(initial_arrays, ArrayRecord) or len(initial_arrays) == 0:
+        raise ConfigError("initial_arrays must be a non-empty flwr.app.ArrayRecord (e.g. ArrayRecord(model.state_dict()))")
+    state = initial_arrays.to_torch_state_dict()
+    bad = [k for k, t in state.items() if not t.is_floating_point()]
+    if bad:
+        raise ConfigError(f"initial_arrays holds non-floating tensors {bad}: the outer optimizer steps floating "
+                          "tensors only; leave integer buffers (e.g. BatchNorm's num_batches_tracked) out")
+    spec = ParamSpec.from_state_dict(state)
+    params = flatten(state, spec)
+    if not bool(torch.isfinite(params).all()):
+        raise ConfigError("initial_arrays hold NaN or Inf values")
+    return spec, params
+
+
+@dataclass
+class RunStats:
+    """What a finished ``start()`` measured (the CLI writes it into summary.json)."""
+
+    outer_steps: int = 0
+    tokens: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    rejected: int = 0
+    late_replies: int = 0
+    wall_s: float = 0.0
+    virtual_s: float | None = None
+    scenario: str | None = None
+    num_params: int = 0
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+class FlGeoStrategy(Strategy):
+    """Base of fl-geo's public strategies (subclasses set ``method`` and their own arguments).
+
+    Parameters common to every method
+    ---------------------------------
+    inner_steps : int (default: 50)
+        H, the inner steps each worker runs per job (sent to the ClientApp as ``inner_steps``).
+    weighting : str (default: "uniform")
+        ``"uniform"`` or ``"tokens"``: how replies are weighted in the mean pseudo-gradient. Token
+        weights come from the reply's declared ``num-tokens`` (fl-geo clients), else
+        ``num-examples`` (plain Flower clients).
+    wire_up, wire_down : str (default: "fp32")
+        Precision of the pseudo-gradient / model on the wire: ``fp32``, ``fp16`` or ``bf16``
+        (plain Flower ClientApps are always sent fp32 and reply a model in any float dtype).
+    clients_per_round : int (default: 0)
+        Synchronous methods: nodes sampled per round (0: every live node).
+    max_update_ratio : float (default: 10.0)
+        Reject an update whose L2 norm exceeds this multiple of the model's (0: no bound).
+    min_nodes : int (default: 1)
+        Nodes to wait for before the first job (``wait_nodes_timeout_s`` at most).
+    scenario : str, optional
+        A scenario name (``configs/scenarios``) or YAML path: runs on a virtual clock that models
+        the scenario's WAN links and accelerator speeds (deterministic event order).
+    seed : int (default: 0)
+        Seeds client sampling and what the fl-geo ClientApp seeds from.
+    options : Mapping[str, Any], optional
+        Any other fl-geo setting as dotted keys (``{"penalty.warmup": 5, "run.eval_every": 2}``);
+        ``fl-geo config FILE`` lists them. Unknown keys are a one-line error.
+    logger : optional
+        Where per-step metrics go: ``fl_geo.metrics.MetricsLogger(run_dir)`` (JSONL + TensorBoard);
+        default: kept in memory only (and returned in the `Result`).
+    progress : bool or fl_geo.progress.Progress (default: False)
+        Print one progress line per outer step.
+    checkpoints : fl_geo.checkpoint.CheckpointStore, optional
+        Write a server checkpoint every ``checkpoint_every`` outer steps into this store.
+    checkpoint_every : int (default: 0)
+    resume_from : fl_geo.checkpoint.Checkpoint, optional
+        Continue from this checkpoint (validated against the run first).
+    """
+
+    method: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        inner_steps: int = 50,
+        weighting: str = "uniform",
+        wire_up: str = "fp32",
+        wire_down: str = "fp32",
+        clients_per_round: int = 0,
+        max_update_ratio: float = 10.0,
+        min_nodes: int = 1,
+        wait_nodes_timeout_s: float = 120.0,
+        scenario: str | None = None,
+        seed: int = 0,
+        options: Mapping[str, Any] | None = None,
+        logger: Any = None,
+        progress: bool | Progress = False,
+        checkpoints: CheckpointStore | None = None,
+        checkpoint_every: int = 0,
+        resume_from: Checkpoint | None = None,
+        _strategy: Mapping[str, Any] | None = None,
+        _sections: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        values: dict[str, dict[str, Any]] = {
+            "run": {"seed": seed, "min_nodes": min_nodes, "wait_nodes_timeout_s": wait_nodes_timeout_s,
+                    "checkpoint_every": checkpoint_every, "tensorboard": False, "progress": bool(progress)},
+            "strategy": {"name": self.method, "inner_steps": inner_steps, "weighting": weighting,
+                         "clients_per_round": clients_per_round, "max_update_ratio": max_update_ratio,
+                         **dict(_strategy or {})},
+            "wire": {"up": wire_up, "down": wire_down},
+        }
+        if scenario is not None:
+            values["run"].update(clock="virtual", scenario=str(scenario))
+        for section, keys in (_sections or {}).items():
+            values.setdefault(section, {}).update(keys)
+        overrides = [f"{k}={v}" for k, v in (options or {}).items()]
+        config = load_config(None, overrides, values)
+        self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
+                   from_kwargs=True)
+
+    def _init(self, config: FlGeoConfig, *, logger: Any, progress: bool | Progress, checkpoints: CheckpointStore | None,
+              resume_from: Checkpoint | None, from_kwargs: bool, evaluator: Any = None,
+              on_ready: Callable[..., None] | None = None) -> None:
+        self.config = config
+        self.logger = logger
+        self.progress = progress
+        self.checkpoints = checkpoints
+        self.resume_from = resume_from
+        self._from_kwargs = from_kwargs
+        self._evaluator = evaluator  # an evaluator, or a factory of one from the partition count
+        self._on_ready = on_ready
+        self.stats = RunStats()
+        self.loop: Any = None
+
+    @classmethod
+    def from_config(cls, config: FlGeoConfig, *, logger: Any = None, progress: bool | Progress = False,
+                    checkpoints: CheckpointStore | None = None, resume_from: Checkpoint | None = None,
+                    evaluator: Any = None, on_ready: Callable[..., None] | None = None) -> FlGeoStrategy:
+        """Build from a resolved fl-geo config (``fl-geo run`` / ``flwr run .``).
+
+        ``evaluator``: a `ServerEvaluator` or a callable ``num_partitions -> ServerEvaluator``
+        (fl-geo's held-out text evaluator needs the partition count the nodes report).
+        ``on_ready(spec, profiles, evaluator)``: called once nodes are profiled, before training.
+        """
+        if cls.method and config.strategy.name != cls.method:
+            raise ConfigError(f"{cls.__name__} runs strategy '{cls.method}', the config names '{config.strategy.name}'")
+        self = cls.__new__(cls)
+        self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
+                   from_kwargs=False, evaluator=evaluator, on_ready=on_ready)
+        return self
+
+    @property
+    def registry_entry(self) -> Method:
+        return method(self.config.strategy.name)
+
+    # ---- Flower's round hooks: not used (see the module docstring) -------------------------------
+    def _no_round_hooks(self, name: str) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__}.{name}: fl-geo strategies drive the grid from start() (asynchronous, "
+            "streaming and two-tier methods cannot be written as Flower's synchronous round hooks); call "
+            "strategy.start(grid, initial_arrays, ...)"
+        )
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Any:
+        return self._no_round_hooks("configure_train")
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        return self._no_round_hooks("aggregate_train")
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Any:
+        return self._no_round_hooks("configure_evaluate")
+
+    def aggregate_evaluate(self, server_round: int, replies: Any) -> Any:
+        return self._no_round_hooks("aggregate_evaluate")
+
+    def summary(self) -> None:
+        s = self.config.strategy
+        log.info("%s (%s): outer %s lr=%s momentum=%s, H=%d, weighting=%s, wire %s/%s",
+                 type(self).__name__, self.registry_entry.summary, s.outer_optimizer, s.outer_lr, s.outer_momentum,
+                 s.inner_steps, s.weighting, self.config.wire.up, self.config.wire.down)
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+        *,
+        max_tokens: int | None = None,
+    ) -> Result:
+        """Run the method on ``grid`` from ``initial_arrays`` and return Flower's `Result`.
+
+        ``num_rounds`` counts outer steps (for asynchronous methods too); ``max_tokens`` ends the
+        run earlier once that many accepted tokens were folded. ``timeout``: seconds a
+        synchronous round waits for its replies (0: wait for every node or its error reply).
+        ``train_config`` / ``evaluate_config`` reach every ClientApp in the message's ``"config"``
+        record, as with Flower's own strategies. ``evaluate_fn(step, arrays)`` is Flower's
+        centralised evaluation: called before the first step and every ``run.eval_every`` steps;
+        its ``"loss"`` is the validation loss fl-geo logs.
+        """
+        cfg = self._run_config(num_rounds, timeout, max_tokens)
+        self.summary()
+        spec, params = spec_and_params(initial_arrays)
+        t0 = time.perf_counter()
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(cfg.run.server_threads)
+        try:
+            result = self._run(grid, cfg, spec, params, train_config, evaluate_config, evaluate_fn)
+        finally:
+            torch.set_num_threads(threads_before)
+        self.stats.wall_s = round(time.perf_counter() - t0, 3)
+        return result
+
+    def _run_config(self, num_rounds: int, timeout: float, max_tokens: int | None) -> FlGeoConfig:
+        cfg = copy.deepcopy(self.config)
+        if not isinstance(num_rounds, int) or isinstance(num_rounds, bool) or num_rounds < 1:
+            raise ConfigError(f"num_rounds must be a positive integer, got {num_rounds!r}")
+        cfg.run.rounds = num_rounds
+        if max_tokens is not None:
+            cfg.run.max_tokens = int(max_tokens)
+        if self._from_kwargs:
+            cfg.strategy.round_timeout_s = float(timeout or 0)
+        validate(cfg)
+        return cfg
+
+    def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig) -> dict[int, NodeProfile]:
+        minimum = cfg.run.min_nodes or cfg.run.num_clients
+        nodes = dispatcher.wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
+        # The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
+        # process per message in deployment), which is slow on a loaded machine.
+        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
+        if not self._from_kwargs:
+            if not profiles:
+                raise RuntimeError("no node answered the profile query")
+            return profiles
+        plain = [n for n in nodes if n not in profiles]
+        if plain:
+            log.info("fl-geo: %d node(s) run a plain Flower ClientApp (no fl-geo profile): they get the fp32 "
+                     "model and reply the trained model", len(plain))
+            profiles.update(default_profiles(plain, profiles))
+        return profiles
+
+    def _run(self, grid: Grid, cfg: FlGeoConfig, spec: ParamSpec, params: torch.Tensor,
+             train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
+             evaluate_fn: EvaluateFn | None) -> Result:
+        from fl_geo.strategies.loops import loop_class, make_clock
+
+        clock, scenario = make_clock(cfg, spec.numel)
+        dispatcher = Dispatcher(grid, clock)
+        profiles = self._profiles(dispatcher, cfg)
+        if self._from_kwargs:
+            cfg.run.num_clients = len(profiles)  # the schedule length and scenario slots follow the nodes
+        evaluator: Any = self._evaluator
+        if evaluate_fn is not None:
+            evaluator = FlowerEvaluateFn(evaluate_fn, spec)
+        elif evaluator is not None and not hasattr(evaluator, "metrics"):  # a factory
+            evaluator = evaluator(max(p.num_partitions for p in profiles.values()))
+        if self._on_ready is not None:
+            self._on_ready(spec, profiles, evaluator)
+        logger = self.logger if self.logger is not None else MemoryLogger()
+        loop = loop_class(cfg)(cfg, spec, params, dispatcher, profiles, logger, evaluator, scenario)
+        loop.user_train_config = train_config
+        loop.user_evaluate_config = evaluate_config
+        loop.checkpoints = self.checkpoints
+        if self.resume_from is not None:
+            try:
+                loop.load_state_dict(self.resume_from.state)
+            except ValueError as exc:
+                raise ConfigError(f"cannot resume from {self.resume_from.path}: {exc}") from exc
+            log.info("fl-geo: resumed from %s (outer step %d, %d tokens)", self.resume_from.path, loop.version, loop.total_tokens)
+        self.loop = loop
+        progress = self.progress if isinstance(self.progress, Progress) else Progress(
+            cfg.run.name, cfg.run.rounds, enabled=bool(self.progress))
+        last = loop.run(progress)
+        self.stats = RunStats(
+            outer_steps=loop.version, tokens=loop.total_tokens, bytes_up=loop.total_bytes_up,
+            bytes_down=loop.total_bytes_down, rejected=loop.total_rejected, late_replies=dispatcher.late_replies,
+            virtual_s=clock.now() if clock.is_virtual else None,
+            scenario=scenario.name if scenario is not None else None, num_params=spec.numel, last=dict(last),
+        )
+        return self._result(loop, spec, evaluator)
+
+    def _result(self, loop: Any, spec: ParamSpec, evaluator: Any) -> Result:
+        result = Result(arrays=arrays_from_flat(loop.global_params, spec))
+        for record in loop.history:
+            step = int(record.get("step", 0))
+            train = {k: float(v) for k, v in record.items()
+                     if isinstance(v, int | float) and not k.startswith("val/") and math.isfinite(float(v))}
+            if step > 0 and train:
+                result.train_metrics_clientapp[step] = MetricRecord(train)
+            if isinstance(evaluator, FlowerEvaluateFn):
+                continue
+            val = {k[4:]: float(v) for k, v in record.items()
+                   if k.startswith("val/") and isinstance(v, int | float) and math.isfinite(float(v))}
+            if val:
+                result.evaluate_metrics_serverapp[step] = MetricRecord(val)
+        if isinstance(evaluator, FlowerEvaluateFn):
+            result.evaluate_metrics_serverapp.update(evaluator.by_step)
+        return result
+
