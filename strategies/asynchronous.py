@@ -128,10 +128,16 @@ class AsyncOuterLoop(OuterLoop):
             if self.cfg.strategy.schedule_clock == "global":
                 config["start_step"] = self.dispatched_samples // global_batch
             self.dispatched_samples += steps * global_batch
-            content = RecordDict({**records, "config": ConfigRecord(config)})
+            node_records = dict(records)
+            if "arrays" in records:
+                node_records["arrays"] = self.arrays_for(node, records["arrays"], self.global_params)
+            content = RecordDict({**node_records, "config": ConfigRecord(config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down), self._nbytes(self.cfg.wire.up)))
             meta.append({"version": self.version, "steps": steps, "job": job})
+            base = self.base_snapshot(node, self.global_params)
+            if base is not None:
+                meta[-1]["base"] = base
         self.dispatcher.submit(msgs, timings, meta)
         self.total_bytes_down += down * len(nodes)
 

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from fl_geo.accumulate import WeightedAccumulator
 from fl_geo.checkpoint import CheckpointStore
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
-from fl_geo.dispatch import Dispatcher, JobTiming, NodeProfile
+from fl_geo.dispatch import Dispatcher, JobTiming, NodeProfile, default_profiles
 from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
 from fl_geo.outer import OuterOptimizer, build_outer_optimizer
@@ -91,6 +91,11 @@ def penalty_from_config(cfg: FlGeoConfig, spec: ParamSpec) -> Penalty | None:
 class OuterLoop:
     """Shared state and helpers of `SyncOuterLoop` and `AsyncOuterLoop`."""
 
+    # Whether a plain Flower ClientApp (model in, trained model out) can take part. Not for
+    # loops whose workers must keep their own model between messages (streaming) or move the
+    # model on fl-geo's own data path (the sharded parameter server over gRPC).
+    supports_plain_clients: ClassVar[bool] = True
+
     def __init__(
         self,
         cfg: FlGeoConfig,
@@ -124,6 +129,12 @@ class OuterLoop:
         self._bound: float | None = None
         self._bound_version = -1
         self.resumed = False
+        # Set by the public strategy's start(): nodes that do not answer the profile query run a
+        # plain Flower ClientApp (accepted only outside the CLI path), and the user's Flower
+        # train_config / evaluate_config that every request carries for them.
+        self.accept_plain = False
+        self.user_train_config: ConfigRecord | None = None
+        self.user_evaluate_config: ConfigRecord | None = None
 
     def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Live nodes with no job in flight, in rank order; nodes seen for the first time are
@@ -132,9 +143,30 @@ class OuterLoop:
         unknown = [n for n in live if n not in self.profiles]
         if unknown:
             self.profiles.update(self.dispatcher.query_profiles(unknown))
+            plain = [n for n in unknown if n not in self.profiles]
+            if plain and self.accept_plain:
+                self.profiles.update(default_profiles(plain, self.profiles))
         busy = self.dispatcher.busy_nodes() | set(exclude)
         nodes = [n for n in live if n in self.profiles and n not in busy]
         return sorted(nodes, key=lambda n: self.profiles[n].rank)
+
+    def is_plain(self, node: int) -> bool:
+        """A node running a plain Flower ClientApp (it replies the trained model, not Δ)."""
+        profile = self.profiles.get(node)
+        return profile is not None and not profile.fl_geo_client
+
+    def arrays_for(self, node: int, wire_arrays: Any, flat: torch.Tensor) -> Any:
+        """The model record for ``node``: the wire-precision ``wire_arrays``, or for a plain
+        Flower ClientApp the fp32 model (Flower's convention; it knows no bf16 int16 view)."""
+        if not self.is_plain(node) or self.cfg.wire.down == "fp32":
+            return wire_arrays
+        return encode(flat, self.spec, "fp32")
+
+    def base_snapshot(self, node: int, flat: torch.Tensor) -> torch.Tensor | None:
+        """The model a job is sent with, kept only for a plain Flower ClientApp: its reply is the
+        trained model, and Δ = θ_sent − θ_reply needs θ_sent after the server has moved on. One
+        model-sized copy per such job in flight; fl-geo clients reply Δ and cost nothing."""
+        return flat.clone() if self.is_plain(node) else None
 
     def update_bound(self) -> float | None:
         """The largest update norm accepted (``strategy.max_update_ratio`` × max(‖θ‖, 1)), or None.

@@ -152,12 +152,16 @@ class HalosLoop(OuterLoop):
             if self.cfg.strategy.schedule_clock == "global":
                 config["start_step"] = self.dispatched_samples // batch
             self.dispatched_samples += steps * batch
-            content = RecordDict({"arrays": encoded[g], "config": ConfigRecord(config)})
+            arrays = self.arrays_for(node, encoded[g], self.lps[g].params)
+            content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             # worker <-> local server: the intra-region link (the LPS sits in the node's region)
             timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down),
                                      self._nbytes(self.cfg.wire.up), peer_region=self.group_region[g]))
             meta.append({"group": g, "version": self.lps[g].version})
+            base = self.base_snapshot(node, self.lps[g].params)
+            if base is not None:
+                meta[-1]["base"] = base
             self.total_bytes_down += payload_nbytes(encoded[g])
         self.dispatcher.submit(msgs, timings, meta)
 

@@ -24,7 +24,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -83,6 +83,8 @@ def read_control_reply(ev: Event, expected_version: int) -> tuple[TrainReply, in
 
 class ShardedDiPSLoop(AsyncOuterLoop):
     """`AsyncOuterLoop` whose model, outer state and running sum live on ``ps.followers`` shards."""
+
+    supports_plain_clients: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -352,8 +352,16 @@ class FlGeoStrategy(Strategy):
             evaluator = evaluator(max(p.num_partitions for p in profiles.values()))
         if self._on_ready is not None:
             self._on_ready(spec, profiles, evaluator)
+        loop_cls = loop_class(cfg)
+        plain = sorted(n for n, p in profiles.items() if not p.fl_geo_client)
+        if plain and not loop_cls.supports_plain_clients:
+            raise ConfigError(
+                f"{type(self).__name__} needs fl-geo's ClientApp on every node (fl_geo.clients): its workers keep "
+                f"their own model between messages or use fl-geo's data path; nodes {plain} run a plain Flower "
+                "ClientApp (they did not answer the profile query)")
         logger = self.logger if self.logger is not None else MemoryLogger()
-        loop = loop_class(cfg)(cfg, spec, params, dispatcher, profiles, logger, evaluator, scenario)
+        loop = loop_cls(cfg, spec, params, dispatcher, profiles, logger, evaluator, scenario)
+        loop.accept_plain = self._from_kwargs and loop_cls.supports_plain_clients
         loop.user_train_config = train_config
         loop.user_evaluate_config = evaluate_config
         loop.checkpoints = self.checkpoints

@@ -38,7 +38,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -164,6 +164,8 @@ def _mean(total: float, n: int) -> float:
 class StreamingLoop(OuterLoop):
     """``run.rounds`` periods of H inner steps per worker (or fewer, at ``run.max_tokens``), each
     cut into ticks by the fragment schedule; ``outer/step`` counts fragment outer steps."""
+
+    supports_plain_clients: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

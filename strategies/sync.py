@@ -152,7 +152,8 @@ class SyncOuterLoop(OuterLoop):
         steps = {n: self._inner_steps(n, warm) for n in nodes}
         # A-EDiT on a wall clock: the client trains for the budget (H caps it)
         budget = s.time_budget_s if (s.time_budget_s > 0 and self.scenario is None and not warm) else 0.0
-        msgs = [self._message(n, arrays, rnd, MessageType.TRAIN, inner_steps=steps[n], time_budget_s=budget) for n in nodes]
+        msgs = [self._message(n, self.arrays_for(n, arrays, self.global_params), rnd, MessageType.TRAIN,
+                              inner_steps=steps[n], time_budget_s=budget) for n in nodes]
         stats = Tally()
         self.accumulator.reset()
         if self.step_mix is not None:
