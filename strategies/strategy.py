@@ -318,9 +318,9 @@ class FlGeoStrategy(Strategy):
         validate(cfg)
         return cfg
 
-    def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig) -> dict[int, NodeProfile]:
-        minimum = cfg.run.min_nodes or cfg.run.num_clients
-        nodes = dispatcher.wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
+    def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig, nodes: list[int]) -> dict[int, NodeProfile]:
+        """Ask ``nodes`` for their profiles; outside the CLI path a node that does not answer runs
+        a plain Flower ClientApp and gets a default one (`default_profiles`)."""
         # The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
         # process per message in deployment), which is slow on a loaded machine.
         profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
@@ -338,13 +338,17 @@ class FlGeoStrategy(Strategy):
     def _run(self, grid: Grid, cfg: FlGeoConfig, spec: ParamSpec, params: torch.Tensor,
              train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
              evaluate_fn: EvaluateFn | None) -> Result:
+        from fl_geo.clock import WallClock
         from fl_geo.strategies.loops import loop_class, make_clock
 
+        minimum = cfg.run.min_nodes or cfg.run.num_clients
+        nodes = Dispatcher(grid, WallClock()).wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
+        if self._from_kwargs:  # the schedule length and the scenario's node slots follow the grid
+            cfg.run.num_clients = len(nodes)
+            validate(cfg)
         clock, scenario = make_clock(cfg, spec.numel)
         dispatcher = Dispatcher(grid, clock)
-        profiles = self._profiles(dispatcher, cfg)
-        if self._from_kwargs:
-            cfg.run.num_clients = len(profiles)  # the schedule length and scenario slots follow the nodes
+        profiles = self._profiles(dispatcher, cfg, nodes)
         evaluator: Any = self._evaluator
         if evaluate_fn is not None:
             evaluator = FlowerEvaluateFn(evaluate_fn, spec)
