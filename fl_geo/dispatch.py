@@ -183,8 +183,12 @@ class Dispatcher:
             nodes = self.live_nodes()
         return nodes
 
-    def query_profiles(self, node_ids: Iterable[int], timeout_s: float = 60.0) -> dict[int, NodeProfile]:
-        """Ask each node for its partition and device (``NodeInfo`` has no ``node_config``)."""
+    def query_profiles(self, node_ids: Iterable[int], timeout_s: float = 60.0,
+                       plain_ok: bool = False) -> dict[int, NodeProfile]:
+        """Ask each node for its partition and device (``NodeInfo`` has no ``node_config``).
+
+        ``plain_ok``: a node that cannot answer (a plain Flower ClientApp has no query handler) is
+        expected, not a fault: its error reply is logged at debug level only."""
         msgs = []
         for nid in node_ids:
             content = RecordDict({"config": ConfigRecord({"ask": PROFILE_KEY})})
@@ -205,9 +209,10 @@ class Dispatcher:
                     site=str(rec.get("site", "")),
                 )
 
-        outcome = self.run_jobs(msgs, on_replies=keep, order=None, timeout_s=timeout_s)
+        meta = [{"quiet_errors": True}] * len(msgs) if plain_ok else None
+        outcome = self.run_jobs(msgs, on_replies=keep, order=None, timeout_s=timeout_s, meta=meta)
         for nid, err in outcome.errors.items():
-            log.warning("node %s did not answer the profile query: %s", nid, err)
+            log.log(logging.DEBUG if plain_ok else logging.WARNING, "node %s did not answer the profile query: %s", nid, err)
         return profiles
 
     # ---- jobs ---------------------------------------------------------------------------------
@@ -305,7 +310,8 @@ class Dispatcher:
         t = self.clock.complete(job_id)
         if reply.has_error():
             err = f"{reply.error.code}: {reply.error.reason}"
-            log.warning("node %s replied with an error, dropped: %s", job.node, err)
+            level = logging.DEBUG if job.meta.get("quiet_errors") else logging.WARNING
+            log.log(level, "node %s replied with an error, dropped: %s", job.node, err)
             return Event(job, reply, err, t)
         return Event(job, reply, None, t)
 
@@ -359,6 +365,7 @@ class Dispatcher:
         order: list[int] | None,
         timeout_s: float = 0.0,
         timings: Sequence[JobTiming] | None = None,
+        meta: Sequence[dict[str, Any]] | None = None,
     ) -> RoundOutcome:
         """A synchronous round: push one message per node, hand good replies over in groups.
 
@@ -368,7 +375,7 @@ class Dispatcher:
         has replied or failed (deterministic folding whatever the clock). ``None`` hands replies
         over in clock order. ``timeout_s`` > 0 (wall seconds) abandons jobs still running then.
         """
-        jobs = self.submit(messages, timings)
+        jobs = self.submit(messages, timings, meta)
         outcome = RoundOutcome()
         queue = [j.node for j in jobs] if order is None else list(order)
         resolved: dict[int, Message | None] = {}

@@ -29,7 +29,13 @@ from fl_geo.dispatch import Event, JobTiming
 from fl_geo.grace import GraceTimer
 from fl_geo.progress import Progress
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_train_reply
+from fl_geo.strategies.replies import (
+    ReplyError,
+    Tally,
+    TrainReply,
+    read_model_reply,
+    read_train_reply,
+)
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -135,9 +141,10 @@ class AsyncOuterLoop(OuterLoop):
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down), self._nbytes(self.cfg.wire.up)))
             meta.append({"version": self.version, "steps": steps, "job": job})
-            base = self.base_snapshot(node, self.global_params)
-            if base is not None:
-                meta[-1]["base"] = base
+            if self._send == "pseudo_grad":  # (params mode: Δ is taken against the current model)
+                base = self.base_snapshot(node, self.global_params)
+                if base is not None:
+                    meta[-1]["base"] = base
         self.dispatcher.submit(msgs, timings, meta)
         self.total_bytes_down += down * len(nodes)
 
@@ -186,7 +193,12 @@ class AsyncOuterLoop(OuterLoop):
         self.tally.accept(r, norm, staleness)
 
     def read_reply(self, ev: Event) -> TrainReply:
-        """Validate a train reply (the sharded loop reads a control-only reply instead)."""
+        """Validate a train reply (the sharded loop reads a control-only reply instead). A plain
+        Flower ClientApp's reply is the trained model: Δ against the model its job was sent with,
+        or (params mode) against the current model, which is what ``g`` is then."""
+        if self.is_plain(ev.job.node):
+            base = ev.job.meta.get("base", self.global_params)
+            return read_model_reply(ev.reply, self.spec, base)
         return read_train_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]))
 
     def discard(self, ev: Event) -> None:
@@ -196,7 +208,7 @@ class AsyncOuterLoop(OuterLoop):
         """Score and fold one valid reply; its norm, or None when it was rejected (logged)."""
         node = ev.job.node
         update: Any = r.pieces
-        if self._send == "params":
+        if self._send == "params" and not self.is_plain(node):
             update = self._current_base_grad(r.pieces)
         if self.penalty is not None:
             verdict = self.fold_penalised(self.tally, node, update, r.tokens, staleness)

@@ -142,7 +142,7 @@ class OuterLoop:
         live = self.dispatcher.live_nodes()
         unknown = [n for n in live if n not in self.profiles]
         if unknown:
-            self.profiles.update(self.dispatcher.query_profiles(unknown))
+            self.profiles.update(self.dispatcher.query_profiles(unknown, plain_ok=self.accept_plain))
             plain = [n for n in unknown if n not in self.profiles]
             if plain and self.accept_plain:
                 self.profiles.update(default_profiles(plain, self.profiles))
@@ -250,7 +250,7 @@ class OuterLoop:
             "outer/rejected_total": self.total_rejected,
             "outer/failed": t.errors,
             "outer/update_norm": t.mean(t.norm_sum),
-            "train/loss": t.loss_x_tokens / t.tokens if t.tokens else float("nan"),
+            "train/loss": t.loss_x_tokens / t.loss_tokens if t.loss_tokens else float("nan"),
             "train/tokens": self.total_tokens,
             "comm/bytes_up": t.bytes_up,
             "comm/bytes_up_total": self.total_bytes_up,

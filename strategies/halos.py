@@ -37,7 +37,7 @@ from fl_geo.dispatch import Event, JobTiming
 from fl_geo.halos import GlobalParameterServer, LocalParameterServer
 from fl_geo.progress import Progress
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import ReplyError, Tally, read_train_reply
+from fl_geo.strategies.replies import ReplyError, Tally, read_model_reply, read_train_reply
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -179,7 +179,10 @@ class HalosLoop(OuterLoop):
         g = int(ev.job.meta["group"])
         lps = self.lps[g]
         try:
-            r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up)
+            if "base" in ev.job.meta:  # a plain Flower ClientApp: Δ against the model its job was sent
+                r = read_model_reply(ev.reply, self.spec, ev.job.meta["base"])
+            else:
+                r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up)
             delta = self._scratch
             for offset, piece in r.pieces:
                 delta[offset : offset + piece.numel()].copy_(piece)

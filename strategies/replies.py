@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from flwr.app import Message
+from flwr.app import Message, MetricRecord
 
 from fl_geo.state import ParamSpec
 from fl_geo.wire import PayloadError, decode, payload_nbytes
@@ -79,6 +79,7 @@ class Tally:
     errors: int = 0
     tokens: int = 0
     loss_x_tokens: float = 0.0
+    loss_tokens: int = 0  # tokens of the replies that reported a loss (the train/loss weights)
     step_time_sum: float = 0.0
     norm_sum: float = 0.0
     bytes_up: int = 0
@@ -93,7 +94,9 @@ class Tally:
     def accept(self, r: TrainReply, norm: float, staleness: int = 0) -> None:
         self.accepted += 1
         self.tokens += r.tokens
-        self.loss_x_tokens += r.loss * r.tokens
+        if math.isfinite(r.loss):  # a plain Flower reply need not report a loss
+            self.loss_x_tokens += r.loss * r.tokens
+            self.loss_tokens += r.tokens
         self.step_time_sum += r.step_time_s
         self.norm_sum += norm
         self.bytes_up += r.nbytes
@@ -105,3 +108,63 @@ class Tally:
     def mean(self, total: float) -> float:
         """``total`` / accepted, NaN when nothing was accepted."""
         return total / self.accepted if self.accepted else float("nan")
+
+
+def _count(metrics: MetricRecord, key: str) -> int | None:
+    """A declared count (``num-examples``, ``num-tokens``): a positive whole number, or None when
+    absent; anything else (negative, fractional, NaN, a bool, a list) is a ReplyError."""
+    if key not in metrics:
+        return None
+    value = metrics[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ReplyError(f"'{key}' must be a positive whole number, got {value!r}")
+    if not math.isfinite(value) or value != int(value) or value <= 0:
+        raise ReplyError(f"'{key}' must be a positive whole number, got {value!r}")
+    return int(value)
+
+
+def read_model_reply(reply: Message, spec: ParamSpec, base: torch.Tensor) -> TrainReply:
+    """Read a Flower-convention reply: the trained model in ``"arrays"``, ``"num-examples"`` (and
+    optionally ``"num-tokens"``, ``"loss"`` / ``"train_loss"``) in its MetricRecord.
+
+    What a plain Flower ClientApp sends (Flower's own strategies expect the same). The server
+    computes the pseudo-gradient Δ = base − θ_reply in fp32, ``base`` being the model the job was
+    sent with. The token weight is ``num-tokens`` when declared, else ``num-examples``. Keys and
+    shapes must match the model (any float dtype); NaN/Inf is refused later, in the fold.
+    """
+    content = reply.content
+    if "arrays" not in content.array_records:
+        raise ReplyError("Flower-convention reply lacks the 'arrays' record (the trained model)")
+    records = list(content.metric_records.values())
+    metrics = content.metric_records.get("metrics", records[0] if records else None)
+    if metrics is None:
+        raise ReplyError("Flower-convention reply lacks a MetricRecord with 'num-examples'")
+    examples, tokens = _count(metrics, "num-examples"), _count(metrics, "num-tokens")
+    if examples is None:
+        raise ReplyError("Flower-convention reply lacks 'num-examples' in its metrics")
+    record = content.array_records["arrays"]
+    names = list(record.keys())
+    if names != list(spec.names):
+        missing, extra = sorted(set(spec.names) - set(names)), sorted(set(names) - set(spec.names))
+        raise ReplyError(f"model keys differ from the model sent (missing {missing[:5]}, unexpected {extra[:5]})"
+                         if missing or extra else "model keys are in another order than the model sent")
+    delta = torch.empty(spec.numel, dtype=torch.float32)
+    for name, offset, n, shape in zip(spec.names, spec.offsets, spec.numels, spec.shapes, strict=True):
+        array = record[name]
+        if tuple(array.shape) != shape:
+            raise ReplyError(f"'{name}' has shape {tuple(array.shape)}, the model sent {shape}")
+        if array.dtype not in ("float16", "float32", "float64"):
+            raise ReplyError(f"'{name}' has dtype {array.dtype}; a model reply holds float16/32/64 arrays")
+        try:
+            theta = torch.from_numpy(array.numpy()).reshape(-1)
+        except ValueError as exc:
+            raise ReplyError(f"'{name}' does not decode: {exc}") from None
+        torch.sub(base[offset : offset + n], theta.to(torch.float32), out=delta[offset : offset + n])
+    loss = float("nan")
+    for key in ("train_loss", "loss"):
+        value = metrics.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            loss = float(value)
+            break
+    return TrainReply([(0, delta)], tokens if tokens is not None else examples, loss, 0.0,
+                      payload_nbytes(record), steps=0)

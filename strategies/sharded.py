@@ -239,6 +239,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         self.dispatch([n for n in self.idle_nodes() if n in redo])
         t.accepted = t.tokens = t.steps = t.noisy_steps_accepted = t.bytes_up = t.staleness_sum = t.staleness_max = 0
         t.loss_x_tokens = t.step_time_sum = t.norm_sum = 0.0
+        t.loss_tokens = 0
         self._plain_total = 0.0
 
     # ---- dispatch: with the gRPC transport a train message carries control only ------------------

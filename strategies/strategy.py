@@ -313,9 +313,9 @@ class FlGeoStrategy(Strategy):
         cfg.run.rounds = num_rounds
         if max_tokens is not None:
             cfg.run.max_tokens = int(max_tokens)
-        if self._from_kwargs:
+        if self._from_kwargs:  # (a config from fl-geo run was validated when it was loaded)
             cfg.strategy.round_timeout_s = float(timeout or 0)
-        validate(cfg)
+            validate(cfg)
         return cfg
 
     def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig, nodes: list[int]) -> dict[int, NodeProfile]:
@@ -323,7 +323,7 @@ class FlGeoStrategy(Strategy):
         a plain Flower ClientApp and gets a default one (`default_profiles`)."""
         # The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
         # process per message in deployment), which is slow on a loaded machine.
-        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
+        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s, plain_ok=self._from_kwargs)
         if not self._from_kwargs:
             if not profiles:
                 raise RuntimeError("no node answered the profile query")

@@ -32,7 +32,13 @@ from fl_geo.dispatch import JobTiming
 from fl_geo.penalty import StepWeightMix
 from fl_geo.progress import Progress
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_train_reply
+from fl_geo.strategies.replies import (
+    ReplyError,
+    Tally,
+    TrainReply,
+    read_model_reply,
+    read_train_reply,
+)
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -115,7 +121,10 @@ class SyncOuterLoop(OuterLoop):
         valid: list[tuple[int, TrainReply]] = []
         for node, reply in group:
             try:
-                valid.append((node, read_train_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version)))
+                if self.is_plain(node):  # a Flower-convention reply: Δ against the model sent this round
+                    valid.append((node, read_model_reply(reply, self.spec, self.global_params)))
+                else:
+                    valid.append((node, read_train_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version)))
             except ReplyError as exc:
                 self._reject(stats, node, str(exc))
         if not valid:

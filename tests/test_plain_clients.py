@@ -1,0 +1,192 @@
+"""Public strategies with plain Flower ClientApps (no fl-geo code on the nodes): every method that
+can take them learns; a malformed or dishonest Flower-convention reply is rejected with the model
+intact; the two reply styles give the same DiLoCo model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fl_geo.config import ConfigError
+from fl_geo.inline import InlineGrid
+from fl_geo.state import ParamSpec, flatten
+from fl_geo.strategies import (
+    AEDiT,
+    AsyncDiLoCo,
+    AsyncLocalSGD,
+    CoCoDC,
+    DiLoCo,
+    DiPS,
+    EDiT,
+    FedAsync,
+    FedBuff,
+    HALoS,
+    StreamingDiLoCo,
+    baselines,
+)
+from fl_geo.strategies.replies import ReplyError, read_model_reply
+from tests import plain_flower_app as plain
+
+
+def _initial() -> ArrayRecord:
+    return ArrayRecord(plain.initial_model().state_dict())
+
+
+def _flat(arrays: ArrayRecord) -> torch.Tensor:
+    return flatten(arrays.to_torch_state_dict())
+
+
+def _plain_strategies():
+    common = {"inner_steps": plain.STEPS}
+    return [
+        DiLoCo(**common), baselines.FedAvg(**common), baselines.FedAvgM(**common), baselines.FedAdam(**common),
+        baselines.FedYogi(**common), EDiT(warmup=1, **common), AEDiT(time_budget_s=5.0, **common),
+        FedBuff(**common), FedAsync(**common), AsyncDiLoCo(**common), AsyncLocalSGD(**common),
+        DiPS(warmup=1, **common), HALoS(accumulate=2, local_buffer=2, group_size=1, **common),
+    ]
+
+
+@pytest.mark.parametrize("strategy", _plain_strategies(), ids=lambda s: type(s).__name__)
+def test_plain_flower_clientapp_learns_with_every_strategy(strategy):
+    grid = InlineGrid(plain.app, 3, seed=0)
+    result = strategy.start(grid, _initial(), num_rounds=4, evaluate_fn=plain.evaluate_fn,
+                            train_config=ConfigRecord({"lr": 0.5}))
+    losses = result.evaluate_metrics_serverapp
+    assert losses[max(losses)]["loss"] < losses[0]["loss"] - 0.05, losses
+    assert strategy.stats.rejected == 0 and strategy.stats.outer_steps >= 4
+    # token weights come from num-examples: every accepted reply declared STEPS * BATCH examples
+    assert strategy.stats.tokens % (plain.STEPS * plain.BATCH) == 0 and strategy.stats.tokens > 0
+    # a plain node was sent fp32 arrays whatever the wire said, and "config" holds the user's keys
+    assert all(t == "train" for _, t in grid.executed if t != "query")
+
+
+@pytest.mark.parametrize("cls", [StreamingDiLoCo, CoCoDC], ids=lambda c: c.__name__)
+def test_streaming_methods_refuse_plain_clientapps_with_a_reason(cls):
+    with pytest.raises(ConfigError, match="needs fl-geo's ClientApp"):
+        cls(inner_steps=4, fragments=2, overlap=1, options={"model.n_layers": 2}).start(
+            InlineGrid(plain.app, 2), _initial(), num_rounds=1)
+
+
+def test_sharded_dips_refuses_plain_clientapps():
+    with pytest.raises(ConfigError, match="needs fl-geo's ClientApp"):
+        DiPS(followers=2).start(InlineGrid(plain.app, 2), _initial(), num_rounds=1)
+
+
+# ---- dishonest or malformed Flower-convention replies ------------------------------------------------
+
+def _tamper(kind: str):
+    def metrics_of(reply: Message) -> MetricRecord:
+        return reply.content.metric_records["metrics"]
+
+    def hook(node: int, msg: Message, reply: Message) -> Message:
+        if reply.has_error() or msg.metadata.message_type != "train" or node != min(grid_nodes):
+            return reply
+        arrays = reply.content.array_records["arrays"]
+        m = metrics_of(reply)
+        if kind == "no-examples":
+            m = MetricRecord({"train_loss": 1.0})
+        elif kind == "negative":
+            m = MetricRecord({"num-examples": -5})
+        elif kind == "fractional":
+            m = MetricRecord({"num-examples": 2.5})
+        elif kind == "nan-count":
+            m = MetricRecord({"num-examples": float("nan")})
+        elif kind == "nan-tokens":
+            m = MetricRecord({"num-examples": 10, "num-tokens": float("inf")})
+        elif kind == "nan-model":
+            state = arrays.to_torch_state_dict()
+            state["head.bias"][0] = float("nan")
+            arrays = ArrayRecord(state)
+        elif kind == "wrong-shape":
+            state = arrays.to_torch_state_dict()
+            state["head.bias"] = torch.zeros(3)
+            arrays = ArrayRecord(state)
+        elif kind == "wrong-key":
+            state = arrays.to_torch_state_dict()
+            state["intruder"] = state.pop("head.bias")
+            arrays = ArrayRecord(state)
+        elif kind == "int-model":
+            arrays = ArrayRecord({k: Array(v.numpy().astype("int64")) for k, v in arrays.to_torch_state_dict().items()})
+        return Message(RecordDict({"arrays": arrays, "metrics": m}), reply_to=msg)
+
+    grid_nodes: list[int] = []
+    return hook, grid_nodes
+
+
+@pytest.mark.parametrize("kind", ["no-examples", "negative", "fractional", "nan-count", "nan-tokens", "nan-model",
+                                  "wrong-shape", "wrong-key", "int-model"])
+@pytest.mark.parametrize("cls", [DiLoCo, FedBuff], ids=lambda c: c.__name__)
+def test_bad_plain_replies_are_rejected_and_the_rest_trains(cls, kind, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    grid = InlineGrid(plain.app, 3, seed=0)
+    hook, nodes = _tamper(kind)
+    nodes.extend(grid.get_node_ids())
+    grid.reply_hook = hook
+    strategy = cls(inner_steps=plain.STEPS)
+    result = strategy.start(grid, _initial(), num_rounds=3, evaluate_fn=plain.evaluate_fn)
+    assert strategy.stats.rejected >= 1, kind
+    assert "rejected update from node" in caplog.text
+    final = _flat(result.arrays)
+    assert torch.isfinite(final).all()
+    losses = result.evaluate_metrics_serverapp
+    assert losses[max(losses)]["loss"] < losses[0]["loss"]
+
+
+def test_model_reply_reader_against_the_formula():
+    model = plain.initial_model()
+    spec = ParamSpec.from_state_dict(model.state_dict())
+    base = flatten(model.state_dict())
+    trained = {k: v + 0.25 for k, v in model.state_dict().items()}
+    reply = Message(RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": 7.0})}),
+                    reply_to=Message(RecordDict(), dst_node_id=1, message_type="train"))
+    r = read_model_reply(reply, spec, base)
+    assert torch.equal(r.pieces[0][1], base - flatten(trained)) and r.tokens == 7 and math.isnan(r.loss)
+    reply = Message(RecordDict({"arrays": ArrayRecord(trained),
+                                "metrics": MetricRecord({"num-examples": 7, "num-tokens": 70, "loss": 2.0})}),
+                    reply_to=Message(RecordDict(), dst_node_id=1, message_type="train"))
+    r = read_model_reply(reply, spec, base)
+    assert r.tokens == 70 and r.loss == 2.0
+    bad = Message(RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": [3, 4]})}),
+                  reply_to=Message(RecordDict(), dst_node_id=1, message_type="train"))
+    with pytest.raises(ReplyError, match="num-examples"):
+        read_model_reply(bad, spec, base)
+
+
+# ---- the two reply styles give the same DiLoCo model ------------------------------------------------
+
+def test_diloco_gives_the_same_model_with_both_reply_styles():
+    """fl-geo's ClientApp replies Δ; an adapter around the very same training replies the trained
+    model θ = θ_sent − Δ and ``num-tokens`` the Flower way (and answers no profile query, so the
+    server treats it as a plain Flower ClientApp). The final models agree to fp32 rounding."""
+    from fl_geo.builders import make_model
+    from fl_geo.clients.datacenter import app as fl_geo_app
+    from fl_geo.state import ParamSpec as Spec
+    from tests.test_public_strategies import TINY_OPTIONS
+
+    options = {**TINY_OPTIONS, "model.n_layers": 1}
+    adapter = ClientApp()
+
+    @adapter.train()
+    def train(msg: Message, context):  # noqa: ANN001
+        reply = fl_geo_app(msg, context)
+        base = msg.content.array_records["arrays"].to_torch_state_dict()
+        delta = reply.content.array_records["arrays"].to_torch_state_dict()
+        model = {k: base[k] - delta[k] for k in base}
+        tokens = int(reply.content.metric_records["metrics"]["tokens"])
+        metrics = MetricRecord({"num-examples": 1, "num-tokens": tokens})
+        return Message(RecordDict({"arrays": ArrayRecord(model), "metrics": metrics}), reply_to=msg)
+
+    finals = []
+    for app in (fl_geo_app, adapter):
+        strategy = DiLoCo(inner_steps=3, weighting="tokens", options=options)
+        initial = ArrayRecord(make_model(strategy.config.model, 0).state_dict())
+        result = strategy.start(InlineGrid(app, 3, seed=0), initial, num_rounds=2)
+        finals.append(_flat(result.arrays))
+        assert strategy.stats.rejected == 0
+    assert Spec.from_state_dict(initial.to_torch_state_dict()).numel == finals[0].numel()
+    torch.testing.assert_close(finals[0], finals[1], rtol=0, atol=1e-5)
+    assert not torch.equal(finals[0], _flat(initial))
