@@ -190,3 +190,35 @@ def test_diloco_gives_the_same_model_with_both_reply_styles():
     assert Spec.from_state_dict(initial.to_torch_state_dict()).numel == finals[0].numel()
     torch.testing.assert_close(finals[0], finals[1], rtol=0, atol=1e-5)
     assert not torch.equal(finals[0], _flat(initial))
+
+
+# ---- Flower's Ray simulation: a hand-written ServerApp, the plain ClientApp ---------------------------
+
+@pytest.mark.slow
+def test_public_strategies_under_flowers_ray_simulation():
+    """A user's own ServerApp (no fl-geo config, no fl-geo ClientApp) runs a synchronous, an
+    asynchronous and a two-tier fl-geo strategy one after another on Flower's simulation runtime."""
+    import warnings
+
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    results: dict[str, tuple[float, float, int]] = {}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context) -> None:  # noqa: ANN001
+        for strategy in (DiLoCo(inner_steps=plain.STEPS), DiPS(inner_steps=plain.STEPS, warmup=1),
+                         HALoS(inner_steps=plain.STEPS, accumulate=2, local_buffer=2, group_size=1)):
+            result = strategy.start(grid, _initial(), num_rounds=3, evaluate_fn=plain.evaluate_fn)
+            losses = result.evaluate_metrics_serverapp
+            results[type(strategy).__name__] = (losses[0]["loss"], losses[max(losses)]["loss"], strategy.stats.rejected)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        run_simulation(server_app=server, client_app=plain.app, num_supernodes=3,
+                       backend_config={"init_args": {"num_cpus": 2, "include_dashboard": False},
+                                       "client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    assert set(results) == {"DiLoCo", "DiPS", "HALoS"}, results
+    for name, (first, last, rejected) in results.items():
+        assert last < first and rejected == 0, (name, first, last)
