@@ -133,6 +133,7 @@ class OuterLoop:
         # plain Flower ClientApp (accepted only outside the CLI path), and the user's Flower
         # train_config / evaluate_config that every request carries for them.
         self.accept_plain = False
+        self.plain_only = False  # every node is a plain Flower ClientApp: joiners are not queried
         self.user_train_config: ConfigRecord | None = None
         self.user_evaluate_config: ConfigRecord | None = None
 
@@ -142,7 +143,8 @@ class OuterLoop:
         live = self.dispatcher.live_nodes()
         unknown = [n for n in live if n not in self.profiles]
         if unknown:
-            self.profiles.update(self.dispatcher.query_profiles(unknown, plain_ok=self.accept_plain))
+            if not self.plain_only:
+                self.profiles.update(self.dispatcher.query_profiles(unknown, plain_ok=self.accept_plain))
             plain = [n for n in unknown if n not in self.profiles]
             if plain and self.accept_plain:
                 self.profiles.update(default_profiles(plain, self.profiles))

@@ -52,6 +52,8 @@ from fl_geo.state import ParamSpec, flatten, unflatten
 
 log = logging.getLogger("fl_geo")
 
+CLIENT_KINDS = ("auto", "flower", "fl-geo")
+
 EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
 
 
@@ -153,6 +155,11 @@ class FlGeoStrategy(Strategy):
         the scenario's WAN links and accelerator speeds (deterministic event order).
     seed : int (default: 0)
         Seeds client sampling and what the fl-geo ClientApp seeds from.
+    clients : str (default: "auto")
+        What runs on the nodes. ``"auto"``: ask each node (fl-geo's ClientApp answers a profile
+        query; a node that cannot is taken for a plain Flower ClientApp). ``"flower"``: every node
+        is a plain Flower ClientApp (no query is sent, so Flower logs no error for the missing
+        query handler). ``"fl-geo"``: every node must answer; one that does not is an error.
     options : Mapping[str, Any], optional
         Any other fl-geo setting as dotted keys (``{"penalty.warmup": 5, "run.eval_every": 2}``);
         ``fl-geo config FILE`` lists them. Unknown keys are a one-line error.
@@ -183,6 +190,7 @@ class FlGeoStrategy(Strategy):
         wait_nodes_timeout_s: float = 120.0,
         scenario: str | None = None,
         seed: int = 0,
+        clients: str = "auto",
         options: Mapping[str, Any] | None = None,
         logger: Any = None,
         progress: bool | Progress = False,
@@ -204,10 +212,13 @@ class FlGeoStrategy(Strategy):
             values["run"].update(clock="virtual", scenario=str(scenario))
         for section, keys in (_sections or {}).items():
             values.setdefault(section, {}).update(keys)
+        if clients not in CLIENT_KINDS:
+            raise ConfigError(f"clients must be one of {', '.join(CLIENT_KINDS)}, got {clients!r}")
         overrides = [f"{k}={v}" for k, v in (options or {}).items()]
         config = load_config(None, overrides, values)
         self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
                    from_kwargs=True)
+        self.clients = clients
 
     def _init(self, config: FlGeoConfig, *, logger: Any, progress: bool | Progress, checkpoints: CheckpointStore | None,
               resume_from: Checkpoint | None, from_kwargs: bool, evaluator: Any = None,
@@ -220,6 +231,7 @@ class FlGeoStrategy(Strategy):
         self._from_kwargs = from_kwargs
         self._evaluator = evaluator  # an evaluator, or a factory of one from the partition count
         self._on_ready = on_ready
+        self.clients = "fl-geo"  # from a config: fl-geo's ClientApp on every node
         self.stats = RunStats()
         self.loop: Any = None
 
@@ -321,10 +333,12 @@ class FlGeoStrategy(Strategy):
     def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig, nodes: list[int]) -> dict[int, NodeProfile]:
         """Ask ``nodes`` for their profiles; outside the CLI path a node that does not answer runs
         a plain Flower ClientApp and gets a default one (`default_profiles`)."""
+        if self.clients == "flower":
+            return default_profiles(nodes, {})
         # The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
         # process per message in deployment), which is slow on a loaded machine.
-        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s, plain_ok=self._from_kwargs)
-        if not self._from_kwargs:
+        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s, plain_ok=self.clients == "auto")
+        if self.clients == "fl-geo":
             if not profiles:
                 raise RuntimeError("no node answered the profile query")
             return profiles
@@ -365,7 +379,8 @@ class FlGeoStrategy(Strategy):
                 "ClientApp (they did not answer the profile query)")
         logger = self.logger if self.logger is not None else MemoryLogger()
         loop = loop_cls(cfg, spec, params, dispatcher, profiles, logger, evaluator, scenario)
-        loop.accept_plain = self._from_kwargs and loop_cls.supports_plain_clients
+        loop.accept_plain = self.clients != "fl-geo" and loop_cls.supports_plain_clients
+        loop.plain_only = self.clients == "flower"
         loop.user_train_config = train_config
         loop.user_evaluate_config = evaluate_config
         loop.checkpoints = self.checkpoints

@@ -71,6 +71,16 @@ def test_streaming_methods_refuse_plain_clientapps_with_a_reason(cls):
             InlineGrid(plain.app, 2), _initial(), num_rounds=1)
 
 
+def test_clients_flower_sends_no_profile_query_and_clients_fl_geo_requires_answers():
+    grid = InlineGrid(plain.app, 2, seed=0)
+    DiLoCo(inner_steps=plain.STEPS, clients="flower").start(grid, _initial(), num_rounds=1)
+    assert [t for _, t in grid.executed] == ["train", "train"]
+    with pytest.raises(RuntimeError, match="profile query"):
+        DiLoCo(clients="fl-geo", wait_nodes_timeout_s=5).start(InlineGrid(plain.app, 2), _initial(), num_rounds=1)
+    with pytest.raises(ConfigError, match="clients must be one of"):
+        DiLoCo(clients="torch")
+
+
 def test_sharded_dips_refuses_plain_clientapps():
     with pytest.raises(ConfigError, match="needs fl-geo's ClientApp"):
         DiPS(followers=2).start(InlineGrid(plain.app, 2), _initial(), num_rounds=1)
