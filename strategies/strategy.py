@@ -48,6 +48,7 @@ from fl_geo.dispatch import Dispatcher, NodeProfile, default_profiles
 from fl_geo.metrics import MemoryLogger
 from fl_geo.progress import Progress
 from fl_geo.registry import Method, method
+from fl_geo.scenario import Scenario
 from fl_geo.state import ParamSpec, flatten, unflatten
 
 log = logging.getLogger("fl_geo")
@@ -150,9 +151,10 @@ class FlGeoStrategy(Strategy):
         Reject an update whose L2 norm exceeds this multiple of the model's (0: no bound).
     min_nodes : int (default: 1)
         Nodes to wait for before the first job (``wait_nodes_timeout_s`` at most).
-    scenario : str, optional
-        A scenario name (``configs/scenarios``) or YAML path: runs on a virtual clock that models
-        the scenario's WAN links and accelerator speeds (deterministic event order).
+    scenario : str or fl_geo.scenario.Scenario, optional
+        A scenario name (``configs/scenarios``), a YAML path or a `Scenario` object: runs on a
+        virtual clock that models the scenario's WAN links and accelerator speeds (deterministic
+        event order). Without one, replies are handled as they arrive (wall clock).
     seed : int (default: 0)
         Seeds client sampling and what the fl-geo ClientApp seeds from.
     clients : str (default: "auto")
@@ -188,7 +190,7 @@ class FlGeoStrategy(Strategy):
         max_update_ratio: float = 10.0,
         min_nodes: int = 1,
         wait_nodes_timeout_s: float = 120.0,
-        scenario: str | None = None,
+        scenario: str | Scenario | None = None,
         seed: int = 0,
         clients: str = "auto",
         options: Mapping[str, Any] | None = None,
@@ -209,7 +211,8 @@ class FlGeoStrategy(Strategy):
             "wire": {"up": wire_up, "down": wire_down},
         }
         if scenario is not None:
-            values["run"].update(clock="virtual", scenario=str(scenario))
+            name = scenario.name if isinstance(scenario, Scenario) else str(scenario)
+            values["run"].update(clock="virtual", scenario=name)
         for section, keys in (_sections or {}).items():
             values.setdefault(section, {}).update(keys)
         if clients not in CLIENT_KINDS:
@@ -219,6 +222,7 @@ class FlGeoStrategy(Strategy):
         self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
                    from_kwargs=True)
         self.clients = clients
+        self._scenario = scenario if isinstance(scenario, Scenario) else None
 
     def _init(self, config: FlGeoConfig, *, logger: Any, progress: bool | Progress, checkpoints: CheckpointStore | None,
               resume_from: Checkpoint | None, from_kwargs: bool, evaluator: Any = None,
@@ -232,6 +236,7 @@ class FlGeoStrategy(Strategy):
         self._evaluator = evaluator  # an evaluator, or a factory of one from the partition count
         self._on_ready = on_ready
         self.clients = "fl-geo"  # from a config: fl-geo's ClientApp on every node
+        self._scenario: Scenario | None = None  # a scenario object passed in (else the config names one)
         self.stats = RunStats()
         self.loop: Any = None
 
@@ -360,7 +365,7 @@ class FlGeoStrategy(Strategy):
         if self._from_kwargs:  # the schedule length and the scenario's node slots follow the grid
             cfg.run.num_clients = len(nodes)
             validate(cfg)
-        clock, scenario = make_clock(cfg, spec.numel)
+        clock, scenario = make_clock(cfg, spec.numel, self._scenario)
         dispatcher = Dispatcher(grid, clock)
         profiles = self._profiles(dispatcher, cfg, nodes)
         evaluator: Any = self._evaluator

@@ -167,3 +167,49 @@ def test_initial_arrays_are_checked():
 def test_flower_round_hooks_say_to_call_start():
     with pytest.raises(RuntimeError, match="start"):
         DiLoCo().configure_train(1, ArrayRecord(), None, None)  # type: ignore[arg-type]
+
+
+def test_collaborators_are_passed_in(tmp_path):
+    """A metrics logger (JSONL + TensorBoard), a checkpoint store, a resume point and a Scenario
+    object are handed to the strategy, not looked up; resuming continues to the same bits."""
+    from fl_geo.checkpoint import CheckpointStore
+    from fl_geo.metrics import MetricsLogger, read_metrics
+    from fl_geo.scenario import load_scenario
+
+    scenario = load_scenario(_scenario(tmp_path))
+    logger = MetricsLogger(tmp_path / "dips", tensorboard=True)
+    dips = DiPS(inner_steps=3, options=TINY_OPTIONS, scenario=scenario, warmup=1, logger=logger)
+    dips.start(InlineGrid(client_app, 3, seed=0), _initial(dips), num_rounds=3)
+    logger.close()
+    rows = read_metrics(tmp_path / "dips")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["time/virtual_s"] > 0  # no evaluator: no step 0
+    assert list((tmp_path / "dips" / "tb").iterdir())
+    assert dips.stats.virtual_s >= rows[-1]["time/virtual_s"] and dips.stats.scenario == scenario.name
+
+    def diloco(**kwargs) -> DiLoCo:
+        return DiLoCo(inner_steps=3, options=TINY_OPTIONS, scenario=scenario, checkpoint_every=1, **kwargs)
+
+    full = diloco()
+    full_result = full.start(InlineGrid(client_app, 3, seed=0), _initial(full), num_rounds=3)
+    store = CheckpointStore(tmp_path / "ckpt", keep=5)
+    grid = InlineGrid(client_app, 3, seed=0)  # the nodes outlive the server that is restarted
+    trains = {"n": 0}
+
+    def crash_in_round_3(node, msg, reply):  # the server dies on the first reply of round 3
+        trains["n"] += msg.metadata.message_type == "train"
+        if trains["n"] == 7:
+            raise KeyboardInterrupt("server killed")
+        return reply
+
+    grid.reply_hook = crash_in_round_3
+    part = diloco(checkpoints=store)
+    with pytest.raises(KeyboardInterrupt):
+        part.start(grid, _initial(part), num_rounds=3)
+    grid.reply_hook = None
+    checkpoint = store.load_latest()
+    assert checkpoint is not None and checkpoint.state["counters"]["version"] == 2
+    resumed = diloco(resume_from=checkpoint)
+    resumed_result = resumed.start(grid, _initial(resumed), num_rounds=3)
+    assert resumed.stats.outer_steps == 3
+    assert torch.equal(flatten(resumed_result.arrays.to_torch_state_dict()),
+                       flatten(full_result.arrays.to_torch_state_dict()))
