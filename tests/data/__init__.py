@@ -1,0 +1,1 @@
+"""Recorded reference data for the tests (and the scripts that regenerate it)."""
