@@ -217,8 +217,12 @@ class FlGeoStrategy(Strategy):
             values.setdefault(section, {}).update(keys)
         if clients not in CLIENT_KINDS:
             raise ConfigError(f"clients must be one of {', '.join(CLIENT_KINDS)}, got {clients!r}")
-        overrides = [f"{k}={v}" for k, v in (options or {}).items()]
-        config = load_config(None, overrides, values)
+        for key, value in (options or {}).items():  # last: an option wins over the arguments above
+            section, dot, name = str(key).partition(".")
+            if not dot or not name:
+                raise ConfigError(f"option {key!r} is not a dotted key such as 'penalty.warmup'")
+            values.setdefault(section, {})[name] = value
+        config = load_config(None, None, values)
         self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
                    from_kwargs=True)
         self.clients = clients
