@@ -20,8 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from flwr.app import Context, Message
 
 from fl_geo.builders import make_model, model_config, partitions
+from fl_geo.clients import stream
 from fl_geo.clients.api import (  # noqa: F401  (re-exported: tests and tools import them from here)
     INNER_STATE_KEYS,
     OPT_STATE_KEY,
@@ -86,3 +88,16 @@ def corpus_eval_batches(site: Site) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 client = DatacenterClient(decoder, corpus_batches, eval_batches_fn=corpus_eval_batches)
 app = client.app
+
+# The handlers as plain ``(msg, context) -> reply`` functions, as before the wrapper existed.
+query = client.query
+train = client.train
+evaluate = client.evaluate
+
+
+def train_stream(msg: Message, context: Context) -> Message:
+    return stream.train_stream(client, msg, context)
+
+
+def evaluate_stream(msg: Message, context: Context) -> Message:
+    return stream.evaluate_stream(client, msg, context)
