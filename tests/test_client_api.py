@@ -314,3 +314,37 @@ def test_the_data_parallel_job_trains_a_users_model_like_one_process(tiny):
 def two_batches(site: Site) -> CountingBatches:
     """Module level: the data-parallel ranks are spawned and unpickle it."""
     return CountingBatches(site.partition_id, rows=2 * BATCH)
+
+
+def test_batch_sources_of_every_accepted_shape_give_the_same_batches():
+    from fl_geo.clients import as_batch_source
+
+    source = CountingBatches(0)
+    want = [source.batch(s) for s in range(5)]
+    as_callable = as_batch_source(source.batch)
+    as_list = as_batch_source(want)  # re-iterable: replayed from the start, earlier steps skipped
+    for s in (3, 4, 0, 1):
+        for got in (as_callable.batch(s), as_list.batch(s)):
+            assert torch.equal(got[0], want[s][0]) and torch.equal(got[1], want[s][1])
+    assert as_batch_source(source) is source
+    with pytest.raises(ValueError, match="ran out of batches at step 5"):
+        as_list.batch(5)
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        as_batch_source(iter(want))
+    with pytest.raises(TypeError, match="batches_fn must return"):
+        as_batch_source(42)
+
+
+def test_a_model_fn_that_returns_no_module_is_a_clear_error(tiny):
+    flat, spec = _initial()
+    client = DatacenterClient(lambda site: "not a model", gru_batches)
+    with pytest.raises(TypeError, match="model_fn must return a torch.nn.Module"):
+        client.app(_train_msg(_request(tiny), flat, spec), _ctx())
+
+
+def test_blocks_with_a_parameter_twice_are_refused():
+    from fl_geo.streaming import Fragments
+
+    _, spec = _initial()
+    with pytest.raises(ValueError, match="is in blocks 0 and 1"):
+        Fragments.from_blocks(spec, 2, [["head.bias"], ["head.bias"]])
