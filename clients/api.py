@@ -40,6 +40,7 @@ from fl_geo.device import pick_device
 from fl_geo.dispatch import PROFILE_KEY
 from fl_geo.distributed import DataParallelTrainer, resolve_devices, spec_of
 from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
+from fl_geo.streaming import Fragments, fragment_spec
 from fl_geo.training import (
     BatchSource,
     InnerTrainer,
@@ -232,7 +233,7 @@ class DatacenterClient:
         self.tokens_fn = tokens_fn
         self.blocks = blocks
         self._models: OrderedDict[str, tuple[torch.nn.Module, ParamSpec]] = OrderedDict()
-        self._fragments: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._fragments: OrderedDict[tuple[str, int], tuple[Fragments, tuple[ParamSpec, ...]]] = OrderedDict()
         self.pulled_version = -1  # the model version the last pull from the follower PSs returned
         self.app = ClientApp()
         self.app.query()(self.query)
@@ -277,10 +278,8 @@ class DatacenterClient:
             self._models.popitem(last=False)
         return entry
 
-    def fragments(self, site: Site, num_fragments: int) -> Any:
+    def fragments(self, site: Site, num_fragments: int) -> tuple[Fragments, tuple[ParamSpec, ...]]:
         """`Fragments` of the user's blocks and the per-fragment specs (cached)."""
-        from fl_geo.streaming import Fragments, fragment_spec
-
         key = (site.model_key(), num_fragments)
         if key not in self._fragments:
             model, spec = self.model(site)
