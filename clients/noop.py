@@ -29,7 +29,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fl_geo.builders import make_model
-from fl_geo.clients.datacenter import _partition_ids, query
+from fl_geo.clients.api import partition_ids
+from fl_geo.clients.datacenter import query
 from fl_geo.state import ParamSpec
 from fl_geo.wire import decode_into, encode
 
@@ -68,7 +69,7 @@ def _unchanged_params(msg: Message, cfg: ConfigRecord) -> ArrayRecord:
 def train(msg: Message, context: Context) -> Message:
     """Reply immediately with a valid update of a worker that did no work."""
     cfg = msg.content.config_records["config"]
-    pid, _ = _partition_ids(context)
+    pid, _ = partition_ids(context)
     client = json.loads(str(cfg["client"]))
     steps = int(cfg["inner_steps"])
     tokens = steps * int(client["batch_size"]) * int(client["seq_len"])

@@ -21,6 +21,7 @@ This module must stay importable without Flower: the rank processes import it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import os
@@ -29,11 +30,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,7 +43,21 @@ from fl_geo.data.loader import BatchSampler
 from fl_geo.device import pick_device
 from fl_geo.model import Decoder, ModelConfig
 from fl_geo.state import ParamSpec, flatten, load_flat_into, unflatten
-from fl_geo.training import STATE_KEYS, InnerConfig, InnerTrainer, TrainResult
+from fl_geo.training import (
+    STATE_KEYS,
+    BatchSource,
+    InnerConfig,
+    InnerTrainer,
+    LossFn,
+    ScheduleFn,
+    TokensFn,
+    TrainResult,
+    lr_at,
+)
+
+# Builds the site's model (its initial values are overwritten by the shared parameters). Must be
+# picklable (a module-level function or a functools.partial of one): the ranks are spawned.
+ModelFactory = Callable[[], torch.nn.Module]
 
 __all__ = [
     "DIST_BACKENDS",
@@ -51,6 +66,7 @@ __all__ = [
     "SharedTrainState",
     "model_spec",
     "resolve_devices",
+    "spec_of",
     "train_data_parallel",
 ]
 
@@ -152,9 +168,24 @@ def model_spec(model_cfg: ModelConfig) -> ParamSpec:
     The parent of a data-parallel job needs the layout, not a model: building a real one there
     would allocate and initialise a model-sized copy that nobody trains.
     """
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = Decoder(model_cfg)
+    return spec_of(functools.partial(Decoder, model_cfg))
+
+
+def spec_of(factory: ModelFactory) -> ParamSpec:
+    """The flat layout of ``factory()``'s model, built on the ``meta`` device when it allows it
+    (no memory, no random draws), else for real with the global RNG state preserved."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                model = factory()
+        except Exception:  # noqa: BLE001 - a model that cannot be built on meta: build it for real
+            model = factory()
     return ParamSpec.from_state_dict(model.state_dict())
+
+
+def as_factory(model: ModelConfig | ModelFactory) -> ModelFactory:
+    """A ModelFactory for fl-geo's decoder config or a user's factory (returned as is)."""
+    return functools.partial(Decoder, model) if isinstance(model, ModelConfig) else model
 
 
 
@@ -260,24 +291,49 @@ class SharedTrainState:
 # ---------------------------------------------------------------- the rank processes
 
 
+def _rows(obj: Any, lo: int, hi: int) -> Any:
+    """Rows ``[lo, hi)`` of a batch part: a tensor, or tuples / lists / dicts of tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj[lo:hi]
+    if isinstance(obj, tuple | list):
+        return type(obj)(_rows(o, lo, hi) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _rows(v, lo, hi) for k, v in obj.items()}
+    raise TypeError(f"cannot split a batch part of type {type(obj).__name__} across ranks")
+
+
+def _num_rows(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[0])
+    if isinstance(obj, tuple | list) and obj:
+        return _num_rows(obj[0])
+    if isinstance(obj, Mapping) and obj:
+        return _num_rows(next(iter(obj.values())))
+    raise TypeError(f"cannot split a batch part of type {type(obj).__name__} across ranks")
+
+
 class _RankBatches:
     """Rank ``rank``'s rows ``[rank·b, (rank+1)·b)`` of the global batch of ``world·b`` rows.
 
     Every rank draws the whole global batch (a gather of window indices, negligible next to a
     step) so the data is exactly what one process with batch ``world·b`` would see, noise
-    included, and stays a pure function of ``(seed, stream, step)``.
+    included, and stays a pure function of ``(seed, stream, step)``. A user's batch source
+    yields the global batch itself, whose rows must divide evenly among the ranks.
     """
 
-    def __init__(self, sampler: BatchSampler, rank: int, world: int) -> None:
+    def __init__(self, sampler: BatchSource, rank: int, world: int) -> None:
         self.sampler = sampler
         self.rank = rank
-        self.batch_size = sampler.batch_size // world
-        self.seq_len = sampler.seq_len
+        self.world = world
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int) -> tuple[Any, Any]:
         x, y = self.sampler.batch(step)
-        lo = self.rank * self.batch_size
-        return x[lo : lo + self.batch_size], y[lo : lo + self.batch_size]
+        rows = _num_rows(y)
+        if rows % self.world:
+            raise ValueError(f"a batch of {rows} rows cannot be split evenly across {self.world} ranks")
+        b = rows // self.world
+        lo = self.rank * b
+        return _rows(x, lo, lo + b), _rows(y, lo, lo + b)
 
 
 def _ddp_options() -> dict[str, bool]:
@@ -307,17 +363,12 @@ class _RankTrainer(InnerTrainer):
 
     zero_grad_to_none = False
 
-    def __init__(self, model: Decoder, cfg: InnerConfig) -> None:
-        super().__init__(model, cfg)
+    def __init__(self, model: torch.nn.Module, cfg: InnerConfig, **options: Any) -> None:
+        super().__init__(model, cfg, **options)
         device_ids = [self.device] if self.device.type == "cuda" else None
         self.replica = DistributedDataParallel(self.model, device_ids=device_ids, **_ddp_options())
+        self.forward_module = self.replica  # forward (and so backward) through DDP
         self._flag = torch.zeros(1, device=self.device)
-
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            logits = self.replica(x.to(self.device, non_blocking=True))
-        target = y.to(self.device, non_blocking=True)
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
     def _stop(self, budget_reached: bool) -> bool:
         # Stop when any rank's clock crossed the budget: every rank then leaves after this step.
@@ -330,10 +381,10 @@ class _RankTrainer(InnerTrainer):
 class _Job:
     """Everything a rank needs; pickled once per rank (shared tensors travel as handles)."""
 
-    model_cfg: ModelConfig
+    model_factory: ModelFactory
     inner: InnerConfig
     shared: SharedTrainState
-    sampler: BatchSampler  # the global batch: world · b rows
+    sampler: BatchSource  # the global batch: world · b rows
     steps: int
     start_step: int
     time_budget_s: float
@@ -343,6 +394,9 @@ class _Job:
     timeout_s: float
     threads: int
     rank_setup: Callable[[int, int], None] | None
+    loss_fn: LossFn | None = None
+    lr_schedule: ScheduleFn | None = lr_at
+    tokens_fn: TokensFn | None = None
 
 
 def _rank_main(rank: int, job: _Job) -> None:
@@ -374,9 +428,10 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> None:
     """Train this rank's replica; rank 0 then writes the results into the shared buffers."""
     shared = job.shared
     with torch.device(device):  # built on its device: no host copy to move there
-        model = Decoder(job.model_cfg)  # its random init is overwritten by the shared parameters
+        model = job.model_factory()  # its random init is overwritten by the shared parameters
     load_flat_into(model, shared.params, shared.spec)
-    trainer = _RankTrainer(model, replace(job.inner, device=str(device)))
+    trainer = _RankTrainer(model, replace(job.inner, device=str(device)), loss_fn=job.loss_fn,
+                           lr_schedule=job.lr_schedule, tokens_fn=job.tokens_fn)
     if set(trainer.param_names) != set(shared.spec.names):
         raise RuntimeError("the model's parameters and its state dict differ; cannot share state")
     if int(shared.has_moments[0]):
@@ -404,8 +459,13 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> None:
 # ---------------------------------------------------------------- the parent side
 
 
-def _global_sampler(sampler: BatchSampler, world: int) -> BatchSampler:
-    """The single-process sampler with batch ``world · b``: same tokens, seed, stream and noise."""
+def _global_sampler(sampler: BatchSource, world: int) -> BatchSource:
+    """The single-process sampler with batch ``world · b``: same tokens, seed, stream and noise.
+
+    fl-geo's ``BatchSampler`` only: a user's batch source already yields the site's global batch.
+    """
+    if not isinstance(sampler, BatchSampler):
+        return sampler
     return BatchSampler(
         sampler.tokens,
         sampler.seq_len,
@@ -417,10 +477,10 @@ def _global_sampler(sampler: BatchSampler, world: int) -> BatchSampler:
 
 
 def train_data_parallel(
-    model_cfg: ModelConfig,
+    model_cfg: ModelConfig | ModelFactory,
     inner: InnerConfig,
     shared: SharedTrainState,
-    sampler: BatchSampler,
+    sampler: BatchSource,
     steps: int,
     start_step: int,
     *,
@@ -431,11 +491,17 @@ def train_data_parallel(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     join_timeout_s: float | None = None,
     rank_setup: Callable[[int, int], None] | None = None,
+    loss_fn: LossFn | None = None,
+    lr_schedule: ScheduleFn | None = lr_at,
+    tokens_fn: TokensFn | None = None,
 ) -> TrainResult:
     """Run ``InnerTrainer.train`` as ``len(devices)`` DDP ranks; update ``shared`` in place.
 
-    ``sampler`` is the per-process sampler (batch b); rank r trains on its slice of the batch the
-    same sampler would draw with batch ``len(devices)·b``. On return ``shared.params`` holds the
+    ``model_cfg`` is fl-geo's decoder config or a picklable factory of a user's model (with
+    ``loss_fn`` / ``lr_schedule`` / ``tokens_fn`` as for ``InnerTrainer``; the inner optimizer is
+    always the default AdamW, whose state the shared buffers hold). ``sampler`` is fl-geo's
+    per-process sampler (batch b), and rank r trains on its slice of the batch the same sampler
+    would draw with batch ``len(devices)·b``; a user's source yields the global batch itself. On return ``shared.params`` holds the
     trained parameters and ``shared.optimizer_state()`` the AdamW state, both written by rank 0;
     the result's ``tokens`` is the total over ranks, its losses and step time the rank means.
     ``threads`` is each rank's torch thread count. ``timeout_s`` bounds every collective (a hung
@@ -459,11 +525,12 @@ def train_data_parallel(
     global_sampler = _global_sampler(sampler, world)
     # Move the (read-only) token stream into shared memory once, in place: the ranks of this and
     # every later message then map it instead of each receiving a pickled copy.
-    global_sampler.tokens.share_memory_()
+    if isinstance(global_sampler, BatchSampler):
+        global_sampler.tokens.share_memory_()
     shared.result.zero_()  # so a job whose rank 0 never got to write cannot pass for a result
     with tempfile.TemporaryDirectory(prefix="fl_geo_dist_") as tmp:
         job = _Job(
-            model_cfg=model_cfg,
+            model_factory=as_factory(model_cfg),
             inner=inner,
             shared=shared,
             sampler=global_sampler,
@@ -476,6 +543,9 @@ def train_data_parallel(
             timeout_s=float(timeout_s),
             threads=int(threads),
             rank_setup=rank_setup,
+            loss_fn=loss_fn,
+            lr_schedule=lr_schedule,
+            tokens_fn=tokens_fn,
         )
         _run_ranks(job, world, join_timeout_s)
     values = shared.result.tolist()
@@ -532,15 +602,20 @@ class DataParallelTrainer:
 
     def __init__(
         self,
-        model_cfg: ModelConfig,
+        model_cfg: ModelConfig | ModelFactory,
         cfg: InnerConfig,
         spec: ParamSpec,
         devices: Sequence[torch.device],
         backend: str,
         threads: int = 1,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        loss_fn: LossFn | None = None,
+        lr_schedule: ScheduleFn | None = lr_at,
+        tokens_fn: TokensFn | None = None,
     ) -> None:
         self.model_cfg = model_cfg
+        self.loss_fn, self.lr_schedule, self.tokens_fn = loss_fn, lr_schedule, tokens_fn
         self.cfg = cfg
         self.devices = list(devices)
         self.backend = backend
@@ -560,7 +635,7 @@ class DataParallelTrainer:
         return self.shared.optimizer_state()
 
     def train(
-        self, sampler: BatchSampler, steps: int, start_step: int, time_budget_s: float = 0.0
+        self, sampler: BatchSource, steps: int, start_step: int, time_budget_s: float = 0.0
     ) -> TrainResult:
         """``InnerTrainer.train`` with ``sampler``'s batch per rank (see :func:`train_data_parallel`)."""
         return train_data_parallel(
@@ -575,4 +650,7 @@ class DataParallelTrainer:
             time_budget_s=time_budget_s,
             threads=self.threads,
             timeout_s=self.timeout_s,
+            loss_fn=self.loss_fn,
+            lr_schedule=self.lr_schedule,
+            tokens_fn=self.tokens_fn,
         )

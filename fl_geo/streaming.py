@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -63,6 +64,22 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def _blocks_from_names(spec: ParamSpec, blocks: Sequence[Sequence[str]]) -> list[int | None]:
+    """Per spec entry, the index of the block listing it (None: in no block); validated."""
+    known = set(spec.names)
+    block_of: dict[str, int] = {}
+    for index, names in enumerate(blocks):
+        if isinstance(names, str) or not list(names):
+            raise ValueError(f"block {index} must be a non-empty list of parameter names, got {names!r}")
+        for name in names:
+            if name not in known:
+                raise ValueError(f"block {index} names {name!r}, which is not a parameter of the model")
+            if name in block_of:
+                raise ValueError(f"parameter {name!r} is in blocks {block_of[name]} and {index}")
+            block_of[name] = index
+    return [block_of.get(name) for name in spec.names]
+
+
 class Fragments:
     """Strided assignment of transformer blocks to P fragments, as flat-buffer ranges.
 
@@ -90,15 +107,20 @@ class Fragments:
     P must satisfy 1 ≤ P ≤ L so that no fragment is empty of blocks.
     """
 
-    def __init__(self, spec: ParamSpec, num_fragments: int) -> None:
-        blocks: dict[str, int] = {}  # block group name -> block index, in order of appearance
-        groups = [module_group_name(name) for name in spec.names]
-        for group in groups:
-            if _BLOCK.fullmatch(group) and group not in blocks:
-                blocks[group] = len(blocks)
-        num_blocks = len(blocks)
+    def __init__(self, spec: ParamSpec, num_fragments: int,
+                 blocks: Sequence[Sequence[str]] | None = None) -> None:
         if isinstance(num_fragments, bool) or not isinstance(num_fragments, int):
             raise ValueError(f"num_fragments must be an int, got {num_fragments!r}")
+        if blocks is None:  # the top-level <list>.<int> modules, in order of appearance
+            order: dict[str, int] = {}
+            for group in (module_group_name(name) for name in spec.names):
+                if _BLOCK.fullmatch(group) and group not in order:
+                    order[group] = len(order)
+            block_of = [order.get(module_group_name(name)) for name in spec.names]
+            num_blocks = len(order)
+        else:
+            block_of = _blocks_from_names(spec, blocks)
+            num_blocks = len(blocks)
         if not 1 <= num_fragments <= num_blocks:
             raise ValueError(
                 f"num_fragments must be in [1, {num_blocks}] (the number of blocks in the "
@@ -108,13 +130,13 @@ class Fragments:
         self.num_fragments = num_fragments
         self.num_blocks = num_blocks
 
-        positions = [i for i, g in enumerate(groups) if g in blocks]
+        positions = [i for i, b in enumerate(block_of) if b is not None]
         first, last = positions[0], positions[-1]
         assignment: list[int] = []
         current = 0  # fragment of the nearest block before the current parameter
-        for i, group in enumerate(groups):
-            if group in blocks:
-                current = blocks[group] % num_fragments
+        for i, block in enumerate(block_of):
+            if block is not None:
+                current = block % num_fragments
                 assignment.append(current)
             elif i < first:
                 assignment.append(0)
@@ -143,6 +165,15 @@ class Fragments:
     def from_spec(cls, spec: ParamSpec, num_fragments: int) -> Fragments:
         """The strided partition of ``spec`` into ``num_fragments`` fragments (see the class)."""
         return cls(spec, num_fragments)
+
+    @classmethod
+    def from_blocks(cls, spec: ParamSpec, num_fragments: int,
+                    blocks: Sequence[Sequence[str]]) -> Fragments:
+        """Like `from_spec`, with the blocks given as parameter-name groups in depth order
+        (a user's model: ``[[names of block 0], [names of block 1], …]``). Block i goes to
+        fragment ``i mod P``; names in no block follow the class's rules. A name that is not in
+        the spec, or in two blocks, raises ValueError."""
+        return cls(spec, num_fragments, blocks)
 
     def _check_p(self, p: int) -> int:
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_fragments:

@@ -12,17 +12,31 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from fl_geo.data.loader import BatchSampler
 from fl_geo.device import autocast_dtype, pick_device
-from fl_geo.model import Decoder
 
-__all__ = ["InnerConfig", "InnerTrainer", "TrainResult", "evaluate_loss", "lr_at"]
+__all__ = [
+    "BatchSource",
+    "InnerConfig",
+    "InnerTrainer",
+    "LossFn",
+    "OptimizerFn",
+    "ScheduleFn",
+    "TokensFn",
+    "TrainResult",
+    "default_optimizer",
+    "evaluate_loss",
+    "lr_at",
+    "next_token_loss",
+    "target_tokens",
+    "to_device",
+]
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -72,44 +86,118 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class BatchSource(Protocol):
+    """Where an inner loop draws its training batches: ``batch(step) -> (inputs, targets)``.
+
+    Indexed by the schedule position rather than iterated, so the data order continues across
+    rounds (and across a restarted process) without any sampler state. ``inputs`` is whatever
+    the model's ``forward`` takes (a tensor, or a tuple / dict of tensors); ``targets`` is what
+    the loss function compares the output with.
+    """
+
+    def batch(self, step: int) -> tuple[Any, Any]: ...
+
+
+# (model output, targets) -> scalar loss; computed outside autocast, on the output as produced.
+LossFn = Callable[[Any, Any], torch.Tensor]
+# (model on its device, inner settings) -> the inner optimizer over the model's parameters.
+OptimizerFn = Callable[[torch.nn.Module, "InnerConfig"], torch.optim.Optimizer]
+# (schedule position, inner settings) -> the learning rate every parameter group gets.
+ScheduleFn = Callable[[int, "InnerConfig"], float]
+# (inputs, targets) -> tokens in the batch: what token-weighted aggregation counts.
+TokensFn = Callable[[Any, Any], int]
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``target`` (B, T), in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def target_tokens(inputs: Any, target: Any) -> int:
+    """Tokens of a batch for accounting: the number of target elements (B·T for a language model)."""
+    return int(target.numel())
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` moved to ``device``: a tensor, or tuples / lists / dicts of them (others as is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple | list):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def default_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
+    """fl-geo's inner optimizer: AdamW with weight decay on matrices only.
+
+    Decay matrices (embeddings, projections) only: decaying norm gains towards zero only fights
+    the normalisation. Matrices come first in the optimizer's order.
+    """
+    named = list(model.named_parameters())
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr_at(0, cfg),
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+    )
+
+
 class InnerTrainer:
-    """Owns a model on its device and the AdamW state that persists across outer rounds."""
+    """Owns a model on its device and the optimizer state that persists across outer rounds.
+
+    Defaults are fl-geo's inner loop (`default_optimizer`, `lr_at` warm-up / cosine,
+    `next_token_loss`); a user's model comes with its own ``optimizer_fn``, ``loss_fn`` and
+    ``tokens_fn`` (``fl_geo.clients.make_client_app``). ``lr_schedule=None`` leaves the learning
+    rate to the optimizer instead of setting every group's ``lr`` each step.
+    """
 
     # Free the gradients after each step (one process: less memory between steps). The
     # data-parallel rank trainer keeps them, because there they are the all-reduce buckets.
     zero_grad_to_none: bool = True
 
-    def __init__(self, model: Decoder, cfg: InnerConfig) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: InnerConfig,
+        *,
+        optimizer_fn: OptimizerFn | None = None,
+        loss_fn: LossFn | None = None,
+        lr_schedule: ScheduleFn | None = lr_at,
+        tokens_fn: TokensFn | None = None,
+    ) -> None:
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.amp_dtype = autocast_dtype(self.device, cfg.precision)
         self.model = model.to(self.device)
-        named = list(self.model.named_parameters())
-        # Decay matrices (embeddings, projections) only: decaying norm gains towards zero only
-        # fights the normalisation.
-        decay = [(name, p) for name, p in named if p.ndim >= 2]
-        no_decay = [(name, p) for name, p in named if p.ndim < 2]
-        self.param_names = [name for name, _ in decay + no_decay]  # optimizer index order
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for _, p in decay], "weight_decay": cfg.weight_decay},
-                {"params": [p for _, p in no_decay], "weight_decay": 0.0},
-            ],
-            lr=lr_at(0, cfg),
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-        )
+        self.forward_module: torch.nn.Module = self.model  # a DDP replica in a data-parallel rank
+        self.loss_fn = loss_fn or next_token_loss
+        self.lr_schedule = lr_schedule
+        self.tokens_fn = tokens_fn or target_tokens
+        self.optimizer = (optimizer_fn or default_optimizer)(self.model, cfg)
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        unknown = [i for i, p in enumerate(params) if id(p) not in names]
+        if unknown:
+            raise ValueError(f"the inner optimizer holds {len(unknown)} tensors that are not "
+                             "parameters of the model")
+        self.param_names = [names[id(p)] for p in params]  # optimizer index order
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, x: Any, y: Any) -> torch.Tensor:
         with self._autocast():
-            logits = self.model(x.to(self.device, non_blocking=True))
-        target = y.to(self.device, non_blocking=True)
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+            output = self.forward_module(to_device(x, self.device))
+        return self.loss_fn(output, to_device(y, self.device))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -128,7 +216,7 @@ class InnerTrainer:
         """
         return budget_reached
 
-    def train(self, sampler: BatchSampler, steps: int, start_step: int, time_budget_s: float = 0.0) -> TrainResult:
+    def train(self, sampler: BatchSource, steps: int, start_step: int, time_budget_s: float = 0.0) -> TrainResult:
         """Run ``steps`` optimizer steps at schedule positions ``start_step …``.
 
         Batch ``start_step + i`` is drawn for step i, so the data order continues across rounds
@@ -147,13 +235,16 @@ class InnerTrainer:
             raise ValueError(f"time_budget_s must be >= 0, got {time_budget_s}")
         self.model.train()
         losses = []
+        tokens = 0
         self._synchronize()
         started = time.perf_counter()
         for i in range(steps):
-            lr = lr_at(start_step + i, self.cfg)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            if self.lr_schedule is not None:
+                lr = self.lr_schedule(start_step + i, self.cfg)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
             x, y = sampler.batch(start_step + i)
+            tokens += int(self.tokens_fn(x, y))
             loss = self._loss(x, y)
             loss.backward()
             if self.cfg.grad_clip > 0:
@@ -171,21 +262,24 @@ class InnerTrainer:
         elapsed = time.perf_counter() - started
         return TrainResult(
             steps=done,
-            tokens=done * sampler.batch_size * sampler.seq_len,
+            tokens=tokens,
             mean_loss=float(all_losses.mean()),
             step_time_s=elapsed / done,
             final_loss=float(all_losses[-1]),
         )
 
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean next-token loss in nats per token over ``batches`` (see :func:`evaluate_loss`)."""
-        return evaluate_loss(self.model, batches, self.amp_dtype)
+    def evaluate(self, batches: Iterable[tuple[Any, Any]]) -> float:
+        """Mean loss per token over ``batches`` (see :func:`evaluate_loss`)."""
+        custom = None if self.loss_fn is next_token_loss else self.loss_fn
+        return evaluate_loss(self.model, batches, self.amp_dtype, loss_fn=custom, tokens_fn=self.tokens_fn)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """AdamW state as ``{"<param>.exp_avg" | ".exp_avg_sq" | ".step": tensor}`` on CPU.
+        """The optimizer state as ``{"<param>.<key>": tensor}`` on CPU (AdamW: ``exp_avg``,
+        ``exp_avg_sq``, ``step``; SGD: ``momentum_buffer``; any per-parameter tensor or number).
 
         Flat and keyed by parameter name (not optimizer index) so it survives storage in an
         ``ArrayRecord`` and fails loudly if the model changes. Empty before the first step.
+        AdamW's ``step`` is stored as float32; Python numbers become 0-d float64 tensors.
         """
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         flat: dict[str, torch.Tensor] = {}
@@ -193,40 +287,58 @@ class InnerTrainer:
             state = self.optimizer.state.get(param)
             if not state:
                 continue
-            for key in STATE_KEYS:
-                value = torch.as_tensor(state[key]).detach()
+            for key in sorted(state) if set(state) != set(STATE_KEYS) else STATE_KEYS:
+                raw = state[key]
+                if raw is None:
+                    continue
+                value = torch.as_tensor(raw, dtype=None if isinstance(raw, torch.Tensor) else torch.float64)
+                value = value.detach()
                 flat[f"{name}.{key}"] = value.to("cpu", copy=True).to(
                     torch.float32 if key == "step" else value.dtype
                 )
         return flat
 
-    def load_optimizer_state(self, flat: dict[str, torch.Tensor]) -> None:
-        """Inverse of :meth:`optimizer_state`; an empty dict resets the state."""
-        expected = {f"{name}.{key}" for name in self.param_names for key in STATE_KEYS}
+    def load_optimizer_state(self, flat: Mapping[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`optimizer_state`; an empty dict resets the state.
+
+        Checked against the model: every key must name a parameter of the optimizer, and a
+        per-parameter moment (AdamW's ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``)
+        must have its parameter's shape. For the default AdamW the key set must be complete.
+        """
         given = set(flat)
-        if given and given != expected:
-            missing = sorted(expected - given)[:5]
-            extra = sorted(given - expected)[:5]
-            raise ValueError(
-                f"optimizer state does not match the model: missing {missing}, unexpected {extra}"
-            )
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for name, param in zip(self.param_names, params, strict=True):
-            for key in ("exp_avg", "exp_avg_sq"):
-                if given and tuple(flat[f"{name}.{key}"].shape) != tuple(param.shape):
+        index_of = {name: i for i, name in enumerate(self.param_names)}
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
+        for key in sorted(given):
+            name, _, field = key.rpartition(".")
+            if name not in index_of:
+                raise ValueError(f"optimizer state {key!r} names no parameter of the model")
+            per_param.setdefault(index_of[name], {})[field] = flat[key]
+        if given and isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            expected = {f"{name}.{key}" for name in self.param_names for key in STATE_KEYS}
+            if given != expected:
+                missing = sorted(expected - given)[:5]
+                extra = sorted(given - expected)[:5]
+                raise ValueError(
+                    f"optimizer state does not match the model: missing {missing}, unexpected {extra}"
+                )
+        for index, fields in per_param.items():
+            name, param = self.param_names[index], params[index]
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if key in fields and tuple(fields[key].shape) != tuple(param.shape):
                     raise ValueError(
-                        f"optimizer state {name}.{key} has shape {tuple(flat[f'{name}.{key}'].shape)}, "
+                        f"optimizer state {name}.{key} has shape {tuple(fields[key].shape)}, "
                         f"parameter has {tuple(param.shape)}"
                     )
         state: dict[int, dict[str, torch.Tensor]] = {}
-        if given:
-            for index, name in enumerate(self.param_names):
-                step = torch.as_tensor(flat[f"{name}.step"], dtype=torch.float32)
-                state[index] = {
-                    "step": step.reshape(()).clone(),
-                    "exp_avg": flat[f"{name}.exp_avg"].detach().clone(),
-                    "exp_avg_sq": flat[f"{name}.exp_avg_sq"].detach().clone(),
-                }
+        for index, fields in per_param.items():
+            entry: dict[str, torch.Tensor] = {}
+            for key, value in fields.items():
+                if key == "step":
+                    entry[key] = torch.as_tensor(value, dtype=torch.float32).reshape(()).clone()
+                else:
+                    entry[key] = torch.as_tensor(value).detach().clone()
+            state[index] = entry
         state_dict = self.optimizer.state_dict()
         state_dict["state"] = state
         # load_state_dict moves the moments to each parameter's device and dtype and places
@@ -236,16 +348,22 @@ class InnerTrainer:
 
 @torch.no_grad()
 def evaluate_loss(
-    model: Decoder,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Any, Any]],
     amp_dtype: torch.dtype | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    tokens_fn: TokensFn | None = None,
 ) -> float:
-    """Mean next-token loss in nats per token (token-weighted) on the model's own device.
+    """Mean loss per token (token-weighted) on the model's own device.
 
+    Default: next-token cross-entropy in nats per token, summed exactly over all targets. With a
+    user's ``loss_fn`` (a batch mean) each batch's loss is weighted by its ``tokens_fn`` count.
     A free function because the server evaluates the global model without any optimizer, and a
     client evaluates the received model without touching its inner optimizer state.
     """
     device = next(model.parameters()).device
+    tokens_of = tokens_fn or target_tokens
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -258,10 +376,15 @@ def evaluate_loss(
                 else contextlib.nullcontext()
             )
             with ctx:
-                logits = model(x.to(device, non_blocking=True))
-            target = y.to(device, non_blocking=True)
-            total += F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum").double()
-            count += y.numel()
+                output = model(to_device(x, device))
+            target = to_device(y, device)
+            if loss_fn is None:
+                total += F.cross_entropy(output.float().flatten(0, 1), target.flatten(), reduction="sum").double()
+                count += y.numel()
+            else:
+                n = int(tokens_of(x, y))
+                total += loss_fn(output, target).detach().double() * n
+                count += n
     finally:
         model.train(was_training)
     if count == 0:

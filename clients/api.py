@@ -1,0 +1,493 @@
+"""Wrap any torch model as an fl-geo datacenter ClientApp (``from fl_geo.clients import ...``).
+
+A researcher brings four things: a model factory, a batch source per partition, and optionally
+an inner optimizer and a loss. `make_client_app` (or `DatacenterClient(...).app`) turns them
+into a Flower ``ClientApp`` that speaks fl-geo's protocol with every method's server: the
+``query`` profile, ``train`` (DiLoCo, A-EDiT's time budget, async methods, Di-PS / sharded PS,
+HALoS), ``train.stream`` (Streaming DiLoCo / CoCoDC fragments cut from the user's own blocks),
+``evaluate`` and ``evaluate.stream``. fl-geo's built-in decoder on its corpus is one user of this
+API (clients/datacenter.py).
+
+What the wrapper owns, so a user's code never has to: the received model is decoded against the
+user model's own `ParamSpec` (wrong keys, shapes, dtypes or a non-finite value: an error reply),
+the inner optimizer state and schedule position survive rounds in ``context.state`` (and on disk
+for a resumed server, clients/persist.py), the device (``cpu|cuda|cuda:N|npu|mps|auto``, node
+config ``device`` overriding the run's) and bf16 autocast, the multi-device data-parallel job
+(fl_geo.distributed), token accounting and the reply's metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fl_geo.builders import inner_config
+from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
+from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
+from fl_geo.clients.site import Site, as_batch_source
+from fl_geo.device import pick_device
+from fl_geo.dispatch import PROFILE_KEY
+from fl_geo.distributed import DataParallelTrainer, resolve_devices, spec_of
+from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
+from fl_geo.streaming import Fragments, fragment_spec
+from fl_geo.training import (
+    BatchSource,
+    InnerTrainer,
+    LossFn,
+    OptimizerFn,
+    ScheduleFn,
+    TokensFn,
+    TrainResult,
+    evaluate_loss,
+    lr_at,
+    target_tokens,
+)
+from fl_geo.wire import check_finite_and_norm, decode_into, encode
+
+__all__ = [
+    "INNER_STATE_KEYS",
+    "OPT_STATE_KEY",
+    "PROGRESS_KEY",
+    "BlocksFn",
+    "DatacenterClient",
+    "make_client_app",
+    "request_of",
+    "rewind_to_round",
+]
+
+log = logging.getLogger("fl_geo")
+
+OPT_STATE_KEY = "inner_opt"
+PROGRESS_KEY = "inner_progress"
+PREV_OPT_STATE_KEY = "inner_opt_prev"  # the inner state before the last round (run.checkpoint_every)
+PREV_PROGRESS_KEY = "inner_progress_prev"
+INNER_STATE_KEYS = (OPT_STATE_KEY, PROGRESS_KEY, PREV_OPT_STATE_KEY, PREV_PROGRESS_KEY)
+
+ModelFn = Callable[[Site], torch.nn.Module]
+BatchesFn = Callable[[Site], Any]  # -> BatchSource | (step -> batch) | re-iterable of batches
+EvalBatchesFn = Callable[[Site], Iterable[tuple[Any, Any]]]
+# The model's repeated blocks in depth order, as parameter-name groups; or the dotted path of
+# its block container (an nn.ModuleList such as "layers" or "encoder.layers").
+BlocksFn = Callable[[torch.nn.Module], Sequence[Sequence[str]]]
+
+_MODEL_CACHE = 2  # models kept per ClientApp process (a run needs one; two spare a rebuild)
+
+
+def request_of(msg: Message) -> ConfigRecord:
+    """The fl-geo request a message carries (one place to read it from)."""
+    return msg.content.config_records["config"]
+
+
+def partition_ids(context: Context) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` of the node; a KeyError that says how to set them."""
+    nc = context.node_config
+    if "partition-id" not in nc or "num-partitions" not in nc:
+        raise KeyError(
+            "node_config needs 'partition-id' and 'num-partitions' "
+            "(simulation sets them; a SuperNode takes --node-config 'partition-id=0 num-partitions=4')"
+        )
+    return int(nc["partition-id"]), int(nc["num-partitions"])
+
+
+def first_device(setting: str) -> str:
+    """A node's ``device`` may list the devices of a data-parallel site (``"cuda:0,cuda:2"``,
+    fl_geo.distributed); a handler that uses one device takes the first."""
+    return setting.split(",", 1)[0].strip()
+
+
+def set_threads(cfg: ConfigRecord) -> None:
+    threads = int(cfg.get("threads", 1))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def blocks_of(model: torch.nn.Module, blocks: str | BlocksFn) -> list[list[str]]:
+    """The model's blocks as parameter-name groups (depth order), from a container path or a
+    callable; names are state-dict names (the layout the wire uses)."""
+    if callable(blocks):
+        return [list(group) for group in blocks(model)]
+    container = model.get_submodule(blocks)
+    groups = []
+    for child_name, child in container.named_children():
+        prefix = f"{blocks}.{child_name}."
+        groups.append([prefix + name for name in child.state_dict()])
+    if not groups:
+        raise ValueError(f"the model's {blocks!r} has no child modules to use as blocks")
+    return groups
+
+
+def rewind_to_round(state: RecordDict, cfg: ConfigRecord) -> None:
+    """A synchronous server that resumed from a checkpoint may send a round this node already
+    trained (it crashed after the node replied). With ``keep_prev`` the node kept the inner state
+    from before its last round: it goes back to it, so the round is redone from the same start and
+    the run stays bit-identical to one that never stopped. Anything older cannot be rewound: the
+    node continues from its current state and says so."""
+    if not bool(cfg.get("keep_prev", False)) or "round" not in cfg:
+        return
+    progress = state.config_records.get(PROGRESS_KEY)
+    if progress is None or "last_round" not in progress:
+        return
+    rnd, last = int(cfg["round"]), int(progress["last_round"])
+    if rnd > last:
+        return
+    prev = state.config_records.get(PREV_PROGRESS_KEY)
+    if rnd == last and prev is not None:
+        if PREV_OPT_STATE_KEY in state.array_records:
+            state[OPT_STATE_KEY] = state.array_records[PREV_OPT_STATE_KEY]
+        else:  # the round being redone was this node's first: it started with a fresh optimizer
+            del state[OPT_STATE_KEY]
+        state[PROGRESS_KEY] = prev
+        log.info("round %d sent again (server resumed): rewound the inner state to before it", rnd)
+        return
+    log.warning("round %d sent again but this node's state is from round %d and only one round can be "
+                "rewound: continuing from the current inner state (the run is no longer bit-identical)", rnd, last)
+
+
+def train_metrics(result: TrainResult, train_time: float, pid: int, noisy_steps: int) -> dict[str, Any]:
+    """The metrics every train reply carries (strategies/replies.py REPLY_METRICS and more)."""
+    return {
+        "tokens": int(result.tokens),
+        "num-examples": int(result.tokens),  # the key Flower's own strategies weight by
+        "steps": int(result.steps),
+        "train_loss": float(result.mean_loss),
+        "final_loss": float(result.final_loss),
+        "step_time_s": float(result.step_time_s),
+        "train_time_s": float(train_time),
+        "partition_id": pid,
+        "noisy_steps": int(noisy_steps),  # batches replaced by data.noise_* garbage in this job
+    }
+
+
+def noisy_steps(source: BatchSource, start: int, steps: int) -> int:
+    """How many of the steps drew a deliberately corrupted batch (sources with ``is_noisy``)."""
+    is_noisy = getattr(source, "is_noisy", None)
+    return 0 if is_noisy is None else sum(bool(is_noisy(start + i)) for i in range(steps))
+
+
+def opt_record(trainer: InnerTrainer | DataParallelTrainer) -> ArrayRecord:
+    return ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
+
+
+def opt_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(a.numpy()) for k, a in record.items()}
+
+
+class DatacenterClient:
+    """A user's model, data, optimizer and loss as fl-geo's datacenter ClientApp (:attr:`app`).
+
+    ``model_fn(site)``: builds the model, with the same initial values on every node for the same
+    ``site.seed`` (the server's global model has the same layout; the received parameters
+    overwrite the initial ones). Called once per process and model (cached).
+    ``batches_fn(site)``: this partition's training batches as an object with
+    ``batch(step) -> (inputs, targets)``, a callable ``step -> (inputs, targets)`` or a
+    re-iterable of batches. Step-indexed so the data order continues across rounds; the inner
+    loop draws batch ``s`` at schedule position ``s``.
+    ``eval_batches_fn(site)``: held-out batches for the evaluate handlers (``site.eval_scope``
+    says whose: this partition's or the global set; ``site.eval_batches`` how many); without it
+    an evaluate message gets an error reply.
+    ``optimizer_fn(model, inner)``: the inner optimizer (default: fl-geo's AdamW, weight decay
+    on matrices only). Its per-parameter state is kept across rounds whatever it is. The
+    data-parallel job (``client.devices > 1``) needs the default AdamW.
+    ``lr_schedule(step, inner)``: the learning rate set on every group each step (default: the
+    warm-up / cosine schedule of the run's ``client`` section); ``None`` leaves it to the
+    optimizer.
+    ``loss_fn(output, targets)``: default next-token cross-entropy on logits (B, T, V).
+    ``tokens_fn(inputs, targets)``: the tokens a batch counts for (default ``targets.numel()``).
+    ``blocks``: the model's repeated blocks, which Streaming DiLoCo / CoCoDC stride into
+    fragments: a container path (``"layers"``) or ``model -> [[names of block 0], …]``; default:
+    every top-level ``<list>.<int>`` module, as for fl-geo's decoder.
+
+    For the data-parallel job every callable must be picklable (module-level functions).
+    """
+
+    def __init__(
+        self,
+        model_fn: ModelFn,
+        batches_fn: BatchesFn,
+        *,
+        eval_batches_fn: EvalBatchesFn | None = None,
+        optimizer_fn: OptimizerFn | None = None,
+        lr_schedule: ScheduleFn | None = lr_at,
+        loss_fn: LossFn | None = None,
+        tokens_fn: TokensFn | None = None,
+        blocks: str | BlocksFn | None = None,
+    ) -> None:
+        self.model_fn = model_fn
+        self.batches_fn = batches_fn
+        self.eval_batches_fn = eval_batches_fn
+        self.optimizer_fn = optimizer_fn
+        self.lr_schedule = lr_schedule
+        self.loss_fn = loss_fn
+        self.tokens_fn = tokens_fn
+        self.blocks = blocks
+        self._models: OrderedDict[str, tuple[torch.nn.Module, ParamSpec]] = OrderedDict()
+        self._fragments: OrderedDict[tuple[str, int], tuple[Fragments, tuple[ParamSpec, ...]]] = OrderedDict()
+        self.pulled_version = -1  # the model version the last pull from the follower PSs returned
+        self.app = ClientApp()
+        self.app.query()(self.query)
+        self.app.train()(self.train)
+        self.app.evaluate()(self.evaluate)
+        from fl_geo.clients import stream  # the streaming handlers (they use this class)
+
+        self.app.train("stream")(functools.partial(stream.train_stream, self))
+        self.app.evaluate("stream")(functools.partial(stream.evaluate_stream, self))
+
+    # ---------------------------------------------------------------- per-message set-up
+
+    def site(self, cfg: ConfigRecord, context: Context) -> Site:
+        """The `Site` of a message: node partition, run seed, inner settings and sections."""
+        pid, nparts = partition_ids(context)
+        sections = {key: json.loads(str(cfg[key])) for key in ("model", "data", "client") if key in cfg}
+        return Site(
+            partition_id=pid,
+            num_partitions=nparts,
+            seed=int(cfg["seed"]),
+            inner=inner_config(sections["client"], int(cfg["schedule_total"])),
+            sections=sections,
+            node_config=dict(context.node_config),
+        )
+
+    def device(self, site: Site) -> torch.device:
+        """Node config ``device`` (e.g. ``--node-config 'device="cuda:1"'``), else the run's."""
+        return pick_device(first_device(str(site.node_config.get("device", site.inner.device))))
+
+    def model(self, site: Site) -> tuple[torch.nn.Module, ParamSpec]:
+        """The cached model of this site's run and its spec (what the wire is checked against)."""
+        key = site.model_key()
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        model = self.model_fn(site)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
+        entry = (model, ParamSpec.from_state_dict(model.state_dict()))
+        self._models[key] = entry
+        while len(self._models) > _MODEL_CACHE:
+            self._models.popitem(last=False)
+        return entry
+
+    def fragments(self, site: Site, num_fragments: int) -> tuple[Fragments, tuple[ParamSpec, ...]]:
+        """`Fragments` of the user's blocks and the per-fragment specs (cached)."""
+        key = (site.model_key(), num_fragments)
+        if key not in self._fragments:
+            model, spec = self.model(site)
+            if self.blocks is None:
+                fragments = Fragments(spec, num_fragments)
+            else:
+                fragments = Fragments.from_blocks(spec, num_fragments, blocks_of(model, self.blocks))
+            self._fragments[key] = (fragments, tuple(fragment_spec(fragments, p) for p in range(num_fragments)))
+            while len(self._fragments) > 2 * _MODEL_CACHE:
+                self._fragments.popitem(last=False)
+        return self._fragments[key]
+
+    def receive_model(self, msg: Message, cfg: ConfigRecord, spec: ParamSpec, out: torch.Tensor) -> torch.Tensor:
+        """The received global model, decoded into ``out`` and validated against ``spec``.
+
+        Wrong keys, shapes or precision are refused by the wire codec; a NaN or ±Inf here is
+        refused too (training from it would only send garbage back).
+        """
+        if has_followers(cfg):  # sharded Di-PS: the model comes over the data path, not in the message
+            self.pulled_version = pull_model(cfg, out)
+        else:
+            if "arrays" not in msg.content.array_records:
+                raise ValueError("the message carries no model ('arrays')")
+            decode_into(msg.content.array_records["arrays"], spec, str(cfg["wire_down"]), out=out)
+        check_finite_and_norm([(0, out)], spec)
+        return out
+
+    def trainer(self, model: torch.nn.Module, site: Site) -> InnerTrainer:
+        return InnerTrainer(model, site.inner, optimizer_fn=self.optimizer_fn, loss_fn=self.loss_fn,
+                            lr_schedule=self.lr_schedule, tokens_fn=self.tokens_fn)
+
+    def batches(self, site: Site) -> BatchSource:
+        return as_batch_source(self.batches_fn(site))
+
+    def eval_batches(self, site: Site) -> list[tuple[Any, Any]]:
+        if self.eval_batches_fn is None:
+            raise RuntimeError("this ClientApp has no held-out batches (make_client_app(eval_batches_fn=...))")
+        batches = list(self.eval_batches_fn(site))
+        if not batches:
+            raise RuntimeError("eval_batches_fn gave no batches")
+        return batches
+
+    def eval_reply(self, msg: Message, model: torch.nn.Module, batches: list[tuple[Any, Any]], **extra: int) -> Message:
+        """``val_loss`` and ``val_tokens`` (what `OuterLoop.collect_val_losses` reads;
+        ``num-examples`` too, Flower's weighting key) of ``model`` on ``batches``, plus ``extra``."""
+        tokens_of = self.tokens_fn or target_tokens
+        loss = evaluate_loss(model, batches, loss_fn=self.loss_fn, tokens_fn=self.tokens_fn)
+        tokens = sum(int(tokens_of(x, y)) for x, y in batches)
+        metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens, "num-examples": tokens, **extra})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    # ---------------------------------------------------------------- handlers
+
+    def query(self, msg: Message, context: Context) -> Message:
+        """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
+        pid, nparts = partition_ids(context)
+        device = str(context.node_config.get("device", "auto"))
+        profile = ConfigRecord(
+            {
+                "partition_id": pid,
+                "num_partitions": nparts,
+                "device": str(pick_device(first_device(device))),
+                "site": str(context.node_config.get("site", f"dc{pid}")),
+            }
+        )
+        return Message(RecordDict({PROFILE_KEY: profile}), reply_to=msg)
+
+    def _single(self, msg: Message, cfg: ConfigRecord, site: Site) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:
+        model, spec = self.model(site)
+        base = self.receive_model(msg, cfg, spec, torch.empty(spec.numel, dtype=torch.float32))
+        load_flat_into(model, base, spec)
+        model.to(self.device(site))
+        return self.trainer(model, site), spec, base
+
+    def _data_parallel(self, msg: Message, cfg: ConfigRecord, site: Site,
+                       count: int) -> tuple[DataParallelTrainer, ParamSpec, torch.Tensor]:
+        """A data-parallel job of ``count`` ranks (fl_geo.distributed).
+
+        This process builds no trainable model: the received model is decoded straight into the
+        job's shared-memory parameter buffer (which the ranks train from and rank 0 writes back
+        into), and ``base`` keeps θ_global for the pseudo-gradient. The devices are checked here,
+        on the site's own machine (the server that validated the config may have no GPU).
+        """
+        if self.optimizer_fn is not None:
+            raise ValueError("client.devices > 1 runs the default AdamW inner optimizer only "
+                             "(its state lives in the job's shared buffers); drop optimizer_fn")
+        device = str(site.node_config.get("device", site.inner.device))
+        client = site.sections["client"]
+        devices, backend = resolve_devices(device, count, str(client.get("dist_backend", "auto")))
+        factory = functools.partial(self.model_fn, site)
+        spec = spec_of(factory)
+        trainer = DataParallelTrainer(factory, site.inner, spec, devices, backend,
+                                      threads=int(cfg.get("threads", 1)), loss_fn=self.loss_fn,
+                                      lr_schedule=self.lr_schedule, tokens_fn=self.tokens_fn)
+        self.receive_model(msg, cfg, spec, trainer.params)
+        return trainer, spec, trainer.params.clone()
+
+    def train(self, msg: Message, context: Context) -> Message:
+        """Run the inner loop from the received global model; reply with the pseudo-gradient.
+
+        One process by default. With ``client.devices`` (or node config ``devices``) > 1 the inner
+        loop runs as a data-parallel job across the site's devices (fl_geo.distributed,
+        docs/multidevice.md), each rank with batch ``client.batch_size``; the state handling and
+        the reply are the same. (The streaming handler ``train.stream`` always runs in one process.)
+        """
+        cfg = request_of(msg)
+        set_threads(cfg)
+        site = self.site(cfg, context)
+        # Processes for this site's inner loop: node config ``devices`` (a site knows its
+        # hardware), else ``client.devices``; a client section without the key means one.
+        count = int(context.node_config.get("devices", site.sections["client"].get("devices", 1)))
+        trainer: InnerTrainer | DataParallelTrainer
+        if count > 1:
+            trainer, spec, base = self._data_parallel(msg, cfg, site, count)
+        else:
+            trainer, spec, base = self._single(msg, cfg, site)
+        state = context.state
+        pid = site.partition_id
+        disk = state_file(context, cfg, pid)
+        if disk is not None and bool(cfg.get("resumed", False)) and PROGRESS_KEY not in state.config_records:
+            load_inner_state(state, disk)  # a restarted server is a new Flower run: context.state is empty
+        rewind_to_round(state, cfg)
+        start_opt = state.array_records.get(OPT_STATE_KEY)
+        if start_opt is not None:
+            trainer.load_optimizer_state(opt_from_record(start_opt))
+        progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
+        start_progress = progress
+        # schedule_clock (ALGORITHMS.md §1): "local" continues our own step count; asynchronous
+        # strategies send a global position so a slow worker does not linger at a high learning rate.
+        local_step = int(progress["step"])
+        start_step = int(cfg["start_step"]) if "start_step" in cfg else local_step
+
+        source = self.batches(site)
+        t0 = time.perf_counter()
+        budget = float(cfg.get("time_budget_s", 0.0))  # A-EDiT: train for a time, H is a cap
+        result = trainer.train(source, int(cfg["inner_steps"]), start_step, time_budget_s=budget)
+        train_time = time.perf_counter() - t0
+        noisy = noisy_steps(source, start_step, result.steps)
+
+        # One process: copy the trained model out. Data-parallel: rank 0 wrote it into shared memory.
+        local = trainer.params if isinstance(trainer, DataParallelTrainer) else flatten(trainer.model.state_dict(), spec)
+        update = local
+        if str(cfg.get("send", "pseudo_grad")) != "params":
+            # (with send=params, Di-PS's "current" base of Algorithm 1 line 10, the server subtracts
+            # from its own current model, so the worker ships its parameters)
+            update = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
+        records: dict[str, Any] = {}
+        pushed: dict[str, int] = {}
+        if has_followers(cfg):  # the update goes to the follower PSs; the reply carries control only
+            pushed = {"ps_pushed_bytes": push_update(cfg, update), "ps_version": self.pulled_version}
+        else:
+            records["arrays"] = encode(update, spec, str(cfg["wire_up"]))
+
+        if bool(cfg.get("keep_prev", False)):
+            # What this round started from (the same objects, no copy): a resumed server that
+            # sends this round again gets the same result (rewind_to_round).
+            if start_opt is not None:
+                state[PREV_OPT_STATE_KEY] = start_opt
+            state[PREV_PROGRESS_KEY] = ConfigRecord(dict(start_progress))
+        state[OPT_STATE_KEY] = opt_record(trainer)
+        state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1,
+                                            "last_round": int(cfg.get("round", -1))})
+        if disk is not None:
+            save_inner_state(state, INNER_STATE_KEYS, disk)
+
+        metrics = MetricRecord(
+            {
+                **train_metrics(result, train_time, pid, noisy),
+                "base_version": int(cfg.get("base_version", 0)),
+                **pushed,
+            }
+        )
+        return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        """Validation loss of the received model on this node's held-out batches."""
+        cfg = request_of(msg)
+        set_threads(cfg)
+        site = self.site(cfg, context)
+        model, spec = self.model(site)
+        base = self.receive_model(msg, cfg, spec, torch.empty(spec.numel, dtype=torch.float32))
+        load_flat_into(model, base, spec)
+        model.to(self.device(site))
+        count = int(site.sections["client"].get("eval_batches", 0))
+        batches = self.eval_batches(site.for_eval("partition", count))
+        return self.eval_reply(msg, model, batches, partition_id=site.partition_id)
+
+
+def state_file(context: Context, cfg: ConfigRecord, pid: int) -> Path | None:
+    """Where this node keeps its inner state on disk: its node config ``state-dir``, else the
+    run's ``run.client_state_dir`` (simulation); off when neither is set."""
+    state_dir = str(context.node_config.get("state-dir", "") or cfg.get("state_dir", "") or "")
+    return state_path(state_dir, str(cfg.get("run_name", "run")), pid) if state_dir else None
+
+
+def make_client_app(
+    model_fn: ModelFn,
+    batches_fn: BatchesFn,
+    *,
+    eval_batches_fn: EvalBatchesFn | None = None,
+    optimizer_fn: OptimizerFn | None = None,
+    lr_schedule: ScheduleFn | None = lr_at,
+    loss_fn: LossFn | None = None,
+    tokens_fn: TokensFn | None = None,
+    blocks: str | BlocksFn | None = None,
+) -> ClientApp:
+    """The Flower ``ClientApp`` of a user's model (see `DatacenterClient` for the arguments)."""
+    return DatacenterClient(
+        model_fn, batches_fn, eval_batches_fn=eval_batches_fn, optimizer_fn=optimizer_fn,
+        lr_schedule=lr_schedule, loss_fn=loss_fn, tokens_fn=tokens_fn, blocks=blocks,
+    ).app

@@ -1,0 +1,217 @@
+"""Streaming DiLoCo / CoCoDC on a worker (ALGORITHMS.md §7; server side: strategies/streaming.py).
+
+One "train.stream" message = one tick of the streaming schedule: (1) apply the global fragments
+attached to it, (2) train `stream_steps` inner steps, (3) start syncing the fragments listed in
+`stream_sync`: reply with Δ_p = θ^g_p − θ^m_p and keep θ^m_p as the snapshot CoCoDC needs when
+the new θ^g_p comes back. The worker's own model lives in context.state between messages
+(deployment starts a fresh process per message), next to the optimizer state and step counter of
+the plain `train` handler. Fragments are strided over the *user's* blocks
+(`DatacenterClient.fragments`), so any model with repeated blocks streams.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from fl_geo.clients.api import (
+    OPT_STATE_KEY,
+    PROGRESS_KEY,
+    noisy_steps,
+    opt_from_record,
+    opt_record,
+    request_of,
+    set_threads,
+    train_metrics,
+)
+from fl_geo.quantize import quantize_record
+from fl_geo.state import flatten, load_flat_into
+from fl_geo.streaming import cocodc_compensate, fragment_record, streaming_merge
+from fl_geo.wire import check_finite_and_norm, decode_into, encode
+
+if TYPE_CHECKING:
+    from fl_geo.clients.api import DatacenterClient
+
+__all__ = [
+    "STREAM_GLOBAL_KEY",
+    "STREAM_LOCAL_KEY",
+    "STREAM_META_KEY",
+    "STREAM_SNAPSHOT_KEY",
+    "evaluate_stream",
+    "merge_fragment",
+    "train_stream",
+]
+
+STREAM_LOCAL_KEY = "stream_local"  # ArrayRecord {"flat": θ^m}: the worker's full model, fp32
+STREAM_GLOBAL_KEY = "stream_global"  # ArrayRecord {"flat": θ^g}: fragment p = the last θ^g_p received
+STREAM_SNAPSHOT_KEY = "stream_snapshot"  # ArrayRecord {"<p>": θ^m_p(t_p)} per fragment in flight
+STREAM_META_KEY = "stream_meta"  # ConfigRecord: fragments, numel, snapshot_steps (JSON {p: local step})
+
+
+def merge_fragment(
+    rule: str,
+    local_now: torch.Tensor,
+    global_new: torch.Tensor,
+    local_at_start: torch.Tensor | None,
+    overlap: int,
+    H: int,
+    alpha: float,
+    lam: float,
+) -> torch.Tensor:
+    """The worker's new fragment p when the new global fragment θ^g_p arrives (a new tensor).
+
+    ``streaming``: (1 − α)·θ^m_p(now) + α·θ^g_p (`streaming_merge`). ``cocodc``: Algorithm 1's
+    delay compensation from the snapshot θ^m_p(t_p) over the *measured* ``overlap`` steps
+    (`cocodc_compensate`); with no snapshot (the worker joined after the sync started) or no
+    step in between (τ = 0) there is no local progress to carry over, so the result is θ^g_p.
+    """
+    if rule == "streaming":
+        return streaming_merge(local_now, global_new, alpha)
+    if rule != "cocodc":
+        raise ValueError(f"unknown stream_rule {rule!r} (streaming or cocodc)")
+    if local_at_start is None or overlap < 1:
+        return global_new.clone()
+    return cocodc_compensate(local_at_start, local_now, global_new, overlap, H, lam)
+
+
+def _flat_array(t: torch.Tensor) -> Array:
+    return Array(t.detach().to("cpu", torch.float32).contiguous().numpy())
+
+
+def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Message:
+    """One tick of Streaming DiLoCo / CoCoDC on this worker (message type ``train.stream``).
+
+    Always one process: ``client.devices`` applies to the plain ``train`` handler only.
+    """
+    cfg = request_of(msg)
+    set_threads(cfg)
+    site = client.site(cfg, context)
+    device = client.device(site)
+    model, spec = client.model(site)
+    fragments, frag_specs = client.fragments(site, int(cfg["fragments"]))
+    rule, H = str(cfg["stream_rule"]), int(cfg["H"])
+    alpha, lam = float(cfg["alpha"]), float(cfg["lambda"])
+    wire_down, wire_up = str(cfg["wire_down"]), str(cfg["wire_up"])
+    state = context.state
+    progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
+    local_step = int(progress["step"])
+
+    # The worker's model, its copies of the global fragments and the snapshots of syncs in flight
+    arrays = msg.content.array_records
+    snapshots: dict[int, tuple[torch.Tensor, int]] = {}
+    if "arrays" in arrays:  # the first message (or a re-initialisation): the full global model
+        local = decode_into(arrays["arrays"], spec, wire_down)
+        check_finite_and_norm([(0, local)], spec)
+        global_copy = local.clone()
+    else:
+        if STREAM_LOCAL_KEY not in state.array_records or STREAM_META_KEY not in state.config_records:
+            raise RuntimeError("train.stream: this node holds no streaming state and the message "
+                               "carries no initial model ('arrays'); the server must initialise it")
+        meta = state.config_records[STREAM_META_KEY]
+        if int(meta["fragments"]) != fragments.num_fragments or int(meta["numel"]) != spec.numel:
+            raise RuntimeError(f"train.stream: stored state is for {meta['fragments']} fragments of "
+                               f"{meta['numel']} parameters, the message for "
+                               f"{fragments.num_fragments} of {spec.numel}")
+        local = torch.from_numpy(state.array_records[STREAM_LOCAL_KEY]["flat"].numpy())
+        global_copy = torch.from_numpy(state.array_records[STREAM_GLOBAL_KEY]["flat"].numpy())
+        steps_at = {int(k): int(v) for k, v in json.loads(str(meta["snapshot_steps"])).items()}
+        for key, array in state.array_records[STREAM_SNAPSHOT_KEY].items():
+            snapshots[int(key)] = (torch.from_numpy(array.numpy()), steps_at[int(key)])
+
+    # (1) apply the new global fragments
+    overlaps: list[int] = []
+    for p in json.loads(str(cfg["stream_apply"])):
+        name = fragment_record(p)
+        if name not in arrays:
+            raise ValueError(f"train.stream: stream_apply lists fragment {p} but the message has no {name!r}")
+        global_new = decode_into(arrays[name], frag_specs[p], wire_down)
+        check_finite_and_norm([(0, global_new)], frag_specs[p])
+        snapshot = snapshots.pop(p, None)
+        overlap = local_step - snapshot[1] if snapshot is not None else 0
+        if snapshot is not None:
+            overlaps.append(overlap)
+        merged = merge_fragment(rule, fragments.gather(local, p), global_new,
+                                snapshot[0] if snapshot is not None else None, overlap, H, alpha, lam)
+        fragments.scatter_(local, p, merged)
+        fragments.scatter_(global_copy, p, global_new)
+
+    # (2) train
+    load_flat_into(model, local, spec)
+    model.to(device)
+    trainer = client.trainer(model, site)
+    if OPT_STATE_KEY in state.array_records:
+        trainer.load_optimizer_state(opt_from_record(state.array_records[OPT_STATE_KEY]))
+    source = client.batches(site)
+    t0 = time.perf_counter()
+    result = trainer.train(source, int(cfg["stream_steps"]), local_step)
+    train_time = time.perf_counter() - t0
+    noisy = noisy_steps(source, local_step, result.steps)
+    local = flatten(model.state_dict(), spec)
+    step_after = local_step + result.steps
+
+    # (3) start the requested syncs: Δ_p = θ^g_p − θ^m_p against our copy of the global fragment
+    content: dict[str, Any] = {}
+    quantize = str(cfg.get("stream_quantize", "none"))
+    for p in json.loads(str(cfg["stream_sync"])):
+        local_p = fragments.gather(local, p)
+        delta = torch.sub(fragments.gather(global_copy, p), local_p)
+        if quantize == "none":
+            content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
+        else:
+            content[fragment_record(p)] = quantize_record(delta, quantize, int(cfg["stream_quantize_block"]))
+        snapshots[p] = (local_p, step_after)
+
+    state[STREAM_LOCAL_KEY] = ArrayRecord({"flat": _flat_array(local)})
+    state[STREAM_GLOBAL_KEY] = ArrayRecord({"flat": _flat_array(global_copy)})
+    state[STREAM_SNAPSHOT_KEY] = ArrayRecord({str(p): _flat_array(t) for p, (t, _) in sorted(snapshots.items())})
+    state[STREAM_META_KEY] = ConfigRecord({
+        "fragments": fragments.num_fragments,
+        "numel": spec.numel,
+        "snapshot_steps": json.dumps({str(p): s for p, (_, s) in sorted(snapshots.items())}),
+    })
+    state[OPT_STATE_KEY] = opt_record(trainer)
+    state[PROGRESS_KEY] = ConfigRecord({"step": step_after, "rounds": int(progress["rounds"]) + 1})
+
+    content["metrics"] = MetricRecord(
+        {
+            **train_metrics(result, train_time, site.partition_id, noisy),
+            # measured τ of the fragments applied by this message (local steps since their sync start)
+            "overlap_count": len(overlaps),
+            "overlap_sum": int(sum(overlaps)),
+            "overlap_max": int(max(overlaps, default=-1)),
+            "overlap_min": int(min(overlaps, default=-1)),
+        }
+    )
+    return Message(RecordDict(content), reply_to=msg)
+
+
+def evaluate_stream(client: DatacenterClient, msg: Message, context: Context) -> Message:
+    """Validation loss of this worker's *own* model θ^m (message type ``evaluate.stream``).
+
+    Why: in Streaming DiLoCo and CoCoDC no moment exists at which the server's global model is
+    what the workers hold. Its fragments were last stepped at different times (with the fixed
+    schedule up to H − H/P steps apart), and the workers train on from the merged fragments.
+    The server therefore asks each worker to score θ^m as it stands, on the same held-out batches
+    (``run.eval_batches`` of the global held-out set, ``site.eval_scope == "global"``) that
+    ``val/loss`` uses. Read-only: nothing in ``context.state`` changes, and fragments still in
+    flight are not merged first.
+    """
+    cfg = request_of(msg)
+    set_threads(cfg)
+    state = context.state
+    if STREAM_LOCAL_KEY not in state.array_records:
+        raise RuntimeError("evaluate.stream: this node holds no streaming model yet (no train.stream message ran)")
+    site = client.site(cfg, context)
+    device = client.device(site)
+    model, spec = client.model(site)
+    local = torch.from_numpy(state.array_records[STREAM_LOCAL_KEY]["flat"].numpy())
+    if local.numel() != spec.numel:
+        raise RuntimeError(f"evaluate.stream: stored model has {local.numel()} parameters, the run's {spec.numel}")
+    load_flat_into(model, local, spec)
+    model.to(device)
+    batches = client.eval_batches(site.for_eval("global", int(cfg["eval_batches"])))
+    return client.eval_reply(msg, model, batches)
