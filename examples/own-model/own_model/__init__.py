@@ -1,0 +1,1 @@
+"""own-model: a Flower app that trains its own GRU language model with fl-geo."""
