@@ -213,3 +213,36 @@ def test_collaborators_are_passed_in(tmp_path):
     assert resumed.stats.outer_steps == 3
     assert torch.equal(flatten(resumed_result.arrays.to_torch_state_dict()),
                        flatten(full_result.arrays.to_torch_state_dict()))
+
+
+def test_every_strategy_learns_a_users_model_through_the_client_wrapper(tmp_path):
+    """A user's own model (not fl-geo's decoder) in fl-geo's client wrapper, with every public
+    strategy built from keyword arguments, the streaming ones cutting fragments from its blocks."""
+    from flwr.app import MetricRecord as Metrics
+
+    from tests import wrapped_user_app as user
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> Metrics:
+        model = user.TinyResidualLM()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        return Metrics({"loss": user.heldout_loss(model)})
+
+    inner = {"client.lr": 0.05, "client.seq_len": user.SEQ, "client.batch_size": 8, "client.warmup_steps": 1,
+             "run.backend": "inline"}
+    scenario = _scenario(tmp_path)
+    common = {"inner_steps": 4, "options": inner}
+    strategies = [
+        DiLoCo(**common), baselines.FedAvg(**common), EDiT(warmup=1, **common),
+        AEDiT(time_budget_s=3.0, scenario=scenario, **common), FedBuff(**common), FedAsync(**common),
+        AsyncDiLoCo(outer_lr=0.3, **common), AsyncLocalSGD(**common), DiPS(warmup=1, scenario=scenario, **common),
+        HALoS(accumulate=2, local_buffer=2, scenario=scenario, **common),
+        StreamingDiLoCo(fragments=2, overlap=1, **common), CoCoDC(fragments=2, overlap=1, scenario=scenario, **common),
+    ]
+    for strategy in strategies:
+        grid = InlineGrid(user.app, 3, seed=0)
+        result = strategy.start(grid, ArrayRecord(user.initial_model().state_dict()), num_rounds=3,
+                                evaluate_fn=evaluate)
+        losses = result.evaluate_metrics_serverapp
+        name = type(strategy).__name__
+        assert losses[max(losses)]["loss"] < losses[0]["loss"] - 0.05, (name, losses)
+        assert strategy.stats.rejected == 0 and strategy.stats.tokens > 0, name
