@@ -32,6 +32,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fl_geo import protocol
 from fl_geo.builders import inner_config
 from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
 from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
@@ -84,9 +85,34 @@ BlocksFn = Callable[[torch.nn.Module], Sequence[Sequence[str]]]
 _MODEL_CACHE = 2  # models kept per ClientApp process (a run needs one; two spare a rebuild)
 
 
+# Message type -> the typed request it carries (fl_geo.protocol).
+_REQUESTS: dict[str, type[protocol.Request]] = {
+    "train": protocol.TrainRequest,
+    "train.stream": protocol.StreamRequest,
+    "evaluate": protocol.EvaluateRequest,
+    "evaluate.stream": protocol.EvaluateRequest,
+    "query": protocol.ProfileQuery,
+}
+
+
 def request_of(msg: Message) -> ConfigRecord:
-    """The fl-geo request a message carries (one place to read it from)."""
-    return msg.content.config_records["config"]
+    """The fl-geo request a message carries (one place to read it from), validated against its
+    typed dataclass (fl_geo.protocol): protocol version, no unknown field, every required one
+    present and of its type; a `ProtocolError` otherwise, which Flower turns into an error reply."""
+    kind = _REQUESTS.get(msg.metadata.message_type)
+    if kind is None:
+        raise protocol.ProtocolError(f"no fl-geo request travels as message type {msg.metadata.message_type!r}")
+    record = msg.content.config_records.get(protocol.REQUEST_RECORD)
+    kind.from_record(record)
+    assert record is not None
+    return record
+
+
+def declared(records: dict[str, Any], payload: str, precision: str) -> dict[str, Any]:
+    """``records`` plus the reply's ``"fl-geo"`` declaration (what ``"arrays"`` holds, in which
+    precision): the server reads a declared reply as fl-geo's, an undeclared one as Flower's."""
+    decl = protocol.ReplyDeclaration(payload=payload, precision=precision).to_record()
+    return {**records, protocol.REQUEST_RECORD: decl}
 
 
 def partition_ids(context: Context) -> tuple[int, int]:
@@ -329,12 +355,13 @@ class DatacenterClient:
         loss = evaluate_loss(model, batches, loss_fn=self.loss_fn, tokens_fn=self.tokens_fn)
         tokens = sum(int(tokens_of(x, y)) for x, y in batches)
         metrics = MetricRecord({"val_loss": float(loss), "val_tokens": tokens, "num-examples": tokens, **extra})
-        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+        return Message(RecordDict(declared({"metrics": metrics}, "none", "fp32")), reply_to=msg)
 
     # ---------------------------------------------------------------- handlers
 
     def query(self, msg: Message, context: Context) -> Message:
         """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
+        request_of(msg)
         pid, nparts = partition_ids(context)
         device = str(context.node_config.get("device", "auto"))
         profile = ConfigRecord(
@@ -345,7 +372,7 @@ class DatacenterClient:
                 "site": str(context.node_config.get("site", f"dc{pid}")),
             }
         )
-        return Message(RecordDict({PROFILE_KEY: profile}), reply_to=msg)
+        return Message(RecordDict(declared({PROFILE_KEY: profile}, "none", "fp32")), reply_to=msg)
 
     def _single(self, msg: Message, cfg: ConfigRecord, site: Site) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:
         model, spec = self.model(site)
@@ -452,6 +479,8 @@ class DatacenterClient:
                 **pushed,
             }
         )
+        payload = "control" if pushed else str(cfg.get("send", "pseudo_grad"))
+        records = declared(records, payload, str(cfg["wire_up"]))
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:

@@ -29,7 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fl_geo.builders import make_model
-from fl_geo.clients.api import partition_ids
+from fl_geo.clients.api import declared, partition_ids, request_of
 from fl_geo.clients.datacenter import query
 from fl_geo.state import ParamSpec
 from fl_geo.wire import decode_into, encode
@@ -68,7 +68,7 @@ def _unchanged_params(msg: Message, cfg: ConfigRecord) -> ArrayRecord:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Reply immediately with a valid update of a worker that did no work."""
-    cfg = msg.content.config_records["config"]
+    cfg = request_of(msg)
     pid, _ = partition_ids(context)
     client = json.loads(str(cfg["client"]))
     steps = int(cfg["inner_steps"])
@@ -90,4 +90,6 @@ def train(msg: Message, context: Context) -> Message:
             "noop": 1,
         }
     )
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+    payload = str(cfg.get("send", "pseudo_grad"))
+    return Message(RecordDict(declared({"arrays": arrays, "metrics": metrics}, payload, str(cfg["wire_up"]))),
+                   reply_to=msg)

@@ -21,6 +21,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from fl_geo.clients.api import (
     OPT_STATE_KEY,
     PROGRESS_KEY,
+    declared,
     noisy_steps,
     opt_from_record,
     opt_record,
@@ -186,7 +187,8 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
             "overlap_min": int(min(overlaps, default=-1)),
         }
     )
-    return Message(RecordDict(content), reply_to=msg)
+    payload = "fragments" if any(k != "metrics" for k in content) else "none"
+    return Message(RecordDict(declared(content, payload, str(cfg["wire_up"]))), reply_to=msg)
 
 
 def evaluate_stream(client: DatacenterClient, msg: Message, context: Context) -> Message:

@@ -142,6 +142,7 @@ def _send_mode(cfg: FlGeoConfig) -> str:
 def _train_content(cfg: FlGeoConfig) -> tuple[RecordDict, int]:
     """The content of a strategy's train message (model in ``wire.down`` + config), and numel."""
     from fl_geo.builders import make_model
+    from fl_geo.protocol import REQUEST_RECORD, TrainRequest
     from fl_geo.state import ParamSpec, flatten
     from fl_geo.strategies.base import client_config_record
     from fl_geo.wire import encode
@@ -149,8 +150,8 @@ def _train_content(cfg: FlGeoConfig) -> tuple[RecordDict, int]:
     model = make_model(cfg.model, cfg.run.seed)
     spec = ParamSpec.from_state_dict(model.state_dict())
     arrays = encode(flatten(model.state_dict()), spec, cfg.wire.down)
-    config = dict(client_config_record(cfg), round=0, base_version=0, send=_send_mode(cfg))
-    return RecordDict({"arrays": arrays, "config": ConfigRecord(config)}), spec.numel
+    request = TrainRequest(**client_config_record(cfg), round=0, base_version=0, send=_send_mode(cfg))
+    return RecordDict({"arrays": arrays, REQUEST_RECORD: request.to_record(), "config": ConfigRecord()}), spec.numel
 
 
 # ---------------------------------------------------------------------------------------------

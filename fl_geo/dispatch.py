@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
+
+from fl_geo.protocol import REQUEST_RECORD, ProfileQuery
 
 log = logging.getLogger("fl_geo")
 
@@ -191,7 +193,7 @@ class Dispatcher:
         expected, not a fault: its error reply is logged at debug level only."""
         msgs = []
         for nid in node_ids:
-            content = RecordDict({"config": ConfigRecord({"ask": PROFILE_KEY})})
+            content = RecordDict({REQUEST_RECORD: ProfileQuery(ask=PROFILE_KEY).to_record()})
             msgs.append(Message(content, dst_node_id=nid, message_type=MessageType.QUERY))
         profiles: dict[int, NodeProfile] = {}
 

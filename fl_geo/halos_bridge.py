@@ -24,6 +24,7 @@ from flwr.clientapp import ClientApp
 
 from fl_geo.dispatch import PROFILE_KEY
 from fl_geo.halos_ipc import exchange
+from fl_geo.protocol import BridgeRequest
 
 app = ClientApp()
 
@@ -58,15 +59,14 @@ def train(msg: Message, context: Context) -> Message:
 
     Any IPC failure raises, so the GPS receives an error reply naming the address and cause.
     """
-    cfg = msg.content.config_records["config"]
+    request = BridgeRequest.in_message(msg)
     address = _node(context, "lps-address")
-    stop = bool(cfg.get("stop", False))
-    header = {"op": "exchange", "stop": stop, "global_version": int(cfg.get("global_version", 0)),
+    header = {"op": "exchange", "stop": request.stop, "global_version": request.global_version,
               "region": _node(context, "region")}
     record = msg.content.array_records.get("arrays")
-    reply, update = exchange(address, header, record,
-                             connect_timeout_s=float(cfg.get("connect_timeout_s", 60.0)),
-                             reply_timeout_s=float(cfg.get("exchange_timeout_s", 600.0)))
+    reply, update = exchange(address, header, record, connect_timeout_s=request.connect_timeout_s,
+                             reply_timeout_s=request.exchange_timeout_s)
+    stop = request.stop
     metrics = {k: int(reply[k]) for k in LPS_COUNTERS if isinstance(reply.get(k), int)}
     content = RecordDict({"metrics": MetricRecord({**metrics, "stopped": int(stop)})})
     if update is not None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fl_geo.builders import make_model
@@ -54,6 +54,7 @@ from fl_geo.halos import GlobalParameterServer
 from fl_geo.halos_ipc import IpcError, recv_frame, send_frame, unix_path
 from fl_geo.metrics import MetricsLogger
 from fl_geo.progress import Progress
+from fl_geo.protocol import REQUEST_RECORD, BridgeRequest
 from fl_geo.server_app import PROJECT_ROOT, new_run_dir
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.strategies.halos import HalosLoop
@@ -444,10 +445,9 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
 
         def push(node: int, stop: bool) -> None:
             nonlocal bytes_down
-            config = ConfigRecord({"stop": stop, "global_version": gps.version,
-                                   "exchange_timeout_s": float(exchange_timeout_s),
-                                   "connect_timeout_s": float(connect_timeout_s)})
-            content = RecordDict({"config": config})
+            request = BridgeRequest(stop=stop, global_version=gps.version, exchange_timeout_s=float(exchange_timeout_s),
+                                    connect_timeout_s=float(connect_timeout_s))
+            content = RecordDict({REQUEST_RECORD: request.to_record()})
             if gps.version > 0 or stop:
                 content["arrays"] = encode(gps.params, spec, cfg.wire.down)  # a snapshot, copied
                 bytes_down += payload_nbytes(content["arrays"])

@@ -23,19 +23,14 @@ import math
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.dispatch import Event, JobTiming
 from fl_geo.grace import GraceTimer
 from fl_geo.progress import Progress
+from fl_geo.protocol import TrainRequest
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import (
-    ReplyError,
-    Tally,
-    TrainReply,
-    read_model_reply,
-    read_train_reply,
-)
+from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -137,7 +132,7 @@ class AsyncOuterLoop(OuterLoop):
             node_records = dict(records)
             if "arrays" in records:
                 node_records["arrays"] = self.arrays_for(node, records["arrays"], self.global_params)
-            content = RecordDict({**node_records, "config": ConfigRecord(config)})
+            content = RecordDict({**node_records, **self.request_records(TrainRequest(**config), self.user_train_config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down), self._nbytes(self.cfg.wire.up)))
             meta.append({"version": self.version, "steps": steps, "job": job})
@@ -196,10 +191,9 @@ class AsyncOuterLoop(OuterLoop):
         """Validate a train reply (the sharded loop reads a control-only reply instead). A plain
         Flower ClientApp's reply is the trained model: Δ against the model its job was sent with,
         or (params mode) against the current model, which is what ``g`` is then."""
-        if self.is_plain(ev.job.node):
-            base = ev.job.meta.get("base", self.global_params)
-            return read_model_reply(ev.reply, self.spec, base)
-        return read_train_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]))
+        base = ev.job.meta.get("base", self.global_params if self._send == "params" else None)
+        return read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
+                          base=base, payloads=(self._send,))
 
     def discard(self, ev: Event) -> None:
         """Forget whatever a rejected reply left behind (the sharded loop: pushed shards)."""
@@ -208,7 +202,7 @@ class AsyncOuterLoop(OuterLoop):
         """Score and fold one valid reply; its norm, or None when it was rejected (logged)."""
         node = ev.job.node
         update: Any = r.pieces
-        if self._send == "params" and not self.is_plain(node):
+        if r.payload == "params":  # θ_worker: g = θ_current − θ_worker (Di-PS line 10, FedAsync)
             update = self._current_base_grad(r.pieces)
         if self.penalty is not None:
             verdict = self.fold_penalised(self.tally, node, update, r.tokens, staleness)

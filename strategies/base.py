@@ -25,6 +25,13 @@ from fl_geo.evaluation import GlobalEvaluator
 from fl_geo.metrics import MetricsLogger
 from fl_geo.outer import OuterOptimizer, build_outer_optimizer
 from fl_geo.penalty import Penalty
+from fl_geo.protocol import (
+    REQUEST_RECORD,
+    USER_CONFIG_RECORD,
+    EvaluateRequest,
+    Request,
+    user_config,
+)
 from fl_geo.state import ParamSpec
 from fl_geo.strategies.replies import Tally
 from fl_geo.wire import encode
@@ -152,6 +159,11 @@ class OuterLoop:
         nodes = [n for n in live if n in self.profiles and n not in busy]
         return sorted(nodes, key=lambda n: self.profiles[n].rank)
 
+    def request_records(self, request: Request, user: ConfigRecord | None) -> dict[str, ConfigRecord]:
+        """The records a request travels in: the typed fl-geo request under ``"fl-geo"`` (built, so
+        validated, before anything is sent) and the user's Flower config under ``"config"``."""
+        return {REQUEST_RECORD: request.to_record(), USER_CONFIG_RECORD: user_config(user)}
+
     def is_plain(self, node: int) -> bool:
         """A node running a plain Flower ClientApp (it replies the trained model, not Δ)."""
         profile = self.profiles.get(node)
@@ -207,8 +219,9 @@ class OuterLoop:
         token-weighted (``run.client_eval_every``)."""
         nodes = self.free_nodes()
         arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
-        config = ConfigRecord(dict(self._client_cfg, round=rnd, base_version=self.version))
-        msgs = [Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=n,
+        records = self.request_records(EvaluateRequest(**self._client_cfg, round=rnd, base_version=self.version),
+                                      self.user_evaluate_config)
+        msgs = [Message(RecordDict({"arrays": self.arrays_for(n, arrays, self.global_params), **records}), dst_node_id=n,
                         message_type=MessageType.EVALUATE) for n in nodes]
         losses = self.collect_val_losses(msgs, nodes)
         tokens = sum(t for _, t in losses)

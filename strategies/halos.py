@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.dispatch import Event, JobTiming
 from fl_geo.halos import GlobalParameterServer, LocalParameterServer
 from fl_geo.progress import Progress
+from fl_geo.protocol import TrainRequest
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import ReplyError, Tally, read_model_reply, read_train_reply
+from fl_geo.strategies.replies import ReplyError, Tally, read_reply
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -153,7 +154,7 @@ class HalosLoop(OuterLoop):
                 config["start_step"] = self.dispatched_samples // batch
             self.dispatched_samples += steps * batch
             arrays = self.arrays_for(node, encoded[g], self.lps[g].params)
-            content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+            content = RecordDict({"arrays": arrays, **self.request_records(TrainRequest(**config), self.user_train_config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             # worker <-> local server: the intra-region link (the LPS sits in the node's region)
             timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down),
@@ -179,10 +180,8 @@ class HalosLoop(OuterLoop):
         g = int(ev.job.meta["group"])
         lps = self.lps[g]
         try:
-            if "base" in ev.job.meta:  # a plain Flower ClientApp: Δ against the model its job was sent
-                r = read_model_reply(ev.reply, self.spec, ev.job.meta["base"])
-            else:
-                r = read_train_reply(ev.reply, self.spec, self.cfg.wire.up)
+            # an undeclared (Flower-convention) reply: Δ against the model its job was sent with
+            r = read_reply(ev.reply, self.spec, self.cfg.wire.up, base=ev.job.meta.get("base"))
             delta = self._scratch
             for offset, piece in r.pieces:
                 delta[offset : offset + piece.numel()].copy_(piece)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from flwr.app import Message, MetricRecord
 
+from fl_geo.protocol import ProtocolError, declaration_of
 from fl_geo.state import ParamSpec
 from fl_geo.wire import PayloadError, decode, payload_nbytes
 
@@ -36,6 +37,7 @@ class TrainReply:
     nbytes: int
     steps: int = 0  # inner steps the worker ran (A-EDiT's time budget makes them differ)
     noisy_steps: int = 0  # of them, steps on corrupted batches (data.noise_*; 0 otherwise)
+    payload: str = "pseudo_grad"  # what ``pieces`` hold: pseudo_grad (Δ) or params (θ_worker)
 
 
 def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None) -> TrainReply:
@@ -168,3 +170,43 @@ def read_model_reply(reply: Message, spec: ParamSpec, base: torch.Tensor) -> Tra
             break
     return TrainReply([(0, delta)], tokens if tokens is not None else examples, loss, 0.0,
                       payload_nbytes(record), steps=0)
+
+
+def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
+               base: torch.Tensor | None = None, payloads: tuple[str, ...] = ("pseudo_grad",)) -> TrainReply:
+    """Read a train reply by what it declares (fl_geo.protocol), never by guessing.
+
+    A reply with fl-geo's ``"fl-geo"`` declaration must speak this protocol version, carry one of
+    ``payloads`` in the agreed ``precision``, and is read by `read_train_reply`. A reply without
+    one is a Flower-convention reply (the trained model and ``num-examples``): its Δ is taken
+    against ``base``, the model the job was sent with; with no ``base`` kept it is refused.
+    """
+    try:
+        decl = declaration_of(reply)
+    except ProtocolError as exc:
+        raise ReplyError(str(exc)) from None
+    if decl is None:
+        if base is None:
+            raise ReplyError("the reply declares no fl-geo protocol (a Flower-convention reply), and the server kept "
+                             "no copy of the model its job was sent with to compute the pseudo-gradient from")
+        return read_model_reply(reply, spec, base)
+    if decl.payload not in payloads:
+        raise ReplyError(f"the reply declares a {decl.payload!r} payload, this job asked for {' or '.join(payloads)}")
+    if decl.precision != precision:
+        raise ReplyError(f"the reply declares {decl.precision} arrays, the run's uplink is {precision}")
+    r = read_train_reply(reply, spec, precision, expected_version)
+    r.payload = decl.payload
+    return r
+
+
+def require_declaration(reply: Message, payloads: tuple[str, ...]) -> None:
+    """Replies that only fl-geo's ClientApp can give (streaming fragments, the sharded data path's
+    control reply) must declare this protocol version and one of ``payloads``."""
+    try:
+        decl = declaration_of(reply)
+    except ProtocolError as exc:
+        raise ReplyError(str(exc)) from None
+    if decl is None:
+        raise ReplyError("the reply declares no fl-geo protocol: this method needs fl-geo's ClientApp")
+    if decl.payload not in payloads:
+        raise ReplyError(f"the reply declares a {decl.payload!r} payload, this job asked for {' or '.join(payloads)}")

@@ -36,7 +36,7 @@ from fl_geo.progress import Progress
 from fl_geo.shards import ShardPlan, global_norm, sum_of_shard_norms
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.base import outer_optimizer_from_config
-from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, TrainReply
+from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, TrainReply, require_declaration
 from fl_geo.transfer_schedule import TransferScheduler
 
 log = logging.getLogger("fl_geo")
@@ -59,6 +59,7 @@ def read_control_reply(ev: Event, expected_version: int) -> tuple[TrainReply, in
     """A train reply of the gRPC transport: metrics only (the update went to the followers).
     Returns the reply and the model version the client pulled."""
     assert ev.reply is not None
+    require_declaration(ev.reply, ("control",))
     content = ev.reply.content
     if "metrics" not in content.metric_records:
         raise ReplyError("reply lacks the 'metrics' record")

@@ -41,16 +41,23 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
 from fl_geo.accumulate import WeightedAccumulator
 from fl_geo.dispatch import JobTiming
 from fl_geo.progress import Progress
+from fl_geo.protocol import EvaluateRequest, StreamRequest
 from fl_geo.quantize import dequantize_record, quantized_nbytes
 from fl_geo.scenario import payload_bytes
 from fl_geo.state import ParamSpec
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, Tally, TrainReply
+from fl_geo.strategies.replies import (
+    REPLY_METRICS,
+    ReplyError,
+    Tally,
+    TrainReply,
+    require_declaration,
+)
 from fl_geo.streaming import (
     AdaptiveSchedule,
     FragmentOuterOptimizers,
@@ -88,6 +95,7 @@ def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Se
     Raises `ReplyError` naming what is wrong (missing record, keys, shapes, dtypes, metrics, a
     step count other than the one asked for). Finiteness is checked when folding.
     """
+    require_declaration(reply, ("fragments", "none"))
     content = reply.content
     if "metrics" not in content.metric_records:
         raise ReplyError("reply lacks the 'metrics' record")
@@ -360,7 +368,8 @@ class StreamingLoop(OuterLoop):
                           # syncs still in flight included: nothing to apply on top of it
                           stream_apply=json.dumps([] if fresh else apply_ids),
                           stream_sync=json.dumps(syncs))
-            records: dict[str, Any] = {"config": ConfigRecord(config)}
+            config["lambda_"] = config.pop("lambda")  # a Python keyword: the dataclass field's name
+            records: dict[str, Any] = self.request_records(StreamRequest(**config), self.user_train_config)
             if fresh:
                 assert init_arrays is not None
                 records["arrays"] = init_arrays
@@ -476,10 +485,10 @@ class StreamingLoop(OuterLoop):
         local progress since the sync started). Costs no modelled time (`collect_val_losses`).
         """
         nodes = [n for n in self.free_nodes() if n in self._initialised]
-        config = ConfigRecord(dict(self._client_cfg, round=rnd, base_version=self.version,
-                                   eval_batches=self.cfg.run.eval_batches))
-        msgs = [Message(RecordDict({"config": config}), dst_node_id=n, message_type=WORKER_EVAL_MESSAGE_TYPE)
-                for n in nodes]
+        records = self.request_records(EvaluateRequest(**self._client_cfg, round=rnd, base_version=self.version,
+                                                       eval_batches=self.cfg.run.eval_batches),
+                                       self.user_evaluate_config)
+        msgs = [Message(RecordDict(records), dst_node_id=n, message_type=WORKER_EVAL_MESSAGE_TYPE) for n in nodes]
         losses = [loss for loss, _ in self.collect_val_losses(msgs, nodes)]
         if not losses:
             return {}

@@ -26,19 +26,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.dispatch import JobTiming
 from fl_geo.penalty import StepWeightMix
 from fl_geo.progress import Progress
+from fl_geo.protocol import TrainRequest
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import (
-    ReplyError,
-    Tally,
-    TrainReply,
-    read_model_reply,
-    read_train_reply,
-)
+from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
@@ -106,7 +101,7 @@ class SyncOuterLoop(OuterLoop):
         # resumed server re-sending the round gets the same result (clients/datacenter.py).
         keep_prev = bool(self.cfg.run.checkpoint_every)
         config = dict(self._client_cfg, round=rnd, base_version=self.version, keep_prev=keep_prev, **extra)
-        content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+        content = RecordDict({"arrays": arrays, **self.request_records(TrainRequest(**config), self.user_train_config)})
         return Message(content, dst_node_id=node, message_type=mtype)
 
     # ---- reply handling -------------------------------------------------------------------------
@@ -121,10 +116,9 @@ class SyncOuterLoop(OuterLoop):
         valid: list[tuple[int, TrainReply]] = []
         for node, reply in group:
             try:
-                if self.is_plain(node):  # a Flower-convention reply: Δ against the model sent this round
-                    valid.append((node, read_model_reply(reply, self.spec, self.global_params)))
-                else:
-                    valid.append((node, read_train_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version)))
+                # an undeclared (Flower-convention) reply's Δ is taken against the model sent this round
+                valid.append((node, read_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version,
+                                               base=self.global_params)))
             except ReplyError as exc:
                 self._reject(stats, node, str(exc))
         if not valid:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flwr.app import RecordDict
 
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.deploy import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
+from fl_geo.protocol import REQUEST_RECORD
 
 TINY = [
     "run.rounds=2",
@@ -66,3 +68,11 @@ def tiny_scenario_dict(**extra) -> dict:
     }
     d.update(extra)
     return d
+
+
+def keep_declaration(reply, records: dict) -> RecordDict:
+    """``records`` as a reply's content, with ``reply``'s fl-geo declaration (protocol version,
+    payload, precision) kept: a test that tampers with a reply's arrays or metrics keeps it an
+    fl-geo reply instead of turning it into a Flower-convention one."""
+    decl = reply.content.config_records.get(REQUEST_RECORD)
+    return RecordDict({**records, **({REQUEST_RECORD: decl} if decl is not None else {})})

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.inline import InlineGrid
 from fl_geo.metrics import read_metrics
 from fl_geo.server_app import run_server
+from tests.conftest import keep_declaration
 
 VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16"]
 DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
@@ -81,7 +82,7 @@ def _scale_once(node_pick, factor):
         for k, a in arrays.items():
             x = torch.from_numpy(a.numpy().copy()).view(torch.bfloat16).float() * factor
             scaled[k] = Array(x.to(torch.bfloat16).view(torch.int16).numpy())
-        content = RecordDict({"arrays": ArrayRecord(scaled), "metrics": reply.content.metric_records["metrics"]})
+        content = keep_declaration(reply, {"arrays": ArrayRecord(scaled), "metrics": reply.content.metric_records["metrics"]})
         return Message(content, reply_to=msg)
 
     return hook
@@ -116,7 +117,7 @@ def test_bad_payload_is_rejected_and_the_run_continues(tiny, tmp_path, kind):
         else:
             arr = arr.reshape(-1)[:-1]
         items[key] = Array(arr)
-        return Message(RecordDict({"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+        return Message(keep_declaration(reply, {"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
 
     hook.done = False
     summary, final, _ = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=4"), tmp_path, hook=hook)
@@ -151,7 +152,7 @@ def test_node_joining_mid_run_gets_the_latest_model(tiny, tmp_path):
         if msg.metadata.message_type == "train" and "id" not in joined:
             joined["id"] = grid.add_node({"partition-id": 3, "num-partitions": 4})
         if node == joined.get("id") and msg.metadata.message_type == "train":
-            joined.setdefault("base_version", int(msg.content.config_records["config"]["base_version"]))
+            joined.setdefault("base_version", int(msg.content.config_records["fl-geo"]["base_version"]))
         return reply
 
     summary, _, _ = _run(cfg, tmp_path, grid=grid, hook=hook)

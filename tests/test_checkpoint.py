@@ -84,7 +84,7 @@ def _crash_on(round_no: int, nth: int):
     seen = {"n": 0}
 
     def hook(node, msg, reply):
-        cfg = msg.content.config_records.get("config")
+        cfg = msg.content.config_records.get("fl-geo")
         if msg.metadata.message_type == "train" and cfg is not None and int(cfg.get("round", -1)) == round_no:
             seen["n"] += 1
             if seen["n"] == nth:

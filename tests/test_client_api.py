@@ -20,6 +20,7 @@ from fl_geo.clients import DatacenterClient, Site, make_client_app
 from fl_geo.clients.api import OPT_STATE_KEY, PROGRESS_KEY
 from fl_geo.clients.stream import STREAM_LOCAL_KEY
 from fl_geo.inline import InlineGrid
+from fl_geo.protocol import PROTOCOL_KEY, PROTOCOL_VERSION, REQUEST_RECORD, ProfileQuery
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.strategies.base import client_config_record
 from fl_geo.streaming import fragment_record
@@ -82,7 +83,8 @@ def _server_identity():
 
 def _request(tiny, *overrides: str, **extra) -> ConfigRecord:
     cfg = tiny("client.lr=0.01", "client.warmup_steps=1", "strategy.inner_steps=6", *overrides)
-    return ConfigRecord({**client_config_record(cfg), **extra})
+    return ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, **client_config_record(cfg), "round": 1, "base_version": 0,
+                         **extra})
 
 
 def _ctx(partition: int = 0, **node) -> Context:
@@ -98,7 +100,7 @@ def _initial() -> tuple[torch.Tensor, ParamSpec]:
 def _train_msg(request: ConfigRecord, flat: torch.Tensor, spec: ParamSpec, payload=None,
                node: int = 1) -> Message:
     arrays = payload if payload is not None else encode(flat, spec, str(request["wire_down"]))
-    return Message(RecordDict({"config": request, "arrays": arrays}), dst_node_id=node,
+    return Message(RecordDict({REQUEST_RECORD: request, "arrays": arrays}), dst_node_id=node,
                    message_type=MessageType.TRAIN)
 
 
@@ -221,13 +223,14 @@ def test_evaluate_and_query(tiny):
     flat, spec = _initial()
     request = _request(tiny)
     client = _app()
-    msg = Message(RecordDict({"config": request, "arrays": encode(flat, spec, "fp32")}), dst_node_id=1,
+    msg = Message(RecordDict({REQUEST_RECORD: request, "arrays": encode(flat, spec, "fp32")}), dst_node_id=1,
                   message_type=MessageType.EVALUATE)
     m = client.app(msg, _ctx(1)).content.metric_records["metrics"]
     count = json.loads(str(request["client"]))["eval_batches"]
     assert m["val_tokens"] == count * BATCH * SEQ and m["partition_id"] == 1
     assert 0 < m["val_loss"] < 10
-    q = Message(RecordDict({}), dst_node_id=1, message_type=MessageType.QUERY)
+    q = Message(RecordDict({REQUEST_RECORD: ProfileQuery(ask="profile").to_record()}), dst_node_id=1,
+                message_type=MessageType.QUERY)
     profile = client.app(q, _ctx(1, site="eu")).content.config_records["profile"]
     assert (profile["partition_id"], profile["site"], profile["device"]) == (1, "eu", "cpu")
     with pytest.raises(RuntimeError, match="eval_batches_fn"):
@@ -236,9 +239,10 @@ def test_evaluate_and_query(tiny):
 
 def _stream_msg(request: ConfigRecord, content: dict, apply: list[int], sync: list[int]) -> Message:
     cfg = ConfigRecord({**request, "fragments": 2, "stream_rule": "streaming", "H": 4, "alpha": 0.5,
-                        "lambda": 0.5, "stream_steps": 2, "stream_apply": json.dumps(apply),
-                        "stream_sync": json.dumps(sync), "eval_batches": 2})
-    return Message(RecordDict({"config": cfg, **content}), dst_node_id=1,
+                        "lambda": 0.5, "tau": 1, "stream_step": 0, "stream_steps": 2, "stream_quantize": "none",
+                        "stream_quantize_block": 128, "stream_apply": json.dumps(apply),
+                        "stream_sync": json.dumps(sync)})
+    return Message(RecordDict({REQUEST_RECORD: cfg, **content}), dst_node_id=1,
                    message_type=f"{MessageType.TRAIN}.stream")
 
 
@@ -264,7 +268,7 @@ def test_streaming_fragments_are_cut_from_the_users_blocks(tiny, blocks):
     assert set(second.content.array_records[fragment_record(1)]) == set(fragments.names(1))
     assert ctx.state.config_records[PROGRESS_KEY]["step"] == 4
     # the worker's own model is scored on the global held-out batches
-    ev = Message(RecordDict({"config": _stream_msg(request, {}, [], []).content.config_records["config"]}),
+    ev = Message(RecordDict({REQUEST_RECORD: ConfigRecord({**request, "eval_batches": 2})}),
                  dst_node_id=1, message_type=f"{MessageType.EVALUATE}.stream")
     before = ctx.state.array_records[STREAM_LOCAL_KEY]["flat"].numpy().copy()
     assert client.app(ev, ctx).content.metric_records["metrics"]["val_tokens"] == 2 * BATCH * SEQ

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
@@ -18,6 +18,7 @@ from fl_geo.penalty import Penalty, StepWeightMix, module_groups
 from fl_geo.server_app import run_server
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.wire import encode
+from tests.conftest import keep_declaration
 
 
 def _initial(cfg) -> tuple[torch.Tensor, ParamSpec]:
@@ -42,7 +43,7 @@ def _crafted(spec: ParamSpec, make_delta):
             return reply
         metrics = reply.content.metric_records["metrics"]
         delta = make_delta(int(metrics["partition_id"]))
-        return Message(RecordDict({"arrays": encode(delta, spec, "fp32"), "metrics": metrics}), reply_to=msg)
+        return Message(keep_declaration(reply, {"arrays": encode(delta, spec, "fp32"), "metrics": metrics}), reply_to=msg)
 
     return hook
 

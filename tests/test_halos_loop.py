@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import torch
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.inline import InlineGrid
 from fl_geo.metrics import read_metrics
 from fl_geo.server_app import run_server
-from tests.conftest import tiny_scenario_dict
+from tests.conftest import keep_declaration, tiny_scenario_dict
 
 HALOS = ("strategy.name=halos", "halos.accumulate=2", "halos.local_buffer=2", "strategy.delay_buffer=2",
          "strategy.inner_steps=2", "run.rounds=3", "run.clock=virtual")
@@ -82,7 +82,7 @@ def test_a_nan_update_is_rejected_and_the_run_goes_on(tiny, tmp_path, caplog):
             arr = items[key].numpy().copy()
             arr.reshape(-1)[0] = float("nan")
             items[key] = Array(arr)
-            content = RecordDict({"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]})
+            content = keep_declaration(reply, {"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]})
             return Message(content, reply_to=msg)
         return reply
 

@@ -18,6 +18,7 @@ from fl_geo.inline import InlineGrid
 from fl_geo.metrics import read_metrics
 from fl_geo.server_app import run_server
 from fl_geo.strategies.sharded import ShardedDiPSLoop
+from tests.conftest import keep_declaration
 
 VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16", "model.n_layers=3"]
 DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
@@ -113,13 +114,13 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
 @pytest.mark.parametrize("transport", ["grpc"])
 def test_reply_with_arrays_is_refused_when_updates_go_to_the_followers(tiny, tmp_path, transport, caplog):
     """A client that ignores the data path and ships its update in the reply is rejected."""
-    from flwr.app import Array, ArrayRecord, Message, RecordDict
+    from flwr.app import Array, ArrayRecord, Message
 
     def hook(node, msg, reply):
         if msg.metadata.message_type != "train" or reply.has_error() or hook.done:
             return reply
         hook.done = True
-        content = RecordDict({"arrays": ArrayRecord({"x": Array(torch.zeros(2).numpy())}),
+        content = keep_declaration(reply, {"arrays": ArrayRecord({"x": Array(torch.zeros(2).numpy())}),
                               "metrics": reply.content.metric_records["metrics"]})
         return Message(content, reply_to=msg)
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
 from fl_geo.inline import InlineGrid
 from fl_geo.metrics import read_metrics
 from fl_geo.server_app import run_server
+from tests.conftest import keep_declaration
 
 VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16", "model.n_layers=3"]
 DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
@@ -59,7 +60,7 @@ def _nan_once(node, msg, reply):
     arr = items[key].numpy().copy()
     arr.reshape(-1)[0] = np.int16(0x7FC0)  # a bf16 NaN
     items[key] = Array(arr)
-    return Message(RecordDict({"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+    return Message(keep_declaration(reply, {"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
 
 
 def test_nan_update_is_rejected_and_leaves_nothing_on_the_followers(tiny, tmp_path, caplog):

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message
 from omegaconf import OmegaConf
 
 from fl_geo.builders import make_model
@@ -27,6 +27,7 @@ from fl_geo.server_app import run_server
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.streaming import AdaptiveSchedule, Fragments, fragment_spec, streaming_merge
 from fl_geo.wire import encode, payload_nbytes
+from tests.conftest import keep_declaration
 
 STREAM = ["run.sim_cpus=1", "model.n_layers=2"]
 
@@ -46,7 +47,7 @@ class Recorder:
     def __call__(self, node, msg, reply):
         if msg.metadata.message_type != "train.stream":
             return reply
-        c = msg.content.config_records["config"]
+        c = msg.content.config_records["fl-geo"]
         self.messages.setdefault(node, []).append({
             "step": int(c["stream_step"]), "steps": int(c["stream_steps"]),
             "apply": json.loads(str(c["stream_apply"])), "sync": json.loads(str(c["stream_sync"])),
@@ -257,7 +258,7 @@ def _tamper(kind, victims):
                 arr = arr.reshape(-1)[:-1]
             items[name] = Array(arr)
             content[key] = ArrayRecord(items)
-        return Message(RecordDict({**content, "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+        return Message(keep_declaration(reply, {**content, "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
 
     return hook
 
@@ -419,16 +420,17 @@ def test_worker_eval_scores_each_workers_own_model_and_changes_nothing_else(tiny
 def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path):
     """A node asked to score a model it does not hold answers with an error, which the server
     logs and skips (no figure rather than a wrong one)."""
-    from flwr.app import ConfigRecord, Context, MessageType
+    from flwr.app import Context, MessageType
     from flwr.app import RecordDict as RD
 
     from fl_geo.clients.datacenter import evaluate_stream
+    from fl_geo.protocol import EvaluateRequest
     from fl_geo.strategies.base import client_config_record
 
     cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
                "streaming.overlap=1")
-    config = dict(client_config_record(cfg), eval_batches=2)
-    msg = Message(RD({"config": ConfigRecord(config)}), dst_node_id=1, message_type=f"{MessageType.EVALUATE}.stream")
+    request = EvaluateRequest(**client_config_record(cfg), round=1, base_version=0, eval_batches=2)
+    msg = Message(RD({"fl-geo": request.to_record()}), dst_node_id=1, message_type=f"{MessageType.EVALUATE}.stream")
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1}, state=RD(), run_config={})
     with pytest.raises(RuntimeError, match="holds no streaming model"):
         evaluate_stream(msg, ctx)
@@ -496,7 +498,7 @@ def test_a_quantised_update_with_a_bad_scale_is_rejected(tiny, tmp_path, caplog)
             scales = content[key]["scales"].numpy().copy()
             scales[0] = np.nan
             content[key] = ArrayRecord({"codes": content[key]["codes"], "scales": Array(scales)})
-        return Message(RecordDict({**content, "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+        return Message(keep_declaration(reply, {**content, "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
 
     summary, final, _, _ = _run(cfg, tmp_path, hook=Recorder(tamper), grid=grid)
     assert torch.isfinite(final).all()

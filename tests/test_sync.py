@@ -8,13 +8,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord
 
 from fl_geo.clients.datacenter import OPT_STATE_KEY, PROGRESS_KEY
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.inline import InlineGrid
 from fl_geo.metrics import read_metrics
 from fl_geo.server_app import run_server
+from tests.conftest import keep_declaration
 
 
 def _run(cfg, tmp_path, name="run", hook=None, grid=None):
@@ -134,7 +135,7 @@ def _hook_all(kind):
     def hook(node, msg, reply):
         if reply.has_error() or msg.metadata.message_type != "train":
             return reply
-        content = RecordDict({"arrays": corrupt(reply.content.array_records["arrays"]), "metrics": reply.content.metric_records["metrics"]})
+        content = keep_declaration(reply, {"arrays": corrupt(reply.content.array_records["arrays"]), "metrics": reply.content.metric_records["metrics"]})
         return Message(content, reply_to=msg)
 
     return hook
@@ -172,7 +173,7 @@ def test_missing_metrics_and_error_replies(tiny, tmp_path):
             return Message(Error(code=300, reason="boom"), reply_to=msg)
         if node % 3 == 1:
             metrics = MetricRecord({"tokens": 10})  # lacks train_loss etc.
-            return Message(RecordDict({"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
+            return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
         return reply
 
     summary, final, _ = _run(tiny(), tmp_path, hook=hook)
@@ -229,7 +230,7 @@ def test_reply_for_another_model_version_is_rejected(tiny, tmp_path, claimed, ca
         if msg.metadata.message_type != "train" or reply.has_error():
             return reply
         metrics = MetricRecord(dict(reply.content.metric_records["metrics"], base_version=claimed))
-        return Message(RecordDict({"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
+        return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
 
     caplog.set_level("WARNING", logger="fl_geo")
     cfg = tiny("run.rounds=1")

@@ -1,0 +1,294 @@
+"""fl-geo's message protocol: one typed, versioned dataclass per request, validated on both sides.
+
+Where things travel in a Flower ``Message`` (``docs/protocol.md`` has the full table):
+
+- ``"fl-geo"`` (ConfigRecord): the fl-geo request, the fields of one dataclass below plus
+  ``protocol`` (= `PROTOCOL_VERSION`);
+- ``"config"`` (ConfigRecord): the *user's* Flower ``train_config`` / ``evaluate_config``, exactly
+  what a plain Flower ClientApp reads with Flower's own strategies (empty when there is none);
+- ``"arrays"`` (ArrayRecord): the model, in the request's ``wire_down`` precision (fp32 for a plain
+  Flower ClientApp).
+
+A reply from fl-geo's ClientApp declares itself in its own ``"fl-geo"`` ConfigRecord
+(`ReplyDeclaration`: protocol version, what ``"arrays"`` holds, its precision) next to its
+``"metrics"`` MetricRecord. A reply without that declaration is a Flower-convention reply: the
+trained model in ``"arrays"`` and ``"num-examples"`` in its metrics (``strategies/replies.py``).
+
+Why typed: a misspelled or missing field fails on the server when the dataclass is built (before
+anything is sent), a client checks every field's presence and type and refuses unknown ones
+(`ProtocolError`, which Flower turns into an error reply), and a peer of another protocol version
+is told both versions in one line instead of failing somewhere deep in a handler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any, ClassVar, TypeVar
+
+from flwr.app import ConfigRecord, Message
+
+PROTOCOL_VERSION = 1
+PROTOCOL_KEY = "protocol"
+REQUEST_RECORD = "fl-geo"  # the fl-geo request in a message; the reply's declaration in a reply
+USER_CONFIG_RECORD = "config"  # the user's Flower train_config / evaluate_config
+WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+# Fields that hold JSON text (checked to parse on both sides).
+JSON_FIELDS = frozenset({"client", "model", "data", "stream_apply", "stream_sync", "ps_addresses", "ps_shards",
+                         "ps_push_order"})
+
+
+class ProtocolError(ValueError):
+    """A request or reply that does not follow the protocol; the message says which field and why."""
+
+
+R = TypeVar("R", bound="Request")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """Base of every request: the message type it travels as, and the record codec."""
+
+    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for name, value in self._values().items():
+            _check(type(self), name, value)
+
+    def _values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_record(self) -> ConfigRecord:
+        """The ConfigRecord a message carries under ``"fl-geo"`` (unset optional fields omitted)."""
+        values = {k: v for k, v in self._values().items() if v is not None}
+        return ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, **values})
+
+    @classmethod
+    def from_record(cls: type[R], record: ConfigRecord | None) -> R:
+        """Validate a received record: protocol version, no unknown field, every required one
+        present, every value of its declared type (JSON fields must parse)."""
+        if record is None:
+            raise ProtocolError(f"the message carries no '{REQUEST_RECORD}' record (an fl-geo request): is the "
+                                "server an fl-geo strategy of a compatible version?")
+        values = dict(record)
+        version = values.pop(PROTOCOL_KEY, None)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"fl-geo protocol version {version!r} from the server, this client speaks "
+                                f"{PROTOCOL_VERSION}: update the older side")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ProtocolError(f"{cls.__name__}: unknown field(s) {unknown}; valid: {', '.join(sorted(known))}")
+        missing = sorted(n for n, f in known.items() if n not in values and _required(f))
+        if missing:
+            raise ProtocolError(f"{cls.__name__}: missing field(s) {missing}")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(str(exc)) from None
+
+    @classmethod
+    def in_message(cls: type[R], msg: Message) -> R:
+        """The request a received message carries (validated)."""
+        if cls.MESSAGE_TYPES and msg.metadata.message_type not in cls.MESSAGE_TYPES:
+            raise ProtocolError(f"{cls.__name__} travels as {cls.MESSAGE_TYPES}, not {msg.metadata.message_type!r}")
+        return cls.from_record(msg.content.config_records.get(REQUEST_RECORD))
+
+
+def _required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check(cls: type, name: str, value: Any) -> None:
+    """``value`` has the declared type of field ``name`` (bool is not an int here; an int is a
+    fine float); JSON fields parse; wire precisions and counts are in range."""
+    hint = _hints(cls)[name]
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return
+    ok = any(
+        (t is bool and isinstance(value, bool))
+        or (t is int and isinstance(value, int) and not isinstance(value, bool))
+        or (t is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (t is str and isinstance(value, str))
+        for t in allowed
+    )
+    if not ok:
+        names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
+        raise ProtocolError(f"{cls.__name__}.{name} must be {names}, got {type(value).__name__} {value!r:.60}")
+    if name in JSON_FIELDS and isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError:
+            raise ProtocolError(f"{cls.__name__}.{name} is not valid JSON") from None
+    if name in ("wire_up", "wire_down") and value not in WIRE_PRECISIONS:
+        raise ProtocolError(f"{cls.__name__}.{name} must be one of {WIRE_PRECISIONS}, got {value!r}")
+    if name in ("inner_steps", "schedule_total", "threads", "round", "base_version", "stream_step", "stream_steps",
+                "fragments", "tau", "H", "eval_batches", "start_step") and value < 0:
+        raise ProtocolError(f"{cls.__name__}.{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRequest(Request):
+    """What every job for fl-geo's ClientApp carries: the run's sections and where it stands.
+
+    ``client`` / ``model`` / ``data``: the run's sections as JSON (the server is the single source
+    of truth: sites never read config files). ``schedule_total``: inner LR schedule length.
+    ``threads``: torch threads the client may use. ``resumed``: the server resumed from a
+    checkpoint (clients may reload their inner state from ``state_dir``).
+    """
+
+    run_name: str
+    state_dir: str
+    inner_steps: int
+    schedule_total: int
+    wire_up: str
+    wire_down: str
+    threads: int
+    seed: int
+    client: str
+    model: str
+    data: str
+    round: int
+    base_version: int
+    resumed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRequest(JobRequest):
+    """``train``: run ``inner_steps`` inner steps (or ``time_budget_s`` seconds, H as a cap) from
+    the model in ``"arrays"`` and reply the update.
+
+    ``send``: ``pseudo_grad`` (Δ = θ_sent − θ_local) or ``params`` (θ_local). ``start_step``: the
+    schedule position under the global schedule clock. ``keep_prev``: keep the inner state from
+    before this round (a resumed server re-sends it). ``ps_*``: the sharded parameter server's
+    data path (follower addresses, shard bounds, push order, frame size, retry time, the CA
+    certificate the followers are verified with, the job's id).
+    """
+
+    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train",)
+    keep_prev: bool = False
+    time_budget_s: float = 0.0
+    send: str = "pseudo_grad"
+    start_step: int | None = None
+    ps_job: str | None = None
+    ps_addresses: str | None = None
+    ps_shards: str | None = None
+    ps_push_order: str | None = None
+    ps_chunk_bytes: int | None = None
+    ps_retry_s: float | None = None
+    ps_tls_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.send not in ("pseudo_grad", "params"):
+            raise ProtocolError(f"TrainRequest.send must be pseudo_grad or params, got {self.send!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamRequest(JobRequest):
+    """``train.stream``: one tick of Streaming DiLoCo / CoCoDC: train ``stream_steps`` steps from
+    schedule step ``stream_step``, first applying the new global fragments ``stream_apply`` (in
+    ``"fragment.<p>"`` records) and then starting the syncs ``stream_sync``; the merge rule and
+    its parameters (``stream_rule``, ``alpha``, ``lambda``, ``tau``, ``H``, ``fragments``) and the
+    uplink quantisation."""
+
+    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train.stream",)
+    stream_rule: str
+    fragments: int
+    alpha: float
+    # ``lambda`` is a Python keyword: the dataclass field is ``lambda_`` and the record key ``lambda``.
+    lambda_: float
+    tau: int
+    H: int
+    stream_quantize: str
+    stream_quantize_block: int
+    stream_step: int
+    stream_steps: int
+    stream_apply: str
+    stream_sync: str
+
+    def to_record(self) -> ConfigRecord:
+        record = super().to_record()
+        record["lambda"] = record.pop("lambda_")
+        return record
+
+    @classmethod
+    def from_record(cls, record: ConfigRecord | None) -> StreamRequest:
+        if record is not None and "lambda" in record:
+            record = ConfigRecord({("lambda_" if k == "lambda" else k): v for k, v in record.items()})
+        return super().from_record(record)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateRequest(JobRequest):
+    """``evaluate``: the validation loss of the model in ``"arrays"`` on this site's held-out
+    batches; ``evaluate.stream``: of the worker's own streaming model on ``eval_batches`` batches of
+    the global held-out set."""
+
+    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("evaluate", "evaluate.stream")
+    eval_batches: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileQuery(Request):
+    """``query``: ask a node for its profile (partition, device, site); Flower's ``NodeInfo``
+    carries no node config."""
+
+    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("query",)
+    ask: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeRequest(Request):
+    """HALoS deployment, global server -> a region's bridge ClientApp: exchange the global model
+    (``global_version``) for the region's update, or ``stop``."""
+
+    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train",)
+    stop: bool
+    global_version: int
+    exchange_timeout_s: float
+    connect_timeout_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplyDeclaration(Request):
+    """What an fl-geo ClientApp's reply says about itself: ``payload`` is what ``"arrays"`` holds
+    (``pseudo_grad``: Δ; ``params``: θ_local; ``control``: nothing, the update went over the
+    sharded PS data path; ``fragments``: Streaming DiLoCo fragment updates; ``none``: no arrays),
+    in ``precision``."""
+
+    payload: str
+    precision: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.payload not in ("pseudo_grad", "params", "control", "fragments", "none"):
+            raise ProtocolError(f"ReplyDeclaration.payload {self.payload!r} is unknown")
+
+
+def declaration_of(msg: Message) -> ReplyDeclaration | None:
+    """The reply's declaration, or None for a Flower-convention reply (no ``"fl-geo"`` record).
+    A declaration of another protocol version, or a malformed one, is a `ProtocolError`."""
+    record = msg.content.config_records.get(REQUEST_RECORD)
+    if record is None:
+        return None
+    version = record.get(PROTOCOL_KEY)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"the reply speaks fl-geo protocol version {version!r}, this server "
+                            f"{PROTOCOL_VERSION}: update the older side")
+    return ReplyDeclaration.from_record(record)
+
+
+def user_config(config: ConfigRecord | None) -> ConfigRecord:
+    """The user's Flower train/evaluate config for the ``"config"`` record (a copy; empty if None)."""
+    return ConfigRecord(dict(config)) if config is not None else ConfigRecord()
