@@ -434,7 +434,7 @@ class DatacenterClient:
             trainer.load_optimizer_state(opt_from_record(start_opt))
         progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
         start_progress = progress
-        # schedule_clock (ALGORITHMS.md §1): "local" continues our own step count; asynchronous
+        # schedule_clock (docs/algorithms.md §1): "local" continues our own step count; asynchronous
         # strategies send a global position so a slow worker does not linger at a high learning rate.
         local_step = int(progress["step"])
         start_step = int(cfg["start_step"]) if "start_step" in cfg else local_step

@@ -5,7 +5,7 @@ A message carries the global model (in the configured downlink precision) and th
 model and data sections. The client loads the model, trains ``inner_steps`` AdamW steps on its
 partition, and replies with the pseudo-gradient Δ = θ_global − θ_local in the uplink precision plus
 the numbers the server needs (tokens, steps, mean loss, step time). What must survive between
-rounds (the AdamW moments and the LR-schedule position, ALGORITHMS.md §1) lives in
+rounds (the AdamW moments and the LR-schedule position, docs/algorithms.md §1) lives in
 ``context.state``, which Flower keeps per node for the whole run; the wrapper's per-process caches
 only hold things that are cheap to rebuild (the model object), and fl_geo.data memoises the
 tokenised partitions, because deployment starts a fresh process per message.

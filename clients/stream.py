@@ -1,4 +1,4 @@
-"""Streaming DiLoCo / CoCoDC on a worker (ALGORITHMS.md §7; server side: strategies/streaming.py).
+"""Streaming DiLoCo / CoCoDC on a worker (docs/algorithms.md §7; server side: strategies/streaming.py).
 
 One "train.stream" message = one tick of the streaming schedule: (1) apply the global fragments
 attached to it, (2) train `stream_steps` inner steps, (3) start syncing the fragments listed in

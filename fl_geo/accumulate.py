@@ -1,6 +1,6 @@
 """Streaming weighted sum of model-sized updates in O(1) fp32 buffers, exact under batching.
 
-The server folds every accepted reply into a running weighted sum (ALGORITHMS.md §5), so its
+The server folds every accepted reply into a running weighted sum (docs/algorithms.md §5), so its
 memory is O(1) in the number of workers. Updates arrive in wire precision (fp32/fp16/bf16), as
 one flat tensor or as the ``(offset, tensor)`` pieces that `fl_geo.wire.decode` yields.
 

@@ -10,7 +10,7 @@ Two implementations of one interface (the ``Clock`` protocol of :mod:`fl_geo.dis
   and the dispatcher hands a reply over only when its job is :meth:`VirtualClock.due`, i.e. every
   job that finishes earlier in virtual time has been handed over already. The event order, and
   hence the trained model, then depends only on the seed and the scenario, never on which real
-  process happened to finish first; "time-to-loss" is modelled WAN time (ALGORITHMS.md §8).
+  process happened to finish first; "time-to-loss" is modelled WAN time (docs/algorithms.md §8).
 
 Both keep ``now()`` monotone and can be checkpointed (``state_dict``/``load_state_dict``).
 """

@@ -60,7 +60,7 @@ class RunSection:
     eval_every: int = 1  # server-side validation every k outer steps (0 = only at the end)
     eval_batches: int = 16
     client_eval_every: int = 0  # ask clients for validation on their partition every k steps (0 = never)
-    threads_per_client: int = 1  # torch threads per client process (FLOWER_NOTES: never oversubscribe)
+    threads_per_client: int = 1  # torch threads per client process (docs/data.md: never oversubscribe)
     # The server's folds and outer steps are many small memory-bound ops: one thread avoids waiting
     # on descheduled workers while clients share the cores (10-60x slower at 2 under load).
     server_threads: int = 1
@@ -98,7 +98,7 @@ class StrategySection:
     tau: float = 1e-3
     delay_buffer: int = 1  # delayed_nesterov N
     delay_activation: float = 0.0  # delayed_nesterov c
-    # asynchronous strategies (ALGORITHMS.md §5)
+    # asynchronous strategies (docs/algorithms.md §5)
     buffer_size: int = 0  # accepted updates per outer step (FedBuff K); 0 = strategy default
     staleness_weighting: bool = False  # FedBuff s(tau) = 1/sqrt(1 + tau)
     mixing: float = 0.6  # FedAsync alpha
@@ -137,7 +137,7 @@ class StrategySection:
 
 @dataclass
 class PenaltySection:
-    """Pseudo-gradient penalty (ALGORITHMS.md §4): Di-PS, EDiT and HALoS share it."""
+    """Pseudo-gradient penalty (docs/algorithms.md §4): Di-PS, EDiT and HALoS share it."""
 
     enabled: bool = False
     granularity: str = "global"  # global | module
@@ -156,7 +156,7 @@ class PenaltySection:
 
 @dataclass
 class HalosSection:
-    """HALoS local parameter servers (ALGORITHMS.md §6); the global server is ``strategy.*``."""
+    """HALoS local parameter servers (docs/algorithms.md §6); the global server is ``strategy.*``."""
 
     accumulate: int = 32  # K: local updates per global update
     alpha: float = 0.25  # weight of the global model when a local server merges
@@ -169,7 +169,7 @@ class HalosSection:
 
 @dataclass
 class StreamingSection:
-    """Streaming DiLoCo and CoCoDC (ALGORITHMS.md §7); H is ``strategy.inner_steps``."""
+    """Streaming DiLoCo and CoCoDC (docs/algorithms.md §7); H is ``strategy.inner_steps``."""
 
     fragments: int = 4  # P: strided fragments of the transformer blocks (1 <= P <= model.n_layers)
     overlap: int = 5  # tau: inner steps between a fragment's sync start and its merge (0 <= tau < H/P)
@@ -548,7 +548,7 @@ def schedule_length(cfg: FlGeoConfig) -> int:
 
     Explicit ``client.total_steps`` wins. Synchronous (``schedule_clock: local``): each worker's
     own steps, rounds x H (or each worker's share of ``run.max_tokens`` when that is smaller).
-    Asynchronous (``global``, ALGORITHMS.md §1): the position is the number
+    Asynchronous (``global``, docs/algorithms.md §1): the position is the number
     of worker steps dispatched to all workers before a job plus its local step index, so the length
     is every worker's steps together: the token budget / (batch x seq) when one is set, else the
     outer steps times the updates each one takes times H.

@@ -1,7 +1,7 @@
 """Push/pull of jobs on a Flower ``Grid``, with the bookkeeping every strategy needs.
 
 Flower's ``send_and_receive`` polls every 3 s in deployment and hands back all replies at once, so
-fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (FLOWER_NOTES.md). One
+fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (docs/flower.md). One
 :class:`Dispatcher` serves every strategy:
 
 - at most one message in flight per node (two messages to one node race on ``context.state``);

@@ -14,7 +14,7 @@ reported that update's norm: Di-PS's receive "memory pool". Pushes are written c
 into that buffer as they stream in (`PushBuffer.write`), so no serialised copy of a whole shard
 is kept beside it.
 
-Pseudo-gradient base (ALGORITHMS.md §5): ``pseudo_grad`` pushes are Δ and are folded as they are;
+Pseudo-gradient base (docs/algorithms.md §5): ``pseudo_grad`` pushes are Δ and are folded as they are;
 ``params`` pushes are the worker's θ_i and Δ = θ_s − θ_i is taken against the shard's *current*
 θ when the leader handles the update (Di-PS Algorithm 1, line 10), one chunk at a time.
 """

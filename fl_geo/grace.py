@@ -1,4 +1,4 @@
-"""Di-PS grace time (ALGORITHMS.md §5; Di-PS §4.1): how long to wait for more pushes.
+"""Di-PS grace time (docs/algorithms.md §5; Di-PS §4.1): how long to wait for more pushes.
 
 After a push arrives, the asynchronous server waits τ_grace for further pushes before it steps.
 Di-PS treats this as ski rental: waiting τ costs τ; stepping without a push that would have

@@ -1,4 +1,4 @@
-"""HALoS local and global parameter servers as framework-free objects (ALGORITHMS.md §6).
+"""HALoS local and global parameter servers as framework-free objects (docs/algorithms.md §6).
 
 HALoS (Kim et al., ICML 2025) runs two tiers of asynchronous servers so that the slow WAN is
 crossed rarely and never waited on:
@@ -17,8 +17,8 @@ crossed rarely and never waited on:
 
 Both tiers share one interface, `ParameterServer`: ``params`` (the live flat fp32 model),
 ``version``, ``apply(update)``, ``snapshot()``/``restore(state)``. Only the transport differs
-between a simulation (all servers in one process) and a deployment (FLOWER_NOTES.md "Two
-tiers"), so nothing here imports Flower. Both optimizers keep their state (t, m, acc) across
+between a simulation (all servers in one process) and a deployment (docs/flower.md, "Two
+tiers (HALoS) on Flower"), so nothing here imports Flower. Both optimizers keep their state (t, m, acc) across
 merges and use a constant learning rate, as the HALoS code does.
 
 Memory: the GPS holds θ_g plus the optimizer's momentum and accumulator (3 model-sized fp32
@@ -47,7 +47,7 @@ __all__ = [
     "ParameterServer",
 ]
 
-# Defaults of HALoS's run_halos.sh (ALGORITHMS.md §6). The learning rates are the code's
+# Defaults of HALoS's run_halos.sh (docs/algorithms.md §6). The learning rates are the code's
 # ``base_lr × N``: delayed Nesterov divides each gradient by N, so lr/N is the per-update step.
 HALOS_DEFAULTS: dict[str, Any] = {
     "local_steps": 8,  # H: worker steps per job (before DynUpd rescaling)
@@ -266,7 +266,7 @@ class ParameterServer(ABC):
 class LocalParameterServer(ParameterServer):
     """A regional HALoS server: applies worker updates, sends its net change every K of them.
 
-    Protocol (ALGORITHMS.md §6), in the order events arrive at the LPS:
+    Protocol (docs/algorithms.md §6), in the order events arrive at the LPS:
 
     * worker Δ_i → `apply` (then reply `params` to the worker);
       if `ready_to_send` → `make_global_update` and ship U_k to the GPS;

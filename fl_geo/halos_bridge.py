@@ -2,7 +2,7 @@
 
 The global ServerApp (the GPS, `fl_geo.halos_deploy.global_app`) cannot reach a regional
 ServerApp through Flower (a SuperNode connects to one SuperLink and a process cannot be a
-ServerApp and a ClientApp task at once, FLOWER_NOTES.md "Two tiers"). So each region runs one
+ServerApp and a ClientApp task at once, docs/flower.md "Two tiers (HALoS) on Flower"). So each region runs one
 bridge SuperNode on the global SuperLink, started with
 
     --node-config 'lps-address="unix:///run/fl-geo/region0.sock" region="eu" region-id=0 num-regions=2'

@@ -1,6 +1,6 @@
 """HALoS in Flower's deployment runtime: regional ServerApps (LPS) and a global ServerApp (GPS).
 
-The two-tier layout (FLOWER_NOTES.md "Two tiers", docs/deploy.md "HALoS across regions"):
+The two-tier layout (docs/flower.md "Two tiers (HALoS) on Flower", docs/deploy.md "HALoS across regions"):
 
 - per region, a SuperLink with the region's worker SuperNodes (the datacenter ClientApp) and a
   long-running **regional ServerApp** (`regional_app`): the local parameter server. It trains its

@@ -1,6 +1,6 @@
 """Local IPC between a HALoS bridge ClientApp and its co-located regional ServerApp (the LPS).
 
-In the Flower-native two-tier layout (FLOWER_NOTES.md "Two tiers", docs/deploy.md "HALoS across
+In the Flower-native two-tier layout (docs/flower.md "Two tiers (HALoS) on Flower", docs/deploy.md "HALoS across
 regions") a region's bridge SuperNode sits on the *global* SuperLink while the local parameter
 server is a long-running ServerApp on the *regional* SuperLink. One process cannot be both, and
 ClientApp processes live for one message, so the two meet over a Unix-domain socket that the

@@ -4,7 +4,7 @@ Why: Ray start-up costs 6-8 s and its actors make the order of execution depend 
 unit or integration test wants the full ServerApp <-> ClientApp path (real ``Message``,
 ``RecordDict``, ``Context.state``, the real ClientApp handlers) in a second and deterministically.
 On a 2-core laptop running clients one after another with 2 torch threads is also about as fast as
-two 1-thread actors (DATA_NOTES.md), so ``run.backend=inline`` is a useful no-Ray mode too.
+two 1-thread actors (docs/data.md), so ``run.backend=inline`` is a useful no-Ray mode too.
 
 It keeps Flower's semantics that fl-geo relies on: messages to one node run in push order, each
 node has its own persistent ``Context``, an exception in a ClientApp becomes an *error reply*, a

@@ -1,6 +1,6 @@
 """Run metrics: one JSONL file (what tools read back) and TensorBoard scalars (what people look at).
 
-One name space for every strategy (ARCHITECTURE.md): ``train/loss``, ``val/loss``, ``val/ppl``,
+One name space for every strategy (docs/design.md): ``train/loss``, ``val/loss``, ``val/ppl``,
 ``outer/step``, ``outer/accepted``, ``outer/rejected``, ``comm/bytes_up``, ``comm/bytes_down``,
 ``train/tokens``, ``time/wall_s``, ... Each JSONL line is one outer step (or one event) with its
 step number and wall time, so a comparison tool can compute time-to-loss without TensorBoard.

@@ -1,7 +1,7 @@
-"""Outer (server-side) optimizers on a flat fp32 parameter buffer (ALGORITHMS.md §2).
+"""Outer (server-side) optimizers on a flat fp32 parameter buffer (docs/algorithms.md §2).
 
 Every optimizer receives the averaged pseudo-gradient Δ̄ = mean(base − local) and updates the
-global parameters in place; ``grad`` is never modified. State is fp32 (ALGORITHMS.md §8) and
+global parameters in place; ``grad`` is never modified. State is fp32 (docs/algorithms.md §8) and
 O(1) in the number of workers. Model-sized state buffers are allocated **lazily on the first
 step**, on the device of ``params``: constructing an optimizer is free, momentum-free variants
 never allocate, and `state_dict` before the first step holds only scalars.
@@ -213,7 +213,7 @@ class Nesterov(OuterOptimizer):
 
 
 class DelayedNesterov(OuterOptimizer):
-    """Delayed Nesterov (Liu et al. 2024, HALoS), ALGORITHMS.md §2, state (t, m, acc)::
+    """Delayed Nesterov (Liu et al. 2024, HALoS), docs/algorithms.md §2, state (t, m, acc)::
 
         acc += g
         if (t+1) % N == 0:  m = β·m + acc/N;  θ -= lr·((1 − c·N + c)·β·m + g/N);  acc = 0
@@ -403,7 +403,7 @@ class FedAdam(_AdaptiveBase):
 
     Deviation from Flower: Flower computes η_t in float64 and, under NumPy 2 promotion rules,
     its float64 scalar makes the new model float64 from the first round on. We keep θ and the
-    state in fp32 (ALGORITHMS.md §8); the numbers agree to fp32 rounding (test_outer pins it).
+    state in fp32 (docs/algorithms.md §8); the numbers agree to fp32 rounding (test_outer pins it).
     """
 
     name = "fedadam"

@@ -1,8 +1,8 @@
-"""Pseudo-gradient penalty (ALGORITHMS.md §4): outlier rejection, weighting, clipping, rollback.
+"""Pseudo-gradient penalty (docs/algorithms.md §4): outlier rejection, weighting, clipping, rollback.
 
 Shared by Di-PS, EDiT and HALoS. One `Penalty` object lives as long as the server and is used
 once per outer step, in the order a *streaming* server needs (it never holds more than O(1)
-model-sized buffers, ALGORITHMS.md §5)::
+model-sized buffers, docs/algorithms.md §5)::
 
     per reply:  norms = penalty.norms(pieces)              # one read of the update, per-group L2
                 verdict = penalty.observe(node, norms, tokens=T, staleness=tau)
@@ -16,7 +16,7 @@ model-sized buffers, ALGORITHMS.md §5)::
 Everything per update is a scalar per *group* (one group for ``global`` granularity, one per
 top-level module for ``module``): norms, z-scores, decisions and weights are ``[num_groups]``
 tensors and every operation on them is vectorised over groups. Statistics are frozen during a
-step: `observe` scores against the state left by the previous `commit` (ALGORITHMS.md §4.3), so
+step: `observe` scores against the state left by the previous `commit` (docs/algorithms.md §4.3), so
 scoring on arrival equals Di-PS's scoring of the whole set at step time.
 
 Weights and streaming. Each weighting kind is *separable*: the unnormalised weight of update i
@@ -304,7 +304,7 @@ def _push_rows(history: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) 
 
 
 class EmaStats:
-    """EMA mean/std of pseudo-gradient norms per (key, group) (ALGORITHMS.md §4.2).
+    """EMA mean/std of pseudo-gradient norms per (key, group) (docs/algorithms.md §4.2).
 
     μ ← α·G + (1−α)·μ;  σ ← sqrt((1−α)·σ² + α·(G − μ_new)²), with μ = first G, σ = 0 on a key's
     first observation of a group (our choice: atorch starts at μ = 0, which biases the early
@@ -427,7 +427,7 @@ class EmaStats:
 
 
 class OutlierTest:
-    """Accept/reject per group from z-scores (ALGORITHMS.md §4.3); state changes only in
+    """Accept/reject per group from z-scores (docs/algorithms.md §4.3); state changes only in
     `update`, i.e. after the step's decisions.
 
     - ``zscore`` (EDiT): reject if z > δ. With ``adaptive_threshold`` (atorch) the bound is
@@ -750,9 +750,9 @@ class _Step:
 
 
 class Penalty:
-    """The pseudo-gradient penalty of ALGORITHMS.md §4 for a flat buffer laid out by ``spec``.
+    """The pseudo-gradient penalty of docs/algorithms.md §4 for a flat buffer laid out by ``spec``.
 
-    Parameters (defaults as ALGORITHMS.md): ``granularity`` ``global``|``module``; ``rule``
+    Parameters (defaults as docs/algorithms.md §4): ``granularity`` ``global``|``module``; ``rule``
     ``zscore``|``relative_max``; ``threshold`` δ or β (3); ``warmup`` observations per key
     before z is real (20); ``keying`` ``node``|``pooled``; ``weighting`` one of `WEIGHT_KINDS`
     or a list (product, renormalised); ``temperature`` T of ``norm_softmax`` (1) or ``"auto"``;

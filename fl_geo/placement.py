@@ -1,4 +1,4 @@
-"""Where to put the parameter server: Di-PS's placement cost model (papers/000, §4.1).
+"""Where to put the parameter server: Di-PS's placement cost model (Di-PS, NSDI 2026, §4.1).
 
 Di-PS picks the PS cluster that can best absorb the parameter traffic. With N candidate clusters
 (rows), M training clusters (columns), the bandwidth matrix ``B`` (Gbit/s) and each training

@@ -2,7 +2,7 @@
 
 A laptop simulation trains a small proxy model on one CPU, yet methods must be compared by the
 time they would take across real datacenters. A scenario supplies what that time depends on
-(ALGORITHMS.md §1, §6, §8): the regions and the bandwidth/latency between them, which region the
+(docs/algorithms.md §1, §6, §8): the regions and the bandwidth/latency between them, which region the
 parameter server sits in, each node's region and relative speed, the Di-PS η speed spread, and
 the *modelled* model (parameter count and base step time). Modelling e.g. Pythia-70M's 70 M
 parameters and 238 ms steps keeps the communication/compute ratio of the paper even though the
@@ -108,7 +108,7 @@ class ModelSpec:
 
 @dataclass
 class HeterogeneitySpec:
-    """Di-PS η: an injected per-node slow-down of 0..η % of a step (ALGORITHMS.md §8)."""
+    """Di-PS η: an injected per-node slow-down of 0..η % of a step (docs/algorithms.md §8)."""
 
     eta_percent: float = 0.0
     spread: str = "even"  # even: evenly spaced over the nodes; random: uniform draws in [0, η]
@@ -182,7 +182,7 @@ def _ceil(x: float) -> int:
 
 
 class Scenario:
-    """A validated scenario with the timing model of ALGORITHMS.md §1/§6/§8.
+    """A validated scenario with the timing model of docs/algorithms.md §1/§6/§8.
 
     Effective speed: ``speed_i = nodes[i].speed / multiplier_i`` with the η multiplier (1 when
     η = 0); ``step_time(i) = model.step_time_s * model.reference_speed / speed_i``. The η
@@ -288,7 +288,7 @@ class Scenario:
         return steps * self.step_time(node)
 
     def dynupd_steps(self, inner_steps: int, node: int) -> int:
-        """DynUpd / DyLU (ALGORITHMS.md §1): ``max(1, ceil(H * speed_i / max_speed))``.
+        """DynUpd / DyLU (docs/algorithms.md §1): ``max(1, ceil(H * speed_i / max_speed))``.
 
         Slower nodes take proportionally fewer steps so that every node's job takes about as
         long as the fastest node's H steps (HALoS ``--rescale_num_local_steps``).
@@ -565,7 +565,7 @@ def _validate(s: ScenarioSpec, where: str) -> None:
 
 
 def _eta_multipliers(h: HeterogeneitySpec, k: int) -> list[float]:
-    """Per-node step-time multipliers for Di-PS η (ALGORITHMS.md §8).
+    """Per-node step-time multipliers for Di-PS η (docs/algorithms.md §8).
 
     ``even``: node k of K gets ``1 + η/100 * k/(K-1)`` (η = 100, K = 4: 1, 4/3, 5/3, 2), our
     deterministic reading of "varies uniformly by 0-η %". ``random``: ``1 + U(0, η)/100`` drawn

@@ -1,7 +1,7 @@
 """Run an experiment as an in-process Flower simulation (``fl-geo run``).
 
 ``flwr run .`` with a local federation starts a detached simulation SuperLink that outlives the
-command (FLOWER_NOTES.md); a laptop tool and its tests must own the processes they start. So
+command (docs/flower.md); a laptop tool and its tests must own the processes they start. So
 ``fl-geo run`` uses Flower's in-process runtime: the ServerApp runs in a thread of this process, the
 ClientApps in Ray actors that are shut down when the run ends. Concurrency follows the measured
 rule for small CPUs: one actor per Ray CPU, one torch thread per actor.

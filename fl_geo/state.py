@@ -245,7 +245,7 @@ def load_flat_into(
 def pseudo_grad(
     base: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Outer gradient Δ = base − local (DiLoCo sign, ALGORITHMS.md Notation).
+    """Outer gradient Δ = base − local (DiLoCo sign, docs/algorithms.md, Notation).
 
     With this sign ``θ ← θ − η·Δ̄`` moves the global model toward the workers. ``out`` may be
     ``base`` itself to compute in place (elementwise, so aliasing is safe).

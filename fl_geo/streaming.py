@@ -1,4 +1,4 @@
-"""Streaming DiLoCo and CoCoDC building blocks (ALGORITHMS.md §7): fragments, per-fragment outer
+"""Streaming DiLoCo and CoCoDC building blocks (docs/algorithms.md §7): fragments, per-fragment outer
 optimizers, the merge rules and the two sync schedules.
 
 Streaming DiLoCo synchronises the model one *fragment* (a strided subset of the transformer
@@ -18,7 +18,7 @@ training. This module holds the pieces that do not depend on how messages travel
 * `fixed_schedule` (torchft's round-robin) and `AdaptiveSchedule` (CoCoDC Algorithm 2) decide
   *which* fragment syncs *when*.
 
-Sign convention (ALGORITHMS.md Notation): the pseudo-gradient is Δ = base − local, so the outer
+Sign convention (docs/algorithms.md, Notation): the pseudo-gradient is Δ = base − local, so the outer
 step θ ← θ − η·Δ̄ moves the global fragment toward the workers. Framework-free (no Flower import).
 """
 
@@ -90,8 +90,7 @@ class Fragments:
     makes every fragment span the whole depth, so each sync touches shallow and deep layers
     alike and no fragment is "the embedding end" of the network.
 
-    Parameters outside the blocks follow ALGORITHMS.md §7 ("embeddings and the head go with the
-    first/last fragment"):
+    Parameters outside the blocks go with the first or last fragment (docs/algorithms.md §7):
 
     * those before the first block in the spec (the embedding) go with fragment 0;
     * those after the last block (the final norm, and an untied head if the model has one) go
@@ -262,7 +261,7 @@ def fragment_record(p: int) -> str:
 
 
 class FragmentOuterOptimizers:
-    """One outer optimizer (ALGORITHMS.md §2) per fragment, on fragment-shaped tensors.
+    """One outer optimizer (docs/algorithms.md §2) per fragment, on fragment-shaped tensors.
 
     Each fragment is stepped only when its own sync completes, so its momentum, moments and
     step counter (FedAdam's bias correction) must be its own: sharing one full-model state would
@@ -381,7 +380,7 @@ def streaming_merge(local_now: torch.Tensor, global_new: torch.Tensor,
 def cocodc_compensate(local_at_start: torch.Tensor, local_now: torch.Tensor,
                       global_new: torch.Tensor, tau: float, H: float,
                       lam: float = 0.5) -> torch.Tensor:
-    """CoCoDC delay compensation (Algorithm 1) in progress form (ALGORITHMS.md §7), new tensor.
+    """CoCoDC delay compensation (Algorithm 1) in progress form (docs/algorithms.md §7), new tensor.
 
     With d = θ^m_p(t_l) − θ^m_p(t_p) (local progress during the τ overlapped steps),
     r = d/τ, and D = θ^g_p − θ^m_p(t_p)::
@@ -389,7 +388,7 @@ def cocodc_compensate(local_at_start: torch.Tensor, local_now: torch.Tensor,
         r_c = r − λ·r⊙r⊙D/H,      result = θ^g_p + τ·r_c.
 
     θ^g_p here is the **new** global fragment (``global_new``, the outer step on the mean Δ_p of
-    the sync started at t_p) in both places: ALGORITHMS.md §7 uses the one symbol θ^g_p for
+    the sync started at t_p) in both places: docs/algorithms.md §7 uses the one symbol θ^g_p for
     both, and the paper defines its θ^g_{p,t_p} as the state *after* the outer step (Eq. 2),
     using it in Eq. 5 (D) and Eq. 8 (result) alike. The pre-step global copy is not needed.
 
@@ -455,7 +454,7 @@ def _exact(x: float) -> Fraction:
 
 
 class AdaptiveSchedule:
-    """CoCoDC's adaptive fragment selection (Algorithm 2, ALGORITHMS.md §7), decided by the
+    """CoCoDC's adaptive fragment selection (Algorithm 2, docs/algorithms.md §7), decided by the
     server alone and told to the workers.
 
     Bookkeeping per fragment p: t_{p,b}, the step at which p's last sync *completed* (0 at the

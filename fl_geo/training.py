@@ -1,4 +1,4 @@
-"""The inner loop of a datacenter client (ALGORITHMS.md §1).
+"""The inner loop of a datacenter client (docs/algorithms.md §1).
 
 AdamW with weight decay on matrices only, linear warm-up then cosine decay, gradient clipping and
 bf16 autocast on accelerators. The optimizer state must survive across outer rounds (DiLoCo) even
@@ -43,7 +43,7 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 @dataclass
 class InnerConfig:
-    """Inner-optimizer settings; defaults follow the HALoS code (see ALGORITHMS.md §1)."""
+    """Inner-optimizer settings; defaults follow the HALoS code (see docs/algorithms.md §1)."""
 
     lr: float = 3e-3
     min_lr_ratio: float = 0.1

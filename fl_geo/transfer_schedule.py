@@ -1,6 +1,6 @@
 """Conflict-free transfer schedule between training workers and sharded parameter servers.
 
-Di-PS (papers/000, §4.1 "Communication Coordination in Leader PS", Appendix A) shards the model
+Di-PS (NSDI 2026, §4.1 "Communication Coordination in Leader PS", Appendix A) shards the model
 over K *follower* parameter servers; each indivisible unit (a layer) has a fixed destination
 follower ``dest(l)``. After an outer round, the workers of a training cluster (one per pipeline
 stage, holding their contiguous block of layers) all want to push at once, a many-to-many

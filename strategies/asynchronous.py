@@ -1,6 +1,6 @@
 """Asynchronous buffered aggregation: FedBuff, FedAsync, naive async DiLoCo, Async-Local-SGD, Di-PS.
 
-One loop (ALGORITHMS.md §5, Di-PS Algorithm 1); the methods are policies on it:
+One loop (docs/algorithms.md §5, Di-PS Algorithm 1); the methods are policies on it:
 
 - the server never waits for every worker: it takes the next resolved job from the dispatcher in
   clock order, validates the reply, scores it (Di-PS penalty), and folds it into one running weighted
@@ -56,7 +56,7 @@ class AsyncOuterLoop(OuterLoop):
         cfg = self.cfg
         s = cfg.strategy
         self._scratch: torch.Tensor | None = None  # θ_current − θ_worker for the "current" base
-        self.dispatched_samples = 0  # for schedule_clock=global (ALGORITHMS.md §1)
+        self.dispatched_samples = 0  # for schedule_clock=global (docs/algorithms.md §1)
         self.waiting: list[int] = []  # pushers of this step: they get the new model after it
         self.tally = Tally()
         self.last_arrival: float | None = None

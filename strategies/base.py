@@ -79,7 +79,7 @@ def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
 
 
 def penalty_from_config(cfg: FlGeoConfig, spec: ParamSpec) -> Penalty | None:
-    """The pseudo-gradient penalty of ALGORITHMS.md §4, or None when ``penalty.enabled`` is off.
+    """The pseudo-gradient penalty of docs/algorithms.md §4, or None when ``penalty.enabled`` is off.
 
     ``penalty.outlier: false`` (an ablation switch) keeps the statistics but never rejects.
     """
@@ -412,7 +412,7 @@ class OuterLoop:
         if first:
             self.history.append(self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()}))
 
-    # ---- the pseudo-gradient penalty (ALGORITHMS.md §4), shared by Di-PS, EDiT and HALoS --------
+    # ---- the pseudo-gradient penalty (docs/algorithms.md §4), shared by Di-PS, EDiT and HALoS --------
     def fold_penalised(self, tally: Tally, node: int, update: Any, tokens: int, staleness: float = 0) -> Any:
         """Norms -> outlier test against the step-start statistics -> weighted fold.
 

@@ -1,10 +1,10 @@
 """HALoS in one ServerApp: a global parameter server and one local server per region (or group).
 
-ALGORITHMS.md §6. Workers are Flower nodes; each belongs to a local parameter server (LPS): by
+docs/algorithms.md §6. Workers are Flower nodes; each belongs to a local parameter server (LPS): by
 default one per region of the scenario (a node's region is its scenario entry's, or its ``site``
 without a scenario), or ``halos.group_size`` workers per LPS inside a region ("consistent
 grouping", HALoS §5.3). The server objects are `fl_geo.halos` (framework-free, shared with a
-deployment, where only the transport differs: FLOWER_NOTES.md "Two tiers").
+deployment, where only the transport differs: docs/flower.md "Two tiers (HALoS) on Flower").
 
 Events, in clock order:
 

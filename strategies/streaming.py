@@ -1,4 +1,4 @@
-"""Streaming DiLoCo and CoCoDC (ALGORITHMS.md §7) as a synchronous loop of short messages.
+"""Streaming DiLoCo and CoCoDC (docs/algorithms.md §7) as a synchronous loop of short messages.
 
 Every worker keeps its own model θ^m between messages (``context.state``, clients/datacenter.py
 ``train.stream``); the server keeps the global model ``global_params`` and one outer optimizer per

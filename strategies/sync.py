@@ -1,12 +1,12 @@
 """Synchronous outer loop: DiLoCo, EDiT, A-EDiT and the FL baselines FedAvg, FedAvgM, FedAdam, FedYogi.
 
-All are one loop (ALGORITHMS.md §3): every selected datacenter starts from θ_t, runs H inner
+All are one loop (docs/algorithms.md §3): every selected datacenter starts from θ_t, runs H inner
 steps, replies with Δ_i = θ_t − θ_i; the server folds the replies into one streaming weighted sum
 (uniform or token weights, one model-sized buffer however many replies) and applies its outer
 optimizer to Δ̄. The baselines differ only in the outer optimizer: ``nesterov`` (DiLoCo), ``avg``
 (FedAvg: θ ← θ − Δ̄ = mean of the local models), ``sgdm`` (FedAvgM), ``fedadam``/``fedyogi``.
 
-EDiT (ALGORITHMS.md §4) is DiLoCo with the pseudo-gradient penalty applied per module: outlier
+EDiT (docs/algorithms.md §4) is DiLoCo with the pseudo-gradient penalty applied per module: outlier
 rejection against per-(node, module) EMA statistics, norm-softmax weights, clipping, rollback of
 modules every worker failed on; optionally a warm-up of one-step rounds with plain averaging
 first (``strategy.sync_warmup_steps``). A-EDiT replaces H by a time budget
@@ -166,7 +166,7 @@ class SyncOuterLoop(OuterLoop):
         timings = None
         if self.scenario is not None:
             # Compute only: the exchange of a synchronous round is modelled as one ring
-            # all-reduce over the slowest link of the best ring (ALGORITHMS.md §8).
+            # all-reduce over the slowest link of the best ring (docs/algorithms.md §8).
             timings = [JobTiming(slot, steps[n]) for slot, n in zip(slots, nodes, strict=True)]
         outcome = self.dispatcher.run_jobs(
             msgs,

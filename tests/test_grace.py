@@ -1,4 +1,4 @@
-"""Di-PS grace time (ALGORITHMS.md §5): the ski-rental formula and its running estimates."""
+"""Di-PS grace time (docs/algorithms.md §5): the ski-rental formula and its running estimates."""
 
 from __future__ import annotations
 

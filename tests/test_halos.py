@@ -1,4 +1,4 @@
-"""HALoS local and global parameter servers (fl_geo.halos) against ALGORITHMS.md §6 and §2."""
+"""HALoS local and global parameter servers (fl_geo.halos) against docs/algorithms.md §6 and §2."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _gps(params0: torch.Tensor | None = None, **kwargs: Any) -> GlobalParameterS
 
 
 class RefDelayedNesterov:
-    """ALGORITHMS.md §2 written out literally, in float64::
+    """docs/algorithms.md §2 written out literally, in float64::
 
         acc += g
         if (t+1) % N == 0:  m = β·m + acc/N;  θ -= lr·((1 − c·N + c)·β·m + g/N);  acc = 0
@@ -254,7 +254,7 @@ def test_apply_refuses_while_a_send_is_due() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Delayed Nesterov at both tiers against ALGORITHMS.md §2
+# Delayed Nesterov at both tiers against docs/algorithms.md §2
 
 
 @pytest.mark.parametrize("tier", ["local", "global"])

@@ -14,7 +14,7 @@ def test_default_config_matches_the_documented_size() -> None:
     cfg = ModelConfig()
     assert cfg.ffn_hidden == 352  # multiple of 32 nearest 8/3 * 128 = 341.3
     model = build_model(cfg, seed=0)
-    # 0.43 M parameters is the size DATA_NOTES.md's throughput figures were measured with.
+    # 0.43 M parameters is the size docs/data.md's throughput figures were measured with.
     assert model.num_params() == 434_816
 
 

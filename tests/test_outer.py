@@ -1,4 +1,4 @@
-"""Outer optimizers against their references: torch SGD, ALGORITHMS.md §2, Flower 1.41."""
+"""Outer optimizers against their references: torch SGD, docs/algorithms.md §2, Flower 1.41."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_nesterov_equals_torch_sgd(foreach: bool) -> None:
 
 def _delayed_nesterov_reference(params: torch.Tensor, grads: list[torch.Tensor], lr: float,
                                 beta: float, n: int, c: float) -> torch.Tensor:
-    """ALGORITHMS.md §2, transcribed literally (independent of fl_geo.outer)."""
+    """docs/algorithms.md §2, transcribed literally (independent of fl_geo.outer)."""
     theta = params.clone()
     m = torch.zeros_like(theta)
     acc = torch.zeros_like(theta)

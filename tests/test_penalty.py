@@ -1,4 +1,4 @@
-"""Pseudo-gradient penalty (ALGORITHMS.md §4) against hand-computed values of its formulas."""
+"""Pseudo-gradient penalty (docs/algorithms.md §4) against hand-computed values of its formulas."""
 
 from __future__ import annotations
 

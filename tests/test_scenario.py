@@ -1,4 +1,4 @@
-"""Scenario loading, validation and the timing model (ALGORITHMS.md §1, §6, §8), checked by hand."""
+"""Scenario loading, validation and the timing model (docs/algorithms.md §1, §6, §8), checked by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo / CoCoDC building blocks (fl_geo/streaming.py, ALGORITHMS.md §7)."""
+"""Streaming DiLoCo / CoCoDC building blocks (fl_geo/streaming.py, docs/algorithms.md §7)."""
 
 from __future__ import annotations
 
