@@ -52,9 +52,10 @@ class Site:
         return replace(self, eval_scope=scope, eval_batches=int(count))
 
     def model_key(self) -> str:
-        """What identifies the model a site builds: the seed and the run's model section (a
-        ClientApp process caches the model under it; fl-geo's server sends both every time)."""
-        return json.dumps([self.seed, self.sections.get("model")], sort_keys=True, default=str)
+        """What identifies the model a site builds: the seed, the run's model section and the
+        Flower run config (a ClientApp process caches the model under it, so a process that
+        serves two runs never trains one run's model in the other)."""
+        return json.dumps([self.seed, self.sections.get("model"), self.run_config], sort_keys=True, default=str)
 
 
 class _CallableSource:
