@@ -283,6 +283,7 @@ class DatacenterClient:
             inner=inner_config(sections["client"], int(cfg["schedule_total"])),
             sections=sections,
             node_config=dict(context.node_config),
+            run_config=dict(context.run_config),
         )
 
     def device(self, site: Site) -> torch.device:

@@ -29,7 +29,9 @@ class Site:
     ``inner``: the inner-loop settings of the run's ``client`` section (batch size, sequence
     length, learning rate, device, precision). ``sections``: the run's ``model``, ``data`` and
     ``client`` sections as dicts (what fl-geo's own decoder and corpus are built from; a user's
-    model may ignore them). ``eval_scope`` / ``eval_batches``: for the evaluate handlers, whether
+    model may ignore them). ``node_config`` / ``run_config``: the node's and the Flower run's config
+    (``[tool.flwr.app.config]`` of the user's app: a natural place for the model's own sizes).
+    ``eval_scope`` / ``eval_batches``: for the evaluate handlers, whether
     the server asks for this partition's held-out batches (``"partition"``, the ``evaluate``
     message) or the global held-out set its own ``val/loss`` uses (``"global"``,
     ``evaluate.stream``), and how many batches.
@@ -41,6 +43,7 @@ class Site:
     inner: InnerConfig
     sections: Mapping[str, Any] = field(default_factory=dict)
     node_config: Mapping[str, Any] = field(default_factory=dict)
+    run_config: Mapping[str, Any] = field(default_factory=dict)
     eval_scope: str = "partition"
     eval_batches: int = 0
 
@@ -49,9 +52,10 @@ class Site:
         return replace(self, eval_scope=scope, eval_batches=int(count))
 
     def model_key(self) -> str:
-        """What identifies the model a site builds: the seed and the run's model section (a
-        ClientApp process caches the model under it; fl-geo's server sends both every time)."""
-        return json.dumps([self.seed, self.sections.get("model")], sort_keys=True, default=str)
+        """What identifies the model a site builds: the seed, the run's model section and the
+        Flower run config (a ClientApp process caches the model under it, so a process that
+        serves two runs never trains one run's model in the other)."""
+        return json.dumps([self.seed, self.sections.get("model"), self.run_config], sort_keys=True, default=str)
 
 
 class _CallableSource:

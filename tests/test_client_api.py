@@ -352,3 +352,18 @@ def test_blocks_with_a_parameter_twice_are_refused():
     _, spec = _initial()
     with pytest.raises(ValueError, match="is in blocks 0 and 1"):
         Fragments.from_blocks(spec, 2, [["head.bias"], ["head.bias"]])
+
+
+def test_the_site_carries_the_node_and_run_config(tiny):
+    seen = []
+
+    def model_fn(site: Site) -> nn.Module:
+        seen.append((site.partition_id, site.num_partitions, site.node_config.get("site"),
+                     site.run_config.get("width"), site.inner.batch_size, site.sections["model"]["d_model"]))
+        return gru_model(site)
+
+    flat, spec = _initial()
+    ctx = Context(run_id=1, node_id=1, state=RecordDict(), run_config={"width": 16},
+                  node_config={"partition-id": 1, "num-partitions": 2, "site": "eu"})
+    DatacenterClient(model_fn, gru_batches).app(_train_msg(_request(tiny), flat, spec), ctx)
+    assert seen == [(1, 2, "eu", 16, 4, 32)]
