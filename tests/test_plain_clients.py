@@ -206,8 +206,8 @@ def test_diloco_gives_the_same_model_with_both_reply_styles():
 
 @pytest.mark.slow
 def test_public_strategies_under_flowers_ray_simulation():
-    """A user's own ServerApp (no fl-geo config, no fl-geo ClientApp) runs a synchronous, an
-    asynchronous and a two-tier fl-geo strategy one after another on Flower's simulation runtime."""
+    """A user's own ServerApp (no fl-geo config, no fl-geo ClientApp) runs every strategy that takes
+    a plain Flower ClientApp, one after another, on Flower's Ray simulation runtime."""
     import warnings
 
     from flwr.serverapp import Grid, ServerApp
@@ -215,12 +215,12 @@ def test_public_strategies_under_flowers_ray_simulation():
 
     results: dict[str, tuple[float, float, int]] = {}
     server = ServerApp()
+    strategies = _plain_strategies()  # every method that takes a plain Flower ClientApp
 
     @server.main()
     def main(grid: Grid, context) -> None:  # noqa: ANN001
-        for strategy in (DiLoCo(inner_steps=plain.STEPS), DiPS(inner_steps=plain.STEPS, warmup=1),
-                         HALoS(inner_steps=plain.STEPS, accumulate=2, local_buffer=2, group_size=1)):
-            result = strategy.start(grid, _initial(), num_rounds=3, evaluate_fn=plain.evaluate_fn)
+        for strategy in strategies:
+            result = strategy.start(grid, _initial(), num_rounds=4, evaluate_fn=plain.evaluate_fn)
             losses = result.evaluate_metrics_serverapp
             results[type(strategy).__name__] = (losses[0]["loss"], losses[max(losses)]["loss"], strategy.stats.rejected)
 
@@ -229,6 +229,6 @@ def test_public_strategies_under_flowers_ray_simulation():
         run_simulation(server_app=server, client_app=plain.app, num_supernodes=3,
                        backend_config={"init_args": {"num_cpus": 2, "include_dashboard": False},
                                        "client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
-    assert set(results) == {"DiLoCo", "DiPS", "HALoS"}, results
+    assert set(results) == {type(s).__name__ for s in strategies}, results
     for name, (first, last, rejected) in results.items():
         assert last < first and rejected == 0, (name, first, last)
