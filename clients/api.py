@@ -272,9 +272,11 @@ class DatacenterClient:
 
     # ---------------------------------------------------------------- per-message set-up
 
-    def site(self, cfg: ConfigRecord, context: Context) -> Site:
-        """The `Site` of a message: node partition, run seed, inner settings and sections."""
+    def site(self, cfg: ConfigRecord, context: Context, msg: Message | None = None) -> Site:
+        """The `Site` of a message: node partition, run seed, inner settings and sections, and
+        the user's own Flower train / evaluate config (the message's ``"config"`` record)."""
         pid, nparts = partition_ids(context)
+        user = msg.content.config_records.get(protocol.USER_CONFIG_RECORD) if msg is not None else None
         sections = {key: json.loads(str(cfg[key])) for key in ("model", "data", "client") if key in cfg}
         return Site(
             partition_id=pid,
@@ -284,6 +286,7 @@ class DatacenterClient:
             sections=sections,
             node_config=dict(context.node_config),
             run_config=dict(context.run_config),
+            config=dict(user) if user is not None else {},
         )
 
     def device(self, site: Site) -> torch.device:
@@ -415,7 +418,7 @@ class DatacenterClient:
         """
         cfg = request_of(msg)
         set_threads(cfg)
-        site = self.site(cfg, context)
+        site = self.site(cfg, context, msg)
         # Processes for this site's inner loop: node config ``devices`` (a site knows its
         # hardware), else ``client.devices``; a client section without the key means one.
         count = int(context.node_config.get("devices", site.sections["client"].get("devices", 1)))
@@ -488,7 +491,7 @@ class DatacenterClient:
         """Validation loss of the received model on this node's held-out batches."""
         cfg = request_of(msg)
         set_threads(cfg)
-        site = self.site(cfg, context)
+        site = self.site(cfg, context, msg)
         model, spec = self.model(site)
         base = self.receive_model(msg, cfg, spec, torch.empty(spec.numel, dtype=torch.float32))
         load_flat_into(model, base, spec)

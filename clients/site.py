@@ -31,10 +31,12 @@ class Site:
     ``client`` sections as dicts (what fl-geo's own decoder and corpus are built from; a user's
     model may ignore them). ``node_config`` / ``run_config``: the node's and the Flower run's config
     (``[tool.flwr.app.config]`` of the user's app: a natural place for the model's own sizes).
-    ``eval_scope`` / ``eval_batches``: for the evaluate handlers, whether
-    the server asks for this partition's held-out batches (``"partition"``, the ``evaluate``
-    message) or the global held-out set its own ``val/loss`` uses (``"global"``,
-    ``evaluate.stream``), and how many batches.
+    ``config``: the user's own Flower ``train_config`` / ``evaluate_config`` that came with this
+    message (the ``"config"`` record, fl_geo.protocol; empty when the strategy sends none); per
+    message, so it is not part of `model_key`. ``eval_scope`` / ``eval_batches``: for the
+    evaluate handlers, whether the server asks for this partition's held-out batches
+    (``"partition"``, the ``evaluate`` message) or the global held-out set its own ``val/loss``
+    uses (``"global"``, ``evaluate.stream``), and how many batches.
     """
 
     partition_id: int
@@ -44,6 +46,7 @@ class Site:
     sections: Mapping[str, Any] = field(default_factory=dict)
     node_config: Mapping[str, Any] = field(default_factory=dict)
     run_config: Mapping[str, Any] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
     eval_scope: str = "partition"
     eval_batches: int = 0
 

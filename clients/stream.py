@@ -90,7 +90,7 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     """
     cfg = request_of(msg)
     set_threads(cfg)
-    site = client.site(cfg, context)
+    site = client.site(cfg, context, msg)
     device = client.device(site)
     model, spec = client.model(site)
     fragments, frag_specs = client.fragments(site, int(cfg["fragments"]))
@@ -207,7 +207,7 @@ def evaluate_stream(client: DatacenterClient, msg: Message, context: Context) ->
     state = context.state
     if STREAM_LOCAL_KEY not in state.array_records:
         raise RuntimeError("evaluate.stream: this node holds no streaming model yet (no train.stream message ran)")
-    site = client.site(cfg, context)
+    site = client.site(cfg, context, msg)
     device = client.device(site)
     model, spec = client.model(site)
     local = torch.from_numpy(state.array_records[STREAM_LOCAL_KEY]["flat"].numpy())

@@ -20,7 +20,13 @@ from fl_geo.clients import DatacenterClient, Site, make_client_app
 from fl_geo.clients.api import OPT_STATE_KEY, PROGRESS_KEY
 from fl_geo.clients.stream import STREAM_LOCAL_KEY
 from fl_geo.inline import InlineGrid
-from fl_geo.protocol import PROTOCOL_KEY, PROTOCOL_VERSION, REQUEST_RECORD, ProfileQuery
+from fl_geo.protocol import (
+    PROTOCOL_KEY,
+    PROTOCOL_VERSION,
+    REQUEST_RECORD,
+    USER_CONFIG_RECORD,
+    ProfileQuery,
+)
 from fl_geo.state import ParamSpec, flatten
 from fl_geo.strategies.base import client_config_record
 from fl_geo.streaming import fragment_record
@@ -354,7 +360,7 @@ def test_blocks_with_a_parameter_twice_are_refused():
         Fragments.from_blocks(spec, 2, [["head.bias"], ["head.bias"]])
 
 
-def test_the_site_carries_the_node_and_run_config(tiny):
+def test_the_site_carries_the_node_run_and_user_config(tiny):
     seen = []
 
     def model_fn(site: Site) -> nn.Module:
@@ -362,8 +368,20 @@ def test_the_site_carries_the_node_and_run_config(tiny):
                      site.run_config.get("width"), site.inner.batch_size, site.sections["model"]["d_model"]))
         return gru_model(site)
 
+    configs = []
+
+    def batches_fn(site: Site) -> CountingBatches:
+        configs.append(dict(site.config))
+        return gru_batches(site)
+
     flat, spec = _initial()
     ctx = Context(run_id=1, node_id=1, state=RecordDict(), run_config={"width": 16},
                   node_config={"partition-id": 1, "num-partitions": 2, "site": "eu"})
-    DatacenterClient(model_fn, gru_batches).app(_train_msg(_request(tiny), flat, spec), ctx)
-    assert seen == [(1, 2, "eu", 16, 4, 32)]
+    client = DatacenterClient(model_fn, batches_fn)
+    client.app(_train_msg(_request(tiny), flat, spec), ctx)
+    assert seen == [(1, 2, "eu", 16, 4, 32)] and configs == [{}]
+    # the user's own Flower train_config of a message (the "config" record) reaches the callables
+    msg = _train_msg(_request(tiny), flat, spec)
+    msg.content[USER_CONFIG_RECORD] = ConfigRecord({"dropout": 0.25})
+    client.app(msg, ctx)
+    assert configs[-1] == {"dropout": 0.25} and len(seen) == 1  # same model: built once
