@@ -15,6 +15,15 @@ from pathlib import Path
 from typing import Any
 
 
+def metrics_record(step: int, wall_s: float, metrics: dict[str, float | int]) -> dict[str, Any]:
+    """One step's record: its step, wall time and every metric as a float (None when not finite)."""
+    record: dict[str, Any] = {"step": int(step), "time/wall_s": round(wall_s, 4)}
+    for key, val in metrics.items():
+        fval = float(val)
+        record[key] = fval if math.isfinite(fval) else None
+    return record
+
+
 class MetricsLogger:
     """Append-only metrics sink for one run directory."""
 
@@ -38,12 +47,11 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float | int]) -> dict[str, Any]:
         """Write one record; non-finite values are kept in JSONL as null, skipped in TensorBoard."""
-        record: dict[str, Any] = {"step": int(step), "time/wall_s": round(self.wall_s, 4)}
-        for key, val in metrics.items():
-            fval = float(val)
-            record[key] = fval if math.isfinite(fval) else None
-            if self._tb is not None and math.isfinite(fval):
-                self._tb.add_scalar(key, fval, global_step=int(step))
+        record = metrics_record(step, self.wall_s, metrics)
+        if self._tb is not None:
+            for key, val in record.items():
+                if key not in ("step", "time/wall_s") and val is not None:
+                    self._tb.add_scalar(key, val, global_step=int(step))
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
         return record
@@ -88,10 +96,7 @@ class MemoryLogger:
         return time.perf_counter() - self._t0
 
     def log(self, step: int, metrics: dict[str, float | int]) -> dict[str, Any]:
-        record: dict[str, Any] = {"step": int(step), "time/wall_s": round(self.wall_s, 4)}
-        for key, val in metrics.items():
-            fval = float(val)
-            record[key] = fval if math.isfinite(fval) else None
+        record = metrics_record(step, self.wall_s, metrics)
         self.records.append(record)
         return record
 
