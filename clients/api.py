@@ -13,7 +13,7 @@ user model's own `ParamSpec` (wrong keys, shapes, dtypes or a non-finite value: 
 the inner optimizer state and schedule position survive rounds in ``context.state`` (and on disk
 for a resumed server, clients/persist.py), the device (``cpu|cuda|cuda:N|npu|mps|auto``, node
 config ``device`` overriding the run's) and bf16 autocast, the multi-device data-parallel job
-(fl_geo.distributed), token accounting and the reply's metrics.
+(fl_geo.inner.distributed), token accounting and the reply's metrics.
 """
 
 from __future__ import annotations
@@ -32,17 +32,14 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl_geo import protocol
-from fl_geo.builders import inner_config
 from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
 from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
 from fl_geo.clients.site import Site, as_batch_source
-from fl_geo.device import pick_device
-from fl_geo.dispatch import PROFILE_KEY
-from fl_geo.distributed import DataParallelTrainer, resolve_devices, spec_of
-from fl_geo.state import ParamSpec, flatten, load_flat_into, pseudo_grad
-from fl_geo.streaming import Fragments, fragment_spec
-from fl_geo.training import (
+from fl_geo.core.state import ParamSpec, flatten, load_flat_into, pseudo_grad
+from fl_geo.core.streaming import Fragments, fragment_spec
+from fl_geo.inner.device import pick_device
+from fl_geo.inner.distributed import DataParallelTrainer, resolve_devices, spec_of
+from fl_geo.inner.training import (
     BatchSource,
     InnerTrainer,
     LossFn,
@@ -54,7 +51,10 @@ from fl_geo.training import (
     lr_at,
     target_tokens,
 )
-from fl_geo.wire import check_finite_and_norm, decode_into, encode
+from fl_geo.runtime import protocol
+from fl_geo.runtime.builders import inner_config
+from fl_geo.runtime.dispatch import PROFILE_KEY
+from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
 
 __all__ = [
     "INNER_STATE_KEYS",
@@ -85,7 +85,7 @@ BlocksFn = Callable[[torch.nn.Module], Sequence[Sequence[str]]]
 _MODEL_CACHE = 2  # models kept per ClientApp process (a run needs one; two spare a rebuild)
 
 
-# Message type -> the typed request it carries (fl_geo.protocol).
+# Message type -> the typed request it carries (fl_geo.runtime.protocol).
 _REQUESTS: dict[str, type[protocol.Request]] = {
     "train": protocol.TrainRequest,
     "train.stream": protocol.StreamRequest,
@@ -97,7 +97,7 @@ _REQUESTS: dict[str, type[protocol.Request]] = {
 
 def request_of(msg: Message) -> ConfigRecord:
     """The fl-geo request a message carries (one place to read it from), validated against its
-    typed dataclass (fl_geo.protocol): protocol version, no unknown field, every required one
+    typed dataclass (fl_geo.runtime.protocol): protocol version, no unknown field, every required one
     present and of its type; a `ProtocolError` otherwise, which Flower turns into an error reply."""
     kind = _REQUESTS.get(msg.metadata.message_type)
     if kind is None:
@@ -128,7 +128,7 @@ def partition_ids(context: Context) -> tuple[int, int]:
 
 def first_device(setting: str) -> str:
     """A node's ``device`` may list the devices of a data-parallel site (``"cuda:0,cuda:2"``,
-    fl_geo.distributed); a handler that uses one device takes the first."""
+    fl_geo.inner.distributed); a handler that uses one device takes the first."""
     return setting.split(",", 1)[0].strip()
 
 
@@ -387,7 +387,7 @@ class DatacenterClient:
 
     def _data_parallel(self, msg: Message, cfg: ConfigRecord, site: Site,
                        count: int) -> tuple[DataParallelTrainer, ParamSpec, torch.Tensor]:
-        """A data-parallel job of ``count`` ranks (fl_geo.distributed).
+        """A data-parallel job of ``count`` ranks (fl_geo.inner.distributed).
 
         This process builds no trainable model: the received model is decoded straight into the
         job's shared-memory parameter buffer (which the ranks train from and rank 0 writes back
@@ -412,7 +412,7 @@ class DatacenterClient:
         """Run the inner loop from the received global model; reply with the pseudo-gradient.
 
         One process by default. With ``client.devices`` (or node config ``devices``) > 1 the inner
-        loop runs as a data-parallel job across the site's devices (fl_geo.distributed,
+        loop runs as a data-parallel job across the site's devices (fl_geo.inner.distributed,
         docs/multidevice.md), each rank with batch ``client.batch_size``; the state handling and
         the reply are the same. (The streaming handler ``train.stream`` always runs in one process.)
         """

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from flwr.app import Context, Message
 
-from fl_geo.builders import make_model, model_config, partitions
 from fl_geo.clients import stream
 from fl_geo.clients.api import (  # noqa: F401  (re-exported: tests and tools import them from here)
     INNER_STATE_KEYS,
@@ -42,8 +41,9 @@ from fl_geo.clients.stream import (  # noqa: F401  (re-exported)
     merge_fragment,
 )
 from fl_geo.data import BatchNoise, BatchSampler, eval_batches
-from fl_geo.model import Decoder
-from fl_geo.training import InnerConfig
+from fl_geo.inner.model import Decoder
+from fl_geo.inner.training import InnerConfig
+from fl_geo.runtime.builders import make_model, model_config, partitions
 
 
 def make_sampler(

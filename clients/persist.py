@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fl_geo.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from fl_geo.core.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 
 log = logging.getLogger("fl_geo")
 

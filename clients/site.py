@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
-from fl_geo.training import BatchSource, InnerConfig
+from fl_geo.inner.training import BatchSource, InnerConfig
 
 __all__ = ["Site", "as_batch_source"]
 
@@ -32,7 +32,7 @@ class Site:
     model may ignore them). ``node_config`` / ``run_config``: the node's and the Flower run's config
     (``[tool.flwr.app.config]`` of the user's app: a natural place for the model's own sizes).
     ``config``: the user's own Flower ``train_config`` / ``evaluate_config`` that came with this
-    message (the ``"config"`` record, fl_geo.protocol; empty when the strategy sends none); per
+    message (the ``"config"`` record, fl_geo.runtime.protocol; empty when the strategy sends none); per
     message, so it is not part of `model_key`. ``eval_scope`` / ``eval_batches``: for the
     evaluate handlers, whether the server asks for this partition's held-out batches
     (``"partition"``, the ``evaluate`` message) or the global held-out set its own ``val/loss``

@@ -6,7 +6,7 @@
 One worker of configs/cocodc.yaml trains 95 AdamW steps (t_p), then τ = 5 more (t_l). The new
 global fragment is stood in for by θ(t_p) + D with D = θ(0) − θ(t_p), the worker's own drift over
 the period (an upper-end size for θ^g − θ^m(t_p)). Prints ‖d‖, ‖D‖ and the norm of the
-correction λ·d⊙d⊙D/(τH) that `fl_geo.streaming.cocodc_compensate` adds on top of "global + local
+correction λ·d⊙d⊙D/(τH) that `fl_geo.core.streaming.cocodc_compensate` adds on top of "global + local
 progress", and its ratio to the local progress d it corrects.
 """
 
@@ -16,12 +16,12 @@ import json
 
 import torch
 
-from fl_geo.builders import inner_config, make_model, partitions
 from fl_geo.clients.datacenter import make_sampler
 from fl_geo.config import load_config, schedule_length, section_to_json, to_dict, warmup_length
-from fl_geo.state import flatten
-from fl_geo.streaming import cocodc_compensate
-from fl_geo.training import InnerTrainer
+from fl_geo.core.state import flatten
+from fl_geo.core.streaming import cocodc_compensate
+from fl_geo.inner.training import InnerTrainer
+from fl_geo.runtime.builders import inner_config, make_model, partitions
 
 
 def main() -> None:

@@ -112,8 +112,8 @@ def cmd_place(args: argparse.Namespace) -> int:
     """``fl-geo place``: the Di-PS PS-placement scores of a scenario (docs/placement_and_schedule.md)."""
     import json
 
-    from fl_geo.placement import format_placement, place_from_scenario
-    from fl_geo.scenario import load_scenario
+    from fl_geo.timing.placement import format_placement, place_from_scenario
+    from fl_geo.timing.scenario import load_scenario
 
     candidates = None
     if args.candidates is not None:
@@ -124,14 +124,14 @@ def cmd_place(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fl_geo.bench import main as bench_main
+    from fl_geo.bench.outer import main as bench_main
 
     return int(bench_main(args.bench_argv) or 0)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``fl-geo deploy ...``: deployment errors are reported here, as one line naming the log."""
-    from fl_geo import deploy
+    from fl_geo.deploy import launch as deploy
 
     try:
         return _deploy(args, deploy)
@@ -205,10 +205,10 @@ def _deploy(args: argparse.Namespace, deploy: Any) -> int:
 
 
 def _deploy_halos(args: argparse.Namespace) -> int:
-    """``fl-geo deploy halos-*``: the two-tier HALoS layout (fl_geo/deploy_halos.py)."""
+    """``fl-geo deploy halos-*``: the two-tier HALoS layout (fl_geo/deploy/halos.py)."""
     import json
 
-    from fl_geo import deploy_halos as dh
+    from fl_geo.deploy import halos as dh
 
     topo = dh.load_halos_topology(args.topology)
     if args.deploy_cmd == "halos-up":

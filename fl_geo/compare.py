@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fl_geo.metrics import read_metrics
+from fl_geo.runtime.metrics import read_metrics
 
 LOSS = "val/loss"
 WORKER_LOSS = "val/worker_loss"

@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
-from fl_geo.model import ModelConfig
+from fl_geo.errors import ConfigError
+from fl_geo.inner.model import ModelConfig
 from fl_geo.registry import METHODS
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
@@ -34,10 +35,6 @@ EDIT_STRATEGIES = tuple(m.name for m in METHODS.values() if m.penalty)
 NO_CHECKPOINT_STRATEGIES = tuple(m.name for m in METHODS.values() if not m.checkpoints)
 ASYNC_STRATEGIES = tuple(m.name for m in METHODS.values() if m.is_async)
 STREAMING_STRATEGIES = tuple(m.name for m in METHODS.values() if m.family == "streaming")
-
-
-class ConfigError(ValueError):
-    """A configuration is invalid; the message says which key and why."""
 
 
 @dataclass
@@ -69,7 +66,7 @@ class RunSection:
     wait_nodes_timeout_s: float = 120.0
     progress: bool = True
     tensorboard: bool = True
-    # Server checkpoints (fl_geo/checkpoint.py): every k outer steps (0 = off), newest `keep` kept,
+    # Server checkpoints (fl_geo/core/checkpoint.py): every k outer steps (0 = off), newest `keep` kept,
     # in checkpoint_dir ("" = <run dir>/checkpoints). resume=true continues from the newest valid
     # checkpoint there (a corrupt one is skipped) and starts fresh when there is none.
     checkpoint_every: int = 0
@@ -182,7 +179,7 @@ class StreamingSection:
     # worker holds. Streaming strategies only (DiLoCo's workers hold the global model after a sync).
     eval_workers: bool = False
     # the workers' Δ_p payloads: none (wire.up's precision), int8 or int4 (blockwise absmax, one
-    # fp32 scale per quantize_block elements; fl_geo.quantize). The new global fragment travels
+    # fp32 scale per quantize_block elements; fl_geo.core.quantize). The new global fragment travels
     # back at wire.down: it is a model, not an update to be averaged.
     quantize: str = "none"
     quantize_block: int = 128
@@ -200,7 +197,7 @@ class PsSection:
     followers: int = 0
     # local: the followers live in the ServerApp's process and clients' updates come in Flower
     # replies (the single-server case, and the virtual-clock tests); grpc: follower processes the
-    # leader starts, and clients push/pull shards on the gRPC data path (fl_geo.dataplane) while
+    # leader starts, and clients push/pull shards on the gRPC data path (fl_geo.ps.dataplane) while
     # Flower messages carry only control.
     transport: str = "local"
     norm: str = "global"  # global: ||update||_2 (F-independent) | sum_of_shards: Di-PS's sum of shard norms
@@ -248,7 +245,7 @@ class DataSection:
 
 @dataclass
 class ClientSection:
-    """Inner loop of every datacenter client (fl_geo.training.InnerConfig)."""
+    """Inner loop of every datacenter client (fl_geo.inner.training.InnerConfig)."""
 
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -264,7 +261,7 @@ class ClientSection:
     device: str = "auto"  # auto | cuda | npu | mps | cpu
     precision: str = "auto"  # auto (bf16 autocast on accelerators) | bf16 | fp32
     eval_batches: int = 8
-    # Data-parallel inner loop over a site's devices (fl_geo.distributed, docs/multidevice.md):
+    # Data-parallel inner loop over a site's devices (fl_geo.inner.distributed, docs/multidevice.md):
     # 1 = one process (the default path); N > 1 = N DDP processes started per train message. A
     # SuperNode may override it (--node-config 'devices=8'); its hardware is checked there.
     devices: int = 1

@@ -22,8 +22,6 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fl_geo import __version__
-from fl_geo.builders import make_model
-from fl_geo.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.config import (
     ConfigError,
     FlGeoConfig,
@@ -31,16 +29,18 @@ from fl_geo.config import (
     to_dict,
     to_yaml,
 )
-from fl_geo.evaluation import GlobalEvaluator
-from fl_geo.metrics import MetricsLogger
-from fl_geo.progress import Progress
-from fl_geo.state import ParamSpec
+from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
+from fl_geo.core.state import ParamSpec
+from fl_geo.paths import PROJECT_ROOT
+from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.evaluation import GlobalEvaluator
+from fl_geo.runtime.metrics import MetricsLogger
+from fl_geo.runtime.progress import Progress
 from fl_geo.strategies import build_strategy
 
 log = logging.getLogger("fl_geo")
 
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def new_run_dir(cfg: FlGeoConfig) -> Path:

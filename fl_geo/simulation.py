@@ -78,7 +78,7 @@ def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[
         # A restarted simulation starts new client processes: their inner state must be on disk.
         cfg.run.client_state_dir = str((run_dir / "client_state").resolve())
     if cfg.run.backend == "inline":
-        from fl_geo.inline import InlineGrid
+        from fl_geo.runtime.inline import InlineGrid
         from fl_geo.server_app import run_server
 
         return run_server(InlineGrid(client_app, cfg.run.num_clients, seed=cfg.run.seed), cfg, run_dir)

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from flwr.app import Message, MessageType, RecordDict
 
-from fl_geo.dispatch import Event, JobTiming
-from fl_geo.grace import GraceTimer
-from fl_geo.progress import Progress
-from fl_geo.protocol import TrainRequest
+from fl_geo.core.grace import GraceTimer
+from fl_geo.runtime.dispatch import Event, JobTiming
+from fl_geo.runtime.progress import Progress
+from fl_geo.runtime.protocol import TrainRequest
+from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
-from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
 
@@ -240,7 +240,7 @@ class AsyncOuterLoop(OuterLoop):
         return not (busy & set(self.dispatcher.live_nodes()))  # every live worker has reported
 
     def grace(self) -> float:
-        """Di-PS grace window: fixed, or the ski-rental estimate (``fl_geo.grace``)."""
+        """Di-PS grace window: fixed, or the ski-rental estimate (``fl_geo.core.grace``)."""
         g = self.cfg.strategy.grace_s
         if g >= 0:
             return g

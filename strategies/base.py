@@ -17,24 +17,24 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.checkpoint import CheckpointStore
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
-from fl_geo.dispatch import Dispatcher, JobTiming, NodeProfile, default_profiles
-from fl_geo.evaluation import GlobalEvaluator
-from fl_geo.metrics import MetricsLogger
-from fl_geo.outer import OuterOptimizer, build_outer_optimizer
-from fl_geo.penalty import Penalty
-from fl_geo.protocol import (
+from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.outer import OuterOptimizer, build_outer_optimizer
+from fl_geo.core.penalty import Penalty
+from fl_geo.core.state import ParamSpec
+from fl_geo.runtime.dispatch import Dispatcher, JobTiming, NodeProfile, default_profiles
+from fl_geo.runtime.evaluation import GlobalEvaluator
+from fl_geo.runtime.metrics import MetricsLogger
+from fl_geo.runtime.protocol import (
     REQUEST_RECORD,
     USER_CONFIG_RECORD,
     EvaluateRequest,
     Request,
     user_config,
 )
-from fl_geo.state import ParamSpec
+from fl_geo.runtime.wire import encode
 from fl_geo.strategies.replies import Tally
-from fl_geo.wire import encode
 
 log = logging.getLogger("fl_geo")
 
@@ -42,7 +42,7 @@ CHECKPOINT_FORMAT = 1
 
 
 def outer_optimizer_from_config(cfg: FlGeoConfig, numel: int) -> OuterOptimizer:
-    """Map the strategy section onto the core outer optimizers (fl_geo.outer)."""
+    """Map the strategy section onto the core outer optimizers (fl_geo.core.outer)."""
     s = cfg.strategy
     name = s.outer_optimizer
     if name == "nesterov":
@@ -121,7 +121,7 @@ class OuterLoop:
         self.profiles = profiles
         self.logger = logger
         self.evaluator = evaluator
-        self.scenario = scenario  # set with a virtual clock (fl_geo.scenario.Scenario)
+        self.scenario = scenario  # set with a virtual clock (fl_geo.timing.scenario.Scenario)
         self.optimizer = outer_optimizer_from_config(cfg, spec.numel)
         self.accumulator = WeightedAccumulator(spec.numel)
         self.version = 0  # outer steps applied
@@ -273,7 +273,7 @@ class OuterLoop:
             "time/virtual_s": self._virtual_now(),
         }
 
-    # ---- checkpoint and resume (fl_geo/checkpoint.py) -------------------------------------------
+    # ---- checkpoint and resume (fl_geo/core/checkpoint.py) -------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything the server needs to continue where it stopped: model, outer optimizer,
         penalty statistics, counters, versions, clock and RNG. Loops add their own part in

@@ -3,7 +3,7 @@
 docs/algorithms.md §6. Workers are Flower nodes; each belongs to a local parameter server (LPS): by
 default one per region of the scenario (a node's region is its scenario entry's, or its ``site``
 without a scenario), or ``halos.group_size`` workers per LPS inside a region ("consistent
-grouping", HALoS §5.3). The server objects are `fl_geo.halos` (framework-free, shared with a
+grouping", HALoS §5.3). The server objects are `fl_geo.core.halos` (framework-free, shared with a
 deployment, where only the transport differs: docs/flower.md "Two tiers (HALoS) on Flower").
 
 Events, in clock order:
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from flwr.app import Message, MessageType, RecordDict
 
-from fl_geo.dispatch import Event, JobTiming
-from fl_geo.halos import GlobalParameterServer, LocalParameterServer
-from fl_geo.progress import Progress
-from fl_geo.protocol import TrainRequest
+from fl_geo.core.halos import GlobalParameterServer, LocalParameterServer
+from fl_geo.runtime.dispatch import Event, JobTiming
+from fl_geo.runtime.progress import Progress
+from fl_geo.runtime.protocol import TrainRequest
+from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, read_reply
-from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
 

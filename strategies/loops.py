@@ -35,11 +35,11 @@ def loop_class(cfg: FlGeoConfig) -> type[OuterLoop]:
 def make_clock(cfg: FlGeoConfig, num_params: int, scenario: Any = None) -> tuple[Any, Any]:
     """The run's clock, and its scenario when the clock is virtual (modelled WAN and speeds):
     ``scenario`` when given (a `Scenario` object), else the one ``run.scenario`` names."""
-    from fl_geo.clock import VirtualClock, WallClock
+    from fl_geo.timing.clock import VirtualClock, WallClock
 
     if cfg.run.clock == "wall":
         return WallClock(), None
-    from fl_geo.scenario import load_scenario, scenario_for_nodes
+    from fl_geo.timing.scenario import load_scenario, scenario_for_nodes
 
     scenario = scenario_for_nodes(scenario or load_scenario(cfg.run.scenario), cfg.run.num_clients)
     return VirtualClock(scenario, scenario.modelled_params(fallback=num_params)), scenario

@@ -3,7 +3,7 @@
 A reply must carry an ``arrays`` ArrayRecord (the update in the configured uplink precision, keys
 and shapes of the model's ParamSpec) and a ``metrics`` MetricRecord with the keys the datacenter
 client writes. Anything else is a :class:`ReplyError` whose message is what the server logs.
-Finiteness is checked later, in the same pass that folds the values (fl_geo.accumulate).
+Finiteness is checked later, in the same pass that folds the values (fl_geo.core.accumulate).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from flwr.app import Message, MetricRecord
 
-from fl_geo.protocol import ProtocolError, declaration_of
-from fl_geo.state import ParamSpec
-from fl_geo.wire import PayloadError, decode, payload_nbytes
+from fl_geo.core.state import ParamSpec
+from fl_geo.runtime.protocol import ProtocolError, declaration_of
+from fl_geo.runtime.wire import PayloadError, decode, payload_nbytes
 
 # Metric keys a train reply must carry (clients/datacenter.py writes them).
 REPLY_METRICS = ("tokens", "steps", "train_loss", "step_time_s", "partition_id")
@@ -30,7 +30,7 @@ class ReplyError(ValueError):
 class TrainReply:
     """The parts of a valid train reply a strategy folds and counts."""
 
-    pieces: list[tuple[int, torch.Tensor]]  # zero-copy views in wire precision (fl_geo.wire.decode)
+    pieces: list[tuple[int, torch.Tensor]]  # zero-copy views in wire precision (fl_geo.runtime.wire.decode)
     tokens: int
     loss: float
     step_time_s: float
@@ -174,7 +174,7 @@ def read_model_reply(reply: Message, spec: ParamSpec, base: torch.Tensor) -> Tra
 
 def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
                base: torch.Tensor | None = None, payloads: tuple[str, ...] = ("pseudo_grad",)) -> TrainReply:
-    """Read a train reply by what it declares (fl_geo.protocol), never by guessing.
+    """Read a train reply by what it declares (fl_geo.runtime.protocol), never by guessing.
 
     A reply with fl-geo's ``"fl-geo"`` declaration must speak this protocol version, carry one of
     ``payloads`` in the agreed ``precision``, and is read by `read_train_reply`. A reply without

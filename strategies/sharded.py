@@ -3,7 +3,7 @@
 Di-PS §4.1: "a leader PS is introduced to serve as the central controller" of follower PSs that
 each manage several layers. Here the asynchronous loop (`AsyncOuterLoop`: grace window,
 membership, versions, tokens, the penalty's statistics and decision) stays in the leader; what
-touched model-sized data moves to the followers (`fl_geo.follower.FollowerShard`):
+touched model-sized data moves to the followers (`fl_geo.ps.follower.FollowerShard`):
 
 - per reply, every follower reports its shard's per-tensor sums of squares; the leader combines
   them into G (`ps.norm`: the global L2 norm, or Di-PS's sum of shard norms), scores it, and tells
@@ -28,16 +28,16 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from fl_geo.accumulate import WeightedAccumulator
 from fl_geo.config import ConfigError
-from fl_geo.dispatch import Event
-from fl_geo.follower import FollowerError, FollowerShard
-from fl_geo.progress import Progress
-from fl_geo.shards import ShardPlan, global_norm, sum_of_shard_norms
+from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.shards import ShardPlan, global_norm, sum_of_shard_norms
+from fl_geo.core.transfer_schedule import TransferScheduler
+from fl_geo.ps.follower import FollowerError, FollowerShard
+from fl_geo.runtime.dispatch import Event
+from fl_geo.runtime.progress import Progress
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.base import outer_optimizer_from_config
 from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, TrainReply, require_declaration
-from fl_geo.transfer_schedule import TransferScheduler
 
 log = logging.getLogger("fl_geo")
 
@@ -111,8 +111,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                               max_pending=ps.max_pending)
                 for s in self.plan.shards]
         else:
-            from fl_geo.dataplane import TlsFiles
-            from fl_geo.follower_supervisor import FollowerSupervisor
+            from fl_geo.ps.dataplane import TlsFiles
+            from fl_geo.ps.supervisor import FollowerSupervisor
 
             workdir = Path(ps.workdir) if ps.workdir else Path(self.logger.run_dir) / "ps"
             opt = outer_optimizer_from_config(cfg, 1)
@@ -209,7 +209,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         completed is lost, and no half-applied window is stepped. Pushes for jobs not handled yet
         stay on the live followers; a job whose push the restarted follower lost fails when its
         reply is handled, and its worker gets the current model."""
-        from fl_geo.dataplane import DataPathError
+        from fl_geo.ps.dataplane import DataPathError
 
         restarted = self.supervisor.ensure_alive()
         for i in range(len(self.followers)):
@@ -457,7 +457,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
 def _data_path_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean a follower could not be reached (none without the data path)."""
     try:
-        from fl_geo.dataplane import DataPathError
+        from fl_geo.ps.dataplane import DataPathError
     except ImportError:  # pragma: no cover - grpcio is a dependency
         return ()
     return (DataPathError,)
@@ -476,7 +476,7 @@ def _clear_followers(workdir: Path) -> None:
 
 
 class RemoteFollower:
-    """The `Follower` interface over the data path's control calls (`fl_geo.dataplane`)."""
+    """The `Follower` interface over the data path's control calls (`fl_geo.ps.dataplane`)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client

@@ -10,7 +10,7 @@ Why ``start()`` is overridden instead of Flower's round hooks: Flower's ``start(
 synchronous loop of ``configure_train`` / ``send_and_receive`` / ``aggregate_train``, which cannot
 express an asynchronous method (the server steps while other workers are still training), a
 streaming one (fragments synced mid-round) or a two-tier one (HALoS). So every fl-geo strategy
-drives the grid itself through one dispatcher (``fl_geo.dispatch``: non-blocking push/pull, at
+drives the grid itself through one dispatcher (``fl_geo.runtime.dispatch``: non-blocking push/pull, at
 most one message in flight per node, error replies and vanished nodes, a virtual clock), and
 reuses Flower's own pieces: the ``Grid``, ``Message`` and record types, node liveness, the
 ``Result`` type and the ``evaluate_fn`` convention. The four round hooks are not used; calling
@@ -42,14 +42,14 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fl_geo.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.config import ConfigError, FlGeoConfig, load_config, validate
-from fl_geo.dispatch import Dispatcher, NodeProfile, default_profiles
-from fl_geo.metrics import MemoryLogger
-from fl_geo.progress import Progress
+from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
+from fl_geo.core.state import ParamSpec, flatten, unflatten
 from fl_geo.registry import Method, method
-from fl_geo.scenario import Scenario
-from fl_geo.state import ParamSpec, flatten, unflatten
+from fl_geo.runtime.dispatch import Dispatcher, NodeProfile, default_profiles
+from fl_geo.runtime.metrics import MemoryLogger
+from fl_geo.runtime.progress import Progress
+from fl_geo.timing.scenario import Scenario
 
 log = logging.getLogger("fl_geo")
 
@@ -151,7 +151,7 @@ class FlGeoStrategy(Strategy):
         Reject an update whose L2 norm exceeds this multiple of the model's (0: no bound).
     min_nodes : int (default: 1)
         Nodes to wait for before the first job (``wait_nodes_timeout_s`` at most).
-    scenario : str or fl_geo.scenario.Scenario, optional
+    scenario : str or fl_geo.timing.scenario.Scenario, optional
         A scenario name (``configs/scenarios``), a YAML path or a `Scenario` object: runs on a
         virtual clock that models the scenario's WAN links and accelerator speeds (deterministic
         event order). Without one, replies are handled as they arrive (wall clock).
@@ -166,14 +166,14 @@ class FlGeoStrategy(Strategy):
         Any other fl-geo setting as dotted keys (``{"penalty.warmup": 5, "run.eval_every": 2}``);
         ``fl-geo config FILE`` lists them. Unknown keys are a one-line error.
     logger : optional
-        Where per-step metrics go: ``fl_geo.metrics.MetricsLogger(run_dir)`` (JSONL + TensorBoard);
+        Where per-step metrics go: ``fl_geo.runtime.metrics.MetricsLogger(run_dir)`` (JSONL + TensorBoard);
         default: kept in memory only (and returned in the `Result`).
-    progress : bool or fl_geo.progress.Progress (default: False)
+    progress : bool or fl_geo.runtime.progress.Progress (default: False)
         Print one progress line per outer step.
-    checkpoints : fl_geo.checkpoint.CheckpointStore, optional
+    checkpoints : fl_geo.core.checkpoint.CheckpointStore, optional
         Write a server checkpoint every ``checkpoint_every`` outer steps into this store.
     checkpoint_every : int (default: 0)
-    resume_from : fl_geo.checkpoint.Checkpoint, optional
+    resume_from : fl_geo.core.checkpoint.Checkpoint, optional
         Continue from this checkpoint (validated against the run first).
     """
 
@@ -361,8 +361,8 @@ class FlGeoStrategy(Strategy):
     def _run(self, grid: Grid, cfg: FlGeoConfig, spec: ParamSpec, params: torch.Tensor,
              train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
              evaluate_fn: EvaluateFn | None) -> Result:
-        from fl_geo.clock import WallClock
         from fl_geo.strategies.loops import loop_class, make_clock
+        from fl_geo.timing.clock import WallClock
 
         minimum = cfg.run.min_nodes or cfg.run.num_clients
         nodes = Dispatcher(grid, WallClock()).wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)

@@ -2,7 +2,7 @@
 
 Every worker keeps its own model θ^m between messages (``context.state``, clients/datacenter.py
 ``train.stream``); the server keeps the global model ``global_params`` and one outer optimizer per
-fragment (`fl_geo.streaming`). Time is counted in inner steps ``t`` (all workers advance in lock
+fragment (`fl_geo.core.streaming`). Time is counted in inner steps ``t`` (all workers advance in lock
 step), and the schedule's *events* cut it into ticks: a fragment's sync start, a fragment's
 apply, and the end of each H-step period (one logged "round"). One tick = one ``train.stream``
 message per worker, dispatched together (`Dispatcher.run_jobs`):
@@ -43,13 +43,21 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
-from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.dispatch import JobTiming
-from fl_geo.progress import Progress
-from fl_geo.protocol import EvaluateRequest, StreamRequest
-from fl_geo.quantize import dequantize_record, quantized_nbytes
-from fl_geo.scenario import payload_bytes
-from fl_geo.state import ParamSpec
+from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.quantize import dequantize_record, quantized_nbytes
+from fl_geo.core.state import ParamSpec
+from fl_geo.core.streaming import (
+    AdaptiveSchedule,
+    FragmentOuterOptimizers,
+    Fragments,
+    fixed_schedule,
+    fragment_record,
+    fragment_spec,
+)
+from fl_geo.runtime.dispatch import JobTiming
+from fl_geo.runtime.progress import Progress
+from fl_geo.runtime.protocol import EvaluateRequest, StreamRequest
+from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import (
     REPLY_METRICS,
@@ -58,15 +66,7 @@ from fl_geo.strategies.replies import (
     TrainReply,
     require_declaration,
 )
-from fl_geo.streaming import (
-    AdaptiveSchedule,
-    FragmentOuterOptimizers,
-    Fragments,
-    fixed_schedule,
-    fragment_record,
-    fragment_spec,
-)
-from fl_geo.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
+from fl_geo.timing.scenario import payload_bytes
 
 log = logging.getLogger("fl_geo")
 
@@ -90,7 +90,7 @@ class StreamReply:
 def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Sequence[int],
                       steps: int, precision: str, quantize: str = "none", block: int = 128) -> StreamReply:
     """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them
-    (``quantize`` int8/int4: dequantise to one fp32 piece, `fl_geo.quantize`).
+    (``quantize`` int8/int4: dequantise to one fp32 piece, `fl_geo.core.quantize`).
 
     Raises `ReplyError` naming what is wrong (missing record, keys, shapes, dtypes, metrics, a
     step count other than the one asked for). Finiteness is checked when folding.

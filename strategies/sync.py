@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from flwr.app import Message, MessageType, RecordDict
 
-from fl_geo.dispatch import JobTiming
-from fl_geo.penalty import StepWeightMix
-from fl_geo.progress import Progress
-from fl_geo.protocol import TrainRequest
+from fl_geo.core.penalty import StepWeightMix
+from fl_geo.runtime.dispatch import JobTiming
+from fl_geo.runtime.progress import Progress
+from fl_geo.runtime.protocol import TrainRequest
+from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
-from fl_geo.wire import encode, payload_nbytes
 
 log = logging.getLogger("fl_geo")
 

@@ -8,8 +8,8 @@ import torch
 from flwr.app import RecordDict
 
 from fl_geo.config import FlGeoConfig, load_config
-from fl_geo.deploy import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
-from fl_geo.protocol import REQUEST_RECORD
+from fl_geo.deploy.launch import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
+from fl_geo.runtime.protocol import REQUEST_RECORD
 
 TINY = [
     "run.rounds=2",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_geo.accumulate import BatchResult, WeightedAccumulator, weight_for
-from fl_geo.state import CHUNK_ELEMS
+from fl_geo.core.accumulate import BatchResult, WeightedAccumulator, weight_for
+from fl_geo.core.state import CHUNK_ELEMS
 
 
 def _updates(k: int, numel: int, seed: int = 0) -> list[torch.Tensor]:

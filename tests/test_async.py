@@ -8,8 +8,8 @@ import torch
 from flwr.app import Array, ArrayRecord, Message
 
 from fl_geo.clients.datacenter import app as client_app
-from fl_geo.inline import InlineGrid
-from fl_geo.metrics import read_metrics
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 from tests.conftest import keep_declaration
 
@@ -162,8 +162,8 @@ def test_node_joining_mid_run_gets_the_latest_model(tiny, tmp_path):
 
 def test_share_lr_scaling_scales_single_update_steps(tiny, tmp_path):
     """With buffer 1 and 4 workers, lr x 1/4 per step: the first step moves the model 4x less."""
-    from fl_geo.builders import make_model
-    from fl_geo.state import flatten
+    from fl_geo.core.state import flatten
+    from fl_geo.runtime.builders import make_model
 
     base = ["strategy.name=async_diloco", "strategy.outer_momentum=0.0", "run.rounds=1", *VIRTUAL]
     init = flatten(make_model(tiny(*base).model, 0).state_dict())

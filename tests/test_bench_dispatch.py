@@ -12,12 +12,12 @@ import re
 import pytest
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fl_geo.bench import main as bench_main
-from fl_geo.bench_dispatch import _param_count, model_overrides, run_dispatch_bench
-from fl_geo.builders import make_model
-from fl_geo.dispatch import Dispatcher
-from fl_geo.metrics import MetricsLogger
-from fl_geo.model import ModelConfig
+from fl_geo.bench.dispatch import _param_count, model_overrides, run_dispatch_bench
+from fl_geo.bench.outer import main as bench_main
+from fl_geo.inner.model import ModelConfig
+from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.dispatch import Dispatcher
+from fl_geo.runtime.metrics import MetricsLogger
 
 
 def test_dispatch_bench_inline_prints_both_figures_and_the_verdict(capsys):
@@ -30,7 +30,7 @@ def test_dispatch_bench_inline_prints_both_figures_and_the_verdict(capsys):
     assert "server work on the critical path" in out
     assert "strategy: fold (check + norm + add)" in out  # the breakdown names where time goes
     assert (Dispatcher.next_event, Dispatcher.submit, MetricsLogger.log) == before
-    import fl_geo.dispatch as dispatch_mod
+    import fl_geo.runtime.dispatch as dispatch_mod
 
     assert dispatch_mod.time.__name__ == "time"  # the module again, not the timing stand-in
 
@@ -45,8 +45,8 @@ def test_noop_updates_are_folded_by_the_sync_loop_too():
 
 
 def test_noop_client_has_no_evaluate_handler():
-    from fl_geo.clients.noop import app
-    from fl_geo.inline import InlineGrid
+    from fl_geo.bench.noop_client import app
+    from fl_geo.runtime.inline import InlineGrid
 
     grid = InlineGrid(app, 1)
     node = next(iter(grid.get_node_ids()))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fl_geo.bench_ps import format_ps_bench, run_ps_bench, synthetic_spec
-from fl_geo.shards import ShardPlan
+from fl_geo.bench.ps import format_ps_bench, run_ps_bench, synthetic_spec
+from fl_geo.core.shards import ShardPlan
 
 
 def test_synthetic_spec_is_llm_shaped_and_shardable():

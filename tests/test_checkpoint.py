@@ -8,11 +8,16 @@ import logging
 import pytest
 import torch
 
-from fl_geo.checkpoint import CheckpointError, CheckpointStore, decode_checkpoint, encode_checkpoint
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
-from fl_geo.inline import InlineGrid
-from fl_geo.metrics import read_metrics
+from fl_geo.core.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    decode_checkpoint,
+    encode_checkpoint,
+)
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 
 

@@ -19,18 +19,18 @@ from torch import nn
 from fl_geo.clients import DatacenterClient, Site, make_client_app
 from fl_geo.clients.api import OPT_STATE_KEY, PROGRESS_KEY
 from fl_geo.clients.stream import STREAM_LOCAL_KEY
-from fl_geo.inline import InlineGrid
-from fl_geo.protocol import (
+from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.core.streaming import fragment_record
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.protocol import (
     PROTOCOL_KEY,
     PROTOCOL_VERSION,
     REQUEST_RECORD,
     USER_CONFIG_RECORD,
     ProfileQuery,
 )
-from fl_geo.state import ParamSpec, flatten
+from fl_geo.runtime.wire import PayloadError, decode_into, encode
 from fl_geo.strategies.base import client_config_record
-from fl_geo.streaming import fragment_record
-from fl_geo.wire import PayloadError, decode_into, encode
 
 VOCAB, WIDTH, SEQ, BATCH = 12, 16, 8, 4
 
@@ -353,7 +353,7 @@ def test_a_model_fn_that_returns_no_module_is_a_clear_error(tiny):
 
 
 def test_blocks_with_a_parameter_twice_are_refused():
-    from fl_geo.streaming import Fragments
+    from fl_geo.core.streaming import Fragments
 
     _, spec = _initial()
     with pytest.raises(ValueError, match="is in blocks 0 and 1"):

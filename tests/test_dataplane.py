@@ -1,4 +1,4 @@
-"""The Di-PS data path (fl_geo.dataplane): frames, the follower service, the retrying client,
+"""The Di-PS data path (fl_geo.ps.dataplane): frames, the follower service, the retrying client,
 heartbeats and the follower supervisor. Loopback only, small shards, 64 KiB frames so every
 transfer is many frames."""
 
@@ -16,8 +16,11 @@ import grpc
 import pytest
 import torch
 
-from fl_geo.checkpoint import CheckpointStore
-from fl_geo.dataplane import (
+from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.outer import build_outer_optimizer
+from fl_geo.core.shards import ShardPlan, tensor_sq_sums
+from fl_geo.core.state import ParamSpec
+from fl_geo.ps.dataplane import (
     FOLLOWER_SERVICE,
     DataPathError,
     FollowerClient,
@@ -27,11 +30,8 @@ from fl_geo.dataplane import (
     decode_frame,
     encode_frames,
 )
-from fl_geo.follower import WIRE_DTYPES, FollowerShard
-from fl_geo.follower_supervisor import FollowerSupervisor, data_path_throughput
-from fl_geo.outer import build_outer_optimizer
-from fl_geo.shards import ShardPlan, tensor_sq_sums
-from fl_geo.state import ParamSpec
+from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard
+from fl_geo.ps.supervisor import FollowerSupervisor, data_path_throughput
 
 from .conftest import free_ports
 

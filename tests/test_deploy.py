@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import yaml
 
-from fl_geo import cli, deploy
-from fl_geo.deploy import DeployError, load_topology, parse_topology
+from fl_geo import cli
+from fl_geo.deploy import launch as deploy
+from fl_geo.deploy.launch import DeployError, load_topology, parse_topology
 from tests.conftest import free_ports, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

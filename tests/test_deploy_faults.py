@@ -27,8 +27,8 @@ import pytest
 import torch
 import yaml
 
-from fl_geo import deploy
-from fl_geo.deploy import DeployError, load_topology, parse_topology
+from fl_geo.deploy import launch as deploy
+from fl_geo.deploy.launch import DeployError, load_topology, parse_topology
 from tests.conftest import free_ports
 from tests.test_deploy import TINY_RUN, TOKENS_PER_UPDATE, _base, _metrics, _received
 
@@ -234,7 +234,7 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     bit-identical to an uninterrupted run of the same config."""
     from fl_geo.clients.datacenter import app as client_app
     from fl_geo.config import load_config
-    from fl_geo.inline import InlineGrid
+    from fl_geo.runtime.inline import InlineGrid
     from fl_geo.server_app import run_server
 
     t0 = time.monotonic()

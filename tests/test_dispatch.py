@@ -9,9 +9,9 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl_geo.clock import VirtualClock, WallClock
-from fl_geo.dispatch import Dispatcher, JobTiming
-from fl_geo.scenario import scenario_from_dict
+from fl_geo.runtime.dispatch import Dispatcher, JobTiming
+from fl_geo.timing.clock import VirtualClock, WallClock
+from fl_geo.timing.scenario import scenario_from_dict
 
 
 class ScriptedGrid:

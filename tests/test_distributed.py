@@ -1,4 +1,4 @@
-"""The data-parallel inner loop (fl_geo.distributed): two gloo ranks with batch b are one process
+"""The data-parallel inner loop (fl_geo.inner.distributed): two gloo ranks with batch b are one process
 with batch 2b, a failing rank surfaces in the parent, a time budget stops every rank at the same
 step, the ClientApp path and the configuration checks. CPU only; each job spawns two processes
 (~2-4 s of start-up on a 2-core machine), so the file keeps to four jobs. The ranks import this
@@ -13,18 +13,18 @@ import time
 import pytest
 import torch
 
-import fl_geo.distributed as fdist
+import fl_geo.inner.distributed as fdist
 from fl_geo.config import ConfigError
+from fl_geo.core.state import ParamSpec, flatten
 from fl_geo.data import BatchNoise, BatchSampler, ByteTokenizer
-from fl_geo.distributed import (
+from fl_geo.inner.distributed import (
     DataParallelTrainer,
     DistributedTrainingError,
     resolve_devices,
     train_data_parallel,
 )
-from fl_geo.model import ModelConfig, build_model
-from fl_geo.state import ParamSpec, flatten
-from fl_geo.training import InnerConfig, InnerTrainer
+from fl_geo.inner.model import ModelConfig, build_model
+from fl_geo.inner.training import InnerConfig, InnerTrainer
 
 TINY = ModelConfig(n_layers=1, d_model=32, n_heads=2, max_seq_len=32)
 TOKENS = torch.from_numpy(
@@ -127,7 +127,7 @@ def test_client_app_node_devices_equal_one_process_with_double_batch(tiny, tmp_p
     """Through the real train handler: node config devices=2 with batch 4 vs one process with 8."""
     from fl_geo.clients.datacenter import OPT_STATE_KEY
     from fl_geo.clients.datacenter import app as client_app
-    from fl_geo.inline import InlineGrid
+    from fl_geo.runtime.inline import InlineGrid
     from fl_geo.server_app import run_server
 
     common = ("run.num_clients=1", "run.rounds=1", "strategy.inner_steps=3", "run.eval_every=0")

@@ -12,17 +12,17 @@ from flwr.app import Message
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
-from fl_geo.inline import InlineGrid
-from fl_geo.metrics import read_metrics
-from fl_geo.penalty import Penalty, StepWeightMix, module_groups
+from fl_geo.core.penalty import Penalty, StepWeightMix, module_groups
+from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
+from fl_geo.runtime.wire import encode
 from fl_geo.server_app import run_server
-from fl_geo.state import ParamSpec, flatten
-from fl_geo.wire import encode
 from tests.conftest import keep_declaration
 
 
 def _initial(cfg) -> tuple[torch.Tensor, ParamSpec]:
-    from fl_geo.builders import make_model
+    from fl_geo.runtime.builders import make_model
 
     sd = make_model(cfg.model, cfg.run.seed).state_dict()
     return flatten(sd), ParamSpec.from_state_dict(sd)
@@ -219,9 +219,9 @@ def test_a_edit_time_budget_gives_speed_proportional_steps(tiny, tmp_path):
 
 
 def test_time_budget_on_the_wall_clock_stops_the_inner_loop(tiny):
-    from fl_geo.builders import inner_config, make_model, partitions
     from fl_geo.data import BatchSampler
-    from fl_geo.training import InnerTrainer
+    from fl_geo.inner.training import InnerTrainer
+    from fl_geo.runtime.builders import inner_config, make_model, partitions
 
     cfg = tiny()
     parts, _ = partitions(cfg.data, 1)
@@ -237,7 +237,7 @@ def test_time_budget_on_the_wall_clock_stops_the_inner_loop(tiny):
 
 def test_step_weight_mix_matches_the_formula():
     """Per module: w_i = (1 − r)·softmax weight_i + r·s_i / Σ s (atorch's step_weight_ratio)."""
-    from fl_geo.accumulate import WeightedAccumulator
+    from fl_geo.core.accumulate import WeightedAccumulator
 
     sd = {"embed.weight": torch.zeros(6), "blocks.0.w": torch.zeros(4), "norm.weight": torch.zeros(2)}
     spec = ParamSpec.from_state_dict(sd)

@@ -1,4 +1,4 @@
-"""fl_geo.flower_path: Flower's own message path on a loopback SuperLink + SuperNode.
+"""fl_geo.bench.flower_path: Flower's own message path on a loopback SuperLink + SuperNode.
 
 The end-to-end test is slow (SuperLink and SuperNode start-up, a 3 s idle poll on the node and a
 fresh ClientApp process per message: about 30 s for three round trips), so it sends 8 MiB once.
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_geo import deploy, flower_path
+from fl_geo.bench import flower_path
+from fl_geo.deploy import launch as deploy
 
 MIB = 1 << 20
 

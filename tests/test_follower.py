@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from fl_geo.follower import FollowerError, FollowerShard, assemble
-from fl_geo.model import ModelConfig, build_model
-from fl_geo.outer import build_outer_optimizer
-from fl_geo.shards import ShardPlan, global_norm, sum_of_shard_norms, tensor_sq_sums
-from fl_geo.state import ParamSpec
+from fl_geo.core.outer import build_outer_optimizer
+from fl_geo.core.shards import ShardPlan, global_norm, sum_of_shard_norms, tensor_sq_sums
+from fl_geo.core.state import ParamSpec
+from fl_geo.inner.model import ModelConfig, build_model
+from fl_geo.ps.follower import FollowerError, FollowerShard, assemble
 
 
 def _spec() -> ParamSpec:
@@ -183,7 +183,7 @@ def test_state_round_trip_and_validation(tmp_path) -> None:
 def test_penalty_norms_equal_the_sharded_norms_bit_for_bit() -> None:
     """`Penalty` cuts its groups at tensor starts, so the single-server norm (whole buffer, or
     per-tensor wire pieces) and the leader's combination of follower sums are the same bits."""
-    from fl_geo.penalty import Penalty
+    from fl_geo.core.penalty import Penalty
 
     spec = _spec()
     torch.manual_seed(3)

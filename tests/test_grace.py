@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fl_geo.grace import GraceTimer, grace_time
+from fl_geo.core.grace import GraceTimer, grace_time
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""HALoS local and global parameter servers (fl_geo.halos) against docs/algorithms.md §6 and §2."""
+"""HALoS local and global parameter servers (fl_geo.core.halos) against docs/algorithms.md §6 and §2."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 import torch
 
-from fl_geo.halos import (
+from fl_geo.core.halos import (
     HALOS_DEFAULTS,
     GlobalParameterServer,
     LocalParameterServer,
     ParameterServer,
 )
-from fl_geo.state import CHUNK_ELEMS
+from fl_geo.core.state import CHUNK_ELEMS
 
 NUMEL = 37
 

@@ -1,4 +1,4 @@
-"""HALoS in the Flower-native two-tier deployment (fl_geo/halos_deploy.py, fl_geo/deploy_halos.py).
+"""HALoS in the Flower-native two-tier deployment (fl_geo/halos/apps.py, fl_geo/deploy/halos.py).
 
 Fast tests cover the IPC (framing, validation, timeouts, a missing LPS) and the two-tier topology
 file. The slow test runs the whole layout on loopback: a global SuperLink with two bridge
@@ -22,18 +22,19 @@ import pytest
 import torch
 import yaml
 
-from fl_geo import cli, deploy
-from fl_geo.deploy import DeployError
-from fl_geo.deploy_halos import (
+from fl_geo import cli
+from fl_geo.core.state import ParamSpec
+from fl_geo.deploy import launch as deploy
+from fl_geo.deploy.halos import (
     halos_down,
     load_halos_topology,
     parse_halos_topology,
     run_halos,
 )
-from fl_geo.halos_deploy import LpsService
-from fl_geo.halos_ipc import IpcError, exchange, recv_frame, send_frame, unix_path
-from fl_geo.state import ParamSpec
-from fl_geo.wire import encode
+from fl_geo.deploy.launch import DeployError
+from fl_geo.halos.apps import LpsService
+from fl_geo.halos.ipc import IpcError, exchange, recv_frame, send_frame, unix_path
+from fl_geo.runtime.wire import encode
 from tests.conftest import free_ports, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

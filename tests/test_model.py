@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_geo.model import Decoder, ModelConfig, build_model
+from fl_geo.inner.model import Decoder, ModelConfig, build_model
 
 TINY = ModelConfig(n_layers=2, d_model=32, n_heads=2, max_seq_len=32)
 

@@ -11,9 +11,9 @@ import torch
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.clients.datacenter import make_sampler
 from fl_geo.data import BatchNoise, BatchSampler
-from fl_geo.inline import InlineGrid
+from fl_geo.inner.training import InnerConfig
+from fl_geo.runtime.inline import InlineGrid
 from fl_geo.server_app import run_server
-from fl_geo.training import InnerConfig
 
 VOCAB = 256
 SEQ, BATCH = 16, 4

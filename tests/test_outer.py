@@ -11,8 +11,8 @@ from flwr.serverapp.strategy import FedAvgM as FlowerFedAvgM
 from flwr.serverapp.strategy import FedYogi as FlowerFedYogi
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.outer import (
+from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.outer import (
     OUTER_OPTIMIZERS,
     SGD,
     DelayedNesterov,
@@ -21,7 +21,7 @@ from fl_geo.outer import (
     Nesterov,
     build_outer_optimizer,
 )
-from fl_geo.state import CHUNK_ELEMS, ParamSpec, flatten, pseudo_grad, unflatten
+from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, flatten, pseudo_grad, unflatten
 
 # Crosses a chunk boundary of the kernels, with a ragged tail.
 NUMEL = CHUNK_ELEMS + 4099
@@ -98,7 +98,7 @@ def test_nesterov_equals_torch_sgd(foreach: bool) -> None:
 
 def _delayed_nesterov_reference(params: torch.Tensor, grads: list[torch.Tensor], lr: float,
                                 beta: float, n: int, c: float) -> torch.Tensor:
-    """docs/algorithms.md §2, transcribed literally (independent of fl_geo.outer)."""
+    """docs/algorithms.md §2, transcribed literally (independent of fl_geo.core.outer)."""
     theta = params.clone()
     m = torch.zeros_like(theta)
     acc = torch.zeros_like(theta)

@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.model import ModelConfig, build_model
-from fl_geo.penalty import (
+from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.penalty import (
     EmaStats,
     OutlierTest,
     Penalty,
@@ -22,7 +21,8 @@ from fl_geo.penalty import (
     module_groups,
     restrict,
 )
-from fl_geo.state import CHUNK_ELEMS, ParamSpec
+from fl_geo.core.state import CHUNK_ELEMS, ParamSpec
+from fl_geo.inner.model import ModelConfig, build_model
 
 
 def _spec(*sizes: tuple[str, int]) -> ParamSpec:

@@ -1,4 +1,4 @@
-"""Di-PS PS-placement cost model (fl_geo/placement.py) and ``fl-geo place``."""
+"""Di-PS PS-placement cost model (fl_geo/timing/placement.py) and ``fl-geo place``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from fl_geo.cli import main
-from fl_geo.placement import (
+from fl_geo.timing.placement import (
     best_placement,
     place_from_scenario,
     placement_ranks,
     placement_scores,
 )
-from fl_geo.scenario import ScenarioError, load_scenario, scenario_from_dict
+from fl_geo.timing.scenario import ScenarioError, load_scenario, scenario_from_dict
 from tests.conftest import tiny_scenario_dict
 
 # ---- the formula --------------------------------------------------------------------------------

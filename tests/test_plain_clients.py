@@ -12,8 +12,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.clientapp import ClientApp
 
 from fl_geo.config import ConfigError
-from fl_geo.inline import InlineGrid
-from fl_geo.state import ParamSpec, flatten
+from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.runtime.inline import InlineGrid
 from fl_geo.strategies import (
     AEDiT,
     AsyncDiLoCo,
@@ -172,9 +172,9 @@ def test_diloco_gives_the_same_model_with_both_reply_styles():
     """fl-geo's ClientApp replies Δ; an adapter around the very same training replies the trained
     model θ = θ_sent − Δ and ``num-tokens`` the Flower way (and answers no profile query, so the
     server treats it as a plain Flower ClientApp). The final models agree to fp32 rounding."""
-    from fl_geo.builders import make_model
     from fl_geo.clients.datacenter import app as fl_geo_app
-    from fl_geo.state import ParamSpec as Spec
+    from fl_geo.core.state import ParamSpec as Spec
+    from fl_geo.runtime.builders import make_model
     from tests.test_public_strategies import TINY_OPTIONS
 
     options = {**TINY_OPTIONS, "model.n_layers": 1}

@@ -11,8 +11,8 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fl_geo.clients.datacenter import app as client_app
-from fl_geo.inline import InlineGrid
-from fl_geo.protocol import (
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.protocol import (
     PROTOCOL_KEY,
     PROTOCOL_VERSION,
     REQUEST_RECORD,

@@ -10,13 +10,13 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import Result, Strategy
 
-from fl_geo.builders import make_model
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
-from fl_geo.evaluation import GlobalEvaluator
-from fl_geo.inline import InlineGrid
+from fl_geo.core.state import flatten
 from fl_geo.registry import METHODS
-from fl_geo.state import flatten
+from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.evaluation import GlobalEvaluator
+from fl_geo.runtime.inline import InlineGrid
 from fl_geo.strategies import (
     AEDiT,
     AsyncDiLoCo,
@@ -172,9 +172,9 @@ def test_flower_round_hooks_say_to_call_start():
 def test_collaborators_are_passed_in(tmp_path):
     """A metrics logger (JSONL + TensorBoard), a checkpoint store, a resume point and a Scenario
     object are handed to the strategy, not looked up; resuming continues to the same bits."""
-    from fl_geo.checkpoint import CheckpointStore
-    from fl_geo.metrics import MetricsLogger, read_metrics
-    from fl_geo.scenario import load_scenario
+    from fl_geo.core.checkpoint import CheckpointStore
+    from fl_geo.runtime.metrics import MetricsLogger, read_metrics
+    from fl_geo.timing.scenario import load_scenario
 
     scenario = load_scenario(_scenario(tmp_path))
     logger = MetricsLogger(tmp_path / "dips", tensorboard=True)

@@ -1,4 +1,4 @@
-"""Blockwise int8 / int4 quantisation of fragment updates (fl_geo.quantize), against its formulas."""
+"""Blockwise int8 / int4 quantisation of fragment updates (fl_geo.core.quantize), against its formulas."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fl_geo.quantize import dequantize_record, quantize_record, quantized_nbytes
-from fl_geo.wire import PayloadError
+from fl_geo.core.quantize import dequantize_record, quantize_record, quantized_nbytes
+from fl_geo.runtime.wire import PayloadError
 
 KINDS = [("int8", 127), ("int4", 7)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fl_geo.config import ConfigError
-from fl_geo.scenario import (
+from fl_geo.timing.scenario import (
     BYTES_PER_PARAM,
     Scenario,
     ScenarioError,

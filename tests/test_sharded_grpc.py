@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fl_geo.clients.datacenter import app as client_app
-from fl_geo.inline import InlineGrid
-from fl_geo.metrics import read_metrics
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 from fl_geo.strategies.sharded import ShardedDiPSLoop
 from tests.conftest import keep_declaration
@@ -38,7 +38,7 @@ def _follower_pids(workdir) -> list[int]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if "fl_geo.follower_main" in cmd and str(workdir) in cmd:
+            if "fl_geo.ps.follower_main" in cmd and str(workdir) in cmd:
                 pids.append(int(pid))
     return pids
 
@@ -137,7 +137,7 @@ def test_reply_with_arrays_is_refused_when_updates_go_to_the_followers(tiny, tmp
 def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
     """ps.tls_certs_dir: followers serve TLS with the `fl-geo deploy certs` files, clients verify
     them with the CA certificate the leader sends; the bits are those of the plaintext run."""
-    from fl_geo.deploy import generate_certs
+    from fl_geo.deploy.launch import generate_certs
 
     certs = generate_certs(tmp_path / "certs", ["127.0.0.1", "localhost"], [])
     base = [*VIRTUAL, *DIPS, "run.rounds=3", "ps.followers=2", "ps.transport=grpc"]
@@ -145,10 +145,10 @@ def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
     summary, secure = _run(tiny(*base, f"ps.tls_certs_dir={certs.root}"), tmp_path / "tls")
     assert summary["outer_steps"] == 3 and torch.equal(plain, secure)
     # a TLS follower answers a client that trusts the CA and refuses a plaintext one
-    from fl_geo.dataplane import DataPathError, FollowerClient, TlsFiles
-    from fl_geo.follower_supervisor import FollowerSupervisor
-    from fl_geo.shards import ShardPlan
-    from fl_geo.state import ParamSpec
+    from fl_geo.core.shards import ShardPlan
+    from fl_geo.core.state import ParamSpec
+    from fl_geo.ps.dataplane import DataPathError, FollowerClient, TlsFiles
+    from fl_geo.ps.supervisor import FollowerSupervisor
 
     spec = ParamSpec(("blocks.0.w",), ((64,),), ("float32",))
     tls = TlsFiles(certs.ca_cert, certs.server_cert, certs.server_key)
@@ -204,7 +204,7 @@ def test_a_restarted_leader_rewinds_follower_processes_to_its_step(tiny, tmp_pat
     """With follower processes the leader saves only metadata (every 2 steps here) and the
     followers their shards (every step): a resumed leader restarts them from their checkpoint of
     its own last step, dropping the newer ones, and the run completes."""
-    from fl_geo.checkpoint import CheckpointStore
+    from fl_geo.core.checkpoint import CheckpointStore
 
     caplog.set_level("WARNING", logger="fl_geo")
     run_dir = tmp_path / "grpc"

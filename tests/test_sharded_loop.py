@@ -12,8 +12,8 @@ from flwr.app import Array, ArrayRecord, Message
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
-from fl_geo.inline import InlineGrid
-from fl_geo.metrics import read_metrics
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 from tests.conftest import keep_declaration
 

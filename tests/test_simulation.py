@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fl_geo.cli import main as cli_main
-from fl_geo.metrics import read_metrics
+from fl_geo.runtime.metrics import read_metrics
 from fl_geo.simulation import run_simulation
 
 

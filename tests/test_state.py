@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_geo.state import (
+from fl_geo.core.state import (
     ParamSpec,
     chunk_ranges,
     flatten,

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo / CoCoDC building blocks (fl_geo/streaming.py, docs/algorithms.md §7)."""
+"""Streaming DiLoCo / CoCoDC building blocks (fl_geo/core/streaming.py, docs/algorithms.md §7)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
-from fl_geo.builders import make_model
 from fl_geo.config import load_config
-from fl_geo.outer import OUTER_OPTIMIZERS, build_outer_optimizer
-from fl_geo.state import ParamSpec
-from fl_geo.streaming import (
+from fl_geo.core.outer import OUTER_OPTIMIZERS, build_outer_optimizer
+from fl_geo.core.state import ParamSpec
+from fl_geo.core.streaming import (
     AdaptiveSchedule,
     FragmentOuterOptimizers,
     Fragments,
@@ -19,6 +18,7 @@ from fl_geo.streaming import (
     fixed_schedule,
     streaming_merge,
 )
+from fl_geo.runtime.builders import make_model
 
 N_LAYERS = 8
 

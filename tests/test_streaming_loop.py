@@ -12,7 +12,6 @@ import torch
 from flwr.app import Array, ArrayRecord, Message
 from omegaconf import OmegaConf
 
-from fl_geo.builders import make_model
 from fl_geo.clients.datacenter import (
     PROGRESS_KEY,
     STREAM_META_KEY,
@@ -21,12 +20,13 @@ from fl_geo.clients.datacenter import (
 )
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
-from fl_geo.inline import InlineGrid
-from fl_geo.metrics import read_metrics
+from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.core.streaming import AdaptiveSchedule, Fragments, fragment_spec, streaming_merge
+from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
+from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.server_app import run_server
-from fl_geo.state import ParamSpec, flatten
-from fl_geo.streaming import AdaptiveSchedule, Fragments, fragment_spec, streaming_merge
-from fl_geo.wire import encode, payload_nbytes
 from tests.conftest import keep_declaration
 
 STREAM = ["run.sim_cpus=1", "model.n_layers=2"]
@@ -389,7 +389,7 @@ def test_worker_eval_scores_each_workers_own_model_and_changes_nothing_else(tiny
     """val/worker_loss is the mean of the workers' θ^m on val/loss's batches; asking for it moves
     neither the model bits nor the virtual time axis."""
     from fl_geo.clients.datacenter import STREAM_LOCAL_KEY
-    from fl_geo.evaluation import GlobalEvaluator
+    from fl_geo.runtime.evaluation import GlobalEvaluator
 
     cfg0 = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
                 "streaming.overlap=1", "run.rounds=2")
@@ -424,7 +424,7 @@ def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path)
     from flwr.app import RecordDict as RD
 
     from fl_geo.clients.datacenter import evaluate_stream
-    from fl_geo.protocol import EvaluateRequest
+    from fl_geo.runtime.protocol import EvaluateRequest
     from fl_geo.strategies.base import client_config_record
 
     cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
@@ -443,8 +443,8 @@ def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path)
 def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind):
     """P = 1, τ = 0, one period: the global model is one Nesterov step on the token-weighted mean
     of the workers' dequantised Δ, and the payloads are a quarter / an eighth of fp32's."""
-    from fl_geo.outer import build_outer_optimizer
-    from fl_geo.quantize import dequantize_record
+    from fl_geo.core.outer import build_outer_optimizer
+    from fl_geo.core.quantize import dequantize_record
 
     common = ["strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=1",
               "streaming.overlap=0", "run.rounds=1"]

@@ -12,8 +12,8 @@ from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord
 
 from fl_geo.clients.datacenter import OPT_STATE_KEY, PROGRESS_KEY
 from fl_geo.clients.datacenter import app as client_app
-from fl_geo.inline import InlineGrid
-from fl_geo.metrics import read_metrics
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 from tests.conftest import keep_declaration
 
@@ -27,8 +27,8 @@ def _run(cfg, tmp_path, name="run", hook=None, grid=None):
 
 
 def _initial_params(cfg):
-    from fl_geo.builders import make_model
-    from fl_geo.state import flatten
+    from fl_geo.core.state import flatten
+    from fl_geo.runtime.builders import make_model
 
     return flatten(make_model(cfg.model, cfg.run.seed).state_dict())
 
@@ -43,8 +43,8 @@ def test_diloco_trains_and_logs(tiny, tmp_path):
         assert key in rows[-1], key
     assert summary["outer_steps"] == 3 and summary["rejected"] == 0
     assert summary["tokens"] == 3 * 3 * 5 * 4 * 32  # rounds * clients * H * batch * seq
-    from fl_geo.state import ParamSpec
-    from fl_geo.wire import encode, payload_nbytes
+    from fl_geo.core.state import ParamSpec
+    from fl_geo.runtime.wire import encode, payload_nbytes
 
     one = payload_nbytes(encode(final, ParamSpec.from_json(torch.load(tmp_path / "run" / "final_model.pt")["spec"]), "fp32"))
     assert final.numel() * 4 <= one < final.numel() * 4 + 2048  # fp32 data + small npy headers

@@ -11,9 +11,9 @@ import torch
 from flwr.app import ArrayRecord
 
 from fl_geo.data import BatchSampler, ByteTokenizer, eval_batches, get_corpus, get_partitions
-from fl_geo.device import autocast_dtype, pick_device
-from fl_geo.model import ModelConfig, build_model
-from fl_geo.training import InnerConfig, InnerTrainer, lr_at
+from fl_geo.inner.device import autocast_dtype, pick_device
+from fl_geo.inner.model import ModelConfig, build_model
+from fl_geo.inner.training import InnerConfig, InnerTrainer, lr_at
 
 TINY = ModelConfig(n_layers=1, d_model=32, n_heads=2, max_seq_len=32)
 TOKENS = torch.from_numpy(

@@ -1,4 +1,4 @@
-"""Di-PS Appendix A greedy no-conflict transfer schedule (fl_geo/transfer_schedule.py)."""
+"""Di-PS Appendix A greedy no-conflict transfer schedule (fl_geo/core/transfer_schedule.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from fl_geo.transfer_schedule import (
+from fl_geo.core.transfer_schedule import (
     Transfer,
     TransferScheduler,
     contiguous_dest,

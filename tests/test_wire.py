@@ -10,9 +10,9 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fl_geo.accumulate import WeightedAccumulator
-from fl_geo.state import ParamSpec
-from fl_geo.wire import (
+from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.state import ParamSpec
+from fl_geo.runtime.wire import (
     PayloadError,
     check_finite_and_norm,
     decode,

@@ -3,7 +3,7 @@
 Target (issue): with a no-op client, the dispatcher plus strategy add under 20 ms per update
 beyond Flower's own message cost, both printed from one run. One grid (with ``--backend ray``,
 one Ray start-up, shut down at the end by Flower's ``run_simulation``) carries three phases, all
-with the no-op ClientApp (`fl_geo.clients.noop`) and the message a strategy sends (the model in
+with the no-op ClientApp (`fl_geo.bench.noop_client`) and the message a strategy sends (the model in
 ``wire.down`` plus the run's config record), after a few untimed warm-up messages:
 
 1. **Flower's message cost**: train messages pushed and pulled on the grid directly, one in
@@ -54,7 +54,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fl_geo.config import ASYNC_STRATEGIES, STRATEGY_OPTIMIZERS, FlGeoConfig, load_config
-from fl_geo.model import ModelConfig
+from fl_geo.inner.model import ModelConfig
 
 __all__ = ["format_dispatch_bench", "main", "model_overrides", "run_dispatch_bench"]
 
@@ -77,7 +77,7 @@ NOT_SERVER_WORK = (WAIT, PUSH, PULL)
 
 
 def _param_count(cfg: ModelConfig) -> int:
-    """Parameters of `fl_geo.model.Decoder` for ``cfg`` without building it (tied embedding)."""
+    """Parameters of `fl_geo.inner.model.Decoder` for ``cfg`` without building it (tied embedding)."""
     d, f = cfg.d_model, cfg.ffn_hidden
     per_block = 4 * d * d + 3 * f * d + 2 * d  # qkv + proj, gate_up + down, two RMSNorms
     return cfg.vocab_size * d + cfg.n_layers * per_block + d
@@ -141,11 +141,11 @@ def _send_mode(cfg: FlGeoConfig) -> str:
 
 def _train_content(cfg: FlGeoConfig) -> tuple[RecordDict, int]:
     """The content of a strategy's train message (model in ``wire.down`` + config), and numel."""
-    from fl_geo.builders import make_model
-    from fl_geo.protocol import REQUEST_RECORD, TrainRequest
-    from fl_geo.state import ParamSpec, flatten
+    from fl_geo.core.state import ParamSpec, flatten
+    from fl_geo.runtime.builders import make_model
+    from fl_geo.runtime.protocol import REQUEST_RECORD, TrainRequest
+    from fl_geo.runtime.wire import encode
     from fl_geo.strategies.base import client_config_record
-    from fl_geo.wire import encode
 
     model = make_model(cfg.model, cfg.run.seed)
     spec = ParamSpec.from_state_dict(model.state_dict())
@@ -219,7 +219,7 @@ def flower_round_trips(grid: Grid, nodes: Sequence[int], content: RecordDict, n:
 
 def dispatcher_round_trips(grid: Grid, nodes: Sequence[int], content: RecordDict, n: int) -> Phase:
     """Phase 2: the same round trips through a `Dispatcher` (wall clock), no strategy work."""
-    from fl_geo.dispatch import Dispatcher
+    from fl_geo.runtime.dispatch import Dispatcher
 
     dispatcher = Dispatcher(grid)
     t0 = time.perf_counter()
@@ -304,7 +304,7 @@ _MISSING = object()
 
 
 class _SleepTimed:
-    """Stands in for the ``time`` module inside ``fl_geo.dispatch``: a timed ``sleep``."""
+    """Stands in for the ``time`` module inside ``fl_geo.runtime.dispatch``: a timed ``sleep``."""
 
     def __init__(self, sleep: Callable[[float], None]) -> None:
         self.sleep = sleep
@@ -315,14 +315,14 @@ class _SleepTimed:
 
 def _instrument(timer: SectionTimer, grid: Grid) -> None:
     """Wrap the entry points of the server path: dispatcher, both outer loops, codec, fold, log."""
-    import fl_geo.dispatch as dispatch_mod
-    import fl_geo.outer as outer_mod
+    import fl_geo.core.outer as outer_mod
+    import fl_geo.runtime.dispatch as dispatch_mod
     import fl_geo.strategies.asynchronous as async_mod
     import fl_geo.strategies.replies as replies_mod
     import fl_geo.strategies.sync as sync_mod
-    from fl_geo.accumulate import WeightedAccumulator
-    from fl_geo.dispatch import Dispatcher
-    from fl_geo.metrics import MetricsLogger
+    from fl_geo.core.accumulate import WeightedAccumulator
+    from fl_geo.runtime.dispatch import Dispatcher
+    from fl_geo.runtime.metrics import MetricsLogger
 
     targets: list[tuple[Any, str, str]] = [
         (grid, "push_messages", PUSH),
@@ -361,7 +361,7 @@ def _instrument(timer: SectionTimer, grid: Grid) -> None:
 
 def _window_marks(timer: SectionTimer, first: int, last: int) -> dict[int, tuple[float, dict[str, float], dict[str, int]]]:
     """Snapshot the timers as the records of steps ``first`` and ``last`` are written."""
-    from fl_geo.metrics import MetricsLogger
+    from fl_geo.runtime.metrics import MetricsLogger
 
     marks: dict[int, tuple[float, dict[str, float], dict[str, int]]] = {}
     timed_log = MetricsLogger.log
@@ -377,7 +377,7 @@ def _window_marks(timer: SectionTimer, first: int, last: int) -> dict[int, tuple
 
 def full_path(grid: Grid, cfg: FlGeoConfig, run_dir: Path) -> dict[str, Any]:
     """Phase 3: ``run_server`` on ``grid``; per-update time of steps 1 → N−1 and its breakdown."""
-    from fl_geo.metrics import read_metrics
+    from fl_geo.runtime.metrics import read_metrics
     from fl_geo.server_app import run_server
 
     n = cfg.run.rounds
@@ -421,7 +421,7 @@ def full_path(grid: Grid, cfg: FlGeoConfig, run_dir: Path) -> dict[str, Any]:
 
 def _server_body(grid: Grid, cfg: FlGeoConfig, updates: int, run_dir: Path, out: dict[str, Any]) -> None:
     """Everything the benchmark does on a grid, in the ServerApp's thread."""
-    from fl_geo.dispatch import Dispatcher
+    from fl_geo.runtime.dispatch import Dispatcher
 
     content, numel = _train_content(cfg)
     nodes = Dispatcher(grid).wait_for_nodes(cfg.run.num_clients, cfg.run.wait_nodes_timeout_s)
@@ -442,7 +442,7 @@ def _run_on_ray(cfg: FlGeoConfig, body: Callable[[Grid], None]) -> None:
     """
     from flwr.serverapp import ServerApp
 
-    from fl_geo.clients.noop import app as noop_app
+    from fl_geo.bench.noop_client import app as noop_app
     from fl_geo.simulation import run_flower_simulation
 
     server = ServerApp()
@@ -478,8 +478,8 @@ def run_dispatch_bench(strategy: str = "async_diloco", updates: int = 50, client
     with _run_dir(out_dir) as run_dir:
         body = functools.partial(_server_body, cfg=cfg, updates=updates, run_dir=run_dir, out=out)
         if backend == "inline":
-            from fl_geo.clients.noop import app as noop_app
-            from fl_geo.inline import InlineGrid
+            from fl_geo.bench.noop_client import app as noop_app
+            from fl_geo.runtime.inline import InlineGrid
 
             body(InlineGrid(noop_app, clients, seed=cfg.run.seed))
         else:
@@ -509,7 +509,7 @@ def run_dispatch_bench(strategy: str = "async_diloco", updates: int = 50, client
 def _poll_interval() -> float:
     import inspect
 
-    from fl_geo.dispatch import Dispatcher
+    from fl_geo.runtime.dispatch import Dispatcher
 
     return float(inspect.signature(Dispatcher.__init__).parameters["poll_interval_s"].default)
 

@@ -1,7 +1,7 @@
 """Flower's own message path on loopback deployment, measured: the baseline for our data path.
 
 :func:`measure_flower_path` starts a plaintext SuperLink and one SuperNode on 127.0.0.1 (free
-ports, ``FLWR_HOME`` and logs in ``workdir``) with :mod:`fl_geo.deploy`, submits the probe app
+ports, ``FLWR_HOME`` and logs in ``workdir``) with :mod:`fl_geo.deploy.launch`, submits the probe app
 ``apps/flower-path-probe`` with ``flwr run``, waits for it, reads the JSON the probe's ServerApp
 wrote and always stops every process again. The probe sends one float32 array of ``payload_mib``
 MiB to the node in a train message; the ClientApp sends it back with every word XOR 1 (new
@@ -21,7 +21,7 @@ Usage::
 
     fl-geo bench flower-path --mib 64 [--repeats 2] [--json] [--workdir DIR] [--timeout S]
 
-    from fl_geo.flower_path import measure_flower_path
+    from fl_geo.bench.flower_path import measure_flower_path
     r = measure_flower_path(64, repeats=2)   # r["mb_per_s_each_way"], r["setup_s"], ...
 """
 
@@ -39,12 +39,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fl_geo import deploy
-from fl_geo.deploy import DeployError, free_ports
+from fl_geo.deploy import launch as deploy
+from fl_geo.deploy.launch import DeployError, free_ports
+from fl_geo.paths import APPS_DIR
 
 __all__ = ["APP_DIR", "format_flower_path", "main", "measure_flower_path"]
 
-APP_DIR = Path(__file__).resolve().parents[1] / "apps" / "flower-path-probe"
+APP_DIR = APPS_DIR / "flower-path-probe"
 SAMPLE_S = 0.25
 MIB = 1 << 20
 
@@ -144,7 +145,7 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
     finished), ``wall_s``, ``peak_rss_mib`` (sampled peaks per process tree and in total, and the
     SuperLink's and SuperNode's own VmHWM), ``mb_per_s_each_way_excl_small``, ``pids`` (every
     process of the federation seen while sampling) and ``workdir``. ``timeout_s`` bounds the
-    whole call. Raises :class:`~fl_geo.deploy.DeployError` with the tails of ``flwr log`` and the
+    whole call. Raises :class:`~fl_geo.deploy.launch.DeployError` with the tails of ``flwr log`` and the
     SuperLink/SuperNode logs when the run fails. Every process started is stopped before it
     returns or raises. Without ``workdir`` a temporary folder is used and removed on success
     (kept, and named in the error, on failure).

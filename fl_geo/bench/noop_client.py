@@ -28,11 +28,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl_geo.builders import make_model
 from fl_geo.clients.api import declared, partition_ids, request_of
 from fl_geo.clients.datacenter import query
-from fl_geo.state import ParamSpec
-from fl_geo.wire import decode_into, encode
+from fl_geo.core.state import ParamSpec
+from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.wire import decode_into, encode
 
 app = ClientApp()
 app.query()(query)  # the same handler as the datacenter client: one profile contract

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from .accumulate import WeightedAccumulator, weight_for
-from .outer import Nesterov
-from .state import ParamSpec
-from .wire import PRECISIONS, decode, encode, payload_nbytes
+from fl_geo.core.accumulate import WeightedAccumulator, weight_for
+from fl_geo.core.outer import Nesterov
+from fl_geo.core.state import ParamSpec
+from fl_geo.runtime.wire import PRECISIONS, decode, encode, payload_nbytes
 
 __all__ = ["format_outer_bench", "llama_spec", "main", "run_outer_bench"]
 
@@ -650,19 +650,19 @@ def format_outer_bench(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fl-geo bench outer [...]`` (or ``python -m fl_geo.bench outer``); returns 1 only with
+    """``fl-geo bench outer [...]`` (or ``python -m fl_geo.bench.outer outer``); returns 1 only with
     --strict and a FAIL."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["dispatch"]:  # server overhead per update; fl_geo.bench_dispatch owns its options
-        from .bench_dispatch import main as dispatch_main
+    if argv[:1] == ["dispatch"]:  # server overhead per update; fl_geo.bench.dispatch owns its options
+        from fl_geo.bench.dispatch import main as dispatch_main
 
         return dispatch_main(argv[1:])
-    if argv[:1] == ["ps"]:  # the sharded parameter server on loopback; fl_geo.bench_ps owns its options
-        from .bench_ps import main as ps_main
+    if argv[:1] == ["ps"]:  # the sharded parameter server on loopback; fl_geo.bench.ps owns its options
+        from fl_geo.bench.ps import main as ps_main
 
         return ps_main(argv[1:])
-    if argv[:1] == ["flower-path"]:  # Flower's loopback deployment path; fl_geo.flower_path owns its options
-        from .flower_path import main as flower_path_main
+    if argv[:1] == ["flower-path"]:  # Flower's loopback deployment path; fl_geo.bench.flower_path owns its options
+        from fl_geo.bench.flower_path import main as flower_path_main
 
         return flower_path_main(argv[1:])
     parser = argparse.ArgumentParser(prog="fl-geo bench",

@@ -9,13 +9,13 @@ What it shows (issue: Di-PS at scale), for one model of ``--params`` fp32 parame
   normalise, clip factor, step and the follower's checkpoint) to the last follower's answer;
 - **bytes moved per step**: each client pulls θ and pushes its update, both in the wire precision;
 - **data path vs Flower**: one client's push + pull of the model, alone, against Flower's own
-  message path for the same payload (`fl_geo.flower_path`: a SuperLink and a SuperNode on
+  message path for the same payload (`fl_geo.bench.flower_path`: a SuperLink and a SuperNode on
   loopback, one message there and back), both as "MB/s each way" = 2 x payload / (time there +
   time back), measured in the same run; the target is at least 5x. The per-client rates with
   all clients transferring at once (sharing the machine's cores) are reported too.
 
 The clients are threads of this process holding a full model each (as a datacenter does); the
-followers are real processes started by `fl_geo.dataplane.FollowerSupervisor`, so every byte
+followers are real processes started by `fl_geo.ps.dataplane.FollowerSupervisor`, so every byte
 crosses a loopback TCP connection. Usage::
 
     fl-geo bench ps [--params N] [--followers 1,2,4] [--clients 2] [--steps 2] [--wire bf16]
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from fl_geo.follower import WIRE_DTYPES
-from fl_geo.shards import ShardPlan, global_norm
-from fl_geo.state import ParamSpec
+from fl_geo.core.shards import ShardPlan, global_norm
+from fl_geo.core.state import ParamSpec
+from fl_geo.ps.follower import WIRE_DTYPES
 
 __all__ = ["main", "run_ps_bench", "synthetic_spec"]
 
@@ -72,8 +72,8 @@ def _rss(pid: int, key: str = "VmHWM") -> float:
 
 def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire: str, workdir: Path,
                 seed: int) -> dict[str, Any]:
-    from fl_geo.dataplane import FollowerClient
-    from fl_geo.follower_supervisor import FollowerSupervisor
+    from fl_geo.ps.dataplane import FollowerClient
+    from fl_geo.ps.supervisor import FollowerSupervisor
 
     plan = ShardPlan.build(spec, followers)
     gen = torch.Generator().manual_seed(seed)
@@ -133,7 +133,7 @@ def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire:
 
 def _pull_all(plan: ShardPlan, addresses: list[str], wire: str, model: torch.Tensor) -> float:
     """One client's pull: every shard in parallel (one stream per follower); seconds."""
-    from fl_geo.dataplane import FollowerClient
+    from fl_geo.ps.dataplane import FollowerClient
 
     def one(i: int) -> None:
         s = plan.shards[i]
@@ -150,7 +150,7 @@ def _pull_all(plan: ShardPlan, addresses: list[str], wire: str, model: torch.Ten
 def _push_all(plan: ShardPlan, addresses: list[str], job: str, update: torch.Tensor, rank: int) -> float:
     """One client's push, shard by shard, starting at follower ``rank mod F`` (clients that
     finish together start on different followers, as the leader's schedule has them); seconds."""
-    from fl_geo.dataplane import FollowerClient
+    from fl_geo.ps.dataplane import FollowerClient
 
     t = time.perf_counter()
     for k in range(plan.num_shards):
@@ -179,7 +179,7 @@ def _leader_step(leader: list[Any], jobs: list[str]) -> list[int]:
 def _idle_follower_rss(workdir: Path) -> float:
     """Peak RSS of a follower process holding a negligible shard: the interpreter, torch and
     gRPC, which every follower pays whatever its shard (subtracted to see the 1/F part)."""
-    from fl_geo.follower_supervisor import FollowerSupervisor
+    from fl_geo.ps.supervisor import FollowerSupervisor
 
     spec = ParamSpec(("blocks.0.w",), ((1024,),), ("float32",))
     with FollowerSupervisor(ShardPlan.build(spec, 1), workdir=workdir / "idle", keep=1) as sup:
@@ -197,7 +197,7 @@ def run_ps_bench(num_params: int = DEFAULT_PARAMS, followers: Sequence[int] = (1
         rows = [_one_config(spec, f, clients, steps, wire, Path(tmp), seed) for f in followers]
         flower = None
         if flower_mib != 0:
-            from fl_geo.flower_path import measure_flower_path
+            from fl_geo.bench.flower_path import measure_flower_path
 
             mib = flower_mib or max(1, round(spec.numel * WIRE_DTYPES[wire].itemsize / 2**20))
             flower = measure_flower_path(mib, workdir=Path(tmp) / "flower")

@@ -2,7 +2,7 @@
 
 The server folds every accepted reply into a running weighted sum (docs/algorithms.md §5), so its
 memory is O(1) in the number of workers. Updates arrive in wire precision (fp32/fp16/bf16), as
-one flat tensor or as the ``(offset, tensor)`` pieces that `fl_geo.wire.decode` yields.
+one flat tensor or as the ``(offset, tensor)`` pieces that `fl_geo.runtime.wire.decode` yields.
 
 Arithmetic contract (what makes results independent of how replies were grouped): folding an
 update ``u`` with weight ``w`` computes, element by element, ``acc ← fl(acc + fl(w·u))`` with
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .state import CHUNK_ELEMS, chunk_ranges
+from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges
 
 __all__ = [
     "WEIGHT_KINDS",
@@ -79,7 +79,7 @@ class BatchResult:
     """Outcome of `WeightedAccumulator.add_batch_checked`, one entry per input update.
 
     ``norms[i]``: L2 norm of update i (fp32 sums of squares per chunk, summed in fp64: relative
-    error ~1e-6, as `fl_geo.wire.check_finite_and_norm`), None if it was rejected.
+    error ~1e-6, as `fl_geo.runtime.wire.check_finite_and_norm`), None if it was rejected.
     ``rejected``: index in the batch → why; a rejected update left no trace in the sum.
     """
 
@@ -188,7 +188,7 @@ class WeightedAccumulator:
         fold of a 100 M update costs >= 20 ms of RAM traffic for the sum alone). Per chunk of
         `CHUNK_ELEMS` elements, each update is converted to fp32 in a cache-resident scratch,
         its sum of squares taken (``torch.dot``; NaN/±Inf or an fp32 overflow make it
-        non-finite ⇒ rejected, as `fl_geo.wire.check_finite_and_norm`), and folded into the
+        non-finite ⇒ rejected, as `fl_geo.runtime.wire.check_finite_and_norm`), and folded into the
         second buffer's chunk: ``out = acc + fl(w₀·u₀)``, then ``out += fl(wᵢ·uᵢ)`` in list
         order. If all are finite the buffers swap (no copy). A rejected update is skipped from
         the chunk where it failed on; the chunks before that, which include it, are folded
@@ -196,7 +196,7 @@ class WeightedAccumulator:
         sum equals never having seen it, bit for bit.
 
         ``updates[i]``: a flat tensor of ``numel`` elements, or ``(offset, 1-D tensor)`` pieces
-        (as `fl_geo.wire.decode` returns) that cover ``[0, numel)`` exactly once, in any order;
+        (as `fl_geo.runtime.wire.decode` returns) that cover ``[0, numel)`` exactly once, in any order;
         any floating dtype. ``weights[i]``: > 0 and finite in fp32. Argument errors (ValueError,
         TypeError) are raised before anything is folded. An empty batch folds nothing.
 

@@ -36,9 +36,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from .accumulate import describe_non_finite
-from .outer import DelayedNesterov, build_outer_optimizer
-from .state import chunk_ranges
+from fl_geo.core.accumulate import describe_non_finite
+from fl_geo.core.outer import DelayedNesterov, build_outer_optimizer
+from fl_geo.core.state import chunk_ranges
 
 __all__ = [
     "HALOS_DEFAULTS",

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .state import CHUNK_ELEMS, chunk_ranges
+from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges
 
 __all__ = [
     "OUTER_OPTIMIZERS",

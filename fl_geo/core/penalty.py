@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from .accumulate import WeightedAccumulator
-from .state import CHUNK_ELEMS, ParamSpec, chunk_ranges
+from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges
 
 __all__ = [
     "GRANULARITIES",
@@ -199,8 +199,8 @@ def group_norms(update: Update, groups: Sequence[tuple[str, Ranges]],
     """Per-group L2 norms of an update, as a float64 tensor of ``len(groups)``.
 
     ``update``: a 1-D tensor over the flat buffer, or ``(offset, tensor)`` pieces as
-    `fl_geo.wire.decode` returns them (any order, any floating dtype); elements outside every
-    group are ignored. Arithmetic as `fl_geo.wire.check_finite_and_norm`: per chunk of
+    `fl_geo.runtime.wire.decode` returns them (any order, any floating dtype); elements outside every
+    group are ignored. Arithmetic as `fl_geo.runtime.wire.check_finite_and_norm`: per chunk of
     `CHUNK_ELEMS` an fp32 sum of squares (``torch.dot``), fp16/bf16 chunks first converted into
     a chunk-sized scratch (never a whole-piece fp32 copy), chunk sums accumulated in fp64.
     A NaN/±Inf element, or an fp32 overflow of a chunk's sum, makes its group's norm NaN/+Inf:
@@ -209,7 +209,7 @@ def group_norms(update: Update, groups: Sequence[tuple[str, Ranges]],
     ``boundaries`` (the spec's tensor offsets, as `Penalty` passes them): every range is cut at
     them, so each tensor is read in chunks from its own first element and its sum is added to its
     group in tensor order. A norm then has the same bits however the buffer is split into
-    pieces or shards (`fl_geo.shards.tensor_sq_sums`, the sharded parameter server).
+    pieces or shards (`fl_geo.core.shards.tensor_sq_sums`, the sharded parameter server).
     """
     if boundaries is not None:
         groups = _split_at(groups, boundaries)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from .wire import PayloadError
+from fl_geo.runtime.wire import PayloadError
 
 __all__ = ["QUANT_BITS", "dequantize_record", "quantize_record", "quantized_nbytes"]
 

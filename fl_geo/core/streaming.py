@@ -5,7 +5,7 @@ Streaming DiLoCo synchronises the model one *fragment* (a strided subset of the 
 blocks) at a time, so each sync moves 1/P of the model and overlaps with τ inner steps of
 training. This module holds the pieces that do not depend on how messages travel:
 
-* `Fragments` maps fragment p to ranges of the flat fp32 buffer (`fl_geo.state`) and gathers /
+* `Fragments` maps fragment p to ranges of the flat fp32 buffer (`fl_geo.core.state`) and gathers /
   scatters a fragment as one contiguous 1-D tensor, so everything downstream (outer optimizer,
   merge, wire payload) works on plain fragment-shaped tensors.
 * `FragmentOuterOptimizers` keeps one outer optimizer state per fragment: fragments are stepped
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .outer import OuterOptimizer, build_outer_optimizer
-from .penalty import module_group_name
-from .state import ParamSpec
+from fl_geo.core.outer import OuterOptimizer, build_outer_optimizer
+from fl_geo.core.penalty import module_group_name
+from fl_geo.core.state import ParamSpec
 
 __all__ = [
     "AdaptiveSchedule",
@@ -239,7 +239,7 @@ def fragment_spec(fragments: Fragments, p: int) -> ParamSpec:
 
     That is exactly the layout of `Fragments.gather` (ranges in offset order = spec order;
     zero-sized parameters are named but hold nothing), so a gathered fragment encodes and decodes
-    with `fl_geo.wire` like a small model, and the decoded pieces' offsets index the gathered
+    with `fl_geo.runtime.wire` like a small model, and the decoded pieces' offsets index the gathered
     tensor. With P = 1 it equals the full spec.
     """
     spec = fragments.spec

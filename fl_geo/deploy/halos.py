@@ -2,7 +2,7 @@
 
 A two-tier topology file (``configs/deploy/halos_loopback.yaml``) describes a global SuperLink
 with one bridge SuperNode per region, and per region a SuperLink with its worker SuperNodes
-(docs/deploy.md "HALoS across regions"). It is turned into ordinary `fl_geo.deploy.Topology`
+(docs/deploy.md "HALoS across regions"). It is turned into ordinary `fl_geo.deploy.launch.Topology`
 objects, one per tier (``<name>-global``, ``<name>-<region>``), so the process handling
 (process groups, ``pids.json``, ``down`` with descendants, TLS/auth options, health and node
 checks) is exactly that of ``fl-geo deploy up/down``; this module only adds the layout, the bridge
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fl_geo.deploy import (
+from fl_geo.deploy.launch import (
     DeployError,
     NodeSpec,
     Topology,
@@ -182,7 +182,7 @@ def halos_down(topo: HalosTopology, grace_s: float = 10.0) -> dict[str, Any]:
 
 
 def halos_status(topo: HalosTopology) -> dict[str, Any]:
-    from fl_geo.deploy import status
+    from fl_geo.deploy.launch import status
 
     return {t.name: status(t) for t in topo.tiers}
 

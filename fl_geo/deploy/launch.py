@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fl_geo.device import DEVICE_KINDS
+from fl_geo.inner.device import DEVICE_KINDS
 
 __all__ = [
     "free_ports",

@@ -6,10 +6,10 @@ The two-tier layout (docs/flower.md "Two tiers (HALoS) on Flower", docs/deploy.m
   long-running **regional ServerApp** (`regional_app`): the local parameter server. It trains its
   workers asynchronously with exactly the rules of the simulation (`RegionalLoop` is
   `fl_geo.strategies.halos.HalosLoop` with one LPS; the LPS object is
-  `fl_geo.halos.LocalParameterServer`), and hosts `LpsService`, a Unix-socket service in a
+  `fl_geo.core.halos.LocalParameterServer`), and hosts `LpsService`, a Unix-socket service in a
   background thread, through which its update U_k leaves and the global model θ_g comes back;
 - one global SuperLink with the **global ServerApp** (`global_app`, `GlobalParameterServer`)
-  and one bridge SuperNode per region (`fl_geo.halos_bridge`), which carries θ_g down and U_k up.
+  and one bridge SuperNode per region (`fl_geo.halos.bridge`), which carries θ_g down and U_k up.
 
 The GPS keeps one ``train`` message in flight per bridge. The first carries no model; each later
 one carries θ_g right after the GPS applied that region's U_k. The bridge hands θ_g to the LPS,
@@ -45,20 +45,20 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fl_geo.builders import make_model
-from fl_geo.clock import WallClock
 from fl_geo.config import FlGeoConfig, load_config, to_yaml
-from fl_geo.dispatch import Dispatcher, Event, NodeProfile
-from fl_geo.evaluation import GlobalEvaluator
-from fl_geo.halos import GlobalParameterServer
-from fl_geo.halos_ipc import IpcError, recv_frame, send_frame, unix_path
-from fl_geo.metrics import MetricsLogger
-from fl_geo.progress import Progress
-from fl_geo.protocol import REQUEST_RECORD, BridgeRequest
+from fl_geo.core.halos import GlobalParameterServer
+from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.halos.ipc import IpcError, recv_frame, send_frame, unix_path
+from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.dispatch import Dispatcher, Event, NodeProfile
+from fl_geo.runtime.evaluation import GlobalEvaluator
+from fl_geo.runtime.metrics import MetricsLogger
+from fl_geo.runtime.progress import Progress
+from fl_geo.runtime.protocol import REQUEST_RECORD, BridgeRequest
+from fl_geo.runtime.wire import PayloadError, decode_into, encode, payload_nbytes
 from fl_geo.server_app import PROJECT_ROOT, new_run_dir
-from fl_geo.state import ParamSpec, flatten
 from fl_geo.strategies.halos import HalosLoop
-from fl_geo.wire import PayloadError, decode_into, encode, payload_nbytes
+from fl_geo.timing.clock import WallClock
 
 log = logging.getLogger("fl_geo")
 

@@ -1,6 +1,6 @@
 """The HALoS bridge ClientApp: a region's SuperNode on the global SuperLink.
 
-The global ServerApp (the GPS, `fl_geo.halos_deploy.global_app`) cannot reach a regional
+The global ServerApp (the GPS, `fl_geo.halos.apps.global_app`) cannot reach a regional
 ServerApp through Flower (a SuperNode connects to one SuperLink and a process cannot be a
 ServerApp and a ClientApp task at once, docs/flower.md "Two tiers (HALoS) on Flower"). So each region runs one
 bridge SuperNode on the global SuperLink, started with
@@ -8,7 +8,7 @@ bridge SuperNode on the global SuperLink, started with
     --node-config 'lps-address="unix:///run/fl-geo/region0.sock" region="eu" region-id=0 num-regions=2'
 
 and for every global ``train`` message this ClientApp hands the global model to the co-located
-LPS over its Unix socket (`fl_geo.halos_ipc`) and returns the LPS's next update. The payload
+LPS over its Unix socket (`fl_geo.halos.ipc`) and returns the LPS's next update. The payload
 bytes pass through untouched (validated by the receivers against their model spec), so the
 bridge needs neither torch nor the model: a message costs a socket round trip plus the wait for
 the LPS, not a torch import.
@@ -22,9 +22,9 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl_geo.dispatch import PROFILE_KEY
-from fl_geo.halos_ipc import exchange
-from fl_geo.protocol import BridgeRequest
+from fl_geo.halos.ipc import exchange
+from fl_geo.runtime.dispatch import PROFILE_KEY
+from fl_geo.runtime.protocol import BridgeRequest
 
 app = ClientApp()
 

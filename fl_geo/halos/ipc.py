@@ -4,7 +4,7 @@ In the Flower-native two-tier layout (docs/flower.md "Two tiers (HALoS) on Flowe
 regions") a region's bridge SuperNode sits on the *global* SuperLink while the local parameter
 server is a long-running ServerApp on the *regional* SuperLink. One process cannot be both, and
 ClientApp processes live for one message, so the two meet over a Unix-domain socket that the
-regional ServerApp hosts in a background thread (`fl_geo.halos_deploy.LpsService`).
+regional ServerApp hosts in a background thread (`fl_geo.halos.apps.LpsService`).
 
 One connection = one exchange: the bridge sends the global model θ_g (absent on the first
 exchange) and a ``stop`` flag; the LPS queues θ_g for its merge and answers with its next update
@@ -12,7 +12,7 @@ U_k once it has one (or an acknowledgement for ``stop``, or an error frame that 
 
 Frame: ``b"FLGH"`` | u32 header length | JSON header | array payloads back to back. The header
 lists the arrays (key, dtype, shape, stype, nbytes) of a Flower ``ArrayRecord`` built by
-`fl_geo.wire.encode`, so the payload bytes are carried through untouched and the receiver
+`fl_geo.runtime.wire.encode`, so the payload bytes are carried through untouched and the receiver
 validates them with the same codec as any Flower message (keys, shapes, precision, finiteness).
 This module imports no torch: the bridge ClientApp starts a fresh process per message and a
 torch import would add ~2 s to every global exchange.
@@ -103,7 +103,7 @@ def recv_frame(sock: socket.socket, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD
     """Read one frame: its header and the ``ArrayRecord`` it carries (None when it has none).
 
     Only the framing is checked here (magic, sizes, entry types); the arrays' content is checked
-    by the receiver against its model spec and precision (`fl_geo.wire.decode`).
+    by the receiver against its model spec and precision (`fl_geo.runtime.wire.decode`).
     """
     magic, size = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
     if magic != MAGIC:

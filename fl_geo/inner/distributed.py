@@ -38,12 +38,12 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
-from fl_geo.config import ConfigError
+from fl_geo.core.state import ParamSpec, flatten, load_flat_into, unflatten
 from fl_geo.data.loader import BatchSampler
-from fl_geo.device import pick_device
-from fl_geo.model import Decoder, ModelConfig
-from fl_geo.state import ParamSpec, flatten, load_flat_into, unflatten
-from fl_geo.training import (
+from fl_geo.errors import ConfigError
+from fl_geo.inner.device import pick_device
+from fl_geo.inner.model import Decoder, ModelConfig
+from fl_geo.inner.training import (
     STATE_KEYS,
     BatchSource,
     InnerConfig,

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from fl_geo.device import autocast_dtype, pick_device
+from fl_geo.inner.device import autocast_dtype, pick_device
 
 __all__ = [
     "BatchSource",
@@ -210,7 +210,7 @@ class InnerTrainer:
     def _stop(self, budget_reached: bool) -> bool:
         """Whether a budgeted loop stops after this step; one process simply obeys its own clock.
 
-        A hook because a data-parallel job (fl_geo.distributed) must stop every rank at the same
+        A hook because a data-parallel job (fl_geo.inner.distributed) must stop every rank at the same
         step: a rank that stepped once more would wait in its gradient all-reduce until the
         process group times out.
         """

@@ -4,9 +4,9 @@ Di-PS (§4.1, "Dual-workflow Mechanism") keeps the model's bytes off the control
 ServerApp (the *leader*) sends and receives only small control messages, while datacenter
 clients push update shards to, and pull parameter shards from, the *followers* directly. This
 module is that data path, plus the follower side of the leader's control requests and the
-heartbeats of §4.3 ("Failure Tolerance of Di-PS"); `fl_geo.follower_supervisor` runs and
+heartbeats of §4.3 ("Failure Tolerance of Di-PS"); `fl_geo.ps.supervisor` runs and
 restarts the follower processes. It does not import Flower and
-holds no model code: a follower's state and arithmetic are `fl_geo.follower.FollowerShard`.
+holds no model code: a follower's state and arithmetic are `fl_geo.ps.follower.FollowerShard`.
 
 gRPC without generated code: every method carries raw ``bytes`` (identity serialisers) under the
 services ``flgeo.Follower`` (``Push``, ``Pull``, ``Control``) and ``flgeo.Leader``
@@ -58,8 +58,8 @@ import grpc
 import numpy as np
 import torch
 
-from fl_geo.checkpoint import CheckpointStore
-from fl_geo.follower import WIRE_DTYPES, FollowerError, FollowerShard, PushBuffer
+from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.ps.follower import WIRE_DTYPES, FollowerError, FollowerShard, PushBuffer
 
 __all__ = [
     "CONTROL_OPS",

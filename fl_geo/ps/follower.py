@@ -5,7 +5,7 @@ weighted sum of this step's accepted updates. It never decides anything: the lea
 ServerApp) runs the Di-PS control loop and tells it, per update, ``fold`` with a weight or ``drop``,
 and, per outer step, the total weight and the clip factor. The same class serves the in-process
 case (one or more followers inside the leader, the single-server Di-PS) and the follower processes
-behind the gRPC data path (`fl_geo.dataplane`); only the transport differs.
+behind the gRPC data path (`fl_geo.ps.dataplane`); only the transport differs.
 
 Memory: θ_s, the optimizer buffers and the sum are shard-sized and allocated once (O(1) in the
 number of clients). A pushed update is held, in its wire precision (bf16: half an fp32 shard),
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from fl_geo.outer import OuterOptimizer
-from fl_geo.shards import ShardPlan, tensor_sq_sums
-from fl_geo.state import CHUNK_ELEMS, chunk_ranges
+from fl_geo.core.outer import OuterOptimizer
+from fl_geo.core.shards import ShardPlan, tensor_sq_sums
+from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges
 
 __all__ = ["SEND_MODES", "WIRE_DTYPES", "FollowerError", "FollowerShard", "PushBuffer", "check_wire_and_send"]
 

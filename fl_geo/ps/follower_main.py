@@ -1,6 +1,6 @@
-"""Process entry of one follower parameter server (`python -m fl_geo.follower_main`).
+"""Process entry of one follower parameter server (`python -m fl_geo.ps.follower_main`).
 
-Started by `fl_geo.dataplane.FollowerSupervisor`, once per shard and again after a crash. It
+Started by `fl_geo.ps.dataplane.FollowerSupervisor`, once per shard and again after a crash. It
 rebuilds its `FollowerShard` from the plan and the newest verified checkpoint in its directory
 (one must exist: the supervisor writes version 0 before the first launch), so a restart resumes
 from the last step the leader saw acknowledged. It then serves the data path, heartbeats to the
@@ -21,17 +21,17 @@ from pathlib import Path
 
 import torch
 
-from fl_geo.checkpoint import CheckpointStore
-from fl_geo.dataplane import INCARNATION, FollowerServer, TlsFiles
-from fl_geo.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
-from fl_geo.outer import build_outer_optimizer
-from fl_geo.shards import ShardPlan
+from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.outer import build_outer_optimizer
+from fl_geo.core.shards import ShardPlan
+from fl_geo.ps.dataplane import INCARNATION, FollowerServer, TlsFiles
+from fl_geo.ps.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
 
 log = logging.getLogger("fl_geo")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fl_geo.follower_main", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fl_geo.ps.follower_main", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", required=True, help="ShardPlan JSON file")
     p.add_argument("--index", type=int, required=True, help="shard index this follower holds")
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", required=True, help="this follower's CheckpointStore directory")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     p.add_argument("--leader", default=None, help="host:port of the leader's heartbeat service")
-    p.add_argument("--optimizer", default="nesterov", help="outer optimizer name (fl_geo.outer)")
+    p.add_argument("--optimizer", default="nesterov", help="outer optimizer name (fl_geo.core.outer)")
     p.add_argument("--optimizer-kwargs", default="{}", help="JSON object of optimizer arguments")
     p.add_argument("--wire", default="bf16", choices=sorted(WIRE_DTYPES))
     p.add_argument("--send", default="pseudo_grad", choices=SEND_MODES)

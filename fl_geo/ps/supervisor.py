@@ -4,7 +4,7 @@
 version-0 checkpoints, watches their heartbeats and exits, and restarts a dead one from its
 newest checkpoint on the same port; a resumed leader rewinds them to its own step.
 `data_path_throughput` measures one follower's push and pull rates (`fl-geo bench ps` uses the
-full benchmark in `fl_geo.bench_ps`). The transport itself is `fl_geo.dataplane`.
+full benchmark in `fl_geo.bench.ps`). The transport itself is `fl_geo.ps.dataplane`.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from typing import Any
 
 import torch
 
-from fl_geo.checkpoint import CheckpointStore
-from fl_geo.dataplane import (
+from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.outer import build_outer_optimizer
+from fl_geo.core.shards import ShardPlan, tensor_sq_sums
+from fl_geo.core.state import ParamSpec
+from fl_geo.ps.dataplane import (
     _BITS,
     DEFAULT_CHUNK_BYTES,
     FollowerClient,
     LeaderHeartbeatService,
     TlsFiles,
 )
-from fl_geo.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
-from fl_geo.outer import build_outer_optimizer
-from fl_geo.shards import ShardPlan, tensor_sq_sums
-from fl_geo.state import ParamSpec
+from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
 
 __all__ = ["FollowerSupervisor", "data_path_throughput"]
 
@@ -224,7 +224,7 @@ class FollowerSupervisor:
         addr = self.addr_path(i)
         addr.unlink(missing_ok=True)
         cmd = [
-            self.python, "-m", "fl_geo.follower_main",
+            self.python, "-m", "fl_geo.ps.follower_main",
             "--plan", str(self.workdir / "plan.json"), "--index", str(i), "--port", str(port),
             "--host", self.host, "--checkpoint-dir", str(self.checkpoint_dir(i)), "--keep", str(self.keep),
             "--leader", f"{self.host}:{self.leader_port}", "--optimizer", self.optimizer_name,

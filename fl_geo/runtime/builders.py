@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from fl_geo.data import Partition, get_partitions
-from fl_geo.model import Decoder, ModelConfig, build_model
-from fl_geo.training import InnerConfig
+from fl_geo.inner.model import Decoder, ModelConfig, build_model
+from fl_geo.inner.training import InnerConfig
 
 
 def _as_dict(section: Any) -> dict[str, Any]:

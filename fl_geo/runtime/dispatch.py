@@ -8,7 +8,7 @@ fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (docs/flower.
 - error replies and nodes that vanish from ``grid.get_node_ids()`` become events the strategy sees
   once, so their work is never counted twice; replies to abandoned jobs are discarded when they come;
 - a clock decides the order in which replies are handed over: arrival order with a wall clock, the
-  jobs' modelled finish times with a virtual clock (``fl_geo.clock``), so a seeded simulation gives
+  jobs' modelled finish times with a virtual clock (``fl_geo.timing.clock``), so a seeded simulation gives
   the same event order, and the same model, however the real processes happen to finish;
 - asynchronous strategies consume :meth:`Dispatcher.next_event` one event at a time; a synchronous
   round is the special case :meth:`Dispatcher.run_jobs`: "hand everything over once every job of
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fl_geo.protocol import REQUEST_RECORD, ProfileQuery
+from fl_geo.runtime.protocol import REQUEST_RECORD, ProfileQuery
 
 log = logging.getLogger("fl_geo")
 
@@ -35,7 +35,7 @@ PROFILE_KEY = "profile"
 
 
 class Clock(Protocol):
-    """What the dispatcher needs from ``fl_geo.clock.WallClock`` / ``VirtualClock``."""
+    """What the dispatcher needs from ``fl_geo.timing.clock.WallClock`` / ``VirtualClock``."""
 
     is_virtual: bool
 
@@ -147,7 +147,7 @@ class Dispatcher:
     ) -> None:
         self.grid = grid
         if clock is None:
-            from fl_geo.clock import WallClock
+            from fl_geo.timing.clock import WallClock
 
             clock = WallClock()
         self.clock: Clock = clock

@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from fl_geo.builders import make_model, partitions
 from fl_geo.config import FlGeoConfig
+from fl_geo.core.state import ParamSpec, load_flat_into
 from fl_geo.data import eval_batches
-from fl_geo.state import ParamSpec, load_flat_into
-from fl_geo.training import evaluate_loss
+from fl_geo.inner.training import evaluate_loss
+from fl_geo.runtime.builders import make_model, partitions
 
 
 class GlobalEvaluator:

@@ -36,8 +36,8 @@ import torch
 from flwr.app import Array, ArrayRecord
 from numpy.lib import format as npy_format
 
-from .accumulate import describe_non_finite
-from .state import CHUNK_ELEMS, ParamSpec, chunk_ranges
+from fl_geo.core.accumulate import describe_non_finite
+from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges
 
 __all__ = [
     "PRECISIONS",
@@ -67,7 +67,7 @@ class PayloadError(ValueError):
 
 def _precision(precision: str) -> tuple[torch.dtype, np.dtype]:
     if sys.byteorder != "little":  # the views below reinterpret little-endian bytes natively
-        raise RuntimeError("fl_geo.wire assumes a little-endian host")
+        raise RuntimeError("fl_geo.runtime.wire assumes a little-endian host")
     try:
         return PRECISIONS[precision]
     except KeyError:

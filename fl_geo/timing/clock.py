@@ -1,12 +1,12 @@
 """Clocks: what decides the order in which replies are handed to a strategy, and what "time" is.
 
-Two implementations of one interface (the ``Clock`` protocol of :mod:`fl_geo.dispatch`):
+Two implementations of one interface (the ``Clock`` protocol of :mod:`fl_geo.runtime.dispatch`):
 
 - :class:`WallClock` (deployment, plain simulation): time is real elapsed time and replies are
   handed over as they arrive; the clock cannot predict anything, so ``due()`` is ``None`` and
   ``finish_time`` is NaN.
 - :class:`VirtualClock` (comparisons on a laptop): each job's finish time is computed *when it is
-  dispatched* from a :class:`~fl_geo.scenario.Scenario` (downlink + steps × step time + uplink),
+  dispatched* from a :class:`~fl_geo.timing.scenario.Scenario` (downlink + steps × step time + uplink),
   and the dispatcher hands a reply over only when its job is :meth:`VirtualClock.due`, i.e. every
   job that finishes earlier in virtual time has been handed over already. The event order, and
   hence the trained model, then depends only on the seed and the scenario, never on which real
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fl_geo.scenario import JobTime, Scenario
+from fl_geo.timing.scenario import JobTime, Scenario
 
 __all__ = ["VirtualClock", "WallClock"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fl_geo.scenario import Scenario, ScenarioError
+from fl_geo.timing.scenario import Scenario, ScenarioError
 
 __all__ = [
     "Placement",
@@ -130,7 +130,7 @@ class Placement:
 def place_from_scenario(scenario: Scenario, candidates: Sequence[str] | None = None) -> Placement:
     """Evaluate the placement model on ``scenario``'s nodes; candidates default to all regions.
 
-    Unknown or repeated candidate regions raise :class:`~fl_geo.scenario.ScenarioError` (a
+    Unknown or repeated candidate regions raise :class:`~fl_geo.timing.scenario.ScenarioError` (a
     config error: the CLI exits with status 2), as does an infinite link to a node, which would
     make the scores meaningless.
     """

@@ -10,7 +10,7 @@ proxy model being trained is a thousand times smaller.
 
 Scenarios are YAML files in ``configs/scenarios/`` loaded with omegaconf into the ``*Spec``
 dataclasses below, then validated into a :class:`Scenario`, which answers the timing questions
-(``step_time``, ``transfer_time``, ``job_time``, ring all-reduce) that :mod:`fl_geo.clock` and
+(``step_time``, ``transfer_time``, ``job_time``, ring all-reduce) that :mod:`fl_geo.timing.clock` and
 the strategies ask. Node index = partition id = the Flower node's ``partition-id``.
 """
 
@@ -29,7 +29,8 @@ from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fl_geo.config import ConfigError
+from fl_geo.errors import ConfigError
+from fl_geo.paths import SCENARIOS_DIR as _REPO_SCENARIOS
 
 __all__ = [
     "BYTES_PER_PARAM",
@@ -63,7 +64,6 @@ EXACT_RING_MAX_REGIONS = 8
 # and 0.7/0.1*... can land a hair above an integer; neither may cost a whole extra step.
 _CEIL_SLACK = 1e-9
 
-_REPO_SCENARIOS = Path(__file__).resolve().parents[1] / "configs" / "scenarios"
 
 
 class ScenarioError(ConfigError):
