@@ -29,9 +29,9 @@ from fl_geo.clients.api import (
     set_threads,
     train_metrics,
 )
-from fl_geo.core.quantize import quantize_record
 from fl_geo.core.state import flatten, load_flat_into
 from fl_geo.core.streaming import cocodc_compensate, fragment_record, streaming_merge
+from fl_geo.runtime.quantized import quantize_record
 from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
 
 if TYPE_CHECKING:

@@ -1,14 +1,19 @@
-"""The one error type every layer may raise for bad user input.
+"""The error types every layer may raise: bad user input and bad peer payloads.
 
-It lives in its own leaf module so that the scenario model (``fl_geo.timing``) and the inner loop
-(``fl_geo.inner``) can raise it without importing the config schema: ``fl_geo.config`` re-exports it,
-and ``fl-geo`` turns it into one line and exit code 2.
+They live in this leaf module so that the framework-free layers (``fl_geo.core``, ``fl_geo.timing``,
+``fl_geo.inner``) can raise them without importing the config schema or the Flower wire codec:
+``fl_geo.config`` re-exports `ConfigError` (``fl-geo`` turns it into one line and exit code 2) and
+``fl_geo.runtime.wire`` re-exports `PayloadError` (a reply carrying one is rejected and counted).
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "PayloadError"]
 
 
 class ConfigError(ValueError):
     """A configuration is invalid; the message says which key and why."""
+
+
+class PayloadError(ValueError):
+    """A payload that must not be used: wrong layout, wrong precision, truncated or non-finite."""

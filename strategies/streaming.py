@@ -44,7 +44,7 @@ import torch
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
 from fl_geo.core.accumulate import WeightedAccumulator
-from fl_geo.core.quantize import dequantize_record, quantized_nbytes
+from fl_geo.core.quantize import quantized_nbytes
 from fl_geo.core.state import ParamSpec
 from fl_geo.core.streaming import (
     AdaptiveSchedule,
@@ -57,6 +57,7 @@ from fl_geo.core.streaming import (
 from fl_geo.runtime.dispatch import JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import EvaluateRequest, StreamRequest
+from fl_geo.runtime.quantized import dequantize_record
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import (

@@ -9,7 +9,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fl_geo.core.quantize import dequantize_record, quantize_record, quantized_nbytes
+from fl_geo.core.quantize import quantized_nbytes
+from fl_geo.runtime.quantized import dequantize_record, quantize_record
 from fl_geo.runtime.wire import PayloadError
 
 KINDS = [("int8", 127), ("int4", 7)]

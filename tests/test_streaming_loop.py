@@ -444,7 +444,7 @@ def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind):
     """P = 1, τ = 0, one period: the global model is one Nesterov step on the token-weighted mean
     of the workers' dequantised Δ, and the payloads are a quarter / an eighth of fp32's."""
     from fl_geo.core.outer import build_outer_optimizer
-    from fl_geo.core.quantize import dequantize_record
+    from fl_geo.runtime.quantized import dequantize_record
 
     common = ["strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=1",
               "streaming.overlap=0", "run.rounds=1"]

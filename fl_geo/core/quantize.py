@@ -14,14 +14,15 @@ scale_b / 2, so a block's largest element is exact and the relative error is bou
 block's dynamic range; small blocks (the default 128) keep an outlier from flattening its
 neighbours. Rounding is to nearest (ties to even), deterministic, so runs stay reproducible.
 
-Wire layout (an ``ArrayRecord`` with exactly two arrays):
+Payload layout (two arrays; `fl_geo.runtime.quantized` puts them in an ``ArrayRecord`` under
+these names):
 
 * ``codes``: ``int8``, one per element (``int4``: ``uint8``, two per byte, element 2k in the low
   nibble and 2k+1 in the high one, each stored as code + 8 ∈ [1, 15]; an odd tail pads with 8);
 * ``scales``: ``float32``, one per block, finite and ≥ 0.
 
-`dequantize_record` validates all of it (keys, dtypes, lengths, scales, code range, the padding
-nibble) and raises `PayloadError`, so a malformed or hostile reply is rejected like any other
+`dequantize` validates all of it (dtypes, lengths, scales, code range, the padding nibble) and
+raises `PayloadError`, so a malformed or hostile reply is rejected like any other
 bad payload. Everything is whole-tensor torch: no per-element Python loop.
 """
 
@@ -31,17 +32,17 @@ import math
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
 
-from fl_geo.runtime.wire import PayloadError
+from fl_geo.errors import PayloadError
 
-__all__ = ["QUANT_BITS", "dequantize_record", "quantize_record", "quantized_nbytes"]
+__all__ = ["CODES", "QUANT_BITS", "SCALES", "dequantize", "q_max", "quantize", "quantized_nbytes"]
 
 QUANT_BITS = {"int8": 8, "int4": 4}
-_CODES, _SCALES = "codes", "scales"
+CODES, SCALES = "codes", "scales"
 
 
-def _check(kind: str, block: int) -> int:
+def q_max(kind: str, block: int) -> int:
+    """The largest code of ``kind`` (127 or 7); raises ValueError for an unknown kind or a bad block."""
     if kind not in QUANT_BITS:
         raise ValueError(f"unknown quantisation {kind!r}; valid: {', '.join(QUANT_BITS)}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
@@ -52,7 +53,7 @@ def _check(kind: str, block: int) -> int:
 def quantized_nbytes(kind: str, numel: int, block: int) -> int:
     """Payload bytes of ``numel`` elements (codes + scales, without container overhead): what
     the virtual clock charges for one quantised fragment."""
-    _check(kind, block)
+    q_max(kind, block)
     code_bytes = numel if kind == "int8" else (numel + 1) // 2
     return code_bytes + 4 * math.ceil(numel / block)
 
@@ -66,46 +67,39 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.view(-1, block)
 
 
-def quantize_record(x: torch.Tensor, kind: str, block: int = 128) -> ArrayRecord:
-    """Quantise a flat fp32 tensor into the two-array record described in the module docstring.
+def quantize(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """Quantise a flat fp32 tensor into the ``(codes, scales)`` arrays of the module docstring.
 
     Non-finite input is not refused here: its block's scale becomes NaN/Inf, which the receiver
     rejects, exactly as it rejects a non-finite fp32 payload.
     """
-    q_max = _check(kind, block)
+    top = q_max(kind, block)
     if x.dim() != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a 1-D floating tensor, got {x.dtype} {tuple(x.shape)}")
     n = x.numel()
     with torch.no_grad():
         xb = _blocks(x.detach().to("cpu", torch.float32), block)
-        scales = xb.abs().amax(dim=1) / q_max
+        scales = xb.abs().amax(dim=1) / top
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(xb / safe[:, None]).clamp_(-q_max, q_max).to(torch.int8).reshape(-1)[:n]
+        codes = torch.round(xb / safe[:, None]).clamp_(-top, top).to(torch.int8).reshape(-1)[:n]
         if kind == "int4":
             nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
             if n % 2:
                 nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
             pairs = nibbles.view(-1, 2)
             codes = pairs[:, 0] | (pairs[:, 1] << 4)
-    return ArrayRecord({_CODES: Array(codes.contiguous().numpy()), _SCALES: Array(scales.contiguous().numpy())})
+    return codes.contiguous().numpy(), scales.contiguous().numpy()
 
 
-def dequantize_record(record: ArrayRecord, numel: int, kind: str, block: int = 128) -> torch.Tensor:
-    """The fp32 tensor of ``numel`` elements a `quantize_record` payload stands for.
+def dequantize(codes_np: np.ndarray, scales_np: np.ndarray, numel: int, kind: str,
+               block: int = 128) -> torch.Tensor:
+    """The fp32 tensor of ``numel`` elements that a `quantize` payload stands for.
 
-    Raises `PayloadError` naming what is wrong: keys other than ``codes``/``scales``, a dtype or
-    length that does not fit ``numel``/``kind``/``block``, a non-finite or negative scale, an
-    int8 code of −128 or an int4 nibble of 0 (levels the encoder never writes), or a padding
-    nibble other than 8.
+    Raises `PayloadError` naming what is wrong: a dtype or length that does not fit
+    ``numel``/``kind``/``block``, a non-finite or negative scale, an int8 code of −128 or an int4
+    nibble of 0 (levels the encoder never writes), or a padding nibble other than 8.
     """
-    _check(kind, block)
-    keys = set(record.keys())
-    if keys != {_CODES, _SCALES}:
-        raise PayloadError(f"a {kind} payload holds exactly {{'{_CODES}', '{_SCALES}'}}, got {sorted(keys)}")
-    try:
-        codes_np, scales_np = record[_CODES].numpy(), record[_SCALES].numpy()
-    except Exception as exc:  # noqa: BLE001 - a corrupt .npy is bad input, whatever numpy raises
-        raise PayloadError(f"unreadable {kind} payload: {exc}") from None
+    q_max(kind, block)
     n_blocks = math.ceil(numel / block)
     want_codes = (np.dtype("i1"), numel) if kind == "int8" else (np.dtype("u1"), (numel + 1) // 2)
     if codes_np.dtype != want_codes[0] or codes_np.shape != (want_codes[1],):

@@ -38,6 +38,7 @@ from numpy.lib import format as npy_format
 
 from fl_geo.core.accumulate import describe_non_finite
 from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges
+from fl_geo.errors import PayloadError
 
 __all__ = [
     "PRECISIONS",
@@ -59,10 +60,6 @@ PRECISIONS: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 _TORCH_WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.int16}
 _NPY_MAGIC = b"\x93NUMPY"
-
-
-class PayloadError(ValueError):
-    """A payload that must not be used: wrong layout, wrong precision, truncated or non-finite."""
 
 
 def _precision(precision: str) -> tuple[torch.dtype, np.dtype]:
