@@ -112,8 +112,8 @@ def cmd_place(args: argparse.Namespace) -> int:
     """``fl-geo place``: the Di-PS PS-placement scores of a scenario (docs/placement_and_schedule.md)."""
     import json
 
+    from fl_geo.scenario_files import load_scenario
     from fl_geo.timing.placement import format_placement, place_from_scenario
-    from fl_geo.timing.scenario import load_scenario
 
     candidates = None
     if args.candidates is not None:

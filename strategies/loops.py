@@ -39,7 +39,8 @@ def make_clock(cfg: FlGeoConfig, num_params: int, scenario: Any = None) -> tuple
 
     if cfg.run.clock == "wall":
         return WallClock(), None
-    from fl_geo.timing.scenario import load_scenario, scenario_for_nodes
+    from fl_geo.scenario_files import load_scenario
+    from fl_geo.timing.scenario import scenario_for_nodes
 
     scenario = scenario_for_nodes(scenario or load_scenario(cfg.run.scenario), cfg.run.num_clients)
     return VirtualClock(scenario, scenario.modelled_params(fallback=num_params)), scenario

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from fl_geo.scenario_files import load_scenario, scenario_from_dict
 from fl_geo.timing.clock import VirtualClock, WallClock
-from fl_geo.timing.scenario import load_scenario, scenario_from_dict
 from tests.conftest import tiny_scenario_dict
 
 

@@ -10,8 +10,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl_geo.runtime.dispatch import Dispatcher, JobTiming
+from fl_geo.scenario_files import scenario_from_dict
 from fl_geo.timing.clock import VirtualClock, WallClock
-from fl_geo.timing.scenario import scenario_from_dict
 
 
 class ScriptedGrid:

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from fl_geo.cli import main
+from fl_geo.scenario_files import load_scenario, scenario_from_dict
 from fl_geo.timing.placement import (
     best_placement,
     place_from_scenario,
     placement_ranks,
     placement_scores,
 )
-from fl_geo.timing.scenario import ScenarioError, load_scenario, scenario_from_dict
+from fl_geo.timing.scenario import ScenarioError
 from tests.conftest import tiny_scenario_dict
 
 # ---- the formula --------------------------------------------------------------------------------

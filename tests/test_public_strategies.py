@@ -174,7 +174,7 @@ def test_collaborators_are_passed_in(tmp_path):
     object are handed to the strategy, not looked up; resuming continues to the same bits."""
     from fl_geo.core.checkpoint import CheckpointStore
     from fl_geo.runtime.metrics import MetricsLogger, read_metrics
-    from fl_geo.timing.scenario import load_scenario
+    from fl_geo.scenario_files import load_scenario
 
     scenario = load_scenario(_scenario(tmp_path))
     logger = MetricsLogger(tmp_path / "dips", tensorboard=True)

@@ -8,16 +8,19 @@ from pathlib import Path
 import pytest
 
 from fl_geo.config import ConfigError
+from fl_geo.scenario_files import (
+    list_scenarios,
+    load_scenario,
+    scenario_from_dict,
+    scenario_from_yaml_string,
+    scenario_to_yaml,
+)
 from fl_geo.timing.scenario import (
     BYTES_PER_PARAM,
     Scenario,
     ScenarioError,
-    list_scenarios,
-    load_scenario,
     payload_bytes,
     scenario_for_nodes,
-    scenario_from_dict,
-    scenario_from_yaml_string,
 )
 from tests.conftest import tiny_scenario_dict
 
@@ -53,7 +56,7 @@ def test_shipped_scenarios_are_found_by_name():
 def test_every_shipped_scenario_loads_and_round_trips(path):
     s = load_scenario(path)
     assert s.name == path.stem
-    back = scenario_from_yaml_string(s.to_yaml())
+    back = scenario_from_yaml_string(scenario_to_yaml(s))
     assert back.to_dict() == s.to_dict()
     assert all(s.step_time(i) > 0 for i in range(s.num_nodes))
 
