@@ -12,7 +12,6 @@ import hashlib
 import logging
 import platform
 import shlex
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,38 +26,19 @@ from fl_geo.config import (
     FlGeoConfig,
     load_config,
     to_dict,
-    to_yaml,
 )
 from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.core.state import ParamSpec
 from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
 from fl_geo.runtime.evaluation import GlobalEvaluator
-from fl_geo.runtime.metrics import MetricsLogger
 from fl_geo.runtime.progress import Progress
+from fl_geo.runtime.session import RunSession
 from fl_geo.strategies import build_strategy
 
 log = logging.getLogger("fl_geo")
 
 
-
-
-def new_run_dir(cfg: FlGeoConfig) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
-    path, i = base, 1
-    while path.exists():
-        path, i = Path(f"{base}-{i}"), i + 1
-    return path
-
-
-def _clear_previous(run_dir: Path) -> None:
-    """A re-run into the same directory (``fl-geo run --out``) starts clean, not appended."""
-    import shutil
-
-    for name in ("metrics.jsonl", "summary.json", "meta.json", "final_model.pt"):
-        (run_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "tb", ignore_errors=True)
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> FlGeoConfig:
@@ -106,16 +86,6 @@ def open_checkpoints(cfg: FlGeoConfig, run_dir: Path) -> tuple[CheckpointStore |
     return store, latest
 
 
-def write_history(path: Path, history: list[str]) -> None:
-    """Rewrite metrics.jsonl from a checkpoint's history (atomically), so a resumed run's file
-    has each step once. In deployment the resumed ServerApp writes to a new run directory, which
-    does not exist yet at this point."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(h + "\n" for h in history), encoding="utf-8")
-    tmp.replace(path)
-
-
 def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Run one experiment to completion on ``grid``; returns (and writes) the run summary.
 
@@ -124,17 +94,12 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
     owns: the run directory, metrics files, checkpoints and resume, the built-in model and the
     held-out-text evaluator, the final model and summary.json.
     """
-    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+    session = RunSession(cfg, run_dir)
+    run_dir = session.run_dir
     store, checkpoint = open_checkpoints(cfg, run_dir)
-    if checkpoint is None:
-        _clear_previous(run_dir)
-    else:  # the metrics up to the checkpoint come back from it; later lines are dropped
-        write_history(run_dir / "metrics.jsonl", checkpoint.state["history"])
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cfg.run.server_threads)
-    try:
+    # a resumed run gets back the metrics up to its checkpoint; a new one starts clean
+    logger = session.open(history=checkpoint.state["history"] if checkpoint is not None else None)
+    with session:
         model = make_model(cfg.model, cfg.run.seed)
         initial_arrays = ArrayRecord(model.state_dict())
         del model
@@ -151,9 +116,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
         )
         strategy.start(grid, initial_arrays, num_rounds=cfg.run.rounds, timeout=cfg.strategy.round_timeout_s)
         stats = strategy.stats
-        torch.save({"params": strategy.loop.global_params, "spec": strategy.loop.spec.to_json()},
-                   run_dir / "final_model.pt")
-        summary = {
+        session.save_model(strategy.loop.global_params, strategy.loop.spec)
+        return session.finish({
             "name": cfg.run.name,
             "strategy": cfg.strategy.name,
             "outer_optimizer": cfg.strategy.outer_optimizer,
@@ -170,13 +134,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "virtual_s": stats.virtual_s,
             "scenario": stats.scenario,
             "num_params": stats.num_params,
-            "run_dir": str(run_dir),
-        }
-        logger.write_json("summary.json", summary)
-        return summary
-    finally:
-        torch.set_num_threads(threads_before)
-        logger.close()
+        })
 
 
 def make_server_app(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> ServerApp:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.config import FlGeoConfig
-from fl_geo.server_app import make_server_app, new_run_dir
+from fl_geo.runtime.session import new_run_dir
+from fl_geo.server_app import make_server_app
 
 log = logging.getLogger("fl_geo")
 

@@ -45,18 +45,18 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fl_geo.config import FlGeoConfig, load_config, to_yaml
+from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.core.halos import GlobalParameterServer
 from fl_geo.core.state import ParamSpec, flatten
 from fl_geo.halos.ipc import IpcError, recv_frame, send_frame, unix_path
+from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
 from fl_geo.runtime.dispatch import Dispatcher, Event, NodeProfile
 from fl_geo.runtime.evaluation import GlobalEvaluator
-from fl_geo.runtime.metrics import MetricsLogger
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import REQUEST_RECORD, BridgeRequest
+from fl_geo.runtime.session import RunSession
 from fl_geo.runtime.wire import PayloadError, decode_into, encode, payload_nbytes
-from fl_geo.server_app import PROJECT_ROOT, new_run_dir
 from fl_geo.strategies.halos import HalosLoop
 from fl_geo.timing.clock import WallClock
 
@@ -349,48 +349,43 @@ class RegionalLoop(HalosLoop):
 def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                  ipc_timeout_s: float = DEFAULT_IPC_TIMEOUT_S, run_dir: str | Path | None = None) -> dict[str, Any]:
     """One region's LPS until the GPS sends ``stop``; writes and returns the run summary."""
-    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    t0 = time.perf_counter()
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cfg.run.server_threads)
-    spec, params = _model(cfg)
-    service = LpsService(address, spec, cfg.wire.down, reply_timeout_s=ipc_timeout_s)
-    service.start()  # first: the bridge may already be knocking
-    try:
-        dispatcher = Dispatcher(grid, WallClock())
-        nodes = dispatcher.wait_for_nodes(cfg.run.min_nodes or cfg.run.num_clients, cfg.run.wait_nodes_timeout_s)
-        profiles: dict[int, NodeProfile] = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
-        if not profiles:
-            raise RuntimeError("no worker answered the profile query")
-        region = region or next(iter(profiles.values())).site
-        evaluator = GlobalEvaluator(cfg, max(p.num_partitions for p in profiles.values()))
-        loop = RegionalLoop(cfg, spec, params, dispatcher, profiles, logger, evaluator, None,
-                            service=service, region=region, ipc_timeout_s=ipc_timeout_s)
-        log.info("HALoS regional server %s: %d workers, K=%d, alpha=%s, IPC %s", region, len(profiles),
-                 cfg.halos.accumulate, cfg.halos.alpha, address)
-        last = loop.run(Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress))
-        lps = loop.lps[0] if loop.lps else None
-        first = loop.history[0] if loop.history else {}
-        summary = {
-            "name": cfg.run.name, "strategy": "halos", "role": "regional", "region": region,
-            "workers": len(profiles), "accumulate": cfg.halos.accumulate, "alpha": cfg.halos.alpha,
-            "local_updates": loop.local_updates, "lps_version": lps.version if lps else 0,
-            "sends": lps.sends if lps else 0, "merges": loop.merges, "exchanges": service.exchanges,
-            "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
-            "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"),
-            "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
-            "late_replies": dispatcher.late_replies, "wall_s": round(time.perf_counter() - t0, 3),
-            "num_params": spec.numel, "run_dir": str(run_dir), "lps_address": address,
-        }
-        torch.save({"params": params, "spec": spec.to_json()}, run_dir / "final_model.pt")
-        logger.write_json("summary.json", summary)
-        return summary
-    finally:
-        service.close()
-        torch.set_num_threads(threads_before)
-        logger.close()
+    with RunSession(cfg, run_dir) as session:
+        logger = session.logger
+        assert logger is not None
+        t0 = time.perf_counter()
+        spec, params = _model(cfg)
+        service = LpsService(address, spec, cfg.wire.down, reply_timeout_s=ipc_timeout_s)
+        service.start()  # first: the bridge may already be knocking
+        try:
+            dispatcher = Dispatcher(grid, WallClock())
+            nodes = dispatcher.wait_for_nodes(cfg.run.min_nodes or cfg.run.num_clients, cfg.run.wait_nodes_timeout_s)
+            profiles: dict[int, NodeProfile] = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
+            if not profiles:
+                raise RuntimeError("no worker answered the profile query")
+            region = region or next(iter(profiles.values())).site
+            evaluator = GlobalEvaluator(cfg, max(p.num_partitions for p in profiles.values()))
+            loop = RegionalLoop(cfg, spec, params, dispatcher, profiles, logger, evaluator, None,
+                                service=service, region=region, ipc_timeout_s=ipc_timeout_s)
+            log.info("HALoS regional server %s: %d workers, K=%d, alpha=%s, IPC %s", region, len(profiles),
+                     cfg.halos.accumulate, cfg.halos.alpha, address)
+            last = loop.run(Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress))
+            lps = loop.lps[0] if loop.lps else None
+            first = loop.history[0] if loop.history else {}
+            summary = {
+                "name": cfg.run.name, "strategy": "halos", "role": "regional", "region": region,
+                "workers": len(profiles), "accumulate": cfg.halos.accumulate, "alpha": cfg.halos.alpha,
+                "local_updates": loop.local_updates, "lps_version": lps.version if lps else 0,
+                "sends": lps.sends if lps else 0, "merges": loop.merges, "exchanges": service.exchanges,
+                "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
+                "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"),
+                "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
+                "late_replies": dispatcher.late_replies, "wall_s": round(time.perf_counter() - t0, 3),
+                "num_params": spec.numel, "lps_address": address,
+            }
+            session.save_model(params, spec)
+            return session.finish(summary)
+        finally:
+            service.close()
 
 
 regional_app = ServerApp()
@@ -415,13 +410,10 @@ def _regional_main(grid: Grid, context: Context) -> None:
 def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: float = DEFAULT_IPC_TIMEOUT_S,
                connect_timeout_s: float = 120.0, run_dir: str | Path | None = None) -> dict[str, Any]:
     """The GPS: one bridge message in flight per region until ``run.rounds`` global updates."""
-    run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    t0 = time.perf_counter()
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cfg.run.server_threads)
-    try:
+    with RunSession(cfg, run_dir) as session:
+        logger = session.logger
+        assert logger is not None
+        t0 = time.perf_counter()
         spec, params = _model(cfg)
         s = cfg.strategy
         gps = GlobalParameterServer(params, lr=s.outer_lr, momentum=s.outer_momentum,
@@ -486,20 +478,15 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
         final = evaluator.evaluate(gps.params)
         history.append(logger.log(gps.version, {"outer/step": gps.version, "val/loss": final,
                                                 "val/ppl": math.exp(min(final, 50.0))}))
-        torch.save({"params": gps.params, "spec": spec.to_json()}, run_dir / "final_model.pt")
-        summary = {
+        session.save_model(gps.params, spec)
+        return session.finish({
             "name": cfg.run.name, "strategy": "halos", "role": "global", "rounds": cfg.run.rounds,
             "outer_steps": gps.version, "global_version": gps.version, "regions": len(profiles),
             "updates_per_region": {region_of[n]: c for n, c in sends.items()},
             "lps_counters": counters, "initial_val_loss": initial, "final_val_loss": final,
             "bytes_up": bytes_up, "bytes_down": bytes_down, "wall_s": round(time.perf_counter() - t0, 3),
-            "num_params": spec.numel, "run_dir": str(run_dir),
-        }
-        logger.write_json("summary.json", summary)
-        return summary
-    finally:
-        torch.set_num_threads(threads_before)
-        logger.close()
+            "num_params": spec.numel,
+        })
 
 
 global_app = ServerApp()

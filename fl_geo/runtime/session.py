@@ -1,0 +1,104 @@
+"""One run's directory and the process settings a ServerApp holds while it runs.
+
+Every ServerApp fl-geo ships (the ServerApp of ``fl-geo run`` / ``flwr run .`` and HALoS's regional
+and global tiers) opens its run the same way: a fresh run directory (or the one given), stale
+result files from an earlier run into the same directory removed (or, on resume, the metrics up
+to the checkpoint written back), the JSONL + TensorBoard logger, ``config.yaml`` with the resolved
+config, and torch's intra-op threads set to ``run.server_threads``. On leaving, the threads are
+restored and the logger closed, whatever happened. `RunSession` is that set-up, once.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from fl_geo.config import FlGeoConfig, to_yaml
+from fl_geo.core.state import ParamSpec
+from fl_geo.runtime.metrics import MetricsLogger
+
+__all__ = ["RESULT_FILES", "RunSession", "new_run_dir", "write_history"]
+
+# What a finished run writes; a new run into the same directory must not inherit any of it.
+RESULT_FILES = ("metrics.jsonl", "summary.json", "meta.json", "final_model.pt")
+
+
+def new_run_dir(cfg: FlGeoConfig) -> Path:
+    """``<run.out_dir>/<run.name>-<timestamp>``, with a ``-N`` suffix if that exists already."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+    path, i = base, 1
+    while path.exists():
+        path, i = Path(f"{base}-{i}"), i + 1
+    return path
+
+
+def write_history(path: Path, history: list[str]) -> None:
+    """Rewrite metrics.jsonl from a checkpoint's history (atomically), so a resumed run's file
+    has each step once. In deployment the resumed ServerApp writes to a new run directory, which
+    does not exist yet at this point."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(h + "\n" for h in history), encoding="utf-8")
+    tmp.replace(path)
+
+
+class RunSession:
+    """Context manager for one ServerApp run; ``logger`` is open between enter and exit.
+
+    ``history``: ``None`` starts clean (the result files of an earlier run in ``run_dir`` are
+    removed); a list of JSONL lines (a checkpoint's) is written back as ``metrics.jsonl`` so a
+    resumed run continues its own metrics.
+    """
+
+    def __init__(self, cfg: FlGeoConfig, run_dir: str | Path | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
+        self.logger: MetricsLogger | None = None
+        self._threads_before: int | None = None
+
+    def open(self, history: list[str] | None = None) -> MetricsLogger:
+        """Prepare the directory, open the logger, write ``config.yaml``, set torch's threads."""
+        if history is None:
+            for name in RESULT_FILES:
+                (self.run_dir / name).unlink(missing_ok=True)
+            shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
+        else:
+            write_history(self.run_dir / "metrics.jsonl", history)
+        self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.run.tensorboard)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(self.cfg.run.server_threads)
+        return self.logger
+
+    def __enter__(self) -> RunSession:
+        if self.logger is None:
+            self.open()
+        return self
+
+    def save_model(self, params: torch.Tensor, spec: ParamSpec) -> Path:
+        """The final flat model and its layout, as ``final_model.pt``."""
+        path = self.run_dir / "final_model.pt"
+        torch.save({"params": params, "spec": spec.to_json()}, path)
+        return path
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Write ``summary.json`` (with ``run_dir``) and return the summary."""
+        summary = {**summary, "run_dir": str(self.run_dir)}
+        assert self.logger is not None, "RunSession.finish before open"
+        self.logger.write_json("summary.json", summary)
+        return summary
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        if self.logger is not None:
+            self.logger.close()
+
