@@ -9,19 +9,11 @@ import pytest
 import torch
 
 from fl_geo.core.accumulate import WeightedAccumulator
-from fl_geo.core.penalty import (
-    EmaStats,
-    OutlierTest,
-    Penalty,
-    StreamingWeights,
-    clip_,
-    compute_weights,
-    group_norms,
-    module_group_name,
-    module_groups,
-    restrict,
-)
+from fl_geo.core.groups import clip_, group_norms, module_group_name, module_groups, restrict
+from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import CHUNK_ELEMS, ParamSpec
+from fl_geo.core.statistics import EmaStats, OutlierTest
+from fl_geo.core.weights import StreamingWeights, compute_weights
 from fl_geo.inner.model import ModelConfig, build_model
 
 

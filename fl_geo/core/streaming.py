@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from fl_geo.core.groups import module_group_name
 from fl_geo.core.outer import OuterOptimizer, build_outer_optimizer
-from fl_geo.core.penalty import module_group_name
 from fl_geo.core.state import ParamSpec
 
 __all__ = [
