@@ -106,3 +106,26 @@ def test_every_package_is_named_in_the_readme_layout_and_the_design_notes():
     for name in packages:
         assert re.search(rf"^  {name}/ ", layout, re.M), f"README's layout section does not name fl_geo/{name}/"
         assert f"fl_geo/{name}/" in design, f"docs/design.md's layer list does not name fl_geo/{name}/"
+
+
+def test_every_name_in_the_algorithms_code_map_exists():
+    """docs/algorithms.md says which function implements each rule; a rename must update it."""
+    import importlib
+
+    text = (ROOT / "docs" / "algorithms.md").read_text(encoding="utf-8")
+    table = text[text.index("## Where each rule lives in the code"):]
+    names = re.findall(r"`(fl_geo\.[\w.]+)`", table)
+    assert len(names) >= 25
+    for dotted in names:
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                assert hasattr(obj, attr), f"docs/algorithms.md names {dotted}, which does not exist"
+                obj = getattr(obj, attr)
+            break
+        else:
+            raise AssertionError(f"docs/algorithms.md names {dotted}, which cannot be imported")
