@@ -52,6 +52,7 @@ from fl_geo.inner.training import (
     ScheduleFn,
     TokensFn,
     TrainResult,
+    check_train_args,
     lr_at,
 )
 
@@ -516,12 +517,7 @@ def train_data_parallel(
     world = len(devices)
     if world < 1:
         raise ValueError("train_data_parallel needs at least one device")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if start_step < 0:
-        raise ValueError(f"start_step must be >= 0, got {start_step}")
-    if not time_budget_s >= 0:
-        raise ValueError(f"time_budget_s must be >= 0, got {time_budget_s}")
+    check_train_args(steps, start_step, time_budget_s)
     global_sampler = _global_sampler(sampler, world)
     # Move the (read-only) token stream into shared memory once, in place: the ranks of this and
     # every later message then map it instead of each receiving a pickled copy.

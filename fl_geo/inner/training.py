@@ -30,6 +30,7 @@ __all__ = [
     "ScheduleFn",
     "TokensFn",
     "TrainResult",
+    "check_train_args",
     "default_optimizer",
     "evaluate_loss",
     "lr_at",
@@ -149,6 +150,17 @@ def default_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.O
     )
 
 
+def check_train_args(steps: int, start_step: int, time_budget_s: float) -> None:
+    """The arguments of one inner training call (single process or data-parallel job): at least
+    one step, a schedule position >= 0 and a time budget >= 0 (0: none); ValueError otherwise."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
+    if not time_budget_s >= 0:
+        raise ValueError(f"time_budget_s must be >= 0, got {time_budget_s}")
+
+
 class InnerTrainer:
     """Owns a model on its device and the optimizer state that persists across outer rounds.
 
@@ -227,12 +239,7 @@ class InnerTrainer:
         the budget (``steps`` is then a cap). Measuring the time needs the device to finish each
         step, so a budgeted loop synchronises the accelerator every step.
         """
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        if not time_budget_s >= 0:
-            raise ValueError(f"time_budget_s must be >= 0, got {time_budget_s}")
+        check_train_args(steps, start_step, time_budget_s)
         self.model.train()
         losses = []
         tokens = 0
