@@ -76,3 +76,22 @@ def keep_declaration(reply, records: dict) -> RecordDict:
     fl-geo reply instead of turning it into a Flower-convention one."""
     decl = reply.content.config_records.get(REQUEST_RECORD)
     return RecordDict({**records, **({REQUEST_RECORD: decl} if decl is not None else {})})
+
+
+def peak_rss_growth(fn) -> int | None:
+    """Peak RSS growth (bytes) while running fn, or None where VmHWM cannot be reset (Linux
+    only: writing 5 to /proc/self/clear_refs resets the high-water mark)."""
+    import re
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as fh:
+            return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE).group(1))
+
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        before = status("VmRSS")
+    except OSError:
+        return None
+    fn()
+    return (status("VmHWM") - before) * 1024

@@ -7,6 +7,7 @@ import torch
 
 from fl_geo.core.accumulate import BatchResult, WeightedAccumulator, weight_for
 from fl_geo.core.state import CHUNK_ELEMS
+from tests.conftest import peak_rss_growth
 
 
 def _updates(k: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -111,30 +112,12 @@ def test_errors() -> None:
         weight_for("tokens", 1.5)  # type: ignore[arg-type]
 
 
-def _peak_rss_growth(fn) -> int | None:
-    """Peak RSS growth (bytes) while running fn, or None where VmHWM cannot be reset."""
-    import re
-
-    def status(field: str) -> int:
-        with open("/proc/self/status") as fh:
-            return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE).group(1))
-
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        before = status("VmRSS")
-    except OSError:
-        return None
-    fn()
-    return (status("VmHWM") - before) * 1024
-
-
 def test_folding_bf16_makes_no_model_sized_temporary() -> None:
     numel = 32 * CHUNK_ELEMS  # 64 MiB of bf16; a full fp32 upcast would be 128 MiB
     update = torch.ones(numel, dtype=torch.bfloat16)
     acc = WeightedAccumulator(numel)
     acc.add(update, 1.0)  # warm-up: faults the buffer's pages in
-    growth = _peak_rss_growth(lambda: acc.add(update, 2.0))
+    growth = peak_rss_growth(lambda: acc.add(update, 2.0))
     if growth is None:
         pytest.skip("/proc/self/clear_refs not available")
     assert growth < 32 * 2**20, f"folding grew RSS by {growth / 2**20:.0f} MiB"
@@ -326,7 +309,7 @@ def test_batch_memory_does_not_grow_with_batch_size() -> None:
     acc = WeightedAccumulator(numel)
     acc.add_batch_checked([update], [1.0])  # warm-up: allocates and faults in both buffers
     acc.add_batch_checked([update], [1.0])
-    growth = _peak_rss_growth(lambda: acc.add_batch_checked([update] * 8, [1.0] * 8))
+    growth = peak_rss_growth(lambda: acc.add_batch_checked([update] * 8, [1.0] * 8))
     model_sized = [t for t in vars(acc).values()
                    if isinstance(t, torch.Tensor) and t.numel() >= numel]
     assert len(model_sized) == 2  # the sum and the batch's output buffer, whatever the count

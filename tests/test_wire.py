@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import numpy as np
@@ -20,6 +19,7 @@ from fl_geo.runtime.wire import (
     encode,
     payload_nbytes,
 )
+from tests.conftest import peak_rss_growth
 
 
 @pytest.fixture
@@ -202,29 +202,12 @@ def test_decoded_pieces_fold_into_accumulator(spec: ParamSpec, flat: torch.Tenso
     torch.testing.assert_close(acc.mean(), (flat.bfloat16().float() - flat) / 2)
 
 
-def _peak_rss_growth(fn) -> int | None:
-    """Peak RSS growth (bytes) while running fn, or None where VmHWM cannot be reset."""
-
-    def status(field: str) -> int:
-        with open("/proc/self/status") as fh:
-            return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE).group(1))
-
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        before = status("VmRSS")
-    except OSError:
-        return None
-    fn()
-    return (status("VmHWM") - before) * 1024
-
-
 def test_decode_and_norm_make_no_model_sized_copy() -> None:
     numel = 32 << 20  # 64 MiB as bf16; an fp32 copy would be 128 MiB
     spec = ParamSpec(("w",), ((numel,),), ("float32",))
     record = encode(torch.ones(numel, dtype=torch.bfloat16), spec, "bf16")
     norms: list[float] = []
-    growth = _peak_rss_growth(
+    growth = peak_rss_growth(
         lambda: norms.append(check_finite_and_norm(decode(record, spec, "bf16"))))
     if growth is None:
         pytest.skip("/proc/self/clear_refs not available")
