@@ -131,26 +131,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``fl-geo deploy ...``: deployment errors are reported here, as one line naming the log."""
-    from fl_geo.deploy import launch as deploy
+    from fl_geo.deploy import topology
 
     try:
-        return _deploy(args, deploy)
-    except deploy.DeployError as exc:
+        return _deploy(args)
+    except topology.DeployError as exc:
         print(f"fl-geo deploy: {exc}", file=sys.stderr)
         return 1
 
 
-def _deploy(args: argparse.Namespace, deploy: Any) -> int:
+def _deploy(args: argparse.Namespace) -> int:
     import json
+
+    from fl_geo.deploy import certificates, launch, lifecycle, topology
 
     if args.deploy_cmd == "certs":
         nodes = [n for n in args.nodes.split(",") if n]
         hosts = [h for h in args.hosts.split(",") if h]
         if args.topology:
-            topo = deploy.load_topology(args.topology)
+            topo = topology.load_topology(args.topology)
             nodes = [n.name for n in topo.nodes]
             hosts = list(dict.fromkeys([*topo.cert_hosts(), *hosts]))
-        paths = deploy.generate_certs(args.out, hosts, nodes, days=args.days)
+        paths = certificates.generate_certs(args.out, hosts, nodes, days=args.days)
         print(f"CA               {paths.ca_cert}\n"
               f"SuperLink cert   {paths.server_cert} (+ {paths.server_key.name}) for {', '.join(hosts)}\n"
               f"SuperNode keys   {paths.root / 'supernodes'}/<node>.key|.pub for {', '.join(nodes)}\n"
@@ -158,9 +160,9 @@ def _deploy(args: argparse.Namespace, deploy: Any) -> int:
         return 0
     if args.deploy_cmd.startswith("halos-"):
         return _deploy_halos(args)
-    topo = deploy.load_topology(args.topology)
+    topo = topology.load_topology(args.topology)
     if args.deploy_cmd == "up":
-        res = deploy.up(topo, timeout_s=args.timeout, echo=True)
+        res = lifecycle.up(topo, timeout_s=args.timeout, echo=True)
         print(f"{topo.name} up at {topo.address} ({'TLS' if topo.security.tls else 'insecure'}"
               f"{' + SuperNode auth' if topo.security.auth else ''}): SuperLink healthy {res.healthy_s:.1f} s, "
               f"{len(topo.nodes)} SuperNodes online {res.nodes_online_s:.1f} s; logs in {topo.logs_dir}")
@@ -169,7 +171,7 @@ def _deploy(args: argparse.Namespace, deploy: Any) -> int:
         configs, overrides = _split(args.items)
         if len(configs) != 1:
             raise ConfigError("fl-geo deploy run takes one config file (plus key=value overrides)")
-        res = deploy.run_experiment(topo, configs[0], overrides, out_dir=args.out, stream=args.stream,
+        res = launch.run_experiment(topo, configs[0], overrides, out_dir=args.out, stream=args.stream,
                                     wait=not args.no_wait, timeout_s=args.timeout)
         if args.no_wait:
             print(res.run_id)
@@ -178,7 +180,7 @@ def _deploy(args: argparse.Namespace, deploy: Any) -> int:
             print(json.dumps(res.summary, indent=2))
         return 0 if res.ok else 1
     if args.deploy_cmd == "status":
-        st = deploy.status(topo)
+        st = lifecycle.status(topo)
         if args.json:
             print(json.dumps(st, indent=2))
         else:
@@ -191,7 +193,7 @@ def _deploy(args: argparse.Namespace, deploy: Any) -> int:
                 print(f"  nothing recorded in {topo.pids_path}")
         return 0 if st["processes"] and all(p["alive"] for p in st["processes"]) else 3
     if args.deploy_cmd == "down":
-        res = deploy.down(topo, grace_s=args.grace)
+        res = lifecycle.down(topo, grace_s=args.grace)
         if not res.signalled:
             print(f"{topo.name}: nothing running (no live process in {topo.pids_path})")
         else:

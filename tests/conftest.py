@@ -8,7 +8,7 @@ import torch
 from flwr.app import RecordDict
 
 from fl_geo.config import FlGeoConfig, load_config
-from fl_geo.deploy.launch import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
+from fl_geo.deploy.processes import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
 from fl_geo.runtime.protocol import REQUEST_RECORD
 
 TINY = [

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from fl_geo import cli
-from fl_geo.deploy import launch as deploy
-from fl_geo.deploy.launch import DeployError, load_topology, parse_topology
+from fl_geo.deploy import certificates, flower_config, launch, lifecycle, processes, topology
+from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import free_ports, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def _base() -> dict[str, Any]:
     return yaml.safe_load(LOOPBACK.read_text(encoding="utf-8"))
 
 
-def _topo(data: dict[str, Any], tmp_path: Path) -> deploy.Topology:
+def _topo(data: dict[str, Any], tmp_path: Path) -> topology.Topology:
     return parse_topology(data, tmp_path, "test.yaml")
 
 
@@ -150,11 +150,11 @@ def test_write_flwr_config_adds_connections_and_keeps_others(tmp_path):
         "options.num-supernodes = 4\noptions.backend.init-args.num-cpus = 2\n",
         encoding="utf-8",
     )
-    deploy.write_flwr_config(plain)
+    flower_config.write_flwr_config(plain)
     secure_data = copy.deepcopy(data)
     secure_data.update(name="secure", security={"tls": True, "auth": True, "certs_dir": str(tmp_path / "c")})
-    deploy.write_flwr_config(_topo(secure_data, tmp_path))
-    deploy.write_flwr_config(plain)  # rewriting is idempotent
+    flower_config.write_flwr_config(_topo(secure_data, tmp_path))
+    flower_config.write_flwr_config(plain)  # rewriting is idempotent
 
     conf = tomllib.loads((home / "config.toml").read_text(encoding="utf-8"))["superlink"]
     assert conf["default"] == "local"
@@ -171,7 +171,7 @@ def test_run_config_toml_survives_quotes_through_flower_parser(tmp_path):
 
     overrides = ["data.corpus=files", 'data.files=[a.txt, "b c.txt"]', "run.name=x\\y"]
     path = tmp_path / "rc.toml"
-    path.write_text(deploy.dumps_toml({"config": "configs/diloco.yaml", "overrides": shlex.join(overrides)}),
+    path.write_text(flower_config.dumps_toml({"config": "configs/diloco.yaml", "overrides": shlex.join(overrides)}),
                     encoding="utf-8")
     parsed = parse_config_args([str(path)])
     assert parsed["config"] == "configs/diloco.yaml"
@@ -196,7 +196,7 @@ def test_generate_certs_verifies_and_is_idempotent(tmp_path):
     )
 
     out = tmp_path / "certs"
-    paths = deploy.generate_certs(out, ["127.0.0.1", "localhost", "link.example.org"], ["dc0", "dc1"])
+    paths = certificates.generate_certs(out, ["127.0.0.1", "localhost", "link.example.org"], ["dc0", "dc1"])
     for f in (paths.ca_cert, paths.ca_key, paths.server_cert, paths.server_key, paths.public_keys):
         assert f.is_file(), f
     verify = subprocess.run(["openssl", "verify", "-CAfile", str(paths.ca_cert), str(paths.server_cert)],
@@ -215,11 +215,11 @@ def test_generate_certs_verifies_and_is_idempotent(tmp_path):
     assert len(paths.public_keys.read_text().splitlines()) == 2
 
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    deploy.generate_certs(out, ["127.0.0.1", "localhost", "link.example.org"], ["dc0", "dc1"])
+    certificates.generate_certs(out, ["127.0.0.1", "localhost", "link.example.org"], ["dc0", "dc1"])
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing re-issued
 
     # New hosts: a new server certificate from the same CA; node keys kept; a new node added.
-    deploy.generate_certs(out, ["127.0.0.1", "10.0.0.5"], ["dc0", "dc1", "dc2"])
+    certificates.generate_certs(out, ["127.0.0.1", "10.0.0.5"], ["dc0", "dc1", "dc2"])
     assert paths.ca_cert.read_bytes() == before[paths.ca_cert]
     assert paths.node_private_key("dc0").read_bytes() == before[paths.node_private_key("dc0")]
     assert paths.server_cert.read_bytes() != before[paths.server_cert]
@@ -231,7 +231,7 @@ def test_missing_openssl_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("OPENSSL", raising=False)
     with pytest.raises(DeployError, match="openssl not found"):
-        deploy.generate_certs(tmp_path / "c")
+        certificates.generate_certs(tmp_path / "c")
 
 
 def test_cli_certs_and_errors(tmp_path, capsys):
@@ -265,22 +265,22 @@ def test_down_stops_groups_and_detached_descendants_and_is_idempotent(tmp_path):
     data = _base()
     data.update(flwr_home=str(tmp_path / "home"))
     topo = _topo(data, tmp_path)
-    procs = [deploy.launch(topo, "supernode", f"n{i}", [sys.executable, "-c", _SPAWNER, str(tmp_path / f"ready{i}")])[0]
+    procs = [processes.start_process(topo, "supernode", f"n{i}", [sys.executable, "-c", _SPAWNER, str(tmp_path / f"ready{i}")])[0]
              for i in range(2)]
     deadline = time.monotonic() + 30
-    while (len(deploy._descendants(p.pid for p in procs)) < 4 or len(list(tmp_path.glob("ready*"))) < 2) \
+    while (len(processes._descendants(p.pid for p in procs)) < 4 or len(list(tmp_path.glob("ready*"))) < 2) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    family = {p.pid for p in procs} | deploy._descendants(p.pid for p in procs)
+    family = {p.pid for p in procs} | processes._descendants(p.pid for p in procs)
     assert len(family) == 6
-    assert [r.name for r in deploy.load_records(topo)] == ["n0", "n1"]
+    assert [r.name for r in processes.load_records(topo)] == ["n0", "n1"]
 
-    res = deploy.down(topo, grace_s=1.0)
+    res = lifecycle.down(topo, grace_s=1.0)
     assert set(res.signalled) == family and not res.survivors
     assert res.killed  # the SIGTERM-ignoring grandchildren needed SIGKILL
-    assert not any(deploy._alive(pid) for pid in family)
+    assert not any(processes._alive(pid) for pid in family)
     assert not topo.pids_path.exists()
-    assert deploy.down(topo).signalled == []  # twice is fine
+    assert lifecycle.down(topo).signalled == []  # twice is fine
 
 
 def test_down_ignores_a_recorded_pid_that_was_reused(tmp_path):
@@ -288,10 +288,10 @@ def test_down_ignores_a_recorded_pid_that_was_reused(tmp_path):
     data.update(flwr_home=str(tmp_path / "home"))
     topo = _topo(data, tmp_path)
     me = os.getpid()
-    rec = deploy.ProcRecord("superlink", "x", me, me, (deploy._start_ticks(me) or 0) + 1, "log")
-    deploy._save_records(topo, [rec])
+    rec = processes.ProcRecord("superlink", "x", me, me, (processes._start_ticks(me) or 0) + 1, "log")
+    processes._save_records(topo, [rec])
     assert not rec.alive()
-    assert deploy.down(topo).signalled == []  # never signals a process it did not start
+    assert lifecycle.down(topo).signalled == []  # never signals a process it did not start
     assert not topo.pids_path.exists()
 
 
@@ -309,9 +309,9 @@ def federation(tmp_path):
     Teardown runs even when the test failed, and then asserts that no recorded process (nor any
     process they spawned, such as flower-superexec and app processes) is still alive.
     """
-    started: list[deploy.Topology] = []
+    started: list[topology.Topology] = []
 
-    def start(tls: bool, via_cli: bool = False) -> tuple[deploy.Topology, Path]:
+    def start(tls: bool, via_cli: bool = False) -> tuple[topology.Topology, Path]:
         data = _base()
         ports = free_ports(1 + len(data["nodes"]))
         data["name"] = "e2e-tls" if tls else "e2e"
@@ -328,17 +328,17 @@ def federation(tmp_path):
         if via_cli:
             assert cli.main(["deploy", "up", str(path), "--timeout", "90"]) == 0
         else:
-            deploy.up(topo, timeout_s=90)
+            lifecycle.up(topo, timeout_s=90)
         return topo, path
 
     yield start
 
     for topo in started:
-        records = deploy.load_records(topo)
-        family = {r.pid for r in records} | deploy._descendants(r.pid for r in records if r.alive())
-        res = deploy.down(topo, grace_s=5)
+        records = processes.load_records(topo)
+        family = {r.pid for r in records} | processes._descendants(r.pid for r in records if r.alive())
+        res = lifecycle.down(topo, grace_s=5)
         assert not res.survivors, f"still alive after down: {res.survivors}"
-        alive = [pid for pid in family if deploy._alive(pid)]
+        alive = [pid for pid in family if processes._alive(pid)]
         assert not alive, f"processes left behind: {alive}"
         assert not topo.pids_path.exists()
 
@@ -372,7 +372,7 @@ def test_e2e_diloco_on_three_insecure_supernodes(federation, tmp_path, capsys):
     assert math.isfinite(summary["final_val_loss"]) and summary["final_val_loss"] > 0
     steps = [m for m in _metrics(run_dir) if m.get("step", 0) > 0]
     assert [m["outer/accepted"] for m in steps] == [3.0, 3.0]  # each outer step averaged all three sites
-    for rec in deploy.load_records(topo):
+    for rec in processes.load_records(topo):
         if rec.role == "supernode":
             assert _received(rec.log) == 2, rec.log  # one train message per round on every site
             assert _received(rec.log, "query") == 1, rec.log  # the profile query (site, partition)
@@ -405,21 +405,21 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     topo, _ = federation(tls=True)
     conf = tomllib.loads((topo.flwr_home / "config.toml").read_text())["superlink"][topo.name]
     assert "insecure" not in conf and conf["root-certificates"] == str(topo.certs.ca_cert)
-    (link,) = [r for r in deploy.load_records(topo) if r.role == "superlink"]
+    (link,) = [r for r in processes.load_records(topo) if r.role == "superlink"]
     assert "--enable-supernode-auth" in link.cmd and "--insecure" not in link.cmd
     plaintext = dataclasses.replace(topo, security=dataclasses.replace(topo.security, tls=False, auth=False))
-    assert not deploy.health_ok(plaintext)  # no plaintext on this port
+    assert not processes.health_ok(plaintext)  # no plaintext on this port
 
     # An intruder with a valid TLS trust root but an unregistered key is refused at activation.
     key, pub = tmp_path / "intruder.key", tmp_path / "intruder.pub"
-    deploy.generate_node_key(deploy._openssl(), key, pub, "intruder")
-    intruder = deploy.NodeSpec("intruder", free_ports(1)[0], dict(topo.nodes[0].node_config))
-    proc, rec = deploy.launch(topo, "supernode", "intruder", deploy.supernode_command(topo, intruder, key))
+    certificates.generate_node_key(certificates._openssl(), key, pub, "intruder")
+    intruder = topology.NodeSpec("intruder", free_ports(1)[0], dict(topo.nodes[0].node_config))
+    proc, rec = processes.start_process(topo, "supernode", "intruder", processes.supernode_command(topo, intruder, key))
     assert proc.wait(timeout=60) != 0
     assert "Failed to activate SuperNode" in Path(rec.log).read_text()
-    assert len([n for n in deploy.list_nodes(topo) if n.get("status") == "online"]) == 3
+    assert len([n for n in processes.list_nodes(topo) if n.get("status") == "online"]) == 3
 
-    res = deploy.run_experiment(topo, "configs/fedbuff.yaml", [*TINY_RUN, "run.rounds=2", "run.name=e2e-fedbuff"],
+    res = launch.run_experiment(topo, "configs/fedbuff.yaml", [*TINY_RUN, "run.rounds=2", "run.name=e2e-fedbuff"],
                                 out_dir=tmp_path / "runs", timeout_s=150, echo=False)
     assert res.ok, (res.status, res.details)
     assert res.run_dir is not None and res.run_dir.parent == tmp_path / "runs"
@@ -427,7 +427,7 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     assert s is not None and s["strategy"] == "fedbuff" and s["outer_steps"] == 2
     assert s["tokens"] == 2 * 2 * TOKENS_PER_UPDATE  # buffer_size 2 per outer step
     assert math.isfinite(s["final_val_loss"]) and s["final_val_loss"] > 0
-    for r in deploy.load_records(topo):
+    for r in processes.load_records(topo):
         if r.role == "supernode" and r.name != "intruder":
             assert _received(r.log) >= 1, r.log  # the asynchronous loop dispatched to every site
     print(f"\n[e2e fedbuff tls+auth] run {res.wall_s:.1f} s, ServerApp {s['wall_s']:.1f} s", file=sys.stderr)

@@ -27,8 +27,8 @@ import pytest
 import torch
 import yaml
 
-from fl_geo.deploy import launch as deploy
-from fl_geo.deploy.launch import DeployError, load_topology, parse_topology
+from fl_geo.deploy import launch, lifecycle, processes, topology
+from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import free_ports
 from tests.test_deploy import TINY_RUN, TOKENS_PER_UPDATE, _base, _metrics, _received
 
@@ -67,13 +67,13 @@ def _cmdline(pid: int) -> str:
 
 def _kill_family(pid: int) -> set[int]:
     """SIGKILL a process, its process group and every descendant (a site losing power)."""
-    family = {pid} | deploy._descendants([pid])
+    family = {pid} | processes._descendants([pid])
     for p in family:
-        deploy._signal(p, signal.SIGKILL, group=False)
-    deploy._signal(pid, signal.SIGKILL, group=True)
+        processes._signal(p, signal.SIGKILL, group=False)
+    processes._signal(pid, signal.SIGKILL, group=True)
     for p in family:
-        deploy._reap(p)
-    _wait_for(f"pids {sorted(family)} to die", lambda: not any(deploy._alive(p) for p in family), 10)
+        processes._reap(p)
+    _wait_for(f"pids {sorted(family)} to die", lambda: not any(processes._alive(p) for p in family), 10)
     return family
 
 
@@ -89,9 +89,9 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _wait_run(topo: deploy.Topology, run_id: int, timeout_s: float) -> str:
+def _wait_run(topo: topology.Topology, run_id: int, timeout_s: float) -> str:
     def done() -> str | None:
-        state, details = deploy.run_status(topo, run_id)
+        state, details = launch.run_status(topo, run_id)
         return f"{state} {details}".strip() if state.startswith("finished") else None
 
     return _wait_for(f"run {run_id} to finish", done, timeout_s, poll_s=1.0)
@@ -106,16 +106,16 @@ def fault_federation(tmp_path, monkeypatch):
     """
     wrapper = tmp_path / "supernode_short_heartbeat.py"
     wrapper.write_text(_SUPERNODE_WRAPPER, encoding="utf-8")
-    original = deploy.supernode_command
+    original = processes.supernode_command
 
     def supernode_command(topo, node, private_key=None):
         return [sys.executable, str(wrapper), *original(topo, node, private_key)[1:]]
 
-    monkeypatch.setattr(deploy, "supernode_command", supernode_command)
-    started: list[deploy.Topology] = []
+    monkeypatch.setattr(lifecycle, "supernode_command", supernode_command)  # where up() looks it up
+    started: list[topology.Topology] = []
     killed: set[int] = set()
 
-    def start(node_state_dir: Path | None = None) -> deploy.Topology:
+    def start(node_state_dir: Path | None = None) -> topology.Topology:
         data = _base()
         ports = free_ports(1 + len(data["nodes"]))
         data["name"] = "faults"
@@ -130,18 +130,18 @@ def fault_federation(tmp_path, monkeypatch):
         path.write_text(yaml.safe_dump(data), encoding="utf-8")
         topo = load_topology(path)
         started.append(topo)
-        deploy.up(topo, timeout_s=90)
+        lifecycle.up(topo, timeout_s=90)
         return topo
 
     start.killed = killed  # type: ignore[attr-defined]
     yield start
 
     for topo in started:
-        records = deploy.load_records(topo)
-        family = {r.pid for r in records} | deploy._descendants(r.pid for r in records if r.alive())
-        res = deploy.down(topo, grace_s=5)
+        records = processes.load_records(topo)
+        family = {r.pid for r in records} | processes._descendants(r.pid for r in records if r.alive())
+        res = lifecycle.down(topo, grace_s=5)
         assert not res.survivors, f"still alive after down: {res.survivors}"
-        alive = [pid for pid in family | killed if deploy._alive(pid)]
+        alive = [pid for pid in family | killed if processes._alive(pid)]
         assert not alive, f"processes left behind: {alive}"
         assert not topo.pids_path.exists()
 
@@ -170,13 +170,13 @@ def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     up_s = time.monotonic() - t0
     out = tmp_path / "runs"
     rounds = 4
-    res = deploy.run_experiment(topo, "configs/diloco.yaml", [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-node"],
+    res = launch.run_experiment(topo, "configs/diloco.yaml", [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-node"],
                                 out_dir=out, wait=False, echo=False)
     _wait_for("the first outer step", lambda: (d := _run_dir(out, "kill-node")) is not None and _steps(d), 150)
     run_dir = _run_dir(out, "kill-node")
     assert run_dir is not None
 
-    victim = next(r for r in deploy.load_records(topo) if r.role == "supernode" and r.name == "dc2")
+    victim = next(r for r in processes.load_records(topo) if r.role == "supernode" and r.name == "dc2")
     t_kill = time.monotonic()
     fault_federation.killed.update(_kill_family(victim.pid))
     done_before_kill = len(_steps(run_dir))
@@ -184,8 +184,8 @@ def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     # The same site comes back (same node config, so the same partition); a fresh Runtime API
     # port avoids waiting for the dead one's socket. Flower gives it a new node id.
     spec = next(n for n in topo.nodes if n.name == "dc2")
-    again = deploy.NodeSpec("dc2-again", free_ports(1)[0], dict(spec.node_config))
-    _, rejoined = deploy.launch(topo, "supernode", again.name, deploy.supernode_command(topo, again))
+    again = topology.NodeSpec("dc2-again", free_ports(1)[0], dict(spec.node_config))
+    _, rejoined = processes.start_process(topo, "supernode", again.name, processes.supernode_command(topo, again))
 
     final = _wait_run(topo, res.run_id, 240)
     wall = time.monotonic() - t0
@@ -209,7 +209,7 @@ def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     assert _received(rejoined.log, "query") == 1, rejoined.log
     assert _received(rejoined.log) >= 1, rejoined.log
     for name in ("dc0", "dc1"):
-        rec = next(r for r in deploy.load_records(topo) if r.name == name)
+        rec = next(r for r in processes.load_records(topo) if r.name == name)
         assert _received(rec.log) == rounds, rec.log  # the survivors trained every round
     print(f"\n[fault: supernode killed] up {up_s:.1f} s, run {wall - up_s:.1f} s "
           f"(kill at {t_kill - t0:.1f} s), accepted per step {accepted}, ServerApp {summary['wall_s']:.1f} s",
@@ -220,10 +220,10 @@ def _sent(log: str, kind: str = "train") -> int:
     return Path(log).read_text(encoding="utf-8", errors="replace").count(f"Sending: {kind} message")
 
 
-def _server_apps(topo: deploy.Topology) -> list[int]:
+def _server_apps(topo: topology.Topology) -> list[int]:
     """The ServerApp processes the topology's SuperLink spawned (``flwr-serverapp``)."""
-    link = next(r for r in deploy.load_records(topo) if r.role == "superlink")
-    return sorted(p for p in deploy._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
+    link = next(r for r in processes.load_records(topo) if r.role == "superlink")
+    return sorted(p for p in processes._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
 
 
 @pytest.mark.slow
@@ -245,14 +245,14 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     rounds = 3
     common = [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-server", "run.checkpoint_every=1",
               f"run.checkpoint_dir={ckpts}"]
-    first = deploy.run_experiment(topo, "configs/diloco.yaml", common, out_dir=out, wait=False, echo=False)
+    first = launch.run_experiment(topo, "configs/diloco.yaml", common, out_dir=out, wait=False, echo=False)
     _wait_for("checkpoint 2", lambda: (ckpts / "ckpt-00000002.pt").exists(), 180, poll_s=0.05)
     apps = _wait_for("the ServerApp process", lambda: _server_apps(topo), 10)
     assert len(apps) == 1, [_cmdline(p) for p in apps]
     # Kill in the middle of round 3: as soon as one site has sent its round-3 update (the others
     # are usually still training, so the server never folds that round; the nodes that already
     # trained it must rewind when the resumed server sends it again).
-    logs = [r.log for r in deploy.load_records(topo) if r.role == "supernode"]
+    logs = [r.log for r in processes.load_records(topo) if r.role == "supernode"]
     _wait_for("a round-3 reply", lambda: any(_sent(log) >= 3 for log in logs), 120, poll_s=0.05)
     fault_federation.killed.update(_kill_family(apps[0]))
     t_kill = time.monotonic()
@@ -263,16 +263,16 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     # What an operator does next: stop the dead run. Otherwise the SuperLink keeps it RUNNING
     # until the ServerApp's heartbeat lapses (~60 s, "No heartbeat received from the task") and
     # each SuperNode sits on its queued message of the dead run until then.
-    stop = deploy.flwr_cli(topo, ["stop", str(first.run_id), topo.name])
+    stop = processes.flwr_cli(topo, ["stop", str(first.run_id), topo.name])
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert deploy.run_status(topo, first.run_id)[0] == "finished:stopped"
+    assert launch.run_status(topo, first.run_id)[0] == "finished:stopped"
 
-    resumed = deploy.run_experiment(topo, "configs/diloco.yaml", [*common, "run.resume=true"], out_dir=out,
+    resumed = launch.run_experiment(topo, "configs/diloco.yaml", [*common, "run.resume=true"], out_dir=out,
                                     timeout_s=240, echo=False)
     wall = time.monotonic() - t0
     assert resumed.ok, (resumed.status, resumed.details)
     assert resumed.run_dir is not None and resumed.run_dir != cut_dir
-    logs = deploy.flwr_cli(topo, ["log", str(resumed.run_id), topo.name]).stdout
+    logs = processes.flwr_cli(topo, ["log", str(resumed.run_id), topo.name]).stdout
     assert "resumed from" in logs, logs[-3000:]
     s = resumed.summary
     assert s is not None and s["outer_steps"] == rounds and s["rejected"] == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fl_geo.bench import flower_path
-from fl_geo.deploy import launch as deploy
+from fl_geo.deploy import processes
 
 MIB = 1 << 20
 
@@ -29,7 +29,7 @@ def _processes_with_flwr_home(home: Path) -> list[int]:
             env = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if needle in env.split(b"\0") and deploy._alive(int(entry.name)):
+        if needle in env.split(b"\0") and processes._alive(int(entry.name)):
             found.append(int(entry.name))
     return found
 
@@ -95,7 +95,7 @@ def test_flower_path_8_mib_round_trip_on_loopback(tmp_path):
     assert saved["payload_bytes"] == 8 * MIB  # the ServerApp's own file
 
     # Nothing left running: every process seen, and anything carrying this FLWR_HOME.
-    assert result["pids"] and not [p for p in result["pids"] if deploy._alive(p)]
+    assert result["pids"] and not [p for p in result["pids"] if processes._alive(p)]
     assert not _processes_with_flwr_home(tmp_path / "flwr")
     assert not (tmp_path / "state" / "pids.json").exists()
     assert os.path.isfile(tmp_path / "state" / "logs" / "supernode-probe.log")

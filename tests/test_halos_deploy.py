@@ -24,14 +24,14 @@ import yaml
 
 from fl_geo import cli
 from fl_geo.core.state import ParamSpec
-from fl_geo.deploy import launch as deploy
+from fl_geo.deploy import processes
 from fl_geo.deploy.halos import (
     halos_down,
     load_halos_topology,
     parse_halos_topology,
     run_halos,
 )
-from fl_geo.deploy.launch import DeployError
+from fl_geo.deploy.topology import DeployError
 from fl_geo.halos.apps import LpsService
 from fl_geo.halos.ipc import IpcError, exchange, recv_frame, send_frame, unix_path
 from fl_geo.runtime.wire import encode
@@ -241,11 +241,11 @@ def halos_federation(tmp_path, sock_dir):
     try:
         yield topo, path
     finally:
-        records = [r for t in topo.tiers for r in deploy.load_records(t)]
-        family = {r.pid for r in records} | deploy._descendants(r.pid for r in records if r.alive())
+        records = [r for t in topo.tiers for r in processes.load_records(t)]
+        family = {r.pid for r in records} | processes._descendants(r.pid for r in records if r.alive())
         res = halos_down(topo, grace_s=5)
         assert not [p for r in res.values() for p in r.survivors], res
-        alive = [pid for pid in family if deploy._alive(pid)]
+        alive = [pid for pid in family if processes._alive(pid)]
         assert not alive, f"processes left behind: {alive}"
         assert not any(t.pids_path.exists() for t in topo.tiers)
         assert not list(sock_dir.glob("*.sock"))

@@ -137,7 +137,7 @@ def test_reply_with_arrays_is_refused_when_updates_go_to_the_followers(tiny, tmp
 def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
     """ps.tls_certs_dir: followers serve TLS with the `fl-geo deploy certs` files, clients verify
     them with the CA certificate the leader sends; the bits are those of the plaintext run."""
-    from fl_geo.deploy.launch import generate_certs
+    from fl_geo.deploy.certificates import generate_certs
 
     certs = generate_certs(tmp_path / "certs", ["127.0.0.1", "localhost"], [])
     base = [*VIRTUAL, *DIPS, "run.rounds=3", "ps.followers=2", "ps.transport=grpc"]

@@ -1,7 +1,7 @@
 """Flower's own message path on loopback deployment, measured: the baseline for our data path.
 
 :func:`measure_flower_path` starts a plaintext SuperLink and one SuperNode on 127.0.0.1 (free
-ports, ``FLWR_HOME`` and logs in ``workdir``) with :mod:`fl_geo.deploy.launch`, submits the probe app
+ports, ``FLWR_HOME`` and logs in ``workdir``) with :mod:`fl_geo.deploy.lifecycle`, submits the probe app
 ``apps/flower-path-probe`` with ``flwr run``, waits for it, reads the JSON the probe's ServerApp
 wrote and always stops every process again. The probe sends one float32 array of ``payload_mib``
 MiB to the node in a train message; the ClientApp sends it back with every word XOR 1 (new
@@ -39,8 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fl_geo.deploy import launch as deploy
-from fl_geo.deploy.launch import DeployError, free_ports
+from fl_geo.deploy import flower_config, launch, lifecycle, processes, topology
+from fl_geo.deploy.processes import free_ports
+from fl_geo.deploy.topology import DeployError
 from fl_geo.paths import APPS_DIR
 
 __all__ = ["APP_DIR", "format_flower_path", "main", "measure_flower_path"]
@@ -67,7 +68,7 @@ class _MemorySampler(threading.Thread):
     own exact VmHWM.
     """
 
-    def __init__(self, records: Sequence[deploy.ProcRecord]) -> None:
+    def __init__(self, records: Sequence[processes.ProcRecord]) -> None:
         super().__init__(daemon=True, name="flower-path-memory")
         self.records = list(records)
         self.peak: dict[str, float] = {}
@@ -78,7 +79,7 @@ class _MemorySampler(threading.Thread):
     def sample(self) -> None:
         total = 0.0
         for rec in self.records:
-            pids = {rec.pid} | deploy._descendants([rec.pid])
+            pids = {rec.pid} | processes._descendants([rec.pid])
             self.seen |= pids
             mib = sum(_status_kib(p, "VmRSS") for p in pids) / 1024
             key = f"{rec.role}_tree"
@@ -96,7 +97,7 @@ class _MemorySampler(threading.Thread):
         self.join(timeout=5)
 
 
-def _topology(workdir: Path, app_dir: Path) -> deploy.Topology:
+def _topology(workdir: Path, app_dir: Path) -> topology.Topology:
     link, node = free_ports(2)
     data = {
         "name": "flower-path",
@@ -109,27 +110,27 @@ def _topology(workdir: Path, app_dir: Path) -> deploy.Topology:
                    "node_config": {"partition-id": 0, "num-partitions": 1, "site": "probe",
                                    "region": "loopback", "device": "cpu"}}],
     }
-    return deploy.parse_topology(data, workdir, str(workdir / "topology"))
+    return topology.parse_topology(data, workdir, str(workdir / "topology"))
 
 
-def _flwr_log_tail(topo: deploy.Topology, run_id: int | None, lines: int = 30) -> str:
+def _flwr_log_tail(topo: topology.Topology, run_id: int | None, lines: int = 30) -> str:
     if run_id is None:
         return ""
     try:
-        proc = deploy.flwr_cli(topo, ["log", str(run_id), topo.name, "--show"], timeout_s=30)
+        proc = processes.flwr_cli(topo, ["log", str(run_id), topo.name, "--show"], timeout_s=30)
     except Exception as exc:  # only a diagnostic
         return f"(flwr log failed: {exc})"
     text = (proc.stdout + proc.stderr).rstrip().splitlines()
     return "\n".join("    " + line for line in text[-lines:])
 
 
-def _diagnostics(topo: deploy.Topology, run_id: int | None) -> str:
+def _diagnostics(topo: topology.Topology, run_id: int | None) -> str:
     parts = []
     flwr_log = _flwr_log_tail(topo, run_id)
     if flwr_log:
         parts.append(f"flwr log {run_id} (tail):\n{flwr_log}")
-    for rec in deploy.load_records(topo):
-        tail = deploy._tail(rec.log, 15)
+    for rec in processes.load_records(topo):
+        tail = processes._tail(rec.log, 15)
         if tail:
             parts.append(f"{rec.log} (tail):\n{tail}")
     return "\n".join(parts)
@@ -145,7 +146,7 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
     finished), ``wall_s``, ``peak_rss_mib`` (sampled peaks per process tree and in total, and the
     SuperLink's and SuperNode's own VmHWM), ``mb_per_s_each_way_excl_small``, ``pids`` (every
     process of the federation seen while sampling) and ``workdir``. ``timeout_s`` bounds the
-    whole call. Raises :class:`~fl_geo.deploy.launch.DeployError` with the tails of ``flwr log`` and the
+    whole call. Raises :class:`~fl_geo.deploy.topology.DeployError` with the tails of ``flwr log`` and the
     SuperLink/SuperNode logs when the run fails. Every process started is stopped before it
     returns or raises. Without ``workdir`` a temporary folder is used and removed on success
     (kept, and named in the error, on failure).
@@ -168,21 +169,21 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
     sampler: _MemorySampler | None = None
     ok = False
     try:
-        started = deploy.up(topo, timeout_s=min(120.0, timeout_s), echo=echo)
+        started = lifecycle.up(topo, timeout_s=min(120.0, timeout_s), echo=echo)
         setup_s = time.monotonic() - t_start
         say(f"loopback federation up in {setup_s:.1f} s ({topo.address}); workdir {work}")
         sampler = _MemorySampler(started.records)
         sampler.start()
 
         run_config = work / "run-config.toml"
-        run_config.write_text(deploy.dumps_toml({
+        run_config.write_text(flower_config.dumps_toml({
             "payload_mib": int(payload_mib), "repeats": int(repeats), "out": str(out),
             "reply-timeout-s": float(max(60.0, timeout_s)),
         }), encoding="utf-8")
         t_run = time.monotonic()
-        submit = deploy.flwr_cli(topo, ["run", str(APP_DIR), topo.name, "--run-config", str(run_config),
+        submit = processes.flwr_cli(topo, ["run", str(APP_DIR), topo.name, "--run-config", str(run_config),
                                         "--format", "json"], timeout_s=max(60.0, deadline - time.monotonic()))
-        res = deploy._json_out(submit)
+        res = processes._json_out(submit)
         if not res.get("success") or not res.get("run-id"):
             raise DeployError("flwr run of the probe failed: "
                               f"{res.get('error-message') or submit.stderr.strip() or submit.stdout.strip()}\n"
@@ -192,11 +193,11 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
 
         state, details = "unknown", ""
         while True:
-            state, details = deploy.run_status(topo, run_id)
+            state, details = launch.run_status(topo, run_id)
             if state.startswith("finished"):
                 break
             if time.monotonic() > deadline:
-                deploy.flwr_cli(topo, ["stop", str(run_id), topo.name])
+                processes.flwr_cli(topo, ["stop", str(run_id), topo.name])
                 raise DeployError(f"probe run {run_id} did not finish within {timeout_s:.0f} s (stopped); "
                                   f"workdir {work}\n{_diagnostics(topo, run_id)}")
             time.sleep(0.5)
@@ -222,7 +223,7 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
     finally:
         if sampler is not None:
             sampler.stop()
-        gone = deploy.down(topo, grace_s=5)
+        gone = lifecycle.down(topo, grace_s=5)
         if gone.survivors and ok:
             raise DeployError(f"processes still alive after stopping the probe federation: {gone.survivors}")
     result["wall_s"] = time.monotonic() - t_start

@@ -2,7 +2,7 @@
 
 A two-tier topology file (``configs/deploy/halos_loopback.yaml``) describes a global SuperLink
 with one bridge SuperNode per region, and per region a SuperLink with its worker SuperNodes
-(docs/deploy.md "HALoS across regions"). It is turned into ordinary `fl_geo.deploy.launch.Topology`
+(docs/deploy.md "HALoS across regions"). It is turned into ordinary `fl_geo.deploy.topology.Topology`
 objects, one per tier (``<name>-global``, ``<name>-<region>``), so the process handling
 (process groups, ``pids.json``, ``down`` with descendants, TLS/auth options, health and node
 checks) is exactly that of ``fl-geo deploy up/down``; this module only adds the layout, the bridge
@@ -26,26 +26,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fl_geo.deploy.launch import (
+from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
+from fl_geo.deploy.launch import run_status
+from fl_geo.deploy.lifecycle import down, up
+from fl_geo.deploy.processes import _json_out, flwr_cli
+from fl_geo.deploy.topology import (
     DeployError,
     NodeSpec,
     Topology,
     _check_keys,
-    _json_out,
     _port,
     _str,
-    down,
-    dumps_toml,
     find_project_root,
-    flwr_cli,
     parse_topology,
-    run_status,
-    up,
-    write_flwr_config,
 )
 
-__all__ = ["HalosRunResult", "HalosTopology", "halos_down", "halos_status", "halos_up", "load_halos_topology",
-           "parse_halos_topology", "run_halos"]
+__all__ = [
+    "HalosRunResult",
+    "HalosTopology",
+    "halos_down",
+    "halos_status",
+    "halos_up",
+    "load_halos_topology",
+    "parse_halos_topology",
+    "run_halos",
+]
 
 _TOP_KEYS = {"name", "flwr_home", "state_dir", "ipc_dir", "app_dir", "security", "global", "regions"}
 _GLOBAL_KEYS = {"superlink"}
@@ -182,7 +187,7 @@ def halos_down(topo: HalosTopology, grace_s: float = 10.0) -> dict[str, Any]:
 
 
 def halos_status(topo: HalosTopology) -> dict[str, Any]:
-    from fl_geo.deploy.launch import status
+    from fl_geo.deploy.lifecycle import status
 
     return {t.name: status(t) for t in topo.tiers}
 

@@ -1,0 +1,190 @@
+"""Bringing a topology up, down, and asking its state (``fl-geo deploy up | down | status``).
+
+:func:`up` starts the SuperLink, waits for it to be healthy, registers the SuperNodes' public keys
+when authentication is on, starts the SuperNodes and waits until they are online; :func:`down`
+stops exactly the recorded processes and their children (TERM, then KILL after a grace period);
+:func:`status` reports both. ``examples/deploy/*.sh`` are the per-host wrappers for real sites.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fl_geo.deploy.certificates import ensure_certs
+from fl_geo.deploy.flower_config import write_flwr_config
+from fl_geo.deploy.processes import (
+    ProcRecord,
+    _alive,
+    _descendants,
+    _port_free,
+    _reap,
+    _signal,
+    _tail,
+    health_ok,
+    list_nodes,
+    load_records,
+    register_node,
+    start_process,
+    superlink_command,
+    supernode_command,
+)
+from fl_geo.deploy.topology import DEFAULT_GRACE_S, DeployError, Topology
+
+__all__ = ["DownResult", "UpResult", "down", "status", "up"]
+
+
+@dataclass
+class UpResult:
+    """What :func:`up` started and how long each phase took (the numbers in docs/deploy.md)."""
+
+    records: list[ProcRecord]
+    healthy_s: float
+    nodes_online_s: float
+    node_ids: dict[str, int] = field(default_factory=dict)
+
+
+def _fail_if_exited(procs: Sequence[tuple[subprocess.Popen[bytes], ProcRecord]]) -> None:
+    for proc, rec in procs:
+        code = proc.poll()
+        if code is not None:
+            raise DeployError(f"{rec.role} {rec.name} exited with code {code} while starting; "
+                              f"see {rec.log}:\n{_tail(rec.log)}")
+
+
+def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult:
+    """Start the SuperLink, then every SuperNode, and wait until all nodes are online.
+
+    On any failure the processes started so far are stopped again (the error names the log
+    file to read), so a failed ``up`` never leaves a half-started federation behind.
+    """
+    say = (lambda msg: print(msg, file=sys.stderr)) if echo else (lambda msg: None)
+    records = load_records(topo)
+    if records:
+        live = [r for r in records if r.alive()]
+        if live and len(live) == len(records):
+            raise DeployError(f"{topo.name} is already up ({len(live)} processes in {topo.pids_path}); "
+                              f"run `fl-geo deploy down {topo.source}` first")
+        if live:
+            raise DeployError(f"{topo.name} is partly up ({len(live)} of {len(records)} recorded processes alive); "
+                              f"run `fl-geo deploy down {topo.source}` first")
+        topo.pids_path.unlink()  # stale: every recorded process is gone
+    busy = [f"{topo.bind}:{topo.port} (superlink)"] if not _port_free(topo.bind, topo.port) else []
+    busy += [f"127.0.0.1:{n.port} ({n.name})" for n in topo.nodes if not _port_free("127.0.0.1", n.port)]
+    if busy:
+        raise DeployError(f"port(s) already in use: {', '.join(busy)}; pick free ports in {topo.source}")
+    if topo.security.tls:
+        ensure_certs(topo)
+    topo.state_dir.mkdir(parents=True, exist_ok=True)
+    write_flwr_config(topo)
+
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    started: list[tuple[subprocess.Popen[bytes], ProcRecord]] = []
+    try:
+        started.append(start_process(topo, "superlink", topo.name, superlink_command(topo)))
+        say(f"superlink {topo.address} (pid {started[0][1].pid}), log {started[0][1].log}")
+        while not health_ok(topo):
+            _fail_if_exited(started)
+            if time.monotonic() > deadline:
+                raise DeployError(f"SuperLink at {topo.address} not healthy after {timeout_s:.0f} s; "
+                                  f"see {started[0][1].log}:\n{_tail(started[0][1].log)}")
+            time.sleep(0.2)
+        healthy_s = time.monotonic() - t0
+        say(f"superlink healthy after {healthy_s:.1f} s")
+
+        node_ids: dict[str, int] = {}
+        if topo.security.auth:
+            for node in topo.nodes:
+                node_ids[node.name] = register_node(topo, topo.certs.node_public_key(node.name), node.name)
+            say(f"registered {len(node_ids)} SuperNode public keys")
+        for node in topo.nodes:
+            started.append(start_process(topo, "supernode", node.name, supernode_command(topo, node)))
+            say(f"supernode {node.name} port {node.port} node_config {node.node_config_arg()}, log {started[-1][1].log}")
+
+        want = len(topo.nodes)
+        online: list[dict[str, Any]] = []
+        while True:
+            _fail_if_exited(started)
+            online = [n for n in list_nodes(topo) if n.get("status") == "online"]
+            if len(online) >= want:
+                break
+            if time.monotonic() > deadline:
+                logs = ", ".join(r.log for _, r in started[1:])
+                raise DeployError(f"only {len(online)} of {want} SuperNodes online after {timeout_s:.0f} s; "
+                                  f"see the node logs: {logs}")
+            time.sleep(0.5)
+        nodes_s = time.monotonic() - t0
+        say(f"{want} SuperNodes online after {nodes_s:.1f} s")
+        return UpResult(records=[r for _, r in started], healthy_s=healthy_s, nodes_online_s=nodes_s,
+                        node_ids=node_ids)
+    except BaseException:
+        down(topo)
+        raise
+
+
+@dataclass
+class DownResult:
+    """Which recorded processes (and their descendants) were signalled, and which needed SIGKILL."""
+
+    signalled: list[int]
+    killed: list[int]
+    survivors: list[int]
+
+
+def down(topo: Topology, grace_s: float = DEFAULT_GRACE_S) -> DownResult:
+    """Stop every recorded process: SIGTERM to its group and descendants, SIGKILL after ``grace_s``.
+
+    SuperNodes go first so they can deregister while the SuperLink still answers. Safe to call
+    twice: without ``pids.json`` it does nothing.
+    """
+    records = load_records(topo)
+    if not records:
+        topo.pids_path.unlink(missing_ok=True)
+        return DownResult([], [], [])
+    ordered = [r for r in records if r.role != "superlink"] + [r for r in records if r.role == "superlink"]
+    signalled: list[int] = []
+    killed: list[int] = []
+
+    def stop(batch: list[ProcRecord]) -> None:
+        mine = [r for r in batch if r.alive()]
+        pids = {r.pid for r in mine} | _descendants(r.pid for r in mine)
+        for r in mine:
+            _signal(r.pgid, signal.SIGTERM, group=True)
+        for pid in pids:
+            _signal(pid, signal.SIGTERM, group=False)
+        signalled.extend(sorted(pids))
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and any(_alive(p) for p in pids):
+            pids |= _descendants(p for p in pids if _alive(p))  # processes spawned while stopping
+            time.sleep(0.1)
+        for pid in sorted(p for p in pids if _alive(p)):
+            _signal(pid, signal.SIGKILL, group=False)
+            killed.append(pid)
+        for r in mine:
+            _signal(r.pgid, signal.SIGKILL, group=True)  # anything left in the group
+        time.sleep(0.05)
+        for pid in pids:
+            _reap(pid)
+
+    stop([r for r in ordered if r.role != "superlink"])
+    stop([r for r in ordered if r.role == "superlink"])
+    survivors = sorted(p for p in signalled if _alive(p))
+    if not survivors:
+        topo.pids_path.unlink(missing_ok=True)
+    return DownResult(signalled=signalled, killed=killed, survivors=survivors)
+
+
+def status(topo: Topology) -> dict[str, Any]:
+    """Recorded processes with their liveness, SuperLink health and the node table."""
+    records = load_records(topo)
+    procs = [{"role": r.role, "name": r.name, "pid": r.pid, "alive": r.alive(), "log": r.log} for r in records]
+    superlink_up = any(p["alive"] for p in procs if p["role"] == "superlink")
+    healthy = health_ok(topo) if superlink_up else False
+    return {"topology": topo.source, "address": topo.address, "tls": topo.security.tls, "auth": topo.security.auth,
+            "processes": procs, "healthy": healthy, "nodes": list_nodes(topo) if healthy else []}
