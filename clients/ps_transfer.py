@@ -4,7 +4,7 @@ With ``ps.transport=grpc`` a train message carries control only: the job id, the
 addresses, the shard bounds and the order to push in. The client pulls each parameter shard from
 its follower (in parallel: the followers are separate links/servers), trains, and pushes each
 update shard in the wire precision (in the leader's order). Transfers retry while a follower is
-being restarted (`fl_geo.ps.dataplane.FollowerClient`), so inner training never depends on a
+being restarted (`fl_geo.ps.client.FollowerClient`), so inner training never depends on a
 follower being up at the moment it finishes.
 """
 
@@ -37,7 +37,7 @@ def _layout(cfg: Any) -> tuple[list[str], list[tuple[int, int]]]:
 
 
 def _client(address: str, cfg: Any) -> Any:
-    from fl_geo.ps.dataplane import FollowerClient
+    from fl_geo.ps.client import FollowerClient
 
     ca = str(cfg.get("ps_tls_ca", ""))
     return FollowerClient(address, retry_s=float(cfg.get("ps_retry_s", 120.0)), root_certificates=ca.encode() if ca else None)

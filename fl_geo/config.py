@@ -197,7 +197,7 @@ class PsSection:
     followers: int = 0
     # local: the followers live in the ServerApp's process and clients' updates come in Flower
     # replies (the single-server case, and the virtual-clock tests); grpc: follower processes the
-    # leader starts, and clients push/pull shards on the gRPC data path (fl_geo.ps.dataplane) while
+    # leader starts, and clients push/pull shards on the gRPC data path (fl_geo.ps) while
     # Flower messages carry only control.
     transport: str = "local"
     norm: str = "global"  # global: ||update||_2 (F-independent) | sum_of_shards: Di-PS's sum of shard norms

@@ -111,7 +111,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                               max_pending=ps.max_pending)
                 for s in self.plan.shards]
         else:
-            from fl_geo.ps.dataplane import TlsFiles
+            from fl_geo.ps.channel import TlsFiles
             from fl_geo.ps.supervisor import FollowerSupervisor
 
             workdir = Path(ps.workdir) if ps.workdir else Path(self.logger.run_dir) / "ps"
@@ -209,7 +209,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         completed is lost, and no half-applied window is stepped. Pushes for jobs not handled yet
         stay on the live followers; a job whose push the restarted follower lost fails when its
         reply is handled, and its worker gets the current model."""
-        from fl_geo.ps.dataplane import DataPathError
+        from fl_geo.ps.frames import DataPathError
 
         restarted = self.supervisor.ensure_alive()
         for i in range(len(self.followers)):
@@ -457,7 +457,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
 def _data_path_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean a follower could not be reached (none without the data path)."""
     try:
-        from fl_geo.ps.dataplane import DataPathError
+        from fl_geo.ps.frames import DataPathError
     except ImportError:  # pragma: no cover - grpcio is a dependency
         return ()
     return (DataPathError,)
@@ -476,7 +476,7 @@ def _clear_followers(workdir: Path) -> None:
 
 
 class RemoteFollower:
-    """The `Follower` interface over the data path's control calls (`fl_geo.ps.dataplane`)."""
+    """The `Follower` interface over the data path's control calls (`fl_geo.ps.client`)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client

@@ -1,4 +1,4 @@
-"""The Di-PS data path (fl_geo.ps.dataplane): frames, the follower service, the retrying client,
+"""The Di-PS data path (fl_geo.ps: frames, service, client, server, heartbeat): frames, the follower service, the retrying client,
 heartbeats and the follower supervisor. Loopback only, small shards, 64 KiB frames so every
 transfer is many frames."""
 
@@ -20,17 +20,12 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import ParamSpec
-from fl_geo.ps.dataplane import (
-    FOLLOWER_SERVICE,
-    DataPathError,
-    FollowerClient,
-    FollowerServer,
-    FollowerService,
-    LeaderHeartbeatService,
-    decode_frame,
-    encode_frames,
-)
+from fl_geo.ps.client import FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard
+from fl_geo.ps.frames import FOLLOWER_SERVICE, DataPathError, decode_frame, encode_frames
+from fl_geo.ps.heartbeat import LeaderHeartbeatService
+from fl_geo.ps.server import FollowerServer
+from fl_geo.ps.service import FollowerService
 from fl_geo.ps.supervisor import FollowerSupervisor, data_path_throughput
 
 from .conftest import free_ports

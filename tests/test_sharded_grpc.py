@@ -147,7 +147,9 @@ def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
     # a TLS follower answers a client that trusts the CA and refuses a plaintext one
     from fl_geo.core.shards import ShardPlan
     from fl_geo.core.state import ParamSpec
-    from fl_geo.ps.dataplane import DataPathError, FollowerClient, TlsFiles
+    from fl_geo.ps.channel import TlsFiles
+    from fl_geo.ps.client import FollowerClient
+    from fl_geo.ps.frames import DataPathError
     from fl_geo.ps.supervisor import FollowerSupervisor
 
     spec = ParamSpec(("blocks.0.w",), ((64,),), ("float32",))

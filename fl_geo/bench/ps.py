@@ -15,7 +15,7 @@ What it shows (issue: Di-PS at scale), for one model of ``--params`` fp32 parame
   all clients transferring at once (sharing the machine's cores) are reported too.
 
 The clients are threads of this process holding a full model each (as a datacenter does); the
-followers are real processes started by `fl_geo.ps.dataplane.FollowerSupervisor`, so every byte
+followers are real processes started by `fl_geo.ps.supervisor.FollowerSupervisor`, so every byte
 crosses a loopback TCP connection. Usage::
 
     fl-geo bench ps [--params N] [--followers 1,2,4] [--clients 2] [--steps 2] [--wire bf16]
@@ -72,7 +72,7 @@ def _rss(pid: int, key: str = "VmHWM") -> float:
 
 def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire: str, workdir: Path,
                 seed: int) -> dict[str, Any]:
-    from fl_geo.ps.dataplane import FollowerClient
+    from fl_geo.ps.client import FollowerClient
     from fl_geo.ps.supervisor import FollowerSupervisor
 
     plan = ShardPlan.build(spec, followers)
@@ -133,7 +133,7 @@ def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire:
 
 def _pull_all(plan: ShardPlan, addresses: list[str], wire: str, model: torch.Tensor) -> float:
     """One client's pull: every shard in parallel (one stream per follower); seconds."""
-    from fl_geo.ps.dataplane import FollowerClient
+    from fl_geo.ps.client import FollowerClient
 
     def one(i: int) -> None:
         s = plan.shards[i]
@@ -150,7 +150,7 @@ def _pull_all(plan: ShardPlan, addresses: list[str], wire: str, model: torch.Ten
 def _push_all(plan: ShardPlan, addresses: list[str], job: str, update: torch.Tensor, rank: int) -> float:
     """One client's push, shard by shard, starting at follower ``rank mod F`` (clients that
     finish together start on different followers, as the leader's schedule has them); seconds."""
-    from fl_geo.ps.dataplane import FollowerClient
+    from fl_geo.ps.client import FollowerClient
 
     t = time.perf_counter()
     for k in range(plan.num_shards):

@@ -1,4 +1,16 @@
-"""The sharded parameter server for Di-PS: the follower's shard state, its gRPC data path (frames,
-channel, service, client), the follower process and the supervisor that restarts it from its
-checkpoint. The leader that drives it is ``fl_geo.strategies.sharded``.
+"""The sharded parameter server for Di-PS: followers that each hold a shard, and their data path.
+
+Di-PS (§4.1, "Dual-workflow Mechanism") keeps the model's bytes off the control path: the Flower
+ServerApp (the *leader*, `fl_geo.strategies.sharded`) sends and receives only small control
+messages, while datacenter clients push update shards to, and pull parameter shards from, the
+followers directly over gRPC.
+
+- `follower`: one follower's shard state and arithmetic (framework-free);
+- `frames`, `channel`: how tensors travel (header + raw frames) and the gRPC channel settings;
+- `service`: the follower's gRPC service (push, pull, control); `client`: the retrying client;
+- `server`, `follower_main`: a follower process; `heartbeat`: the leader's heartbeat service;
+- `supervisor`: starts, watches and restarts follower processes from their checkpoints (§4.3).
+
+Import rule (tested by ``tests/test_layers.py``): ``fl_geo.core``, this package, gRPC, torch and
+numpy; no Flower.
 """

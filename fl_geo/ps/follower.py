@@ -5,7 +5,7 @@ weighted sum of this step's accepted updates. It never decides anything: the lea
 ServerApp) runs the Di-PS control loop and tells it, per update, ``fold`` with a weight or ``drop``,
 and, per outer step, the total weight and the clip factor. The same class serves the in-process
 case (one or more followers inside the leader, the single-server Di-PS) and the follower processes
-behind the gRPC data path (`fl_geo.ps.dataplane`); only the transport differs.
+behind the gRPC data path (`fl_geo.ps.service`); only the transport differs.
 
 Memory: θ_s, the optimizer buffers and the sum are shard-sized and allocated once (O(1) in the
 number of clients). A pushed update is held, in its wire precision (bf16: half an fp32 shard),

@@ -1,6 +1,6 @@
 """Process entry of one follower parameter server (`python -m fl_geo.ps.follower_main`).
 
-Started by `fl_geo.ps.dataplane.FollowerSupervisor`, once per shard and again after a crash. It
+Started by `fl_geo.ps.supervisor.FollowerSupervisor`, once per shard and again after a crash. It
 rebuilds its `FollowerShard` from the plan and the newest verified checkpoint in its directory
 (one must exist: the supervisor writes version 0 before the first launch), so a restart resumes
 from the last step the leader saw acknowledged. It then serves the data path, heartbeats to the
@@ -24,8 +24,10 @@ import torch
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan
-from fl_geo.ps.dataplane import INCARNATION, FollowerServer, TlsFiles
+from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
+from fl_geo.ps.frames import INCARNATION
+from fl_geo.ps.server import FollowerServer
 
 log = logging.getLogger("fl_geo")
 

@@ -4,7 +4,7 @@
 version-0 checkpoints, watches their heartbeats and exits, and restarts a dead one from its
 newest checkpoint on the same port; a resumed leader rewinds them to its own step.
 `data_path_throughput` measures one follower's push and pull rates (`fl-geo bench ps` uses the
-full benchmark in `fl_geo.bench.ps`). The transport itself is `fl_geo.ps.dataplane`.
+full benchmark in `fl_geo.bench.ps`). The transport itself is `fl_geo.ps.client` / `fl_geo.ps.server`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,11 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import ParamSpec
-from fl_geo.ps.dataplane import (
-    _BITS,
-    DEFAULT_CHUNK_BYTES,
-    FollowerClient,
-    LeaderHeartbeatService,
-    TlsFiles,
-)
+from fl_geo.ps.channel import TlsFiles
+from fl_geo.ps.client import FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
+from fl_geo.ps.frames import BIT_VIEWS, DEFAULT_CHUNK_BYTES
+from fl_geo.ps.heartbeat import LeaderHeartbeatService
 
 __all__ = ["FollowerSupervisor", "data_path_throughput"]
 
@@ -404,7 +401,7 @@ def data_path_throughput(payload_mib: int, wire: str = "bf16", workdir: str | Pa
                 version, pulled = client.pull(0, numel, chunk_bytes=chunk_bytes)
                 pull_s = time.perf_counter() - t0
             expected = initial.to(dtype)
-            if version != 0 or not torch.equal(pulled.view(_BITS[dtype][0]), expected.view(_BITS[dtype][0])):
+            if version != 0 or not torch.equal(pulled.view(BIT_VIEWS[dtype][0]), expected.view(BIT_VIEWS[dtype][0])):
                 raise AssertionError("pulled parameters differ from the initial ones")
             peak_transfer = _proc_status_mib(pid, "VmHWM") if reset else float("nan")
             peak = max(peak_load, _proc_status_mib(pid, "VmHWM"))

@@ -1,0 +1,245 @@
+"""The client side of the data path: pushes, pulls and control requests to one follower.
+
+Datacenter clients push update shards to, and pull parameter shards from, the followers directly
+(Di-PS §4.1, "Dual-workflow Mechanism"); the leader uses the same client for its control
+requests. Pushes are serialised ahead of gRPC's sender (`_ReadAhead`), so framing frame k+1
+overlaps with sending frame k.
+
+Failure handling: `FollowerClient` retries UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED with
+exponential backoff for up to ``retry_s``: a follower being restarted by the `FollowerSupervisor`
+on the same port does not fail a client's transfer, it delays it. Pushes are re-sent whole (a
+follower's ``open_push`` replaces a partial push); control requests are retried with the same id,
+which the service answers from its cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from fl_geo.ps.channel import open_channel
+from fl_geo.ps.follower import WIRE_DTYPES
+from fl_geo.ps.frames import (
+    BIT_VIEWS,
+    DEFAULT_CHUNK_BYTES,
+    FOLLOWER_SERVICE,
+    RETRYABLE,
+    DataPathError,
+    elems_per_frame,
+    encode_frames,
+    json_frame,
+    put_or_stop,
+    wire_name,
+)
+
+__all__ = ["FollowerClient"]
+
+T = TypeVar("T")
+log = logging.getLogger("fl_geo")
+
+
+# ---- client -----------------------------------------------------------------------------------------
+
+class _ReadAhead:
+    """Iterate ``source`` in a thread, ``depth`` items ahead (client-side push serialisation
+    overlaps gRPC's sending of the previous frame). `close` releases the thread early."""
+
+    _END = object()
+
+    def __init__(self, source: Iterator[bytes], depth: int) -> None:
+        self._q: queue.Queue[Any] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(source,), name="push-frames", daemon=True)
+        self._thread.start()
+
+    def _run(self, source: Iterator[bytes]) -> None:
+        try:
+            for item in source:
+                if not put_or_stop(self._q, item, self._stop):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            self._error = exc
+        put_or_stop(self._q, self._END, self._stop)
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            try:
+                item = self._q.get(timeout=0.1)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return  # closed: do not leave gRPC's sender thread waiting here
+                continue
+            if item is self._END:
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class FollowerClient:
+    """Client of one follower, for datacenter clients (push, pull) and the leader (control).
+
+    Every call retries UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED with backoff (0.1 s doubling
+    to 2 s) for up to ``retry_s`` in all, so a follower restart delays a transfer instead of
+    failing it; any other status raises `DataPathError` at once. A call's deadline grows with
+    its size (``timeout_s + bytes / min_rate``) so a big transfer over a slow link is not cut
+    off, while a hung follower is still detected.
+
+    Retrying against a follower that was restarted in between would run a window operation on
+    fresh state (``mean_sq_sums`` of an empty sum is zeros, silently). The leader therefore pins
+    the incarnation it expects (``client.incarnation = client.health()["incarnation"]``); every
+    control call but ``health``/``version`` then fails with FAILED_PRECONDITION on any other
+    incarnation, and the leader voids the window and re-pins."""
+
+    def __init__(self, address: str, *, retry_s: float = 120.0, timeout_s: float = 30.0,
+                 min_rate: float = 10e6, read_ahead: int = 4, incarnation: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
+        self.address = address
+        self.incarnation = incarnation
+        self.retry_s = retry_s
+        self.timeout_s = timeout_s
+        self.min_rate = min_rate
+        self.read_ahead = read_ahead
+        self._channel = open_channel(address, root_certificates)
+        self._push = self._channel.stream_unary(f"/{FOLLOWER_SERVICE}/Push")
+        self._pull = self._channel.unary_stream(f"/{FOLLOWER_SERVICE}/Pull")
+        self._control = self._channel.unary_unary(f"/{FOLLOWER_SERVICE}/Control")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> FollowerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _timeout(self, nbytes: int) -> float:
+        return self.timeout_s + nbytes / self.min_rate
+
+    def _retry(self, op: str, fn: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.1
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                detail = exc.details() if hasattr(exc, "details") else str(exc)
+                name = code.name if code is not None else "UNKNOWN"
+                if code not in RETRYABLE:
+                    raise DataPathError(op, self.address, f"{name}: {detail}", code) from None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DataPathError(op, self.address, f"still {name} after retrying for "
+                                        f"{self.retry_s:g} s: {detail}", code) from None
+                log.debug("%s at %s: %s (%s); retrying in %.1f s", op, self.address, name, detail, delay)
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, 2.0)
+
+    def push(self, job: str, shard_index: int, tensor: torch.Tensor,
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Stream a whole shard (1-D, in the follower's wire dtype) as ``job``; returns the
+        follower's reply ``{ok, job, received}`` once the push is complete there."""
+        flat = tensor.detach().reshape(-1).contiguous()
+        dtype = wire_name(flat.dtype)
+        elems_per_frame(chunk_bytes, flat.element_size())  # fail here, not in a thread
+        header = json_frame({"job": job, "shard": shard_index, "dtype": dtype, "numel": flat.numel(),
+                              **({"meta": meta} if meta else {})})
+        nbytes = flat.numel() * flat.element_size()
+
+        def attempt() -> dict[str, Any]:
+            frames = _ReadAhead(encode_frames(flat, chunk_bytes), self.read_ahead)
+            try:
+                reply = self._push(_chain(header, frames), timeout=self._timeout(nbytes))
+            finally:
+                frames.close()
+            return json.loads(reply)
+
+        return self._retry("push", attempt)
+
+    def pull(self, begin: int, end: int, wire: str | None = None, *, expect_version: int | None = None,
+             chunk_bytes: int | None = None) -> tuple[int, torch.Tensor]:
+        """θ_s[begin:end] (shard-relative) in ``wire`` (default: the follower's); returns
+        ``(version, tensor)``. A pull interrupted by a step or a restart starts over."""
+        req: dict[str, Any] = {"begin": begin, "end": end}
+        if wire is not None:
+            req["wire"] = wire
+        if expect_version is not None:
+            req["expect_version"] = expect_version
+        if chunk_bytes is not None:
+            req["chunk_bytes"] = chunk_bytes
+        request = json_frame(req)
+        itemsize = WIRE_DTYPES[wire].itemsize if wire in WIRE_DTYPES else 4
+
+        def attempt() -> tuple[int, torch.Tensor]:
+            stream = self._pull(request, timeout=self._timeout((end - begin) * itemsize))
+            try:
+                return self._read_pull(stream)
+            finally:
+                stream.cancel()  # a no-op once the stream has ended
+
+        return self._retry("pull", attempt)
+
+    def _read_pull(self, stream: Iterator[bytes]) -> tuple[int, torch.Tensor]:
+        def protocol(detail: str) -> DataPathError:
+            return DataPathError("pull", self.address, f"protocol error: {detail}")
+
+        first = next(stream, None)
+        if first is None:
+            raise protocol("stream ended before the header")
+        try:
+            header = json.loads(first)
+            version, numel, wire = int(header["version"]), int(header["numel"]), header["dtype"]
+            dtype = WIRE_DTYPES[wire]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise protocol(f"bad header {first[:200]!r}: {exc}") from None
+        out = torch.empty(numel, dtype=dtype)
+        view_dtype, np_dtype = BIT_VIEWS[dtype]
+        dst = out.view(view_dtype).numpy()
+        pos = 0
+        for frame in stream:
+            if len(frame) % np_dtype.itemsize:
+                raise protocol(f"frame of {len(frame)} bytes is not whole {wire} elements")
+            n = len(frame) // np_dtype.itemsize
+            if pos + n > numel:
+                raise protocol(f"more than the announced {numel} elements")
+            dst[pos:pos + n] = np.frombuffer(frame, dtype=np_dtype)  # one copy, byte order fixed
+            pos += n
+        if pos != numel:
+            raise protocol(f"stream ended after {pos} of {numel} elements")
+        return version, out
+
+    def control(self, op: str, **args: Any) -> dict[str, Any]:
+        """One leader operation (see `CONTROL_OPS`); the id makes retries execute it once."""
+        req: dict[str, Any] = {"op": op, "args": args, "id": uuid.uuid4().hex}
+        if self.incarnation is not None:
+            req["incarnation"] = self.incarnation
+        request = json_frame(req)
+        # a step writes a checkpoint before answering; a deadline is harmless anyway (the retry
+        # carries the same id and waits for the first execution), it only bounds each wait
+        timeout = max(self.timeout_s, 300.0) if op == "step" else self.timeout_s
+        return self._retry(op, lambda: json.loads(self._control(request, timeout=timeout)))
+
+    def health(self) -> dict[str, Any]:
+        return self.control("health")
+
+
+def _chain(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
+    yield first
+    yield from rest
