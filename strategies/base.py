@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.checkpoint import CheckpointStore
-from fl_geo.core.outer import OuterOptimizer, build_outer_optimizer
+from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.dispatch import Dispatcher, JobTiming, NodeProfile, default_profiles
@@ -35,25 +35,11 @@ from fl_geo.runtime.protocol import (
 )
 from fl_geo.runtime.wire import encode
 from fl_geo.strategies.replies import Tally
+from fl_geo.strategies.server_model import ServerModel
 
 log = logging.getLogger("fl_geo")
 
 CHECKPOINT_FORMAT = 1
-
-
-def outer_optimizer_from_config(cfg: FlGeoConfig, numel: int) -> OuterOptimizer:
-    """Map the strategy section onto the core outer optimizers (fl_geo.core.outer)."""
-    s = cfg.strategy
-    name = s.outer_optimizer
-    if name == "nesterov":
-        kwargs: dict[str, Any] = {"lr": s.outer_lr, "momentum": s.outer_momentum}
-    elif name == "delayed_nesterov":
-        kwargs = {"lr": s.outer_lr, "momentum": s.outer_momentum, "buffer_size": s.delay_buffer, "activation": s.delay_activation}
-    elif name in ("avg", "sgdm"):
-        kwargs = {"lr": s.outer_lr} if name == "avg" else {"lr": s.outer_lr, "momentum": s.outer_momentum}
-    else:  # fedadam / fedyogi
-        kwargs = {"lr": s.outer_lr, "beta1": s.beta1, "beta2": s.beta2, "tau": s.tau}
-    return build_outer_optimizer(name, numel, **kwargs)
 
 
 def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
@@ -116,14 +102,12 @@ class OuterLoop:
     ) -> None:
         self.cfg = cfg
         self.spec = spec
-        self.global_params = global_params  # fp32 flat buffer, updated in place by the outer step
         self.dispatcher = dispatcher
         self.profiles = profiles
         self.logger = logger
         self.evaluator = evaluator
         self.scenario = scenario  # set with a virtual clock (fl_geo.timing.scenario.Scenario)
-        self.optimizer = outer_optimizer_from_config(cfg, spec.numel)
-        self.accumulator = WeightedAccumulator(spec.numel)
+        self.model = self.server_model(cfg, global_params)
         self.version = 0  # outer steps applied
         self.total_tokens = 0
         self.total_bytes_up = 0
@@ -143,6 +127,25 @@ class OuterLoop:
         self.plain_only = False  # every node is a plain Flower ClientApp: joiners are not queried
         self.user_train_config: ConfigRecord | None = None
         self.user_evaluate_config: ConfigRecord | None = None
+
+    def server_model(self, cfg: FlGeoConfig, global_params: torch.Tensor) -> ServerModel:
+        """The model part this loop steps: by default the strategy's outer optimizer over all of θ
+        and a model-sized sum. Loops whose outer state lives in their own parts return
+        `ServerModel.held_elsewhere`. Called once, from ``__init__``, before the loop's own set-up."""
+        return ServerModel.from_config(cfg, global_params)
+
+    @property
+    def global_params(self) -> torch.Tensor:
+        """θ: the fp32 flat buffer the outer step updates in place."""
+        return self.model.params
+
+    @property
+    def optimizer(self) -> OuterOptimizer:
+        return self.model.optimizer
+
+    @property
+    def accumulator(self) -> WeightedAccumulator:
+        return self.model.accumulator
 
     def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Live nodes with no job in flight, in rank order; nodes seen for the first time are
@@ -302,24 +305,11 @@ class OuterLoop:
 
     def model_state(self) -> dict[str, Any]:
         """``params`` and ``optimizer`` of a checkpoint (the sharded loop keeps them elsewhere)."""
-        return {"params": self.global_params, "optimizer": self.optimizer.state_dict()}
+        return self.model.state_dict()
 
     def prepare_model_state(self, state: dict[str, Any]) -> Callable[[], None]:
-        """Validate a checkpoint's ``params`` and ``optimizer`` without changing anything;
-        return the function that installs them (called once everything else validated)."""
-        params = state["params"]
-        if not torch.is_tensor(params) or params.shape != self.global_params.shape or params.dtype != torch.float32:
-            raise ValueError(f"checkpoint params are not an fp32 tensor of {self.spec.numel} elements")
-        if not bool(torch.isfinite(params).all()):
-            raise ValueError("checkpoint params hold NaN or Inf")
-        optimizer = outer_optimizer_from_config(self.cfg, self.spec.numel)
-        optimizer.load_state_dict(dict(state["optimizer"]))
-
-        def install() -> None:
-            self.global_params.copy_(params)
-            self.optimizer = optimizer
-
-        return install
+        """Validate a checkpoint's model part; return the function that installs it."""
+        return self.model.prepare_load(state)
 
     def extra_state(self) -> dict[str, Any]:
         """The loop-specific part of a checkpoint (overridden by the loops)."""

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from flwr.app import Message, MessageType, RecordDict
 
+from fl_geo.config import FlGeoConfig
 from fl_geo.core.halos import GlobalParameterServer, LocalParameterServer
 from fl_geo.runtime.dispatch import Event, JobTiming
 from fl_geo.runtime.progress import Progress
@@ -40,6 +41,7 @@ from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, read_reply
+from fl_geo.strategies.server_model import ServerModel
 
 log = logging.getLogger("fl_geo")
 
@@ -59,6 +61,11 @@ class _Transfer:
 
 class HalosLoop(OuterLoop):
     """Runs until ``run.rounds`` global updates or ``run.max_tokens`` tokens."""
+
+    def server_model(self, cfg: FlGeoConfig, global_params: torch.Tensor) -> ServerModel:
+        """The global parameter server (`fl_geo.core.halos`) steps θ with its own delayed-Nesterov
+        state, and each local server keeps its own sum."""
+        return ServerModel.held_elsewhere(cfg, global_params)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -28,16 +28,15 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from fl_geo.config import ConfigError
-from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.shards import ShardPlan, global_norm, sum_of_shard_norms
 from fl_geo.core.transfer_schedule import TransferScheduler
 from fl_geo.ps.follower import FollowerError, FollowerShard
 from fl_geo.runtime.dispatch import Event
 from fl_geo.runtime.progress import Progress
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
-from fl_geo.strategies.base import outer_optimizer_from_config
 from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, TrainReply, require_declaration
+from fl_geo.strategies.server_model import ServerModel, outer_optimizer_from_config
 
 log = logging.getLogger("fl_geo")
 
@@ -87,6 +86,11 @@ class ShardedDiPSLoop(AsyncOuterLoop):
 
     supports_plain_clients: ClassVar[bool] = False
 
+    def server_model(self, cfg: FlGeoConfig, global_params: torch.Tensor) -> ServerModel:
+        """The followers hold each shard's outer state and running sum; the leader keeps θ (views of
+        the shards in process, a gathered copy otherwise) and the outer learning rate."""
+        return ServerModel.held_elsewhere(cfg, global_params)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg, ps = self.cfg, self.cfg.ps
@@ -94,7 +98,6 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             self.plan = ShardPlan.build(self.spec, ps.followers)
         except ValueError as exc:
             raise ConfigError(f"ps.followers={ps.followers}: {exc}") from None
-        self.accumulator = WeightedAccumulator(1)  # the followers hold the running sums
         self._plain_total = 0.0  # Σ weights without the penalty (with it, the penalty keeps it)
         self._bound_key = -1
         self.supervisor: Any = None

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
+from fl_geo.config import FlGeoConfig
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.quantize import quantized_nbytes
 from fl_geo.core.state import ParamSpec
@@ -67,6 +68,7 @@ from fl_geo.strategies.replies import (
     TrainReply,
     require_declaration,
 )
+from fl_geo.strategies.server_model import ServerModel
 from fl_geo.timing.scenario import payload_bytes
 
 log = logging.getLogger("fl_geo")
@@ -175,6 +177,11 @@ class StreamingLoop(OuterLoop):
     cut into ticks by the fragment schedule; ``outer/step`` counts fragment outer steps."""
 
     supports_plain_clients: ClassVar[bool] = False
+
+    def server_model(self, cfg: FlGeoConfig, global_params: torch.Tensor) -> ServerModel:
+        """One outer optimizer and one running sum per fragment (`FragmentOuterOptimizers`, the
+        per-fragment accumulators); the loop keeps θ."""
+        return ServerModel.held_elsewhere(cfg, global_params)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
