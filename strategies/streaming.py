@@ -49,9 +49,9 @@ from fl_geo.core.quantize import quantized_nbytes
 from fl_geo.core.state import ParamSpec
 from fl_geo.core.streaming import (
     AdaptiveSchedule,
+    FixedSchedule,
     FragmentOuterOptimizers,
     Fragments,
-    fixed_schedule,
     fragment_record,
     fragment_spec,
 )
@@ -199,12 +199,11 @@ class StreamingLoop(OuterLoop):
                                              momentum=s.outer_momentum)
         self._accumulators: dict[int, WeightedAccumulator] = {}
         self.schedule: AdaptiveSchedule | None = None
-        self._starts: dict[int, list[int]] = {}  # fixed: step within a period (1..H) -> fragments
+        self.fixed: FixedSchedule | None = None
         if st.adaptive:
             self.schedule = AdaptiveSchedule(self.P, self.H, st.gamma)
         else:
-            for p, start, _ in fixed_schedule(self.P, self.H, self.tau):
-                self._starts.setdefault(start, []).append(p)
+            self.fixed = FixedSchedule(self.P, self.H, self.tau)
         self.step = 0  # inner steps every worker has run (lock step)
         self.in_flight: dict[int, _Sync] = {}
         self._initialised: set[int] = set()  # nodes that hold streaming state
@@ -260,17 +259,15 @@ class StreamingLoop(OuterLoop):
 
     def _next_sync_after(self, t: int) -> int:
         """The first sync start after step ``t``."""
-        if self.schedule is not None:
-            assert self._next_adaptive is not None
-            return self._next_adaptive
-        base = self.H * (t // self.H)
-        return min(b + s for b in (base, base + self.H) for s in self._starts if b + s > t)
+        if self.fixed is not None:
+            return self.fixed.next_start_after(t)
+        assert self._next_adaptive is not None
+        return self._next_adaptive
 
     def _syncs_at(self, end: int, nodes: Sequence[int]) -> list[int]:
         """Fragments whose sync starts at step ``end`` (the end of the tick being dispatched)."""
-        if self.schedule is None:
-            offset = end - self.H * ((end - 1) // self.H)  # in 1..H
-            return list(self._starts.get(offset, []))
+        if self.fixed is not None:
+            return self.fixed.starts_at(end)
         if end != self._next_adaptive:
             return []
         self.interval = self._adaptive_interval(nodes)

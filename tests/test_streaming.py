@@ -12,6 +12,7 @@ from fl_geo.core.outer import OUTER_OPTIMIZERS, build_outer_optimizer
 from fl_geo.core.state import ParamSpec
 from fl_geo.core.streaming import (
     AdaptiveSchedule,
+    FixedSchedule,
     FragmentOuterOptimizers,
     Fragments,
     cocodc_compensate,
@@ -451,3 +452,25 @@ def test_adaptive_state_round_trip() -> None:
         with pytest.raises(ValueError):
             other.load_state_dict(bad)
         assert other.state_dict() == before
+
+
+@pytest.mark.parametrize(("P", "H", "tau"), [(4, 8, 1), (2, 10, 0), (1, 5, 4), (3, 12, 3)])
+def test_fixed_schedule_over_global_steps(P, H, tau):
+    """Fragment p starts at (p+1)·H/P − τ in every period of H global steps (counted from 1), and
+    the next start after any step is the first step at which `starts_at` is non-empty."""
+    sched = FixedSchedule(P, H, tau)
+    for step in range(1, 4 * H + 1):
+        within = (step - 1) % H + 1
+        want = [p for p in range(P) if (p + 1) * (H // P) - tau == within]
+        assert sched.starts_at(step) == want, step
+    for step in range(0, 3 * H):
+        nxt = sched.next_start_after(step)
+        assert nxt > step and sched.starts_at(nxt)
+        assert not any(sched.starts_at(t) for t in range(step + 1, nxt))
+
+
+def test_fixed_schedule_refuses_what_fixed_schedule_refuses():
+    with pytest.raises(ValueError, match="must divide"):
+        FixedSchedule(3, 8, 0)
+    with pytest.raises(ValueError, match="tau must be"):
+        FixedSchedule(4, 8, 2)

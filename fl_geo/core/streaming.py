@@ -41,6 +41,7 @@ __all__ = [
     "FragmentOuterOptimizers",
     "Fragments",
     "cocodc_compensate",
+    "FixedSchedule",
     "fixed_schedule",
     "fragment_record",
     "fragment_spec",
@@ -445,6 +446,31 @@ def fixed_schedule(P: int, H: int, tau: int) -> list[tuple[int, int, int]]:
     if tau >= step:
         raise ValueError(f"tau must be < H/P = {step}, got {tau}")
     return [(p, (p + 1) * step - tau, (p + 1) * step) for p in range(P)]
+
+
+class FixedSchedule:
+    """The fixed round-robin schedule (`fixed_schedule`) as the loop asks it, over global steps.
+
+    Steps count from 1 across periods of H; the schedule repeats every period. ``starts_at(t)``
+    lists the fragments whose sync starts when global step ``t`` ends; ``next_start_after(t)`` is
+    the first step after ``t`` at which any sync starts (the loop dispatches work up to it).
+    """
+
+    def __init__(self, P: int, H: int, tau: int) -> None:
+        self.H = _check_int("H", H, 1)
+        self._starts: dict[int, list[int]] = {}  # step within a period (1..H) -> fragments
+        for p, start, _ in fixed_schedule(P, H, tau):
+            self._starts.setdefault(start, []).append(p)
+
+    def starts_at(self, step: int) -> list[int]:
+        """Fragments whose sync starts at global step ``step`` (>= 1)."""
+        offset = step - self.H * ((step - 1) // self.H)  # in 1..H
+        return list(self._starts.get(offset, []))
+
+    def next_start_after(self, step: int) -> int:
+        """The first global step after ``step`` (>= 0) at which a sync starts."""
+        base = self.H * (step // self.H)
+        return min(b + s for b in (base, base + self.H) for s in self._starts if b + s > step)
 
 
 def _exact(x: float) -> Fraction:
