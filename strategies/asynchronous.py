@@ -35,7 +35,6 @@ from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 
 log = logging.getLogger("fl_geo")
 
-MAX_CONSECUTIVE_ERRORS = 3
 
 
 def staleness_weight(staleness: int) -> float:
@@ -68,8 +67,6 @@ class AsyncOuterLoop(OuterLoop):
         # the others step on a full buffer or a full house only.
         self.uses_grace = s.name == "dips" or s.grace_s >= 0
         self._last_step_wall = 0.0
-        self._errors: dict[int, int] = {}  # consecutive failed jobs per node
-        self.benched: set[int] = set()
         self._job_seq = 0  # names jobs (the sharded loop keys pushed shards by it)
 
     # ---- checkpoint -----------------------------------------------------------------------------
@@ -163,14 +160,8 @@ class AsyncOuterLoop(OuterLoop):
         self.last_arrival = ev.time
         if self.grace_timer is not None:
             self.grace_timer.observe_arrival(ev.time)
-        if not ev.ok:
-            self.tally.errors += 1
-            self._errors[node] = self._errors.get(node, 0) + 1
-            if self._errors[node] >= MAX_CONSECUTIVE_ERRORS:
-                log.warning("node %s failed %d jobs in a row; no more jobs go to it", node, self._errors[node])
-                self.benched.add(node)
+        if self.job_failed(self.tally, node, ev.ok):
             return  # error reply or vanished node: nothing to fold; it is re-dispatched if alive
-        self._errors.pop(node, None)
         self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
         try:
             r = self.read_reply(ev)

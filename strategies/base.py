@@ -40,6 +40,8 @@ from fl_geo.strategies.server_model import ServerModel
 log = logging.getLogger("fl_geo")
 
 CHECKPOINT_FORMAT = 1
+# An asynchronous loop stops sending jobs to a node after this many failed jobs in a row.
+MAX_CONSECUTIVE_ERRORS = 3
 
 
 def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
@@ -127,6 +129,8 @@ class OuterLoop:
         self.plain_only = False  # every node is a plain Flower ClientApp: joiners are not queried
         self.user_train_config: ConfigRecord | None = None
         self.user_evaluate_config: ConfigRecord | None = None
+        self._errors: dict[int, int] = {}  # consecutive failed jobs per node
+        self.benched: set[int] = set()  # nodes that get no more jobs
 
     def server_model(self, cfg: FlGeoConfig, global_params: torch.Tensor) -> ServerModel:
         """The model part this loop steps: by default the strategy's outer optimizer over all of θ
@@ -195,6 +199,20 @@ class OuterLoop:
             self._bound = ratio * max(float(torch.linalg.vector_norm(self.global_params)), 1.0)
             self._bound_version = self.version
         return self._bound
+
+    def job_failed(self, tally: Tally, node: int, ok: bool) -> bool:
+        """Count an error reply or a vanished node's job; after `MAX_CONSECUTIVE_ERRORS` in a row
+        the node is benched (no more jobs). A good reply clears the node's count. True when the
+        job failed (nothing to fold)."""
+        if ok:
+            self._errors.pop(node, None)
+            return False
+        tally.errors += 1
+        self._errors[node] = self._errors.get(node, 0) + 1
+        if self._errors[node] >= MAX_CONSECUTIVE_ERRORS:
+            log.warning("node %s failed %d jobs in a row; no more jobs go to it", node, self._errors[node])
+            self.benched.add(node)
+        return True
 
     def _reject(self, tally: Tally, node: int, reason: str) -> None:
         """Log a rejected update with its node, partition and reason, and count it."""

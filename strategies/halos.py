@@ -45,7 +45,6 @@ from fl_geo.strategies.server_model import ServerModel
 
 log = logging.getLogger("fl_geo")
 
-MAX_CONSECUTIVE_ERRORS = 3
 
 
 @dataclass(order=True)
@@ -83,8 +82,6 @@ class HalosLoop(OuterLoop):
         self._scratch = torch.empty(self.spec.numel, dtype=torch.float32)
         self.dispatched_samples = 0
         self.tally = Tally()
-        self._errors: dict[int, int] = {}
-        self.benched: set[int] = set()
         self.local_updates = 0
         self._region_of_partition = (
             {i: self.scenario.node_region(i) for i in range(self.scenario.num_nodes)} if self.scenario is not None else {}
@@ -176,14 +173,8 @@ class HalosLoop(OuterLoop):
     # ---- events ---------------------------------------------------------------------------------
     def handle(self, ev: Event) -> None:
         node = ev.job.node
-        if not ev.ok:
-            self.tally.errors += 1
-            self._errors[node] = self._errors.get(node, 0) + 1
-            if self._errors[node] >= MAX_CONSECUTIVE_ERRORS:
-                log.warning("node %s failed %d jobs in a row; no more jobs go to it", node, self._errors[node])
-                self.benched.add(node)
+        if self.job_failed(self.tally, node, ev.ok):
             return
-        self._errors.pop(node, None)
         g = int(ev.job.meta["group"])
         lps = self.lps[g]
         try:

@@ -37,8 +37,8 @@ from fl_geo.deploy.topology import (
     _check_keys,
     _port,
     _str,
-    find_project_root,
     parse_topology,
+    read_topology_file,
 )
 
 __all__ = [
@@ -146,16 +146,8 @@ def parse_halos_topology(data: Any, base_dir: Path, source: str = "<halos topolo
 
 def load_halos_topology(path: str | Path) -> HalosTopology:
     """Read a two-tier topology YAML; relative paths resolve against the project root."""
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise DeployError(f"topology file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise DeployError(f"{p}: not valid YAML: {exc}") from None
-    return parse_halos_topology(data, find_project_root(p.resolve().parent) or Path.cwd(), str(p))
+    data, base = read_topology_file(path)
+    return parse_halos_topology(data, base, str(Path(path)))
 
 
 def halos_up(topo: HalosTopology, timeout_s: float = 120.0, echo: bool = False) -> dict[str, float]:

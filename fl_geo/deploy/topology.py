@@ -28,6 +28,7 @@ __all__ = [
     "is_loopback",
     "load_topology",
     "parse_topology",
+    "read_topology_file",
 ]
 
 
@@ -338,6 +339,13 @@ def load_topology(path: str | Path) -> Topology:
     holding ``pyproject.toml``), so ``fl-geo deploy up configs/deploy/loopback.yaml`` works from
     any working directory; a file outside a project resolves against the working directory.
     """
+    data, base = read_topology_file(path)
+    return parse_topology(data, base, str(Path(path)))
+
+
+def read_topology_file(path: str | Path) -> tuple[Any, Path]:
+    """A topology YAML file's data and the directory its relative paths resolve against (the
+    project root above it, else the working directory); DeployError if missing or not YAML."""
     import yaml
 
     p = Path(path)
@@ -347,5 +355,4 @@ def load_topology(path: str | Path) -> Topology:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise DeployError(f"{p}: not valid YAML: {exc}") from None
-    base = find_project_root(p.resolve().parent) or Path.cwd()
-    return parse_topology(data, base, str(p))
+    return data, find_project_root(p.resolve().parent) or Path.cwd()
