@@ -95,3 +95,17 @@ def peak_rss_growth(fn) -> int | None:
         return None
     fn()
     return (status("VmHWM") - before) * 1024
+
+
+def down_and_assert_clean(topo, also: set[int] | frozenset[int] = frozenset()) -> None:
+    """Teardown of a deployment test: stop the topology, then assert that no process it started
+    (nor any it spawned, nor the pids in ``also``, e.g. ones a test killed by hand) is alive."""
+    from fl_geo.deploy import lifecycle, processes
+
+    records = processes.load_records(topo)
+    family = {r.pid for r in records} | processes._descendants(r.pid for r in records if r.alive())
+    res = lifecycle.down(topo, grace_s=5)
+    assert not res.survivors, f"still alive after down: {res.survivors}"
+    alive = [pid for pid in family | set(also) if processes._alive(pid)]
+    assert not alive, f"processes left behind: {alive}"
+    assert not topo.pids_path.exists()

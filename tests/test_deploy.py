@@ -26,7 +26,7 @@ import yaml
 from fl_geo import cli
 from fl_geo.deploy import certificates, flower_config, launch, lifecycle, processes, topology
 from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
-from tests.conftest import free_ports, tiny_overrides
+from tests.conftest import down_and_assert_clean, free_ports, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ROOT / "configs" / "deploy" / "loopback.yaml"
@@ -334,13 +334,7 @@ def federation(tmp_path):
     yield start
 
     for topo in started:
-        records = processes.load_records(topo)
-        family = {r.pid for r in records} | processes._descendants(r.pid for r in records if r.alive())
-        res = lifecycle.down(topo, grace_s=5)
-        assert not res.survivors, f"still alive after down: {res.survivors}"
-        alive = [pid for pid in family if processes._alive(pid)]
-        assert not alive, f"processes left behind: {alive}"
-        assert not topo.pids_path.exists()
+        down_and_assert_clean(topo)
 
 
 def _received(log: str, kind: str = "train") -> int:

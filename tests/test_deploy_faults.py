@@ -29,7 +29,7 @@ import yaml
 
 from fl_geo.deploy import launch, lifecycle, processes, topology
 from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
-from tests.conftest import free_ports
+from tests.conftest import down_and_assert_clean, free_ports
 from tests.test_deploy import TINY_RUN, TOKENS_PER_UPDATE, _base, _metrics, _received
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,13 +137,7 @@ def fault_federation(tmp_path, monkeypatch):
     yield start
 
     for topo in started:
-        records = processes.load_records(topo)
-        family = {r.pid for r in records} | processes._descendants(r.pid for r in records if r.alive())
-        res = lifecycle.down(topo, grace_s=5)
-        assert not res.survivors, f"still alive after down: {res.survivors}"
-        alive = [pid for pid in family | killed if processes._alive(pid)]
-        assert not alive, f"processes left behind: {alive}"
-        assert not topo.pids_path.exists()
+        down_and_assert_clean(topo, also=killed)
 
 
 def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
