@@ -29,6 +29,14 @@ def _split(items: list[str]) -> tuple[list[str], list[str]]:
     return configs, overrides
 
 
+def _one_config(items: list[str], command: str) -> tuple[str, list[str]]:
+    """Exactly one config file plus ``key=value`` overrides (``fl-geo deploy run`` and friends)."""
+    configs, overrides = _split(items)
+    if len(configs) != 1:
+        raise ConfigError(f"fl-geo {command} takes one config file (plus key=value overrides)")
+    return configs[0], overrides
+
+
 def format_summary_table(summaries: list[dict[str, Any]]) -> str:
     """A plain Markdown table of finished runs (the compare tool builds on the same JSON)."""
     head = "| run | strategy | outer steps | final val loss | wall s | tokens | MB up | MB down | rejected |"
@@ -168,10 +176,8 @@ def _deploy(args: argparse.Namespace) -> int:
               f"{len(topo.nodes)} SuperNodes online {res.nodes_online_s:.1f} s; logs in {topo.logs_dir}")
         return 0
     if args.deploy_cmd == "run":
-        configs, overrides = _split(args.items)
-        if len(configs) != 1:
-            raise ConfigError("fl-geo deploy run takes one config file (plus key=value overrides)")
-        res = launch.run_experiment(topo, configs[0], overrides, out_dir=args.out, stream=args.stream,
+        config, overrides = _one_config(args.items, "deploy run")
+        res = launch.run_experiment(topo, config, overrides, out_dir=args.out, stream=args.stream,
                                     wait=not args.no_wait, timeout_s=args.timeout)
         if args.no_wait:
             print(res.run_id)
@@ -220,10 +226,8 @@ def _deploy_halos(args: argparse.Namespace) -> int:
               f"{len(topo.regions)} bridges; online after: {tiers}; LPS sockets in {topo.ipc_dir}")
         return 0
     if args.deploy_cmd == "halos-run":
-        configs, overrides = _split(args.items)
-        if len(configs) != 1:
-            raise ConfigError("fl-geo deploy halos-run takes one config file (plus key=value overrides)")
-        res = dh.run_halos(topo, configs[0], overrides, out_dir=args.out, timeout_s=args.timeout,
+        config, overrides = _one_config(args.items, "deploy halos-run")
+        res = dh.run_halos(topo, config, overrides, out_dir=args.out, timeout_s=args.timeout,
                            ipc_timeout_s=args.ipc_timeout)
         print(json.dumps({"statuses": res.statuses, "wall_s": round(res.wall_s, 1),
                           "run_dirs": {k: str(v) for k, v in res.run_dirs.items()},
