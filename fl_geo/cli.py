@@ -132,7 +132,7 @@ def cmd_place(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fl_geo.bench.outer import main as bench_main
+    from fl_geo.bench.command import main as bench_main
 
     return int(bench_main(args.bench_argv) or 0)
 

@@ -12,8 +12,8 @@ import re
 import pytest
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
+from fl_geo.bench.command import main as bench_main
 from fl_geo.bench.dispatch import _param_count, model_overrides, run_dispatch_bench
-from fl_geo.bench.outer import main as bench_main
 from fl_geo.inner.model import ModelConfig
 from fl_geo.runtime.builders import make_model
 from fl_geo.runtime.dispatch import Dispatcher

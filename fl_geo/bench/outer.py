@@ -21,14 +21,12 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import ctypes
 import multiprocessing
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +38,7 @@ from fl_geo.core.outer import Nesterov
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.wire import PRECISIONS, decode, encode, payload_nbytes
 
-__all__ = ["format_outer_bench", "llama_spec", "main", "run_outer_bench"]
+__all__ = ["format_outer_bench", "llama_spec", "run_outer_bench"]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -647,52 +645,3 @@ def format_outer_bench(result: dict[str, Any]) -> str:
                  f"growth per extra update = {slopes} x one update's wire size "
                  f"(target <= {m['target']})")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``fl-geo bench outer [...]`` (or ``python -m fl_geo.bench.outer outer``); returns 1 only with
-    --strict and a FAIL."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["dispatch"]:  # server overhead per update; fl_geo.bench.dispatch owns its options
-        from fl_geo.bench.dispatch import main as dispatch_main
-
-        return dispatch_main(argv[1:])
-    if argv[:1] == ["ps"]:  # the sharded parameter server on loopback; fl_geo.bench.ps owns its options
-        from fl_geo.bench.ps import main as ps_main
-
-        return ps_main(argv[1:])
-    if argv[:1] == ["flower-path"]:  # Flower's loopback deployment path; fl_geo.bench.flower_path owns its options
-        from fl_geo.bench.flower_path import main as flower_path_main
-
-        return flower_path_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="fl-geo bench",
-                                     description="fl-geo benchmarks")
-    sub = parser.add_subparsers(dest="bench", required=True)
-    outer = sub.add_parser("outer", help="one outer step on the server path vs Flower FedAvg")
-    outer.add_argument("--params", type=int, default=100_000_000, help="model parameters")
-    outer.add_argument("--updates", type=int, default=8, help="replies per outer step")
-    outer.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
-    outer.add_argument("--quick", action="store_true",
-                       help=f"{QUICK_PARAMS:,} parameters (overrides --params)")
-    outer.add_argument("--repeats", type=int, default=3)
-    outer.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    outer.add_argument("--no-flower", action="store_true", help="skip the Flower baseline")
-    outer.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
-    sub.add_parser("dispatch", add_help=False,
-                   help="server overhead per update vs Flower's message cost (no-op client)")
-    sub.add_parser("ps", add_help=False,
-                   help="sharded parameter server: follower memory, outer-step time, data path vs Flower")
-    sub.add_parser("flower-path", add_help=False,
-                   help="Flower's own message path on a loopback SuperLink + SuperNode (MB/s each way)")
-    args = parser.parse_args(argv)
-    num_params = QUICK_PARAMS if args.quick else args.params
-    result = run_outer_bench(num_params=num_params, num_updates=args.updates,
-                             precision=args.precision, repeats=args.repeats,
-                             threads=args.threads, with_flower=not args.no_flower)
-    print(format_outer_bench(result))
-    failed = not all(c["pass"] for c in result["checks"].values())
-    return 1 if args.strict and failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
