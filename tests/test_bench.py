@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fl_geo.bench.outer import format_outer_bench, llama_spec, main, run_outer_bench
+from fl_geo.bench.command import main
+from fl_geo.bench.outer import format_outer_bench, llama_spec, run_outer_bench
 
 
 def test_llama_spec_shapes() -> None:
