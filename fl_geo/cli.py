@@ -38,19 +38,24 @@ def _one_config(items: list[str], command: str) -> tuple[str, list[str]]:
 
 
 def format_summary_table(summaries: list[dict[str, Any]]) -> str:
-    """A plain Markdown table of finished runs (the compare tool builds on the same JSON)."""
+    """A plain Markdown table of finished runs (the compare tool builds on the same JSON); a
+    failed run is marked FAILED in its row and its reason is listed under the table."""
     head = "| run | strategy | outer steps | final val loss | wall s | tokens | MB up | MB down | rejected |"
     rows = [head, "|" + "---|" * 9]
+    notes = []
     for s in summaries:
         val = s.get("final_val_loss")
+        name = s["name"] + (" FAILED" if s.get("failure") else "")
+        if s.get("failure"):
+            notes.append(f"- {s['name']} FAILED: {s['failure']}")
         rows.append(
-            f"| {s['name']} | {s['strategy']} ({s['outer_optimizer']}) | {s['outer_steps']} | "
+            f"| {name} | {s['strategy']} ({s['outer_optimizer']}) | {s['outer_steps']} | "
             f"{val:.4f} | {s['wall_s']:.1f} | {s['tokens']:,} | {s['bytes_up'] / 1e6:.1f} | "
             f"{s['bytes_down'] / 1e6:.1f} | {s['rejected']} |"
             if val is not None
-            else f"| {s['name']} | {s['strategy']} | {s['outer_steps']} | n/a | {s['wall_s']:.1f} | | | | |"
+            else f"| {name} | {s['strategy']} | {s['outer_steps']} | n/a | {s['wall_s']:.1f} | | | | |"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + ([""] + notes if notes else []))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -65,14 +70,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir = None
         if args.out:
             run_dir = Path(args.out) / cfg.run.name
-        summaries.append(run_simulation(cfg, run_dir))
-        print(f"run {cfg.run.name}: final val loss {summaries[-1]['final_val_loss']:.4f} -> {summaries[-1]['run_dir']}",
+        summary = run_simulation(cfg, run_dir)
+        summaries.append(summary)
+        loss = summary.get("final_val_loss")
+        print(f"run {cfg.run.name}: final val loss {'n/a' if loss is None else f'{loss:.4f}'} -> {summary['run_dir']}",
               file=sys.stderr)
     table = format_summary_table(summaries)
     print(table)
     if args.table:
         Path(args.table).write_text(table + "\n", encoding="utf-8")
-    return 0
+    failed = [s for s in summaries if s.get("failure")]
+    for s in failed:
+        print(f"fl-geo: run {s['name']} FAILED: {s['failure']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -92,7 +102,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(result["table"])
     for kind, path in result["plots"].items():
         print(f"plot ({kind}): {path}", file=sys.stderr)
-    return 0
+    ran_failed = [r for r in runs[len(args.runs):] if r.summary.get("failure")]
+    for r in ran_failed:
+        print(f"fl-geo: run {r.name} FAILED: {r.summary['failure']}", file=sys.stderr)
+    return 1 if ran_failed else 0  # finished runs read with --runs are marked in the table only
 
 
 def cmd_config(args: argparse.Namespace) -> int:

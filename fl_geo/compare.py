@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fl_geo.errors import ConfigError
 from fl_geo.runtime.metrics import read_metrics
 
 LOSS = "val/loss"
@@ -105,10 +106,16 @@ def load_run(path: str | Path, loss: str = "global") -> RunRecord:
     if p.is_file():
         p = p.parent
     if not (p / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{p} has no metrics.jsonl: not an fl-geo run directory")
+        raise ConfigError(f"{p} has no metrics.jsonl: not an fl-geo run directory")
     summary_path = p / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return RunRecord(summary.get("name", p.name), p, summary, read_metrics(p), loss)
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        rows = read_metrics(p)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{p}: cannot read the run's results ({exc})") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{summary_path}: not a run summary (a JSON object)")
+    return RunRecord(summary.get("name", p.name), p, summary, rows, loss)
 
 
 def default_target(runs: list[RunRecord]) -> float:
@@ -117,7 +124,8 @@ def default_target(runs: list[RunRecord]) -> float:
     so it does not set one; it is still listed, and simply never reaches the target."""
     finals = [r.final_loss for r in runs if r.final_loss is not None]
     if not finals:
-        raise ValueError("no run logged a validation loss (val/loss)")
+        names = ", ".join(str(r.path) for r in runs)
+        raise ConfigError(f"nothing to compare: no run logged a validation loss (val/loss) in {names}")
     learned = [r.final_loss for r in runs if r.final_loss is not None and r.series(WALL)[1][0] > r.final_loss]
     return max(learned or finals)
 
@@ -132,20 +140,25 @@ def markdown_table(runs: list[RunRecord], target: float) -> str:
         f"wall s to {target:.3f} | tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike |"
     )
     lines = [head, "|" + "---|" * 13]
+    notes = []
     for r in runs:
         s = r.summary
+        name = r.name
+        if s.get("failure"):  # summary.json of a run that must not count as a success
+            name += " FAILED"
+            notes.append(f"- {r.name} FAILED: {s['failure']}")
         strategy = s.get("strategy", "?")
         if s.get("outer_optimizer"):
             strategy += f" ({s['outer_optimizer']})"
         of = "workers" if r.loss_key == WORKER_LOSS else "global"
         lines.append(
-            f"| {r.name} | {strategy} | {of} | {_fmt(r.final_loss, '.4f')} | "
+            f"| {name} | {strategy} | {of} | {_fmt(r.final_loss, '.4f')} | "
             f"{_fmt(r.first_reaching(target, 'steps'), ',.0f')} | {_fmt(r.first_reaching(target, VIRTUAL), '.1f')} | {_fmt(r.first_reaching(target, WALL), '.1f')} | "
             f"{_fmt(r.first_reaching(target, TOKENS), ',.0f')} | {_fmt(s.get('tokens'), ',')} | "
             f"{_fmt(s.get('bytes_up', 0) / 1e6, '.1f')} | {_fmt(s.get('bytes_down', 0) / 1e6, '.1f')} | "
             f"{_fmt(s.get('rejected'), 'd')} | {_fmt(r.max_spike, '.3f')} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: float | None = None) -> Path | None:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fl_geo.data.corpus import CORPUS_NAMES  # data.corpus
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
 from fl_geo.inner.model import ModelConfig
@@ -296,6 +298,42 @@ def _valid_keys(section: str | None) -> str:
     return ", ".join(f.name for f in fields(obj)) if is_dataclass(obj) else ""
 
 
+def _section_fields() -> dict[str, list[str]]:
+    """Top-level keys that are sections, with their keys (for "a scalar where a section belongs")."""
+    root = FlGeoConfig()
+    return {f.name: [g.name for g in fields(getattr(root, f.name))]
+            for f in fields(root) if is_dataclass(getattr(root, f.name))}
+
+
+def _check_sections(values: Any, where: str) -> None:
+    """A section (``data``, ``strategy``, ...) given a scalar or a list is a one-line error that
+    lists the section's keys, instead of omegaconf's "int is not a subclass of DataSection"."""
+    if values is None:
+        return
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: a config is a mapping of sections ({', '.join(_section_fields())}), "
+                          f"got {type(values).__name__}")
+    for name, keys in _section_fields().items():
+        if name in values and not isinstance(values[name], Mapping):
+            raise ConfigError(f"{where}: '{name}' is a section, not a value ({values[name]!r}); set its keys, "
+                              f"e.g. {name}.{keys[0]}=..., one of: {', '.join(keys)}")
+
+
+def _load_yaml(p: Path) -> DictConfig:
+    """A YAML config file; a syntax error is one line with the file, line and column."""
+    try:
+        values = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{p}: not valid YAML{at}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read the config file ({exc})") from None
+    _check_sections(values if values is not None else {}, str(p))
+    return OmegaConf.load(p)
+
+
 def _wrap(exc: OmegaConfBaseException, where: str) -> ConfigError:
     key = getattr(exc, "full_key", None) or ""
     section = key.split(".")[0] if "." in key else None
@@ -311,11 +349,13 @@ def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[st
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
+        loaded = _load_yaml(p)
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(p))
+            cfg = OmegaConf.merge(cfg, loaded)
         except OmegaConfBaseException as exc:
             raise _wrap(exc, str(p)) from None
     if values:
+        _check_sections(values, "strategy arguments")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.create(dict(values)))
         except OmegaConfBaseException as exc:
@@ -323,6 +363,11 @@ def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[st
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. strategy.outer_lr=0.5)")
+        key = item.partition("=")[0].strip()
+        if key in _section_fields():
+            keys = _section_fields()[key]
+            raise ConfigError(f"override '{item}': '{key}' is a section, not a value; set its keys, "
+                              f"e.g. {key}.{keys[0]}=..., one of: {', '.join(keys)}")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
@@ -483,6 +528,7 @@ def validate(cfg: FlGeoConfig) -> None:
         _require(val in WIRE_PRECISIONS, f"wire.{side} must be one of {WIRE_PRECISIONS}, got '{val}'")
     _require(d.partition in ("by_group", "iid", "by_document"), f"data.partition '{d.partition}' is unknown; valid: by_group, iid, by_document")
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
+    _require(d.corpus in CORPUS_NAMES, f"data.corpus '{d.corpus}' is unknown; valid: {', '.join(CORPUS_NAMES)}")
     _require(d.corpus != "files" or bool(d.files), "data.corpus=files needs data.files (paths or globs of .txt/.jsonl)")
     _require(0 <= d.noise_fraction <= 1, f"data.noise_fraction must be in [0, 1], got {d.noise_fraction}")
     _require(d.noise_kind in NOISE_KINDS, f"data.noise_kind must be one of {NOISE_KINDS}, got '{d.noise_kind}'")
@@ -492,11 +538,13 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(len(set(d.noise_partitions)) == len(d.noise_partitions), f"data.noise_partitions has duplicates: {d.noise_partitions}")
     _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
     _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    _require(c.device in ("auto", "cuda", "npu", "mps", "cpu"), f"client.device '{c.device}' is unknown")
+    kind, _, index = c.device.partition(":")
+    _require(kind in ("auto", "cuda", "npu", "mps", "cpu") and (not index or (index.isdigit() and kind in ("cuda", "npu"))),
+             f"client.device '{c.device}' is unknown; valid: auto, cuda, cuda:N, npu, npu:N, mps, cpu")
     _require(c.precision in ("auto", "bf16", "fp32"), f"client.precision '{c.precision}' is unknown")
     _require(c.devices >= 1, f"client.devices must be >= 1, got {c.devices}")
     _require(c.dist_backend in ("auto", "gloo", "nccl"), f"client.dist_backend must be auto, gloo or nccl, got '{c.dist_backend}'")
-    _require(c.dist_backend != "nccl" or c.device in ("auto", "cuda"),
+    _require(c.dist_backend != "nccl" or kind in ("auto", "cuda"),
              f"client.dist_backend=nccl needs CUDA devices, but client.device is '{c.device}'")
     _require(c.devices == 1 or c.device in ("auto", "cuda", "cpu"),
              f"client.devices > 1 runs on cuda or cpu, not on client.device '{c.device}'")

@@ -129,6 +129,9 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "bytes_up": stats.bytes_up,
             "bytes_down": stats.bytes_down,
             "rejected": stats.rejected,
+            "accepted_updates": stats.accepted,
+            "failed_jobs": stats.failed,
+            "failure": stats.failure,  # one line when the run must not count as a success, else null
             "late_replies": stats.late_replies,
             "wall_s": stats.wall_s,
             "virtual_s": stats.virtual_s,
@@ -169,4 +172,7 @@ def _log_to_stderr() -> None:
 def main(grid: Grid, context: Context) -> None:
     """Entry point for ``flwr run .`` (see ``[tool.flwr.app.config]`` in pyproject.toml)."""
     _log_to_stderr()
-    run_server(grid, config_from_run_config(dict(context.run_config)))
+    summary = run_server(grid, config_from_run_config(dict(context.run_config)))
+    if summary.get("failure"):
+        # Flower then records the run as failed (``flwr ls``), so a sweep or CI job sees it.
+        raise RuntimeError(f"fl-geo run {summary['name']} failed: {summary['failure']}")

@@ -68,12 +68,23 @@ def run_flower_simulation(cfg: FlGeoConfig, server_app: Any, client_app: Any) ->
         flwr_logger.removeFilter(quiet)
 
 
+def check_data(cfg: FlGeoConfig) -> None:
+    """Load and partition the corpus before any Flower machinery starts, so a missing corpus, a
+    wrong ``data.text_key`` or a corpus too small for ``run.num_clients`` is one line (a
+    `ConfigError` / `FileNotFoundError`) instead of a traceback from inside the ServerApp thread.
+    The result is memoised per process, so the server's evaluator reuses it."""
+    from fl_geo.runtime.builders import partitions
+
+    partitions(cfg.data, cfg.run.num_clients)
+
+
 def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Run ``cfg`` with ``run.num_clients`` virtual datacenters; returns the run summary."""
     import json
 
     from fl_geo.clients.datacenter import app as client_app
 
+    check_data(cfg)
     run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
     if (cfg.run.checkpoint_every or cfg.run.resume) and not cfg.run.client_state_dir:
         # A restarted simulation starts new client processes: their inner state must be on disk.

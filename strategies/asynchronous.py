@@ -321,7 +321,8 @@ class AsyncOuterLoop(OuterLoop):
                     continue
                 idle = self.idle_nodes()
                 if not idle and not self.dispatcher.in_flight():
-                    raise RuntimeError("no live node to train on (all vanished or benched after repeated errors)")
+                    self.stop("no live node to train on (all vanished or benched after repeated errors)")
+                    break
                 self.dispatch(idle)
                 continue
             self.handle(ev)

@@ -44,6 +44,10 @@ CHECKPOINT_FORMAT = 1
 MAX_CONSECUTIVE_ERRORS = 3
 
 
+class NoLiveNode(RuntimeError):
+    """Raised inside a round when no node is left to train on; `run` turns it into `OuterLoop.stop`."""
+
+
 def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
     """The part of the run config every ClientApp needs, as ConfigRecord scalars.
 
@@ -115,6 +119,10 @@ class OuterLoop:
         self.total_bytes_up = 0
         self.total_bytes_down = 0
         self.total_rejected = 0
+        self.total_accepted = 0
+        self.total_failed = 0  # jobs that errored, vanished or timed out (logged steps; see failed_jobs)
+        # Why the loop stopped before its budget (e.g. every node benched); None when it ran out.
+        self.stop_reason: str | None = None
         self._client_cfg = client_config_record(cfg)
         self.history: list[dict[str, Any]] = []
         self.penalty = penalty_from_config(cfg, spec)
@@ -274,11 +282,24 @@ class OuterLoop:
                                  timings=timings)
         return out
 
+    def failed_jobs(self) -> int:
+        """Failed jobs so far: those of logged steps plus those still in an unlogged tally (an
+        asynchronous loop whose nodes all failed before its first step logs none)."""
+        pending = getattr(self, "tally", None)
+        return self.total_failed + (pending.errors if isinstance(pending, Tally) else 0)
+
+    def stop(self, reason: str) -> None:
+        """End the run before its budget; the strategy reports ``reason`` as the run's failure."""
+        log.error("stopping at outer step %d: %s", self.version, reason)
+        self.stop_reason = reason
+
     def tally_metrics(self, t: Tally) -> dict[str, float]:
         """Add a step's tally to the run totals and return the metrics every loop logs for it."""
         self.total_tokens += t.tokens
         self.total_bytes_up += t.bytes_up
         self.total_rejected += t.rejected
+        self.total_accepted += t.accepted
+        self.total_failed += t.errors
         return {
             "outer/step": self.version,
             "outer/accepted": t.accepted,
@@ -314,6 +335,8 @@ class OuterLoop:
                 "total_bytes_up": self.total_bytes_up,
                 "total_bytes_down": self.total_bytes_down,
                 "total_rejected": self.total_rejected,
+                "total_accepted": self.total_accepted,
+                "total_failed": self.total_failed,
             },
             "history": [json.dumps(h) for h in self.history],
             "clock": clock,
@@ -369,6 +392,8 @@ class OuterLoop:
         self.total_bytes_up = int(c["total_bytes_up"])
         self.total_bytes_down = int(c["total_bytes_down"])
         self.total_rejected = int(c["total_rejected"])
+        self.total_accepted = int(c.get("total_accepted", 0))  # checkpoints before 2026-11 lack them
+        self.total_failed = int(c.get("total_failed", 0))
         self.history = [json.loads(h) for h in state["history"]]
         self._client_cfg["resumed"] = True  # nodes may reload their inner state from disk
         if "torch_rng" in state:

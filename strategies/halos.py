@@ -245,7 +245,8 @@ class HalosLoop(OuterLoop):
                 continue
             idle = self.idle_nodes()
             if not idle:
-                raise RuntimeError("no live node to train on (all vanished or benched after repeated errors)")
+                self.stop("no live node to train on (all vanished or benched after repeated errors)")
+                break
             self.dispatch(idle)
         if self.tally.accepted or self.tally.rejected or self.tally.errors:
             self._log_step(None)  # the local updates since the last global update, evaluated

@@ -129,6 +129,25 @@ class RunStats:
     scenario: str | None = None
     num_params: int = 0
     last: dict[str, Any] = field(default_factory=dict)
+    accepted: int = 0  # updates folded into an outer step over the whole run
+    failed: int = 0  # jobs that errored, vanished or timed out
+    steps_this_run: int = 0  # outer steps taken by this start() (a resumed run starts above 0)
+    stop_reason: str | None = None  # why the loop ended before its budget
+
+    @property
+    def failure(self) -> str | None:
+        """Why this run must not count as a success, in one line; None when it trained.
+
+        A run fails when it stopped before its budget (every node gone), or when this start()
+        took no outer step at all (every job failed or was rejected: the returned model is the
+        initial one, or the checkpoint's)."""
+        if self.stop_reason is not None:
+            return f"stopped after {self.outer_steps} outer step(s): {self.stop_reason}"
+        if self.steps_this_run == 0 and self.failed:
+            return f"no outer step was taken: all {self.failed} job(s) failed (see the node errors above)"
+        if self.steps_this_run == 0 and self.rejected:
+            return f"no outer step was taken: all {self.rejected} update(s) were rejected"
+        return None
 
 
 class FlGeoStrategy(Strategy):
@@ -400,6 +419,7 @@ class FlGeoStrategy(Strategy):
                 raise ConfigError(f"cannot resume from {self.resume_from.path}: {exc}") from exc
             log.info("fl-geo: resumed from %s (outer step %d, %d tokens)", self.resume_from.path, loop.version, loop.total_tokens)
         self.loop = loop
+        first_version = loop.version
         progress = self.progress if isinstance(self.progress, Progress) else Progress(
             cfg.run.name, cfg.run.rounds, enabled=bool(self.progress))
         last = loop.run(progress)
@@ -408,7 +428,11 @@ class FlGeoStrategy(Strategy):
             bytes_down=loop.total_bytes_down, rejected=loop.total_rejected, late_replies=dispatcher.late_replies,
             virtual_s=clock.now() if clock.is_virtual else None,
             scenario=scenario.name if scenario is not None else None, num_params=spec.numel, last=dict(last),
+            accepted=loop.total_accepted, failed=loop.failed_jobs(), steps_this_run=loop.version - first_version,
+            stop_reason=loop.stop_reason,
         )
+        if self.stats.failure:
+            log.error("run failed: %s", self.stats.failure)
         return self._result(loop, spec, evaluator)
 
     def _result(self, loop: Any, spec: ParamSpec, evaluator: Any) -> Result:

@@ -60,7 +60,7 @@ from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import EvaluateRequest, StreamRequest
 from fl_geo.runtime.quantized import dequantize_record
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
-from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.base import NoLiveNode, OuterLoop
 from fl_geo.strategies.replies import (
     REPLY_METRICS,
     ReplyError,
@@ -356,7 +356,7 @@ class StreamingLoop(OuterLoop):
         clock = self.dispatcher.clock
         nodes = self.free_nodes()
         if not nodes:
-            raise RuntimeError("no live node to train on")
+            raise NoLiveNode("no live node to train on (all vanished or failed)")
         syncs = self._syncs_at(end, nodes)
         if clock.is_virtual:  # the applied fragments' all-reduces must be over
             for _, sync in applies:
@@ -514,7 +514,11 @@ class StreamingLoop(OuterLoop):
             period_end = self.H * rnd
             end = min(period_end, self._next_sync_after(self.step),
                       *(sync.apply for sync in self.in_flight.values()))
-            self._tick(rnd, end, applies, stats)
+            try:
+                self._tick(rnd, end, applies, stats)
+            except NoLiveNode as exc:
+                self.stop(str(exc))
+                break
             if self.step < period_end:
                 continue
             last = rnd == r.rounds or (r.max_tokens > 0 and self.total_tokens + stats.tally.tokens >= r.max_tokens)

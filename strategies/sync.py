@@ -33,7 +33,7 @@ from fl_geo.runtime.dispatch import JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import encode, payload_nbytes
-from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.base import NoLiveNode, OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 
 log = logging.getLogger("fl_geo")
@@ -149,7 +149,7 @@ class SyncOuterLoop(OuterLoop):
         self.wait_for_quorum()
         nodes = self.select(self.refresh_nodes())
         if not nodes:
-            raise RuntimeError("no live node to train on")
+            raise NoLiveNode("no live node to train on (all vanished or failed)")
         arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
         down = payload_nbytes(arrays) * len(nodes)
         steps = {n: self._inner_steps(n, warm) for n in nodes}
@@ -242,7 +242,11 @@ class SyncOuterLoop(OuterLoop):
         if self.rounds_done >= total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens):
             return self.history[-1] if self.history else {}  # resumed from the final checkpoint
         for rnd in range(self.rounds_done + 1, total + 1):
-            metrics = self.train_round(rnd)
+            try:
+                metrics = self.train_round(rnd)
+            except NoLiveNode as exc:
+                self.stop(str(exc))
+                break
             self.rounds_done = rnd
             # run.max_tokens: the round that reaches the budget is the last one
             last = rnd == total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)

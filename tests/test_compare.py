@@ -8,6 +8,7 @@ import pytest
 
 from fl_geo.cli import main as cli_main
 from fl_geo.compare import compare, default_target, load_run, markdown_table
+from fl_geo.errors import ConfigError
 
 
 def _fake_run(tmp_path, name, losses, virtual=True, worker_losses=None, steps=25):
@@ -85,7 +86,7 @@ def test_workers_loss_where_logged_global_elsewhere(tmp_path):
 
 
 def test_not_a_run_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not an fl-geo run"):
+    with pytest.raises(ConfigError, match="not an fl-geo run"):
         load_run(tmp_path)
 
 

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fl_geo.errors import ConfigError
+
 __all__ = [
     "CORPUS_NAMES",
     "Corpus",
@@ -143,7 +145,7 @@ def _load_fetched(name: str, data_dir: Path) -> Corpus:
     ]
     sha = corpus_digest(documents)
     if sha != manifest["text_sha256"]:
-        raise ValueError(
+        raise ConfigError(
             f"corpus {name!r} in {corpus_dir} does not match its manifest hash (files edited or "
             f"corrupted); delete {corpus_dir} and re-fetch with: {fetch_command(name, data_dir)}"
         )
@@ -215,9 +217,11 @@ def _read_jsonl(path: Path, text_key: str) -> list[Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
+                raise ConfigError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
             if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                raise ValueError(f"{path}:{lineno}: record has no string field {text_key!r}")
+                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(f"{path}:{lineno}: record has no string field {text_key!r} (it has: {keys}); "
+                                  "set data.text_key to the field that holds the text")
             if record[text_key]:
                 documents.append(
                     Document(name=f"{path.stem}:{lineno}", group=path.stem, text=record[text_key])
@@ -227,7 +231,7 @@ def _read_jsonl(path: Path, text_key: str) -> list[Document]:
 
 def _load_files(files: Sequence[str | Path] | None, text_key: str) -> Corpus:
     if not files:
-        raise ValueError("corpus 'files' needs a list of .txt/.jsonl paths or globs in `files`")
+        raise ConfigError("corpus 'files' needs a list of .txt/.jsonl paths or globs in `files`")
     documents: list[Document] = []
     for path in _expand_files(files):
         suffix = path.suffix.lower()
@@ -238,9 +242,9 @@ def _load_files(files: Sequence[str | Path] | None, text_key: str) -> Corpus:
         elif suffix == ".jsonl":
             documents.extend(_read_jsonl(path, text_key))
         else:
-            raise ValueError(f"unsupported file type {path.name!r}: use .txt or .jsonl")
+            raise ConfigError(f"unsupported file type {path.name!r} in data.files: use .txt or .jsonl")
     if not documents:
-        raise ValueError(f"the files {list(map(str, files))} contain no text")
+        raise ConfigError(f"the files {list(map(str, files))} contain no text")
     return Corpus(name="files", documents=documents, sha256=corpus_digest(documents))
 
 
@@ -274,4 +278,4 @@ def load_corpus(
         return _load_pydoc()
     if name == "files":
         return _load_files(files, text_key)
-    raise ValueError(f"unknown corpus {name!r}; expected one of {', '.join(CORPUS_NAMES)}")
+    raise ConfigError(f"unknown corpus {name!r}; expected one of {', '.join(CORPUS_NAMES)}")

@@ -1,0 +1,117 @@
+"""A new user's mistakes and failed runs: each is one line on stderr and a non-zero exit code.
+
+User errors (bad YAML, a scalar where a section belongs, an unknown corpus or device, a wrong
+``data.text_key``, compare on a directory with nothing to compare) exit 2 with one line; a run in
+which every job failed, or that stopped because no node was left, exits 1 and is marked FAILED in
+the summary, the table and ``fl-geo compare``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fl_geo.cli import main
+from tests.conftest import TINY
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("strategy:\n  name: diloco\n  bad: [1,\n", "not valid YAML at line 4, column 1"),
+        ("run:\n\tname: tab\n", "not valid YAML at line 2"),
+        ("data: 5\n", "'data' is a section, not a value (5); set its keys, e.g. data.corpus=..."),
+        ("- a\n- b\n", "a config is a mapping of sections"),
+    ],
+)
+def test_bad_config_file_is_one_line(tmp_path, capsys, content: str, needle: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    err = _one_error_line(capsys, ["config", str(path)])
+    assert err.startswith(f"fl-geo: config error: {path}") and needle in err
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("data=5", "'data' is a section, not a value; set its keys"),
+        ("data.corpus=nope", "data.corpus 'nope' is unknown; valid: auto, bible, shakespeare, stdlib, pydoc, files"),
+        ("client.device=cuda:x", "valid: auto, cuda, cuda:N, npu, npu:N, mps, cpu"),
+        ("client.device=cpu:0", "client.device 'cpu:0' is unknown"),
+    ],
+)
+def test_bad_override_is_one_line(capsys, override: str, needle: str) -> None:
+    assert needle in _one_error_line(capsys, ["config", override])
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "npu:0", "cuda", "cpu"])
+def test_indexed_devices_are_valid_config(capsys, device: str) -> None:
+    assert main(["config", f"client.device={device}"]) == 0
+    assert f"device: {device}" in capsys.readouterr().out
+
+
+def test_wrong_text_key_is_one_line_before_flower_starts(tmp_path, capsys) -> None:
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text(json.dumps({"body": "some text " * 50}) + "\n")
+    err = _one_error_line(capsys, ["run", *TINY, "data.corpus=files", f"data.files=[{corpus}]",
+                                   "data.text_key=zzz", "--out", str(tmp_path / "runs")])
+    assert "record has no string field 'zzz' (it has: body); set data.text_key" in err
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_missing_files_are_one_line(tmp_path, capsys) -> None:
+    err = _one_error_line(capsys, ["run", *TINY, "data.corpus=files", f"data.files=[{tmp_path}/none*.jsonl]"])
+    assert "no file matches" in err
+
+
+def test_compare_with_nothing_to_compare_is_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    err = _one_error_line(capsys, ["compare", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
+    assert "has no metrics.jsonl: not an fl-geo run directory" in err
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    err = _one_error_line(capsys, ["compare", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
+    assert "nothing to compare: no run logged a validation loss" in err
+    (tmp_path / "empty" / "summary.json").write_text("{not json")
+    assert "cannot read the run's results" in _one_error_line(
+        capsys, ["compare", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reason"),
+    [
+        ("diloco", "no outer step was taken: all 6 job(s) failed"),  # 3 nodes x 2 rounds, every one fails
+        ("dips", "stopped after 0 outer step(s): no live node to train on"),  # benched after 3 failures each
+    ],
+)
+def test_run_where_every_job_fails_exits_1_and_is_marked(tmp_path, capsys, strategy: str, reason: str) -> None:
+    # A CPU-only torch has no CUDA device: every ClientApp job raises (the reported case).
+    out = tmp_path / "runs"
+    code = main(["run", *TINY, f"strategy.name={strategy}", f"run.name={strategy}", "client.device=cuda",
+                 "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert f"fl-geo: run {strategy}" not in captured.out  # the reason goes to stderr, the table to stdout
+    assert f"| {strategy} FAILED |" in captured.out and reason in captured.out
+    assert f"fl-geo: run {strategy} FAILED: {reason}" in captured.err
+    summary = json.loads((out / strategy / "summary.json").read_text())
+    assert summary["outer_steps"] == 0 and summary["accepted_updates"] == 0 and reason in summary["failure"]
+    # compare reads it back and marks it, but a finished run read with --runs does not fail compare
+    assert main(["compare", "--runs", str(out / strategy), "--out", str(tmp_path / "cmp")]) == 0
+    table = capsys.readouterr().out
+    assert f"| {strategy} FAILED |" in table and f"- {strategy} FAILED: {reason}" in table
+
+
+def test_a_run_that_trains_is_not_marked(tmp_path, capsys) -> None:
+    assert main(["run", *TINY, "run.name=ok", "--out", str(tmp_path / "runs")]) == 0
+    summary = json.loads((tmp_path / "runs" / "ok" / "summary.json").read_text())
+    assert summary["failure"] is None and summary["outer_steps"] == 2 and summary["failed_jobs"] == 0
+    assert summary["accepted_updates"] == 6
+    assert "FAILED" not in capsys.readouterr().out
