@@ -39,21 +39,24 @@ def _one_config(items: list[str], command: str) -> tuple[str, list[str]]:
 
 def format_summary_table(summaries: list[dict[str, Any]]) -> str:
     """A plain Markdown table of finished runs (the compare tool builds on the same JSON); a
-    failed run is marked FAILED in its row and its reason is listed under the table."""
-    head = "| run | strategy | outer steps | final val loss | wall s | tokens | MB up | MB down | rejected |"
-    rows = [head, "|" + "---|" * 9]
+    failed run is marked FAILED in its row and its reason is listed under the table. ``virtual``
+    is the modelled time (WAN + accelerators) of a run on a scenario, blank on the wall clock."""
+    from fl_geo.runtime.progress import format_duration
+
+    head = "| run | strategy | outer steps | final val loss | virtual | wall s | tokens | MB up | MB down | rejected |"
+    rows = [head, "|" + "---|" * 10]
     notes = []
     for s in summaries:
         val = s.get("final_val_loss")
         name = s["name"] + (" FAILED" if s.get("failure") else "")
         if s.get("failure"):
             notes.append(f"- {s['name']} FAILED: {s['failure']}")
+        virtual = format_duration(s["virtual_s"]) if s.get("virtual_s") is not None else ""
+        loss = "n/a" if val is None else f"{val:.4f}"
         rows.append(
-            f"| {name} | {s['strategy']} ({s['outer_optimizer']}) | {s['outer_steps']} | "
-            f"{val:.4f} | {s['wall_s']:.1f} | {s['tokens']:,} | {s['bytes_up'] / 1e6:.1f} | "
-            f"{s['bytes_down'] / 1e6:.1f} | {s['rejected']} |"
-            if val is not None
-            else f"| {name} | {s['strategy']} | {s['outer_steps']} | n/a | {s['wall_s']:.1f} | | | | |"
+            f"| {name} | {s['strategy']} ({s['outer_optimizer']}) | {s['outer_steps']} | {loss} | {virtual} | "
+            f"{s['wall_s']:.1f} | {s['tokens']:,} | {s['bytes_up'] / 1e6:.1f} | {s['bytes_down'] / 1e6:.1f} | "
+            f"{s['rejected']} |"
         )
     return "\n".join(rows + ([""] + notes if notes else []))
 

@@ -161,6 +161,21 @@ def markdown_table(runs: list[RunRecord], target: float) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def loss_range(series: list[list[float]]) -> tuple[float, float] | None:
+    """The y range of a loss plot: every value after each run's first evaluation, with a margin.
+
+    The first evaluation is the untrained model (ln 256 ≈ 5.55 for the byte-level model), far above
+    everything after it; including it squeezes the part of the curves that differs between methods
+    into a few pixels. None when there is nothing after the first points (the default range then).
+    """
+    rest = [y for ys in series for y in ys[1:] if math.isfinite(y)]
+    if not rest:
+        return None
+    low, high = min(rest), max(rest)
+    margin = 0.05 * (high - low) if high > low else 0.05 * max(abs(high), 1.0)
+    return low - margin, high + margin
+
+
 def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: float | None = None) -> Path | None:
     """Validation loss against ``x_key`` for every run that logged it; None if none did."""
     import matplotlib
@@ -178,7 +193,12 @@ def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: flo
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("validation loss (nats/token)")
+    # fl-geo's built-in tokenizer is byte-level: one token is one byte of UTF-8 text
+    ax.set_ylabel("validation loss (nats/token = nats/byte)")
+    ax.set_title(f"Validation loss against {xlabel.split(' (')[0]}, {len(series)} run(s)", fontsize=10)
+    limits = loss_range([ys for _, _, ys in series])
+    if limits is not None:
+        ax.set_ylim(*limits)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -111,7 +111,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
 
         strategy = build_strategy(
             cfg, logger=logger, checkpoints=store, resume_from=checkpoint,
-            progress=Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress),
+            progress=Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress,
+                     max_tokens=cfg.run.max_tokens),
             evaluator=lambda num_partitions: GlobalEvaluator(cfg, num_partitions), on_ready=on_ready,
         )
         strategy.start(grid, initial_arrays, num_rounds=cfg.run.rounds, timeout=cfg.strategy.round_timeout_s)

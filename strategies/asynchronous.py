@@ -343,7 +343,5 @@ class AsyncOuterLoop(OuterLoop):
         self.history.append(record)
         self.maybe_checkpoint(self.version, self._done())
         if progress is not None:
-            fraction = None
-            if r.max_tokens:
-                fraction = max(self.total_tokens / r.max_tokens, self.version / r.rounds)
-            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"), fraction)
+            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"),
+                            tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))

@@ -271,5 +271,5 @@ class HalosLoop(OuterLoop):
         self.tally = Tally()
         progress = getattr(self, "_progress", None)
         if progress is not None:
-            fraction = max(self.total_tokens / r.max_tokens, self.version / r.rounds) if r.max_tokens else None
-            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"), fraction)
+            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"),
+                            tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))

@@ -421,7 +421,7 @@ class FlGeoStrategy(Strategy):
         self.loop = loop
         first_version = loop.version
         progress = self.progress if isinstance(self.progress, Progress) else Progress(
-            cfg.run.name, cfg.run.rounds, enabled=bool(self.progress))
+            cfg.run.name, cfg.run.rounds, enabled=bool(self.progress), max_tokens=cfg.run.max_tokens)
         last = loop.run(progress)
         self.stats = RunStats(
             outer_steps=loop.version, tokens=loop.total_tokens, bytes_up=loop.total_bytes_up,

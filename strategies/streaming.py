@@ -533,7 +533,8 @@ class StreamingLoop(OuterLoop):
             record = self.logger.log(rnd, metrics)
             self.history.append(record)
             if progress is not None:
-                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"))
+                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"),
+                                tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
             if last:
                 break
         if self.dispatcher.clock.is_virtual:  # the final model exists once its last sync is over

@@ -258,7 +258,8 @@ class SyncOuterLoop(OuterLoop):
             self.history.append(record)
             self.maybe_checkpoint(rnd, last)
             if progress is not None:
-                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"))
+                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"),
+                                tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
             if last:
                 break
         return self.history[-1] if self.history else {}

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fl_geo.cli import main as cli_main
-from fl_geo.compare import compare, default_target, load_run, markdown_table
+from fl_geo.compare import compare, default_target, load_run, loss_range, markdown_table
 from fl_geo.errors import ConfigError
 
 
@@ -99,3 +99,11 @@ def test_cli_compare_runs_configs_and_reads_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "quickstart-diloco" in out and "| old |" in out
     assert (tmp_path / "cmp" / "val_loss_vs_tokens.png").is_file()
+
+
+def test_loss_range_leaves_out_the_untrained_first_point():
+    low, high = loss_range([[5.55, 2.0, 1.8], [5.55, 1.9, 1.7]])
+    assert (low, high) == pytest.approx((1.7 - 0.015, 2.0 + 0.015))
+    assert loss_range([[5.55], [5.55]]) is None  # only the initial evaluation: matplotlib's default
+    low, high = loss_range([[5.0, 2.0, 2.0]])
+    assert low < 2.0 < high  # a flat curve still gets a visible range

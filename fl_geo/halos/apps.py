@@ -368,7 +368,7 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                                 service=service, region=region, ipc_timeout_s=ipc_timeout_s)
             log.info("HALoS regional server %s: %d workers, K=%d, alpha=%s, IPC %s", region, len(profiles),
                      cfg.halos.accumulate, cfg.halos.alpha, address)
-            last = loop.run(Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress))
+            last = loop.run(Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress, max_tokens=cfg.run.max_tokens))
             lps = loop.lps[0] if loop.lps else None
             first = loop.history[0] if loop.history else {}
             summary = {
