@@ -107,3 +107,16 @@ def test_loss_range_leaves_out_the_untrained_first_point():
     assert loss_range([[5.55], [5.55]]) is None  # only the initial evaluation: matplotlib's default
     low, high = loss_range([[5.0, 2.0, 2.0]])
     assert low < 2.0 < high  # a flat curve still gets a visible range
+
+
+def test_tensorboard_losses_also_against_virtual_time_and_tokens():
+    from fl_geo.runtime.metrics import metrics_record, tensorboard_points
+
+    record = metrics_record(3, 1.0, {"val/loss": 2.5, "train/loss": 2.7, "time/virtual_s": 3600.4,
+                                     "train/tokens": 9000, "outer/accepted": 4, "comm/bytes_up": float("nan")})
+    points = {(tag, x): val for tag, val, x in tensorboard_points(3, record)}
+    assert points[("val/loss", 3)] == 2.5 and points[("outer/accepted", 3)] == 4
+    assert points[("by_virtual_s/val/loss", 3600)] == 2.5 and points[("by_tokens/train/loss", 9000)] == 2.7
+    assert not any(tag.startswith("comm/bytes_up") for tag, _ in points)  # NaN: JSONL null, not plotted
+    wall = metrics_record(1, 1.0, {"val/loss": 2.0, "train/tokens": 10})
+    assert not any(tag.startswith("by_virtual_s") for tag, _, _ in tensorboard_points(1, wall))

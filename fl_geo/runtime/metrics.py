@@ -2,7 +2,7 @@
 
 One name space for every strategy (docs/design.md): ``train/loss``, ``val/loss``, ``val/ppl``,
 ``outer/step``, ``outer/accepted``, ``outer/rejected``, ``comm/bytes_up``, ``comm/bytes_down``,
-``train/tokens``, ``time/wall_s``, ... Each JSONL line is one outer step (or one event) with its
+``train/tokens``, ``time/wall_s``, ``time/virtual_s``, ... Each JSONL line is one outer step (or one event) with its
 step number and wall time, so a comparison tool can compute time-to-loss without TensorBoard.
 """
 
@@ -13,6 +13,25 @@ import math
 import time
 from pathlib import Path
 from typing import Any
+
+# Losses also written against other x axes, so asynchronous and synchronous runs (whose outer
+# steps mean different things) and virtual time compare in TensorBoard: ``by_virtual_s/val/loss``
+# has the modelled seconds as its step, ``by_tokens/val/loss`` the tokens consumed.
+LOSS_KEYS = ("val/loss", "val/worker_loss", "train/loss")
+EXTRA_AXES = {"by_virtual_s": "time/virtual_s", "by_tokens": "train/tokens"}
+
+
+def tensorboard_points(step: int, record: dict[str, Any]) -> list[tuple[str, float, int]]:
+    """(tag, value, x) for every TensorBoard scalar of one record: each finite metric at the outer
+    step, and each loss again at every other axis the record carries (`EXTRA_AXES`)."""
+    points = [(key, val, int(step)) for key, val in record.items()
+              if key not in ("step", "time/wall_s") and val is not None]
+    for prefix, axis in EXTRA_AXES.items():
+        x = record.get(axis)
+        if x is None:
+            continue
+        points.extend((f"{prefix}/{key}", record[key], int(round(x))) for key in LOSS_KEYS if record.get(key) is not None)
+    return points
 
 
 def metrics_record(step: int, wall_s: float, metrics: dict[str, float | int]) -> dict[str, Any]:
@@ -49,9 +68,8 @@ class MetricsLogger:
         """Write one record; non-finite values are kept in JSONL as null, skipped in TensorBoard."""
         record = metrics_record(step, self.wall_s, metrics)
         if self._tb is not None:
-            for key, val in record.items():
-                if key not in ("step", "time/wall_s") and val is not None:
-                    self._tb.add_scalar(key, val, global_step=int(step))
+            for tag, val, x in tensorboard_points(step, record):
+                self._tb.add_scalar(tag, val, global_step=x)
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
         return record
