@@ -3,6 +3,7 @@
     fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
     fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--out DIR]
                                                      table + plots of several runs
+    fl-geo sweep CONFIG key=a,b,c [key=value ...] [--out DIR]   every combination, one table + plots
     fl-geo config CONFIG [key=value ...]             print the resolved configuration
     fl-geo data fetch [--data-dir D] [NAME ...]      download + extract the pinned corpora
     fl-geo bench outer [--params N] [--updates K] [--precision P] [--quick]
@@ -109,6 +110,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for r in ran_failed:
         print(f"fl-geo: run {r.name} FAILED: {r.summary['failure']}", file=sys.stderr)
     return 1 if ran_failed else 0  # finished runs read with --runs are marked in the table only
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """``fl-geo sweep``: every combination of the swept keys, one table (fl_geo/sweep.py)."""
+    from fl_geo.sweep import run_sweep
+
+    configs, overrides = _split(args.items)
+    if len(configs) > 1:
+        raise ConfigError("fl-geo sweep takes one config file (plus key=value and key=a,b,c overrides)")
+    result = run_sweep(configs[0] if configs else None, overrides, args.out, args.target, args.loss)
+    print(result["table"])
+    print(f"table: {Path(args.out) / 'compare.md'}", file=sys.stderr)
+    for kind, path in result["plots"].items():
+        print(f"plot ({kind}): {path}", file=sys.stderr)
+    failed = [s for s in result["summaries"] if s.get("failure")]
+    for s in failed:
+        print(f"fl-geo: run {s['name']} FAILED: {s['failure']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -327,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="whose validation loss: the server's model (val/loss), or the workers' own "
                            "models where a streaming run logged them (val/worker_loss; streaming.eval_workers)")
     cmp_.set_defaults(func=cmd_compare)
+
+    sw = sub.add_parser("sweep", help="run every combination of key=a,b,c values; one table and plots")
+    sw.add_argument("items", nargs="+", help="a config file, key=a,b,c values to sweep and key=value overrides")
+    sw.add_argument("--out", default="runs/sweep", help="where compare.md, the plots and runs/<name> go")
+    sw.add_argument("--target", type=float, default=None, help="target val loss (default: the worst final loss)")
+    sw.add_argument("--loss", choices=("global", "workers"), default="global", help="as for fl-geo compare")
+    sw.set_defaults(func=cmd_sweep)
 
     c = sub.add_parser("config", help="print a resolved config")
     c.add_argument("items", nargs="*")
