@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.config import ConfigError, load_config, to_yaml
+from fl_geo.runtime.interrupt import RunInterrupted
+
+INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def _split(items: list[str]) -> tuple[list[str], list[str]]:
@@ -76,6 +79,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             run_dir = Path(args.out) / cfg.run.name
         summary = run_simulation(cfg, run_dir)
         summaries.append(summary)
+        if summary.get("interrupted"):
+            print(f"fl-geo: run {cfg.run.name} interrupted after {summary['outer_steps']} outer step(s); "
+                  f"results so far in {summary['run_dir']}", file=sys.stderr)
+            return INTERRUPTED
         loss = summary.get("final_val_loss")
         print(f"run {cfg.run.name}: final val loss {'n/a' if loss is None else f'{loss:.4f}'} -> {summary['run_dir']}",
               file=sys.stderr)
@@ -407,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fl-geo: config error: {exc}", file=sys.stderr)
         return 2
+    except RunInterrupted:
+        print("fl-geo: interrupted before the first outer step; nothing was trained", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside a run
+        print("fl-geo: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except FileNotFoundError as exc:
         print(f"fl-geo: {exc}", file=sys.stderr)
         return 2

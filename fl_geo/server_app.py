@@ -133,6 +133,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "accepted_updates": stats.accepted,
             "failed_jobs": stats.failed,
             "failure": stats.failure,  # one line when the run must not count as a success, else null
+            "interrupted": stats.interrupted,
             "late_replies": stats.late_replies,
             "wall_s": stats.wall_s,
             "virtual_s": stats.virtual_s,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.config import FlGeoConfig
+from fl_geo.runtime.interrupt import stop_on_ctrl_c
 from fl_geo.runtime.session import new_run_dir
 from fl_geo.server_app import make_server_app
 
@@ -79,12 +80,20 @@ def check_data(cfg: FlGeoConfig) -> None:
 
 
 def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run ``cfg`` with ``run.num_clients`` virtual datacenters; returns the run summary."""
+    """Run ``cfg`` with ``run.num_clients`` virtual datacenters; returns the run summary.
+
+    Ctrl-C during the run stops it at the next step and still writes the summary (its
+    ``interrupted`` is true; fl_geo/runtime/interrupt.py)."""
+    check_data(cfg)
+    with stop_on_ctrl_c():
+        return _run_simulation(cfg, run_dir)
+
+
+def _run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None) -> dict[str, Any]:
     import json
 
     from fl_geo.clients.datacenter import app as client_app
 
-    check_data(cfg)
     run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
     if (cfg.run.checkpoint_every or cfg.run.resume) and not cfg.run.client_state_dir:
         # A restarted simulation starts new client processes: their inner state must be on disk.

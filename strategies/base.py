@@ -288,9 +288,11 @@ class OuterLoop:
         pending = getattr(self, "tally", None)
         return self.total_failed + (pending.errors if isinstance(pending, Tally) else 0)
 
-    def stop(self, reason: str) -> None:
-        """End the run before its budget; the strategy reports ``reason`` as the run's failure."""
-        log.error("stopping at outer step %d: %s", self.version, reason)
+    def stop(self, reason: str, quiet: bool = False) -> None:
+        """End the run before its budget; the strategy reports ``reason`` as the run's failure.
+        ``quiet``: the user asked for it (Ctrl-C), which the CLI reports in one line itself."""
+        if not quiet:
+            log.error("stopping at outer step %d: %s", self.version, reason)
         self.stop_reason = reason
 
     def tally_metrics(self, t: Tally) -> dict[str, float]:

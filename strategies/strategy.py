@@ -47,6 +47,7 @@ from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.core.state import ParamSpec, flatten, unflatten
 from fl_geo.registry import Method, method
 from fl_geo.runtime.dispatch import Dispatcher, NodeProfile, default_profiles
+from fl_geo.runtime.interrupt import RunInterrupted
 from fl_geo.runtime.metrics import MemoryLogger
 from fl_geo.runtime.progress import Progress
 from fl_geo.timing.scenario import Scenario
@@ -133,6 +134,7 @@ class RunStats:
     failed: int = 0  # jobs that errored, vanished or timed out
     steps_this_run: int = 0  # outer steps taken by this start() (a resumed run starts above 0)
     stop_reason: str | None = None  # why the loop ended before its budget
+    interrupted: bool = False  # the user stopped it (Ctrl-C)
 
     @property
     def failure(self) -> str | None:
@@ -141,6 +143,8 @@ class RunStats:
         A run fails when it stopped before its budget (every node gone), or when this start()
         took no outer step at all (every job failed or was rejected: the returned model is the
         initial one, or the checkpoint's)."""
+        if self.interrupted:
+            return f"interrupted by the user (Ctrl-C) after {self.outer_steps} outer step(s)"
         if self.stop_reason is not None:
             return f"stopped after {self.outer_steps} outer step(s): {self.stop_reason}"
         if self.steps_this_run == 0 and self.failed:
@@ -422,16 +426,22 @@ class FlGeoStrategy(Strategy):
         first_version = loop.version
         progress = self.progress if isinstance(self.progress, Progress) else Progress(
             cfg.run.name, cfg.run.rounds, enabled=bool(self.progress), max_tokens=cfg.run.max_tokens)
-        last = loop.run(progress)
+        interrupted = False
+        try:
+            last = loop.run(progress)
+        except RunInterrupted as exc:  # Ctrl-C: the model and counters are those of the last whole step
+            loop.stop(str(exc), quiet=True)
+            interrupted = True
+            last = loop.history[-1] if loop.history else {}
         self.stats = RunStats(
             outer_steps=loop.version, tokens=loop.total_tokens, bytes_up=loop.total_bytes_up,
             bytes_down=loop.total_bytes_down, rejected=loop.total_rejected, late_replies=dispatcher.late_replies,
             virtual_s=clock.now() if clock.is_virtual else None,
             scenario=scenario.name if scenario is not None else None, num_params=spec.numel, last=dict(last),
             accepted=loop.total_accepted, failed=loop.failed_jobs(), steps_this_run=loop.version - first_version,
-            stop_reason=loop.stop_reason,
+            stop_reason=loop.stop_reason, interrupted=interrupted,
         )
-        if self.stats.failure:
+        if self.stats.failure and not interrupted:
             log.error("run failed: %s", self.stats.failure)
         return self._result(loop, spec, evaluator)
 

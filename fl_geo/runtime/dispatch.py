@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fl_geo.runtime import interrupt
 from fl_geo.runtime.protocol import REQUEST_RECORD, ProfileQuery
 
 log = logging.getLogger("fl_geo")
@@ -181,6 +182,7 @@ class Dispatcher:
                     f"only {len(nodes)} of the {minimum} required nodes connected within {timeout_s:.0f} s "
                     "(run.min_nodes / run.wait_nodes_timeout_s)"
                 )
+            interrupt.check()
             time.sleep(0.2)
             nodes = self.live_nodes()
         return nodes
@@ -273,6 +275,7 @@ class Dispatcher:
         return got
 
     def _pull(self) -> bool:
+        interrupt.check()  # every wait of every loop passes here: Ctrl-C ends the run at its next poll
         ids = [j for j in self._jobs if j not in self._arrived] + list(self._abandoned)
         if not ids:
             return False
