@@ -5,6 +5,9 @@
                                                      table + plots of several runs
     fl-geo sweep CONFIG key=a,b,c [key=value ...] [--out DIR]   every combination, one table + plots
     fl-geo config CONFIG [key=value ...]             print the resolved configuration
+    fl-geo eval RUN_DIR [--batches N] [--json]       a finished run's final model on its held-out text
+    fl-geo sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
+                                                     generate text with a finished run's final model
     fl-geo data fetch [--data-dir D] [NAME ...]      download + extract the pinned corpora
     fl-geo bench outer [--params N] [--updates K] [--precision P] [--quick]
     fl-geo place SCENARIO [--candidates R1,R2] [--json]   Di-PS cost model: which region hosts the PS
@@ -142,6 +145,34 @@ def cmd_config(args: argparse.Namespace) -> int:
     if len(configs) > 1:
         raise ConfigError("fl-geo config takes one config file")
     print(to_yaml(load_config(configs[0] if configs else None, overrides)), end="")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``fl-geo eval``: the final model's validation loss, as the run's own evaluator computes it."""
+    import json
+
+    from fl_geo.results import evaluate_run
+
+    res = evaluate_run(args.run_dir, args.batches)
+    if args.json:
+        print(json.dumps({"run_dir": str(res.run_dir), "val_loss": res.loss, "tokens": res.tokens,
+                          "batches": res.batches, "weights": str(res.weights)}))
+    else:
+        print(f"{res.run_dir}: val loss {res.loss:.4f} nats/byte ({res.tokens:,} tokens)")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """``fl-geo sample``: the prompt and its continuation, bytes decoded with errors="replace"."""
+    from fl_geo.data import ByteTokenizer
+    from fl_geo.results import load_run_model, sample
+
+    if not args.temperature >= 0:  # before loading anything
+        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    model, _ = load_run_model(args.run_dir)
+    out = sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    print(ByteTokenizer().decode(out))
     return 0
 
 
@@ -364,6 +395,22 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print a resolved config")
     c.add_argument("items", nargs="*")
     c.set_defaults(func=cmd_config)
+
+    ev = sub.add_parser("eval", help="validation loss of a finished run's final model (its own held-out text)")
+    ev.add_argument("run_dir", help="a run directory (holds config.yaml and final_model.*)")
+    ev.add_argument("--batches", type=int, default=None,
+                    help="validation batches (default: the run's run.eval_batches, which reproduces its final val/loss)")
+    ev.add_argument("--json", action="store_true", help="print a JSON object")
+    ev.set_defaults(func=cmd_eval)
+
+    sa = sub.add_parser("sample", help="generate text with a finished run's final model (byte-level)")
+    sa.add_argument("run_dir", help="a run directory (holds config.yaml and final_model.*)")
+    sa.add_argument("--prompt", required=True, help="text to continue")
+    sa.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sa.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    sa.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest bytes (0 = all)")
+    sa.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
+    sa.set_defaults(func=cmd_sample)
 
     d = sub.add_parser("data", help="offline corpora")
     dsub = d.add_subparsers(dest="data_cmd", required=True)

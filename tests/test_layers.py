@@ -31,7 +31,8 @@ RULES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "runtime": (
         ("fl_geo.core", "fl_geo.timing", "fl_geo.data", "fl_geo.inner", "fl_geo.runtime",
          "fl_geo.config", "fl_geo.registry", *_LEAVES),
-        frozenset({"torch", "numpy", "flwr"}),
+        # safetensors: optional (fl-geo[safetensors]), imported inside RunSession's model export only
+        frozenset({"torch", "numpy", "flwr", "safetensors"}),
     ),
 }
 

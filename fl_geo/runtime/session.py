@@ -6,26 +6,78 @@ result files from an earlier run into the same directory removed (or, on resume,
 to the checkpoint written back), the JSONL + TensorBoard logger, ``config.yaml`` with the resolved
 config, and torch's intra-op threads set to ``run.server_threads``. On leaving, the threads are
 restored and the logger closed, whatever happened. `RunSession` is that set-up, once.
+
+The final model is written twice by `RunSession.save_model`: ``final_model.pt`` (the flat fp32
+buffer and its `ParamSpec`, what the tests and older tools read) and, when the optional
+``safetensors`` package is installed (``pip install fl-geo[safetensors]``),
+``final_model.safetensors``: the model's state dict as named fp32 tensors, loadable without
+fl-geo. ``fl_geo.results.load_run_model`` reads either.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from fl_geo.config import FlGeoConfig, to_yaml
-from fl_geo.core.state import ParamSpec
+from fl_geo.config import FlGeoConfig, section_to_json, to_yaml
+from fl_geo.core.state import ParamSpec, unflatten
 from fl_geo.runtime.metrics import MetricsLogger
 
-__all__ = ["RESULT_FILES", "RunSession", "new_run_dir", "write_history"]
+__all__ = ["RESULT_FILES", "SAFETENSORS_FORMAT", "RunSession", "new_run_dir", "write_history"]
+
+log = logging.getLogger("fl_geo")
 
 # What a finished run writes; a new run into the same directory must not inherit any of it.
-RESULT_FILES = ("metrics.jsonl", "summary.json", "meta.json", "final_model.pt")
+RESULT_FILES = ("metrics.jsonl", "summary.json", "meta.json", "final_model.pt", "final_model.safetensors")
+
+# The ``format`` entry of final_model.safetensors' metadata; bump it if the layout ever changes.
+SAFETENSORS_FORMAT = "fl-geo-final-model/1"
+
+_safetensors_hint_given = False  # the "pip install fl-geo[safetensors]" hint is logged once per process
+
+
+def _fl_geo_version() -> str:
+    try:
+        return version("fl-geo")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"
+
+
+def save_safetensors(path: Path, params: torch.Tensor, spec: ParamSpec, cfg: FlGeoConfig) -> Path | None:
+    """``params`` as the model's state dict (named fp32 tensors, ``spec``'s names and shapes) in a
+    safetensors file at ``path`` (written atomically), with string metadata: ``format``
+    (`SAFETENSORS_FORMAT`), ``fl_geo_version``, ``run_name``, ``strategy`` and ``model_config``
+    (JSON of the ``model`` section). Returns ``None`` without writing when ``safetensors`` is not
+    installed (logged once at INFO)."""
+    global _safetensors_hint_given
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        if not _safetensors_hint_given:
+            _safetensors_hint_given = True
+            log.info("fl-geo: final_model.safetensors not written; `pip install fl-geo[safetensors]` enables it")
+        return None
+    flat = params.detach().to("cpu", torch.float32)
+    # one contiguous tensor per name: safetensors refuses views that share the flat buffer's storage
+    tensors = {name: t.clone() for name, t in unflatten(flat, spec).items()}
+    metadata = {
+        "format": SAFETENSORS_FORMAT,
+        "fl_geo_version": _fl_geo_version(),
+        "run_name": cfg.run.name,
+        "strategy": cfg.strategy.name,
+        "model_config": section_to_json(cfg.model),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(path)
+    return path
 
 
 def new_run_dir(cfg: FlGeoConfig) -> Path:
@@ -82,9 +134,11 @@ class RunSession:
         return self
 
     def save_model(self, params: torch.Tensor, spec: ParamSpec) -> Path:
-        """The final flat model and its layout, as ``final_model.pt``."""
+        """The final flat model and its layout, as ``final_model.pt`` (returned), and the same
+        weights as ``final_model.safetensors`` when safetensors is installed (`save_safetensors`)."""
         path = self.run_dir / "final_model.pt"
         torch.save({"params": params, "spec": spec.to_json()}, path)
+        save_safetensors(self.run_dir / "final_model.safetensors", params, spec, self.cfg)
         return path
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
