@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Run fl-geo through Flower's own CLI on a local simulation SuperLink, and stop that SuperLink at
-# the end (`flwr run` starts it detached; it would otherwise outlive the command).
-#   examples/flwr_run.sh [--run-config 'config="configs/fedavg.yaml" overrides="run.rounds=4"']
-#   FLWR_APP_DIR=examples/own-model examples/flwr_run.sh      (another Flower app folder)
-# `fl-geo run CONFIG` is the simpler path; this shows the same app works the Flower way.
+# Any Flower app folder through Flower's own CLI on a local simulation SuperLink, stopped at the end
+# (`flwr run` starts it detached; it would otherwise outlive the command).
+#   FLWR_APP_DIR=examples/own-model examples/flwr_run.sh --run-config 'num-server-rounds=3'
+#   examples/flwr_run.sh --run-config 'run.rounds=4 strategy.inner_steps=10'      (fl-geo's own app)
+# For fl-geo's own app `fl-geo flwr-run CONFIG key=value ...` does the same and sizes the
+# federation from the config's run.num_clients; here FLWR_NUM_SUPERNODES (default 4) sets it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr}"
 export PATH="$PWD/.venv/bin:$PATH"
 # The app runs in this venv: never let the SuperLink build a fresh env (it would fetch CUDA torch).
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+NODES="${FLWR_NUM_SUPERNODES:-4}"
 mkdir -p "$FLWR_HOME"
-[ -f "$FLWR_HOME/config.toml" ] || cp examples/flwr_config.toml "$FLWR_HOME/config.toml"
 trap 'pkill -f "flower-superlink.*${FLWR_HOME}" || true' EXIT
-flwr run "${FLWR_APP_DIR:-.}" fl-geo-local --stream "$@"
+if flwr run --help 2>&1 | grep -q -- "--federation-config"; then  # Flower >= 1.42
+    printf '[superlink]\ndefault = "fl-geo-local"\n\n[superlink.fl-geo-local]\naddress = ":local:"\n' \
+        > "$FLWR_HOME/config.toml"
+    flwr run "${FLWR_APP_DIR:-.}" fl-geo-local --stream \
+        --federation-config "num-supernodes=$NODES backend=\"ray\" init-args-num-cpus=2 client-resources-num-cpus=1" "$@"
+else  # Flower 1.41 reads the same settings from the connection's options
+    sed "s/^options.num-supernodes = .*/options.num-supernodes = $NODES/" examples/flwr_config.toml > "$FLWR_HOME/config.toml"
+    flwr run "${FLWR_APP_DIR:-.}" fl-geo-local --stream "$@"
+fi

@@ -4,6 +4,7 @@
     fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--out DIR]
                                                      table + plots of several runs
     fl-geo sweep CONFIG key=a,b,c [key=value ...] [--out DIR]   every combination, one table + plots
+    fl-geo flwr-run [CONFIG] [key=value ...]         the same through Flower's CLI: flwr run . --stream
     fl-geo config CONFIG [key=value ...]             print the resolved configuration
     fl-geo eval RUN_DIR [--batches N] [--json]       a finished run's final model on its held-out text
     fl-geo sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
@@ -138,6 +139,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for s in failed:
         print(f"fl-geo: run {s['name']} FAILED: {s['failure']}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def cmd_flwr_run(args: argparse.Namespace) -> int:
+    """``fl-geo flwr-run``: the same app through ``flwr run`` on a local simulation SuperLink."""
+    from fl_geo.deploy.local_run import flwr_run_local
+
+    configs, overrides = _split(args.items)
+    if len(configs) > 1:
+        raise ConfigError("fl-geo flwr-run takes one config file (plus key=value overrides)")
+    return flwr_run_local(configs[0] if configs else None, overrides)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -391,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--target", type=float, default=None, help="target val loss (default: the worst final loss)")
     sw.add_argument("--loss", choices=("global", "workers"), default="global", help="as for fl-geo compare")
     sw.set_defaults(func=cmd_sweep)
+
+    fr = sub.add_parser("flwr-run", help="the same run through Flower's CLI (flwr run . --stream) on a local "
+                                         "simulation SuperLink sized for the config, stopped afterwards")
+    fr.add_argument("items", nargs="*", help="a config file (default configs/quickstart_diloco.yaml) and key=value overrides")
+    fr.set_defaults(func=cmd_flwr_run)
 
     c = sub.add_parser("config", help="print a resolved config")
     c.add_argument("items", nargs="*")

@@ -50,7 +50,17 @@ def config_from_run_config(run_config: dict[str, Any]) -> FlGeoConfig:
     if not path.is_absolute() and not path.exists():
         path = PROJECT_ROOT / name  # the app directory when run from a checkout
     overrides = shlex.split(str(run_config.get("overrides", "")))
-    return load_config(path, overrides)
+    # Flat keys (``run.rounds=4``, declared in pyproject.toml's [tool.flwr.app.config]); "" = unset.
+    flat = [f"{key}={_flat_value(value)}" for key, value in run_config.items()
+            if key not in ("config", "overrides") and value != ""]
+    return load_config(path, overrides + flat)
+
+
+def _flat_value(value: Any) -> str:
+    """A run-config value as an override's right-hand side (TOML ``true`` is Python ``True``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) -> dict[str, Any]:

@@ -118,3 +118,38 @@ def test_noise_keys_default_off_and_accept_valid_values():
     assert (d.noise_partitions, d.noise_fraction, d.noise_kind, d.noise_block) == ([0, 3], 0.25, "shuffle", 25)
     load_config(None, ["data.noise_fraction=0.5"])  # no partitions: a no-op, not an error
     load_config(None, ["data.noise_partitions=[1]"])  # fraction 0: also fine
+
+
+def test_flat_run_config_keys_set_settings_without_nested_quoting():
+    # what `flwr run . --run-config 'run.rounds=3 run.name="a b" run.resume=true'` hands the ServerApp
+    flat = {"config": "configs/diloco.yaml", "overrides": "run.rounds=7 strategy.outer_lr=0.5", "run.rounds": 3,
+            "run.name": "a b", "run.resume": True, "client.device": "cuda:1", "wire.up": "",
+            "strategy.inner_steps": 10}
+    cfg = config_from_run_config(flat)
+    assert cfg.run.rounds == 3  # a flat key wins over `overrides`
+    assert cfg.strategy.outer_lr == 0.5 and cfg.strategy.inner_steps == 10 and cfg.run.resume is True
+    assert cfg.run.name == "a b"
+    assert cfg.client.device == "cuda:1" and cfg.wire.up == "fp32"  # "" leaves the YAML's value
+
+
+def test_every_flat_key_in_pyproject_is_a_config_key():
+    import tomllib
+    from dataclasses import fields, is_dataclass
+    from pathlib import Path
+
+    from flwr.common.config import flatten_dict
+
+    from fl_geo.config import FlGeoConfig
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    declared = flatten_dict(pyproject["tool"]["flwr"]["app"]["config"])
+    flat = {k: v for k, v in declared.items() if k not in ("config", "overrides")}
+    assert len(flat) >= 20 and all(v == "" for v in flat.values())
+    root = FlGeoConfig()
+    for key in flat:
+        section, name = key.split(".")
+        obj = getattr(root, section)
+        assert is_dataclass(obj) and name in {f.name for f in fields(obj)}, key
+    # all unset: exactly the YAML
+    assert config_from_run_config({"config": "configs/diloco.yaml", "overrides": "", **flat}) == \
+        config_from_run_config({"config": "configs/diloco.yaml"})

@@ -74,30 +74,39 @@ def test_cli_reports_config_errors(capsys):
 
 @pytest.mark.slow
 def test_flwr_run_dot_runs_the_same_app_and_stops_its_superlink(tmp_path):
-    """`flwr run .` (Flower's own CLI, local simulation SuperLink) on the shipped config."""
+    """`fl-geo flwr-run` (the README's command: Flower's own `flwr run . --stream` on a local
+    simulation SuperLink sized for the config) runs the shipped config and leaves nothing running."""
     import os
+    import sys
+    import time
     from pathlib import Path
 
+    from fl_geo.deploy.local_run import local_superlinks
+
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"))
-    overrides = (
-        f"run.rounds=1 strategy.inner_steps=2 run.name=flwr-e2e run.out_dir={tmp_path / 'runs'} "
-        "run.tensorboard=false run.eval_batches=2 model.n_layers=1 model.d_model=32 model.n_heads=2"
-    )
+    home = tmp_path / "flwr-home"
+    env = dict(os.environ, FLWR_HOME=str(home))
+    overrides = [
+        "run.rounds=1", "strategy.inner_steps=2", "run.name=flwr-e2e", f"run.out_dir={tmp_path / 'runs'}",
+        "run.tensorboard=false", "run.eval_batches=2", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+        "run.num_clients=3",
+    ]
     proc = subprocess.run(
-        [str(root / "examples" / "flwr_run.sh"), "--run-config", f'overrides="{overrides}"'],
+        [sys.executable, "-m", "fl_geo.cli", "flwr-run", "configs/quickstart_diloco.yaml", *overrides],
         cwd=root, env=env, capture_output=True, text=True, timeout=240,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "--federation-config 'num-supernodes=3" in out or "options" in (home / "config.toml").read_text()
+    assert "deprecated" not in out, out[-3000:]
+    assert "(3 simulated SuperNodes)" in out and "diloco with 3 nodes" in out
     runs = list((tmp_path / "runs").glob("flwr-e2e-*"))
-    assert len(runs) == 1, proc.stdout[-2000:]
+    assert len(runs) == 1, out[-2000:]
     summary = json.loads((runs[0] / "summary.json").read_text())
-    assert summary["outer_steps"] == 1 and summary["final_val_loss"] < 5.6
-    import time
-
-    for _ in range(50):  # the script's trap stops the detached SuperLink
-        out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{tmp_path}"], capture_output=True, text=True).stdout
-        if not out.strip():
+    assert summary["outer_steps"] == 1 and summary["final_val_loss"] < 5.6 and summary["failure"] is None
+    assert f"fl-geo: run flwr-e2e: final val loss {summary['final_val_loss']:.4f}" in out
+    for _ in range(50):
+        if not local_superlinks(home.resolve()):
             break
         time.sleep(0.2)
-    assert not out.strip(), "the local SuperLink was left running"
+    assert not local_superlinks(home.resolve()), "the local SuperLink was left running"

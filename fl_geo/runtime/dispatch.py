@@ -179,8 +179,10 @@ class Dispatcher:
         while len(nodes) < minimum:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"only {len(nodes)} of the {minimum} required nodes connected within {timeout_s:.0f} s "
-                    "(run.min_nodes / run.wait_nodes_timeout_s)"
+                    f"only {len(nodes)} of the {minimum} required nodes connected within {timeout_s:.0f} s. "
+                    f"Start {minimum} SuperNodes (with `flwr run`: --federation-config 'num-supernodes={minimum}'; "
+                    "`fl-geo flwr-run` sizes its local federation from run.num_clients), or ask for fewer "
+                    "(run.num_clients, run.min_nodes); run.wait_nodes_timeout_s sets the wait"
                 )
             interrupt.check()
             time.sleep(0.2)
