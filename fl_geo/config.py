@@ -68,6 +68,9 @@ class RunSection:
     wait_nodes_timeout_s: float = 120.0
     progress: bool = True
     tensorboard: bool = True
+    # Experiment trackers besides metrics.jsonl (always) and TensorBoard: wandb, mlflow (optional
+    # packages; settings from their environment variables, fl_geo/runtime/loggers.py).
+    loggers: list[str] = field(default_factory=list)
     # Server checkpoints (fl_geo/core/checkpoint.py): every k outer steps (0 = off), newest `keep` kept,
     # in checkpoint_dir ("" = <run dir>/checkpoints). resume=true continues from the newest valid
     # checkpoint there (a corrupt one is skipped) and starts fresh when there is none.
@@ -476,6 +479,9 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.outer_lr_scaling == "none" or is_async, "strategy.outer_lr_scaling=share is for asynchronous strategies")
     _require(r.clock in ("wall", "virtual"), f"run.clock must be wall or virtual, got '{r.clock}'")
     _require(r.max_tokens >= 0, "run.max_tokens must be >= 0")
+    unknown = [name for name in r.loggers if name not in ("wandb", "mlflow")]
+    _require(not unknown, f"run.loggers {unknown} unknown; valid: wandb, mlflow (metrics.jsonl is always "
+                          "written; TensorBoard is run.tensorboard)")
     p = cfg.penalty
     _require(p.granularity in ("global", "module"), "penalty.granularity must be global or module")
     _require(p.rule in ("zscore", "relative_max"), "penalty.rule must be zscore or relative_max")

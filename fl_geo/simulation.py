@@ -69,13 +69,16 @@ def run_flower_simulation(cfg: FlGeoConfig, server_app: Any, client_app: Any) ->
         flwr_logger.removeFilter(quiet)
 
 
-def check_data(cfg: FlGeoConfig) -> None:
-    """Load and partition the corpus before any Flower machinery starts, so a missing corpus, a
-    wrong ``data.text_key`` or a corpus too small for ``run.num_clients`` is one line (a
-    `ConfigError` / `FileNotFoundError`) instead of a traceback from inside the ServerApp thread.
-    The result is memoised per process, so the server's evaluator reuses it."""
+def preflight(cfg: FlGeoConfig) -> None:
+    """Check what the ServerApp needs before any Flower machinery starts, so a missing corpus, a
+    wrong ``data.text_key``, a corpus too small for ``run.num_clients`` or an experiment tracker
+    that is not installed is one line (a `ConfigError` / `FileNotFoundError`) instead of a
+    traceback from inside the ServerApp thread. The corpus is memoised per process, so the
+    server's evaluator reuses it."""
     from fl_geo.runtime.builders import partitions
+    from fl_geo.runtime.loggers import check_trackers
 
+    check_trackers(list(cfg.run.loggers))  # an uninstalled tracker is one line, before anything starts
     partitions(cfg.data, cfg.run.num_clients)
 
 
@@ -84,7 +87,7 @@ def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[
 
     Ctrl-C during the run stops it at the next step and still writes the summary (its
     ``interrupted`` is true; fl_geo/runtime/interrupt.py)."""
-    check_data(cfg)
+    preflight(cfg)
     with stop_on_ctrl_c():
         return _run_simulation(cfg, run_dir)
 

@@ -9,10 +9,14 @@ step number and wall time, so a comparison tool can compute time-to-loss without
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("fl_geo")
 
 # Losses also written against other x axes, so asynchronous and synchronous runs (whose outer
 # steps mean different things) and virtual time compare in TensorBoard: ``by_virtual_s/val/loss``
@@ -46,7 +50,10 @@ def metrics_record(step: int, wall_s: float, metrics: dict[str, float | int]) ->
 class MetricsLogger:
     """Append-only metrics sink for one run directory."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: Sequence[Any] = ()) -> None:
+        """``trackers``: optional experiment trackers (`fl_geo.runtime.loggers`) that get every
+        record's finite metrics too; one that raises is logged and dropped, the run goes on."""
+        self.trackers = list(trackers)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -72,6 +79,14 @@ class MetricsLogger:
                 self._tb.add_scalar(tag, val, global_step=x)
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        if self.trackers:
+            finite = {k: v for k, v in record.items() if k != "step" and v is not None}
+            for tracker in list(self.trackers):
+                try:
+                    tracker.log(int(step), finite)
+                except Exception as exc:  # noqa: BLE001 - a tracker's outage must not end the run
+                    log.warning("experiment tracker %s failed (%s); it gets no more metrics", type(tracker).__name__, exc)
+                    self.trackers.remove(tracker)
         return record
 
     def write_json(self, name: str, payload: dict[str, Any]) -> Path:
@@ -84,6 +99,12 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._fh.close()
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as exc:  # noqa: BLE001 - the run's own files are already written
+                log.warning("experiment tracker %s failed to close (%s)", type(tracker).__name__, exc)
+        self.trackers = []
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()

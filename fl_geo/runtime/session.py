@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from fl_geo.config import FlGeoConfig, section_to_json, to_yaml
+from fl_geo.config import FlGeoConfig, section_to_json, to_dict, to_yaml
 from fl_geo.core.state import ParamSpec, unflatten
+from fl_geo.runtime.loggers import open_trackers
 from fl_geo.runtime.metrics import MetricsLogger
 
 __all__ = ["RESULT_FILES", "SAFETENSORS_FORMAT", "RunSession", "new_run_dir", "write_history"]
@@ -122,7 +123,8 @@ class RunSession:
             shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
         else:
             write_history(self.run_dir / "metrics.jsonl", history)
-        self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.run.tensorboard)
+        trackers = open_trackers(list(self.cfg.run.loggers), self.cfg.run.name, to_dict(self.cfg), str(self.run_dir))
+        self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.run.tensorboard, trackers=trackers)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.cfg.run.server_threads)
