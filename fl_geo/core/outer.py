@@ -176,19 +176,13 @@ class OuterOptimizer(ABC):
         """Update ``params`` in place (validated arguments, inside ``torch.no_grad``)."""
 
 
-class Nesterov(OuterOptimizer):
-    """DiLoCo's outer optimizer: ``torch.optim.SGD(lr, momentum, nesterov=True)`` on Δ̄.
+class _MomentumOptimizer(OuterOptimizer):
+    """An outer optimizer with a learning rate (>= 0) and one momentum buffer (momentum in [0, 1])."""
 
-    buf ← μ·buf + g;  θ ← θ − lr·(g + μ·buf). Operation order and rounding are those of torch's
-    SGD (``buf.mul_(μ).add_(g)``, ``g.add(buf, alpha=μ)``, ``θ.add_(·, alpha=−lr)``), so results
-    are bit-identical to it; the first-step ``buf = g`` of torch equals μ·0 + g here.
-    """
-
-    name = "nesterov"
     _hyper = ("lr", "momentum")
     _buffers = ("momentum_buffer",)
 
-    def __init__(self, numel: int, lr: float = 0.7, momentum: float = 0.9) -> None:
+    def __init__(self, numel: int, lr: float, momentum: float) -> None:
         super().__init__(numel)
         self.lr = self._validate_hyper("lr", lr)
         self.momentum = self._validate_hyper("momentum", momentum)
@@ -197,6 +191,20 @@ class Nesterov(OuterOptimizer):
         if key == "momentum":
             return _check_unit_interval(key, value)
         return _check_non_negative(key, value)
+
+
+class Nesterov(_MomentumOptimizer):
+    """DiLoCo's outer optimizer: ``torch.optim.SGD(lr, momentum, nesterov=True)`` on Δ̄.
+
+    buf ← μ·buf + g;  θ ← θ − lr·(g + μ·buf). Operation order and rounding are those of torch's
+    SGD (``buf.mul_(μ).add_(g)``, ``g.add(buf, alpha=μ)``, ``θ.add_(·, alpha=−lr)``), so results
+    are bit-identical to it; the first-step ``buf = g`` of torch equals μ·0 + g here.
+    """
+
+    name = "nesterov"
+
+    def __init__(self, numel: int, lr: float = 0.7, momentum: float = 0.9) -> None:
+        super().__init__(numel, lr, momentum)
 
     def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
         mu, lr = self.momentum, self.lr
@@ -292,7 +300,7 @@ class DelayedNesterov(OuterOptimizer):
                 p.add_(g_over_n, alpha=-lr)
 
 
-class SGD(OuterOptimizer):
+class SGD(_MomentumOptimizer):
     """Server SGD with heavy-ball momentum: ``avg`` (FedAvg) and ``sgdm`` (FedAvgM).
 
     v ← μ·v + g (first step v = g, as μ·0 + g);  θ ← θ − lr·v, rounded as Flower 1.41's FedAvgM
@@ -301,23 +309,13 @@ class SGD(OuterOptimizer):
     θ − (θ − mean).
     """
 
-    _hyper = ("lr", "momentum")
-    _buffers = ("momentum_buffer",)
-
     def __init__(self, numel: int, lr: float = 1.0, momentum: float = 0.0) -> None:
-        super().__init__(numel)
-        self.lr = self._validate_hyper("lr", lr)
-        self.momentum = self._validate_hyper("momentum", momentum)
+        super().__init__(numel, lr, momentum)
 
     @property
     def name(self) -> str:  # type: ignore[override]
         """``avg`` without momentum, ``sgdm`` with it (the factory names)."""
         return "avg" if self.momentum == 0.0 else "sgdm"
-
-    def _validate_hyper(self, key: str, value: Any) -> float:
-        if key == "momentum":
-            return _check_unit_interval(key, value)
-        return _check_non_negative(key, value)
 
     def _step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
         mu, lr = self.momentum, self.lr
