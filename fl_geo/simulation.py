@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fl_geo.config import FlGeoConfig
+from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.runtime.interrupt import stop_on_ctrl_c
 from fl_geo.runtime.session import new_run_dir
 from fl_geo.server_app import make_server_app
@@ -71,7 +71,7 @@ def run_flower_simulation(cfg: FlGeoConfig, server_app: Any, client_app: Any) ->
 
 def preflight(cfg: FlGeoConfig) -> None:
     """Check what the ServerApp needs before any Flower machinery starts, so a missing corpus, a
-    wrong ``data.text_key``, a corpus too small for ``run.num_clients`` or an experiment tracker
+    wrong ``data.text_key``, a ``client.device`` this machine lacks, a corpus too small for ``run.num_clients`` or an experiment tracker
     that is not installed is one line (a `ConfigError` / `FileNotFoundError`) instead of a
     traceback from inside the ServerApp thread. The corpus is memoised per process, so the
     server's evaluator reuses it."""
@@ -79,6 +79,13 @@ def preflight(cfg: FlGeoConfig) -> None:
     from fl_geo.runtime.loggers import check_trackers
 
     check_trackers(list(cfg.run.loggers))  # an uninstalled tracker is one line, before anything starts
+    from fl_geo.inner.device import pick_device
+
+    try:  # a simulation's clients run on this machine: their device must exist here
+        pick_device(cfg.client.device)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"client.device={cfg.client.device}: {exc} (a simulation's clients run on this "
+                          "machine)") from None
     partitions(cfg.data, cfg.run.num_clients)
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fl_geo.cli import main
+from fl_geo.clients.api import DatacenterClient
 from tests.conftest import TINY
 
 
@@ -84,6 +86,14 @@ def test_compare_with_nothing_to_compare_is_one_line(tmp_path, capsys) -> None:
         capsys, ["compare", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_is_one_line_before_the_simulation(tmp_path, capsys) -> None:
+    err = _one_error_line(capsys, ["run", *TINY, "client.device=cuda", "--out", str(tmp_path / "runs")])
+    assert err.startswith("fl-geo: config error: client.device=cuda: device 'cuda' requested but unavailable")
+    assert err.endswith("(a simulation's clients run on this machine)")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize(
     ("strategy", "reason"),
     [
@@ -91,11 +101,16 @@ def test_compare_with_nothing_to_compare_is_one_line(tmp_path, capsys) -> None:
         ("dips", "stopped after 0 outer step(s): no live node to train on"),  # benched after 3 failures each
     ],
 )
-def test_run_where_every_job_fails_exits_1_and_is_marked(tmp_path, capsys, strategy: str, reason: str) -> None:
-    # A CPU-only torch has no CUDA device: every ClientApp job raises (the reported case).
+def test_run_where_every_job_fails_exits_1_and_is_marked(tmp_path, capsys, monkeypatch, strategy: str,
+                                                         reason: str) -> None:
+    # Every ClientApp job raises, as when a deployed node's GPU is gone (in simulation the device
+    # is checked before the run starts, above).
+    def no_device(self, site):
+        raise RuntimeError("device 'cuda' requested but unavailable")
+
+    monkeypatch.setattr(DatacenterClient, "device", no_device)
     out = tmp_path / "runs"
-    code = main(["run", *TINY, f"strategy.name={strategy}", f"run.name={strategy}", "client.device=cuda",
-                 "--out", str(out)])
+    code = main(["run", *TINY, f"strategy.name={strategy}", f"run.name={strategy}", "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 1
     assert f"fl-geo: run {strategy}" not in captured.out  # the reason goes to stderr, the table to stdout
