@@ -179,7 +179,8 @@ class HalosLoop(OuterLoop):
         lps = self.lps[g]
         try:
             # an undeclared (Flower-convention) reply: Δ against the model its job was sent with
-            r = read_reply(ev.reply, self.spec, self.cfg.wire.up, base=ev.job.meta.get("base"))
+            r = read_reply(ev.reply, self.spec, self.cfg.wire.up, base=ev.job.meta.get("base"),
+                           max_steps=self._inner_steps(node))
             delta = self._scratch
             for offset, piece in r.pieces:
                 delta[offset : offset + piece.numel()].copy_(piece)

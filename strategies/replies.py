@@ -40,8 +40,38 @@ class TrainReply:
     payload: str = "pseudo_grad"  # what ``pieces`` hold: pseudo_grad (Δ) or params (θ_worker)
 
 
-def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None) -> TrainReply:
+# A reported step time above this is a lie or a broken clock, not a slow accelerator.
+MAX_STEP_TIME_S = 3600.0
+
+
+def _number(metrics: MetricRecord, key: str) -> float:
+    """A scalar metric as a float: an int or float (not a bool, list or string), finite."""
+    value = metrics[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ReplyError(f"metric '{key}' must be a number, got {type(value).__name__} {value!r}"[:200])
+    if not math.isfinite(value):
+        raise ReplyError(f"metric '{key}' is {value}")
+    return float(value)
+
+
+def _whole(metrics: MetricRecord, key: str, low: int, high: int | None = None) -> int:
+    """A count metric: a whole number in [low, high] (high None: no upper bound)."""
+    value = _number(metrics, key)
+    if value != int(value) or value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ReplyError(f"implausible metrics ({key}={metrics[key]!r}, must be a whole number {bound})")
+    return int(value)
+
+
+def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
+                     max_steps: int | None = None) -> TrainReply:
     """Validate records, metrics, keys, shapes, dtypes and sizes; decode without copying.
+
+    Every metric is checked for its type, finiteness and range before it is used: ``tokens`` a
+    positive whole number, ``steps`` a whole number in [1, ``max_steps``] (the steps the job asked
+    for), ``noisy_steps`` in [0, steps], ``train_loss`` finite, ``step_time_s`` in [0,
+    `MAX_STEP_TIME_S`]. Any other value is a `ReplyError` (the loop logs and counts the
+    rejection), never an exception that ends the run.
 
     ``expected_version``: the model version the job was sent with. A reply that says it trained
     from another one (a stale reply replayed, or a version from the future) is refused: its
@@ -54,22 +84,24 @@ def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_v
     missing = [k for k in REPLY_METRICS if k not in metrics]
     if missing:
         raise ReplyError(f"reply metrics lack {missing}")
-    if expected_version is not None and "base_version" in metrics and int(metrics["base_version"]) != expected_version:
-        raise ReplyError(f"reply says it trained from model version {int(metrics['base_version'])}, "
-                         f"the job sent version {expected_version} (stale, replayed or from the future)")
-    tokens, loss = int(metrics["tokens"]), float(metrics["train_loss"])
-    if tokens <= 0 or not math.isfinite(loss):
-        raise ReplyError(f"implausible metrics (tokens={tokens}, train_loss={loss})")
+    if "base_version" in metrics:
+        base_version = _whole(metrics, "base_version", -(2**63))  # any whole number; then it must be the job's
+        if expected_version is not None and base_version != expected_version:
+            raise ReplyError(f"reply says it trained from model version {base_version}, "
+                             f"the job sent version {expected_version} (stale, replayed or from the future)")
+    tokens = _whole(metrics, "tokens", 1)
+    steps = _whole(metrics, "steps", 1, max_steps)
+    noisy = _whole(metrics, "noisy_steps", 0, steps) if "noisy_steps" in metrics else 0
+    loss = _number(metrics, "train_loss")
+    step_time = _number(metrics, "step_time_s")
+    if not 0.0 <= step_time <= MAX_STEP_TIME_S:
+        raise ReplyError(f"implausible metrics (step_time_s={step_time}, must be in [0, {MAX_STEP_TIME_S:g}])")
     record = content.array_records["arrays"]
     try:
         pieces = decode(record, spec, precision)
     except PayloadError as exc:
         raise ReplyError(str(exc)) from None
-    steps = int(metrics["steps"])
-    if steps < 1:
-        raise ReplyError(f"implausible metrics (steps={steps})")
-    noisy = int(metrics["noisy_steps"]) if "noisy_steps" in metrics else 0
-    return TrainReply(pieces, tokens, loss, float(metrics["step_time_s"]), payload_nbytes(record), steps, noisy)
+    return TrainReply(pieces, tokens, loss, step_time, payload_nbytes(record), steps, noisy)
 
 
 @dataclass
@@ -173,7 +205,8 @@ def read_model_reply(reply: Message, spec: ParamSpec, base: torch.Tensor) -> Tra
 
 
 def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
-               base: torch.Tensor | None = None, payloads: tuple[str, ...] = ("pseudo_grad",)) -> TrainReply:
+               base: torch.Tensor | None = None, payloads: tuple[str, ...] = ("pseudo_grad",),
+               max_steps: int | None = None) -> TrainReply:
     """Read a train reply by what it declares (fl_geo.runtime.protocol), never by guessing.
 
     A reply with fl-geo's ``"fl-geo"`` declaration must speak this protocol version, carry one of
@@ -194,7 +227,7 @@ def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version
         raise ReplyError(f"the reply declares a {decl.payload!r} payload, this job asked for {' or '.join(payloads)}")
     if decl.precision != precision:
         raise ReplyError(f"the reply declares {decl.precision} arrays, the run's uplink is {precision}")
-    r = read_train_reply(reply, spec, precision, expected_version)
+    r = read_train_reply(reply, spec, precision, expected_version, max_steps)
     r.payload = decl.payload
     return r
 

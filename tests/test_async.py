@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.runtime.inline import InlineGrid
@@ -118,6 +118,24 @@ def test_bad_payload_is_rejected_and_the_run_continues(tiny, tmp_path, kind):
             arr = arr.reshape(-1)[:-1]
         items[key] = Array(arr)
         return Message(keep_declaration(reply, {"arrays": ArrayRecord(items), "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+
+    hook.done = False
+    summary, final, _ = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=4"), tmp_path, hook=hook)
+    assert summary["rejected"] == 1 and summary["outer_steps"] == 4 and torch.isfinite(final).all()
+
+
+@pytest.mark.parametrize("lie", [{"tokens": float("nan")}, {"steps": 10**6}, {"step_time_s": float("inf")}],
+                         ids=["tokens-nan", "steps-beyond-job", "step-time-inf"])
+def test_lying_metrics_are_rejected_and_the_run_continues(tiny, tmp_path, lie):
+    """One reply with a lying metric is one counted rejection; the asynchronous loop goes on and
+    ends with the same outer steps (before: int(nan) or the unchecked value ended or skewed the run)."""
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error() or hook.done:
+            return reply
+        hook.done = True
+        metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **lie})
+        return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"], "metrics": metrics}),
+                       reply_to=msg)
 
     hook.done = False
     summary, final, _ = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=4"), tmp_path, hook=hook)

@@ -239,6 +239,38 @@ def test_reply_for_another_model_version_is_rejected(tiny, tmp_path, claimed, ca
     assert "from the future" in caplog.text
 
 
+# One lying metric per case (tiny's H = 3): each is a logged, counted rejection, never a crash.
+LYING_METRICS = {
+    "tokens NaN": ({"tokens": float("nan")}, "metric 'tokens' is nan"),
+    "tokens fractional": ({"tokens": 2.5}, "tokens=2.5, must be a whole number >= 1"),
+    "tokens a list": ({"tokens": [1.0, 2.0]}, "metric 'tokens' must be a number"),
+    "steps beyond the job": ({"steps": 1_000_000}, "steps=1000000, must be a whole number [1, 3]"),
+    "noisy beyond steps": ({"noisy_steps": 7}, "noisy_steps=7, must be a whole number [0, 3]"),
+    "loss inf": ({"train_loss": float("inf")}, "metric 'train_loss' is inf"),
+    "step time negative": ({"step_time_s": -1.0}, "step_time_s=-1.0, must be in [0, 3600]"),
+    "step time NaN": ({"step_time_s": float("nan")}, "metric 'step_time_s' is nan"),
+    "base version NaN": ({"base_version": float("nan")}, "metric 'base_version' is nan"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LYING_METRICS))
+def test_lying_reply_metrics_are_rejected_and_model_untouched(tiny, tmp_path, case, caplog):
+    lie, reason = LYING_METRICS[case]
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **lie})
+        return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
+
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny("run.rounds=1")
+    summary, final, _ = _run(cfg, tmp_path, hook=hook)
+    assert summary["rejected"] == 3 and summary["outer_steps"] == 0 and summary["tokens"] == 0
+    assert torch.equal(final, _initial_params(cfg))  # bit-identical: nothing was folded
+    assert caplog.text.count(reason) == 3, caplog.text[-2000:]
+
+
 def test_scaled_update_rejected_alone_others_fold_bit_identically(tiny, tmp_path):
     """One x1e6 update among good ones: the others fold exactly as if it had never come."""
     bad = {}
