@@ -376,6 +376,8 @@ class DatacenterClient:
                 "site": str(context.node_config.get("site", f"dc{pid}")),
             }
         )
+        if "devices" in context.node_config:  # a site's own device count overrides client.devices
+            profile["devices"] = int(context.node_config["devices"])
         return Message(RecordDict(declared({PROFILE_KEY: profile}, "none", "fp32")), reply_to=msg)
 
     def _single(self, msg: Message, cfg: ConfigRecord, site: Site) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:

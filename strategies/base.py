@@ -163,11 +163,14 @@ class OuterLoop:
         """Live nodes with no job in flight, in rank order; nodes seen for the first time are
         asked for their profile first (Flower's NodeInfo carries no node_config)."""
         live = self.dispatcher.live_nodes()
-        unknown = [n for n in live if n not in self.profiles]
+        membership = self.dispatcher.membership
+        unknown = [n for n in live if n not in self.profiles and not membership.waiting(n)]
         if unknown:
             if not self.plain_only:
-                self.profiles.update(self.dispatcher.query_profiles(unknown, plain_ok=self.accept_plain))
-            plain = [n for n in unknown if n not in self.profiles]
+                self.profiles.update(self.dispatcher.query_profiles(unknown, plain_ok=self.accept_plain,
+                                                                    known=self.profiles))
+            # a node refused for its profile is not a plain ClientApp: it gets nothing
+            plain = [n for n in unknown if n not in self.profiles and not membership.waiting(n)]
             if plain and self.accept_plain:
                 self.profiles.update(default_profiles(plain, self.profiles))
         busy = self.dispatcher.busy_nodes() | set(exclude)

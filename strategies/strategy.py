@@ -374,7 +374,7 @@ class FlGeoStrategy(Strategy):
             if not profiles:
                 raise RuntimeError("no node answered the profile query")
             return profiles
-        plain = [n for n in nodes if n not in profiles]
+        plain = [n for n in nodes if n not in profiles and not dispatcher.membership.waiting(n)]
         if plain:
             log.info("fl-geo: %d node(s) run a plain Flower ClientApp (no fl-geo profile): they get the fp32 "
                      "model and reply the trained model", len(plain))
@@ -394,6 +394,8 @@ class FlGeoStrategy(Strategy):
             validate(cfg)
         clock, scenario = make_clock(cfg, spec.numel, self._scenario)
         dispatcher = Dispatcher(grid, clock)
+        if scenario is not None:  # partition id = scenario slot: a claim beyond them is refused
+            dispatcher.membership.slots = scenario.num_nodes
         profiles = self._profiles(dispatcher, cfg, nodes)
         evaluator: Any = self._evaluator
         if evaluate_fn is not None:

@@ -28,6 +28,7 @@ from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fl_geo.runtime import interrupt
+from fl_geo.runtime.membership import Membership, NodeProfile, ProfileError, profile_from_record
 from fl_geo.runtime.protocol import REQUEST_RECORD, ProfileQuery
 
 log = logging.getLogger("fl_geo")
@@ -48,25 +49,6 @@ class Clock(Protocol):
     def complete(self, job_id: str) -> float: ...
     def cancel(self, job_id: str) -> None: ...
     def advance_to(self, t: float) -> None: ...
-
-
-@dataclass
-class NodeProfile:
-    """What a node told the server about itself (its ``node_config`` and hardware)."""
-
-    node_id: int
-    partition_id: int
-    num_partitions: int
-    device: str = "cpu"
-    site: str = ""
-    # False for a plain Flower ClientApp (it did not answer the profile query): it is sent the
-    # fp32 model and replies the trained model, from which the server computes Δ.
-    fl_geo_client: bool = True
-
-    @property
-    def rank(self) -> tuple[int, int]:
-        """Sort key that does not depend on Flower's random node ids."""
-        return (self.partition_id, self.node_id)
 
 
 def default_profiles(nodes: list[int], known: Mapping[int, NodeProfile]) -> dict[int, NodeProfile]:
@@ -161,6 +143,7 @@ class Dispatcher:
         self._next_liveness = 0.0
         self._poll = 0.001  # adaptive: 1 ms right after activity, backing off to poll_interval_s
         self.late_replies = 0
+        self.membership = Membership()  # who was admitted or refused (fl_geo.runtime.membership)
 
     # ---- membership -------------------------------------------------------------------------
     def live_nodes(self) -> list[int]:
@@ -189,37 +172,41 @@ class Dispatcher:
             nodes = self.live_nodes()
         return nodes
 
-    def query_profiles(self, node_ids: Iterable[int], timeout_s: float = 60.0,
-                       plain_ok: bool = False) -> dict[int, NodeProfile]:
+    def query_profiles(self, node_ids: Iterable[int], timeout_s: float = 60.0, plain_ok: bool = False,
+                       known: Mapping[int, NodeProfile] | None = None) -> dict[int, NodeProfile]:
         """Ask each node for its partition and device (``NodeInfo`` has no ``node_config``).
 
-        ``plain_ok``: a node that cannot answer (a plain Flower ClientApp has no query handler) is
-        expected, not a fault: its error reply is logged at debug level only."""
+        Each answer is checked (fl_geo.runtime.membership): a malformed or out-of-range profile, a
+        partition count the run's nodes do not share, or a partition already held by a live node
+        in ``known`` is refused and logged, and the node is left out of the result (``membership``
+        remembers it: a bad profile is not asked again, a duplicate claim after a while). ``plain_ok``: a node that cannot
+        answer (a plain Flower ClientApp has no query handler) is expected, not a fault: its
+        error reply is logged at debug level only."""
         msgs = []
         for nid in node_ids:
+            if self.membership.waiting(nid):
+                continue
             content = RecordDict({REQUEST_RECORD: ProfileQuery(ask=PROFILE_KEY).to_record()})
             msgs.append(Message(content, dst_node_id=nid, message_type=MessageType.QUERY))
-        profiles: dict[int, NodeProfile] = {}
+        claims: dict[int, NodeProfile] = {}
 
         def keep(batch: Sequence[tuple[int, Message]]) -> None:
             for nid, reply in batch:
                 rec = reply.content.config_records.get(PROFILE_KEY)
-                if rec is None or "partition_id" not in rec or "num_partitions" not in rec:
-                    log.warning("node %s answered the profile query without partition_id/num_partitions; ignored", nid)
-                    continue
-                profiles[nid] = NodeProfile(
-                    node_id=nid,
-                    partition_id=int(rec["partition_id"]),
-                    num_partitions=int(rec["num_partitions"]),
-                    device=str(rec.get("device", "cpu")),
-                    site=str(rec.get("site", "")),
-                )
+                try:
+                    if rec is None:
+                        raise ProfileError(f"the reply to the profile query has no '{PROFILE_KEY}' record")
+                    claims[nid] = profile_from_record(nid, rec)
+                except ProfileError as exc:
+                    self.membership.refuse(nid, str(exc))
 
+        if not msgs:
+            return {}
         meta = [{"quiet_errors": True}] * len(msgs) if plain_ok else None
         outcome = self.run_jobs(msgs, on_replies=keep, order=None, timeout_s=timeout_s, meta=meta)
         for nid, err in outcome.errors.items():
             log.log(logging.DEBUG if plain_ok else logging.WARNING, "node %s did not answer the profile query: %s", nid, err)
-        return profiles
+        return self.membership.admit(claims, known or {}, self.live_nodes())
 
     # ---- jobs ---------------------------------------------------------------------------------
     def submit(self, messages: Sequence[Message], timings: Sequence[JobTiming] | None = None,
