@@ -132,6 +132,10 @@ class StrategySection:
     # Reject an update whose L2 norm exceeds this multiple of the global model's (at least 1):
     # a broken or hostile update scaled x1e6 is finite and well-shaped. 0 = no bound.
     max_update_ratio: float = 10.0
+    # job: a reply may claim at most steps x client.batch_size x client.seq_len x the site's
+    # devices tokens (what its job could produce); none: trust the claim (a user's ClientApp
+    # whose batches do not follow client.batch_size / seq_len).
+    token_cap: str = "job"
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
@@ -510,6 +514,7 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
     _require(s.max_update_ratio >= 0, f"strategy.max_update_ratio must be >= 0, got {s.max_update_ratio}")
+    _require(s.token_cap in ("job", "none"), f"strategy.token_cap must be job or none, got '{s.token_cap}'")
     ps = cfg.ps
     _require(ps.followers >= 0, f"ps.followers must be >= 0, got {ps.followers}")
     _require(ps.transport in ("local", "grpc"), f"ps.transport must be local or grpc, got '{ps.transport}'")

@@ -184,7 +184,8 @@ class AsyncOuterLoop(OuterLoop):
         or (params mode) against the current model, which is what ``g`` is then."""
         base = ev.job.meta.get("base", self.global_params if self._send == "params" else None)
         return read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
-                          base=base, payloads=(self._send,), max_steps=self._inner_steps(ev.job.node))
+                          base=base, payloads=(self._send,), max_steps=self._inner_steps(ev.job.node),
+                          step_tokens=self.step_tokens(ev.job.node))
 
     def discard(self, ev: Event) -> None:
         """Forget whatever a rejected reply left behind (the sharded loop: pushed shards)."""

@@ -187,6 +187,18 @@ class OuterLoop:
         profile = self.profiles.get(node)
         return profile is not None and not profile.fl_geo_client
 
+    def step_tokens(self, node: int) -> int | None:
+        """The token cap of one inner step of ``node``: client.batch_size × client.seq_len × the
+        site's devices (its profile's, else client.devices). A reply claiming more tokens than its
+        steps can produce is refused, so a token-weighted mean cannot be owned by one claim.
+        None (trust the claim) with ``strategy.token_cap=none`` and for a plain Flower ClientApp,
+        whose examples are counted by its own code."""
+        if self.cfg.strategy.token_cap == "none" or self.is_plain(node):
+            return None
+        profile = self.profiles.get(node)
+        devices = profile.devices if profile is not None and profile.devices else self.cfg.client.devices
+        return self.cfg.client.batch_size * self.cfg.client.seq_len * devices
+
     def arrays_for(self, node: int, wire_arrays: Any, flat: torch.Tensor) -> Any:
         """The model record for ``node``: the wire-precision ``wire_arrays``, or for a plain
         Flower ClientApp the fp32 model (Flower's convention; it knows no bf16 int16 view)."""

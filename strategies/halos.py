@@ -180,7 +180,7 @@ class HalosLoop(OuterLoop):
         try:
             # an undeclared (Flower-convention) reply: Δ against the model its job was sent with
             r = read_reply(ev.reply, self.spec, self.cfg.wire.up, base=ev.job.meta.get("base"),
-                           max_steps=self._inner_steps(node))
+                           max_steps=self._inner_steps(node), step_tokens=self.step_tokens(node))
             delta = self._scratch
             for offset, piece in r.pieces:
                 delta[offset : offset + piece.numel()].copy_(piece)

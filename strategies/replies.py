@@ -44,7 +44,7 @@ class TrainReply:
 MAX_STEP_TIME_S = 3600.0
 
 
-def _number(metrics: MetricRecord, key: str) -> float:
+def metric_number(metrics: MetricRecord, key: str) -> float:
     """A scalar metric as a float: an int or float (not a bool, list or string), finite."""
     value = metrics[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -54,24 +54,64 @@ def _number(metrics: MetricRecord, key: str) -> float:
     return float(value)
 
 
-def _whole(metrics: MetricRecord, key: str, low: int, high: int | None = None) -> int:
+def metric_whole(metrics: MetricRecord, key: str, low: int, high: int | None = None) -> int:
     """A count metric: a whole number in [low, high] (high None: no upper bound)."""
-    value = _number(metrics, key)
+    value = metric_number(metrics, key)
     if value != int(value) or value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise ReplyError(f"implausible metrics ({key}={metrics[key]!r}, must be a whole number {bound})")
     return int(value)
 
 
-def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
-                     max_steps: int | None = None) -> TrainReply:
-    """Validate records, metrics, keys, shapes, dtypes and sizes; decode without copying.
+@dataclass
+class ReplyMetrics:
+    """The scalars of an fl-geo train reply, each checked (`read_reply_metrics`)."""
 
-    Every metric is checked for its type, finiteness and range before it is used: ``tokens`` a
-    positive whole number, ``steps`` a whole number in [1, ``max_steps``] (the steps the job asked
-    for), ``noisy_steps`` in [0, steps], ``train_loss`` finite, ``step_time_s`` in [0,
-    `MAX_STEP_TIME_S`]. Any other value is a `ReplyError` (the loop logs and counts the
-    rejection), never an exception that ends the run.
+    tokens: int
+    steps: int
+    noisy_steps: int
+    loss: float
+    step_time_s: float
+
+
+def read_reply_metrics(metrics: MetricRecord, expected_version: int | None = None, max_steps: int | None = None,
+                       step_tokens: int | None = None) -> ReplyMetrics:
+    """Check every scalar an fl-geo train reply carries before anything uses it; one place for
+    every loop (synchronous, asynchronous, HALoS, streaming fragments, the sharded data path).
+
+    ``tokens`` a positive whole number, at most ``steps`` × ``step_tokens`` (what the job could
+    have produced: client.batch_size × client.seq_len × the site's devices; None trusts the
+    claim); ``steps`` a whole number in [1, ``max_steps``] (the steps the job asked for);
+    ``noisy_steps`` in [0, steps]; ``train_loss`` finite; ``step_time_s`` in [0,
+    `MAX_STEP_TIME_S`]; ``base_version``, when sent, a whole number equal to ``expected_version``.
+    Anything else is a `ReplyError` naming the field (the loop logs and counts the rejection),
+    never an exception that ends the run.
+    """
+    missing = [k for k in REPLY_METRICS if k not in metrics]
+    if missing:
+        raise ReplyError(f"reply metrics lack {missing}")
+    if "base_version" in metrics:
+        base_version = metric_whole(metrics, "base_version", -(2**63))  # any whole number; then it must be the job's
+        if expected_version is not None and base_version != expected_version:
+            raise ReplyError(f"reply says it trained from model version {base_version}, "
+                             f"the job sent version {expected_version} (stale, replayed or from the future)")
+    tokens = metric_whole(metrics, "tokens", 1)
+    steps = metric_whole(metrics, "steps", 1, max_steps)
+    if step_tokens is not None and tokens > steps * step_tokens:
+        raise ReplyError(f"tokens={tokens} is more than {steps} steps can produce ({step_tokens} per step: "
+                         "client.batch_size x client.seq_len x the site's devices; strategy.token_cap=none trusts it)")
+    noisy = metric_whole(metrics, "noisy_steps", 0, steps) if "noisy_steps" in metrics else 0
+    loss = metric_number(metrics, "train_loss")
+    step_time = metric_number(metrics, "step_time_s")
+    if not 0.0 <= step_time <= MAX_STEP_TIME_S:
+        raise ReplyError(f"implausible metrics (step_time_s={step_time}, must be in [0, {MAX_STEP_TIME_S:g}])")
+    return ReplyMetrics(tokens, steps, noisy, loss, step_time)
+
+
+def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
+                     max_steps: int | None = None, step_tokens: int | None = None) -> TrainReply:
+    """Validate records, metrics (`read_reply_metrics`), keys, shapes, dtypes and sizes; decode
+    without copying.
 
     ``expected_version``: the model version the job was sent with. A reply that says it trained
     from another one (a stale reply replayed, or a version from the future) is refused: its
@@ -80,28 +120,13 @@ def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_v
     content = reply.content
     if "arrays" not in content.array_records or "metrics" not in content.metric_records:
         raise ReplyError("reply lacks the 'arrays' or 'metrics' record")
-    metrics = content.metric_records["metrics"]
-    missing = [k for k in REPLY_METRICS if k not in metrics]
-    if missing:
-        raise ReplyError(f"reply metrics lack {missing}")
-    if "base_version" in metrics:
-        base_version = _whole(metrics, "base_version", -(2**63))  # any whole number; then it must be the job's
-        if expected_version is not None and base_version != expected_version:
-            raise ReplyError(f"reply says it trained from model version {base_version}, "
-                             f"the job sent version {expected_version} (stale, replayed or from the future)")
-    tokens = _whole(metrics, "tokens", 1)
-    steps = _whole(metrics, "steps", 1, max_steps)
-    noisy = _whole(metrics, "noisy_steps", 0, steps) if "noisy_steps" in metrics else 0
-    loss = _number(metrics, "train_loss")
-    step_time = _number(metrics, "step_time_s")
-    if not 0.0 <= step_time <= MAX_STEP_TIME_S:
-        raise ReplyError(f"implausible metrics (step_time_s={step_time}, must be in [0, {MAX_STEP_TIME_S:g}])")
+    m = read_reply_metrics(content.metric_records["metrics"], expected_version, max_steps, step_tokens)
     record = content.array_records["arrays"]
     try:
         pieces = decode(record, spec, precision)
     except PayloadError as exc:
         raise ReplyError(str(exc)) from None
-    return TrainReply(pieces, tokens, loss, step_time, payload_nbytes(record), steps, noisy)
+    return TrainReply(pieces, m.tokens, m.loss, m.step_time_s, payload_nbytes(record), m.steps, m.noisy_steps)
 
 
 @dataclass
@@ -206,7 +231,7 @@ def read_model_reply(reply: Message, spec: ParamSpec, base: torch.Tensor) -> Tra
 
 def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
                base: torch.Tensor | None = None, payloads: tuple[str, ...] = ("pseudo_grad",),
-               max_steps: int | None = None) -> TrainReply:
+               max_steps: int | None = None, step_tokens: int | None = None) -> TrainReply:
     """Read a train reply by what it declares (fl_geo.runtime.protocol), never by guessing.
 
     A reply with fl-geo's ``"fl-geo"`` declaration must speak this protocol version, carry one of
@@ -227,7 +252,7 @@ def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version
         raise ReplyError(f"the reply declares a {decl.payload!r} payload, this job asked for {' or '.join(payloads)}")
     if decl.precision != precision:
         raise ReplyError(f"the reply declares {decl.precision} arrays, the run's uplink is {precision}")
-    r = read_train_reply(reply, spec, precision, expected_version, max_steps)
+    r = read_train_reply(reply, spec, precision, expected_version, max_steps, step_tokens)
     r.payload = decl.payload
     return r
 

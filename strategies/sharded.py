@@ -35,7 +35,13 @@ from fl_geo.ps.follower import FollowerError, FollowerShard
 from fl_geo.runtime.dispatch import Event
 from fl_geo.runtime.progress import Progress
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
-from fl_geo.strategies.replies import REPLY_METRICS, ReplyError, TrainReply, require_declaration
+from fl_geo.strategies.replies import (
+    ReplyError,
+    TrainReply,
+    metric_whole,
+    read_reply_metrics,
+    require_declaration,
+)
 from fl_geo.strategies.server_model import ServerModel, outer_optimizer_from_config
 
 log = logging.getLogger("fl_geo")
@@ -54,9 +60,12 @@ class Follower(Protocol):
     def theta_sq_sums(self) -> list[float]: ...
 
 
-def read_control_reply(ev: Event, expected_version: int) -> tuple[TrainReply, int]:
-    """A train reply of the gRPC transport: metrics only (the update went to the followers).
-    Returns the reply and the model version the client pulled."""
+def read_control_reply(ev: Event, expected_version: int, latest_version: int, max_steps: int | None = None,
+                       step_tokens: int | None = None) -> tuple[TrainReply, int]:
+    """A train reply of the gRPC transport: metrics only (the update went to the followers),
+    checked like every train reply (`read_reply_metrics`). Returns the reply and the model version
+    the client pulled: never older than the job's, never newer than ``latest_version`` (a claim
+    from the future would make the staleness negative)."""
     assert ev.reply is not None
     require_declaration(ev.reply, ("control",))
     content = ev.reply.content
@@ -65,20 +74,18 @@ def read_control_reply(ev: Event, expected_version: int) -> tuple[TrainReply, in
     if "arrays" in content.array_records:
         raise ReplyError("reply carries arrays although updates go to the followers (ps.transport=grpc)")
     m = content.metric_records["metrics"]
-    missing = [k for k in (*REPLY_METRICS, "ps_pushed_bytes") if k not in m]
-    if missing:
-        raise ReplyError(f"reply metrics lack {missing}")
-    if "base_version" in m and int(m["base_version"]) != expected_version:
-        raise ReplyError(f"reply says it was sent model version {int(m['base_version'])}, the job sent {expected_version}")
+    if "ps_pushed_bytes" not in m:
+        raise ReplyError("reply metrics lack ['ps_pushed_bytes']")
+    checked = read_reply_metrics(m, expected_version, max_steps, step_tokens)
     # The client pulls θ itself: a step between dispatch and pull gives it a newer version, never an older one.
-    pulled = int(m["ps_version"]) if "ps_version" in m else expected_version
+    pulled = metric_whole(m, "ps_version", 0) if "ps_version" in m else expected_version
     if pulled < expected_version:
         raise ReplyError(f"reply says it pulled model version {pulled}, older than the {expected_version} it was sent")
-    tokens, loss, steps = int(m["tokens"]), float(m["train_loss"]), int(m["steps"])
-    if tokens <= 0 or steps < 1 or not math.isfinite(loss):
-        raise ReplyError(f"implausible metrics (tokens={tokens}, steps={steps}, train_loss={loss})")
-    noisy = int(m["noisy_steps"]) if "noisy_steps" in m else 0
-    return TrainReply([], tokens, loss, float(m["step_time_s"]), int(m["ps_pushed_bytes"]), steps, noisy), pulled
+    if pulled > latest_version:
+        raise ReplyError(f"reply says it pulled model version {pulled}, the followers hold {latest_version}")
+    pushed = metric_whole(m, "ps_pushed_bytes", 0)
+    return TrainReply([], checked.tokens, checked.loss, checked.step_time_s, pushed, checked.steps,
+                      checked.noisy_steps), pulled
 
 
 class ShardedDiPSLoop(AsyncOuterLoop):
@@ -292,7 +299,9 @@ class ShardedDiPSLoop(AsyncOuterLoop):
     def read_reply(self, ev: Event) -> TrainReply:
         if self.supervisor is None:
             return super().read_reply(ev)
-        r, pulled = read_control_reply(ev, int(ev.job.meta["version"]))
+        node = ev.job.node
+        r, pulled = read_control_reply(ev, int(ev.job.meta["version"]), self.version,
+                                       max_steps=self._inner_steps(node), step_tokens=self.step_tokens(node))
         ev.job.meta["version"] = pulled  # staleness counts from the model the client really pulled
         return r
 

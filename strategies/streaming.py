@@ -62,10 +62,12 @@ from fl_geo.runtime.quantized import dequantize_record
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
 from fl_geo.strategies.base import NoLiveNode, OuterLoop
 from fl_geo.strategies.replies import (
-    REPLY_METRICS,
     ReplyError,
     Tally,
     TrainReply,
+    metric_number,
+    metric_whole,
+    read_reply_metrics,
     require_declaration,
 )
 from fl_geo.strategies.server_model import ServerModel
@@ -91,7 +93,8 @@ class StreamReply:
 
 
 def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Sequence[int],
-                      steps: int, precision: str, quantize: str = "none", block: int = 128) -> StreamReply:
+                      steps: int, precision: str, quantize: str = "none", block: int = 128,
+                      step_tokens: int | None = None) -> StreamReply:
     """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them
     (``quantize`` int8/int4: dequantise to one fp32 piece, `fl_geo.core.quantize`).
 
@@ -103,12 +106,8 @@ def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Se
     if "metrics" not in content.metric_records:
         raise ReplyError("reply lacks the 'metrics' record")
     m = content.metric_records["metrics"]
-    missing = [k for k in REPLY_METRICS if k not in m]
-    if missing:
-        raise ReplyError(f"reply metrics lack {missing}")
-    tokens, loss, done = int(m["tokens"]), float(m["train_loss"]), int(m["steps"])
-    if tokens <= 0 or not math.isfinite(loss):
-        raise ReplyError(f"implausible metrics (tokens={tokens}, train_loss={loss})")
+    checked = read_reply_metrics(m, max_steps=steps, step_tokens=step_tokens)
+    done = checked.steps
     if done != steps:
         raise ReplyError(f"reply ran {done} inner steps, the message asked for {steps}")
     deltas: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -126,13 +125,12 @@ def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Se
         except PayloadError as exc:
             raise ReplyError(f"{name}: {exc}") from None
         nbytes[p] = payload_nbytes(record)
-    noisy = int(m["noisy_steps"]) if "noisy_steps" in m else 0
-    r = TrainReply([], tokens, loss, float(m["step_time_s"]), sum(nbytes.values()), done, noisy)
+    r = TrainReply([], checked.tokens, checked.loss, checked.step_time_s, sum(nbytes.values()), done, checked.noisy_steps)
     return StreamReply(
         r, deltas, nbytes,
-        train_time_s=float(m["train_time_s"]) if "train_time_s" in m else 0.0,
-        overlap_count=int(m.get("overlap_count", 0)),
-        overlap_sum=int(m.get("overlap_sum", 0)),
+        train_time_s=metric_number(m, "train_time_s") if "train_time_s" in m else 0.0,
+        overlap_count=metric_whole(m, "overlap_count", 0) if "overlap_count" in m else 0,
+        overlap_sum=metric_whole(m, "overlap_sum", 0) if "overlap_sum" in m else 0,
         overlap_max=int(m.get("overlap_max", -1)),
     )
 
@@ -306,7 +304,7 @@ class StreamingLoop(OuterLoop):
         for node, reply in group:
             try:
                 r = read_stream_reply(reply, self.frag_specs, syncs, steps, self.cfg.wire.up,
-                                      st.quantize, st.quantize_block)
+                                      st.quantize, st.quantize_block, step_tokens=self.step_tokens(node))
             except ReplyError as exc:
                 self._reject(tally, node, str(exc))
                 continue

@@ -118,7 +118,8 @@ class SyncOuterLoop(OuterLoop):
             try:
                 # an undeclared (Flower-convention) reply's Δ is taken against the model sent this round
                 valid.append((node, read_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version,
-                                               base=self.global_params, max_steps=self._inner_steps(node, warm))))
+                                               base=self.global_params, max_steps=self._inner_steps(node, warm),
+                                               step_tokens=self.step_tokens(node))))
             except ReplyError as exc:
                 self._reject(stats, node, str(exc))
         if not valid:

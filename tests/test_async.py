@@ -124,8 +124,9 @@ def test_bad_payload_is_rejected_and_the_run_continues(tiny, tmp_path, kind):
     assert summary["rejected"] == 1 and summary["outer_steps"] == 4 and torch.isfinite(final).all()
 
 
-@pytest.mark.parametrize("lie", [{"tokens": float("nan")}, {"steps": 10**6}, {"step_time_s": float("inf")}],
-                         ids=["tokens-nan", "steps-beyond-job", "step-time-inf"])
+@pytest.mark.parametrize("lie", [{"tokens": float("nan")}, {"steps": 10**6}, {"step_time_s": float("inf")},
+                                 {"tokens": 2**40}],
+                         ids=["tokens-nan", "steps-beyond-job", "step-time-inf", "tokens-beyond-job"])
 def test_lying_metrics_are_rejected_and_the_run_continues(tiny, tmp_path, lie):
     """One reply with a lying metric is one counted rejection; the asynchronous loop goes on and
     ends with the same outer steps (before: int(nan) or the unchecked value ended or skewed the run)."""

@@ -87,3 +87,47 @@ def test_config_errors(tiny, overrides, match):
 def test_more_followers_than_layers_is_a_config_error(tiny, tmp_path):
     with pytest.raises(ConfigError, match="only 5 layers"):
         _run(tiny(*VIRTUAL, *DIPS, "run.rounds=1", "ps.followers=9"), tmp_path)
+
+
+# ---- the gRPC transport's train reply: metrics only, checked like every other reply -------------
+
+GOOD_CONTROL = {"tokens": 384, "steps": 3, "train_loss": 2.5, "step_time_s": 0.1, "partition_id": 0,
+                "base_version": 4, "ps_version": 5, "ps_pushed_bytes": 1000}
+
+
+@pytest.mark.parametrize("lie, reason", [
+    ({"tokens": float("nan")}, "metric 'tokens' is nan"),
+    ({"tokens": 10**12}, "is more than 3 steps can produce"),
+    ({"steps": 99}, "steps=99, must be a whole number [1, 3]"),
+    ({"ps_version": 7}, "pulled model version 7, the followers hold 6"),
+    ({"ps_version": 3}, "pulled model version 3, older than the 4"),
+    ({"ps_version": float("inf")}, "metric 'ps_version' is inf"),
+    ({"ps_pushed_bytes": -1}, "ps_pushed_bytes=-1"),
+    ({"base_version": 5}, "trained from model version 5, the job sent version 4"),
+], ids=["tokens-nan", "tokens-beyond-job", "steps-beyond-job", "version-from-the-future", "version-older",
+        "version-inf", "pushed-negative", "base-version"])
+def test_a_lying_control_reply_is_a_reply_error(lie, reason, monkeypatch):
+    """``read_control_reply`` (ps.transport=grpc) refuses every lying scalar with a ReplyError the
+    loop counts; before, ``int(nan)`` raised out of the loop and a future ``ps_version`` made the
+    staleness negative."""
+    from flwr.app import Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fl_geo.clients.api import declared
+    from fl_geo.runtime.dispatch import Event, Job
+    from fl_geo.strategies.replies import ReplyError
+    from fl_geo.strategies.sharded import read_control_reply
+
+    for attr in ("_task_id", "_run_id", "_node_id"):  # a Message needs a run to belong to
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+
+    def event(metrics):
+        reply = Message(RecordDict(declared({"metrics": MetricRecord(metrics)}, "control", "fp32")),
+                        dst_node_id=1, message_type="train")
+        return Event(Job("j", 1, "train", 0, 0.0), reply, None, 0.0)
+
+    r, pulled = read_control_reply(event(GOOD_CONTROL), 4, 6, max_steps=3, step_tokens=128)
+    assert (r.tokens, r.steps, r.nbytes, pulled) == (384, 3, 1000, 5)
+    with pytest.raises(ReplyError) as err:
+        read_control_reply(event({**GOOD_CONTROL, **lie}), 4, 6, max_steps=3, step_tokens=128)
+    assert reason in str(err.value)

@@ -504,3 +504,25 @@ def test_a_quantised_update_with_a_bad_scale_is_rejected(tiny, tmp_path, caplog)
     assert torch.isfinite(final).all()
     assert summary["outer_steps"] == 4 and summary["rejected"] == 4
     assert "scales must be finite" in caplog.text
+
+
+@pytest.mark.parametrize("lie", [{"tokens": float("nan")}, {"tokens": 2**40}, {"train_time_s": float("inf")},
+                                 {"overlap_count": -3}, {"steps": [4, 4]}],
+                         ids=["tokens-nan", "tokens-beyond-job", "train-time-inf", "overlap-negative", "steps-a-list"])
+def test_lying_fragment_metrics_are_rejected_and_the_model_untouched(tiny, tmp_path, lie, caplog):
+    """Every fragment reply lies in one scalar: each is a counted rejection (before: ``int(nan)``
+    ended the run), no outer step, the global model bit-identical to the initial one."""
+    from flwr.app import MetricRecord
+
+    def tamper(node, msg, reply):
+        metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **lie})
+        arrays = dict(reply.content.array_records.items())
+        return Message(keep_declaration(reply, {**arrays, "metrics": metrics}), reply_to=msg)
+
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = _cfg(tiny, "strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1")
+    summary, final, _, _ = _run(cfg, tmp_path, hook=Recorder(tamper))
+    assert summary["outer_steps"] == 0 and summary["rejected"] == 18  # every reply: 3 workers x 6 messages
+    assert torch.equal(final, _initial(cfg))
+    assert "rejected update from node" in caplog.text

@@ -250,6 +250,8 @@ LYING_METRICS = {
     "step time negative": ({"step_time_s": -1.0}, "step_time_s=-1.0, must be in [0, 3600]"),
     "step time NaN": ({"step_time_s": float("nan")}, "metric 'step_time_s' is nan"),
     "base version NaN": ({"base_version": float("nan")}, "metric 'base_version' is nan"),
+    # tiny: H 3 x batch 4 x seq_len 32 x 1 device = 384 tokens at most
+    "tokens beyond the job": ({"tokens": 2**40}, "tokens=1099511627776 is more than 3 steps can produce (128 per step"),
 }
 
 
@@ -295,3 +297,54 @@ def test_scaled_update_rejected_alone_others_fold_bit_identically(tiny, tmp_path
     s2, f2, _ = _run(cfg, tmp_path, "nan", hook=drop_one)
     assert s1["rejected"] == s2["rejected"] == 2
     assert torch.equal(f1, f2)
+
+
+def _claim(tokens, victim_rank=0):
+    """A hook: the reply of the node of partition ``victim_rank`` claims ``tokens`` tokens."""
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        metrics = dict(reply.content.metric_records["metrics"])
+        if metrics["partition_id"] != victim_rank:
+            return reply
+        metrics["tokens"] = tokens
+        return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"],
+                                                "metrics": MetricRecord(metrics)}), reply_to=msg)
+    return hook
+
+
+def test_a_huge_token_claim_is_refused_so_it_neither_owns_the_mean_nor_ends_the_budget(tiny, tmp_path, caplog):
+    """Token-weighted DiLoCo with run.max_tokens: one site claims 2^40 tokens each round. With the
+    job's token cap it is rejected every round, the run does all its rounds (the budget counts
+    accepted tokens only) and the model is the one the two honest sites give alone. With the cap
+    off the claim is believed: that site owns the mean and the budget ends the run after a round."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    honest_total = 3 * 2 * 3 * 4 * 32  # rounds x honest sites x H x batch x seq_len
+    cfg = tiny("run.rounds=3", "strategy.weighting=tokens", f"run.max_tokens={honest_total + 1}")
+    capped, final, _ = _run(cfg, tmp_path, "capped", hook=_claim(2**40))
+    assert capped["outer_steps"] == 3 and capped["rejected"] == 3 and capped["tokens"] == honest_total
+    assert caplog.text.count("is more than 3 steps can produce") == 3
+    _, without, _ = _run(cfg, tmp_path, "without", hook=_claim(float("nan")))  # the same site's reply never counts
+    assert torch.equal(final, without)
+    trusted, _, _ = _run(tiny("run.rounds=3", "strategy.weighting=tokens", f"run.max_tokens={honest_total + 1}",
+                              "strategy.token_cap=none"), tmp_path, "trusted", hook=_claim(2**40))
+    assert trusted["rejected"] == 0 and trusted["outer_steps"] == 1  # the claim ended the token budget
+
+
+def test_a_site_with_more_devices_may_claim_more_tokens(tiny, tmp_path):
+    """The cap follows the devices a site declares in its profile (node config ``devices``)."""
+    def devices(node, msg, reply):
+        if msg.metadata.message_type == "query" and not reply.has_error():
+            from flwr.app import ConfigRecord
+
+            from fl_geo.runtime.dispatch import PROFILE_KEY
+            profile = dict(reply.content.config_records[PROFILE_KEY])
+            if profile["partition_id"] == 0:
+                profile["devices"] = 2
+            return Message(keep_declaration(reply, {PROFILE_KEY: ConfigRecord(profile)}), reply_to=msg)
+        return _claim(2 * 3 * 4 * 32)(node, msg, reply)  # twice what one device gives in H = 3 steps
+
+    summary, _, _ = _run(tiny("run.rounds=1"), tmp_path, hook=devices)
+    assert summary["rejected"] == 0
+    summary, _, _ = _run(tiny("run.rounds=1"), tmp_path, "one", hook=_claim(2 * 3 * 4 * 32))
+    assert summary["rejected"] == 1
