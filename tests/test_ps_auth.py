@@ -322,6 +322,14 @@ def test_key_file_is_private_and_never_on_the_command_line(tmp_path, monkeypatch
     load_auth(argparse.Namespace(key_file=None, index=0))
     with pytest.raises(SystemExit, match="chmod 600"):
         load_auth(argparse.Namespace(key_file=str(loose), index=0))
+    # the leader: ps.key_file, else a fresh key per run
+    from fl_geo.config import ConfigError
+    from fl_geo.strategies.sharded import _data_path_key
+
+    assert _data_path_key(str(path)) == KEY and len(_data_path_key("")) == 32
+    assert _data_path_key("") != _data_path_key("")  # fresh each time
+    with pytest.raises(ConfigError, match="ps.key_file: .*chmod 600"):
+        _data_path_key(str(loose))
 
 
 def test_supervisor_gives_followers_the_key_in_the_environment_not_argv(plan, tmp_path):
