@@ -6,6 +6,9 @@ its follower (in parallel: the followers are separate links/servers), trains, an
 update shard in the wire precision (in the leader's order). Transfers retry while a follower is
 being restarted (`fl_geo.ps.client.FollowerClient`), so inner training never depends on a
 follower being up at the moment it finishes.
+
+Every pull and push carries the job's token (``ps_token``, minted by the leader: this job, these
+shards, this model version, an expiry; `fl_geo.ps.auth`). The client holds no other credential.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ def _client(address: str, cfg: Any) -> Any:
     return FollowerClient(address, retry_s=float(cfg.get("ps_retry_s", 120.0)), root_certificates=ca.encode() if ca else None)
 
 
+def _token(cfg: Any) -> str | None:
+    """The job's data path token (None from a leader that does not authenticate)."""
+    token = cfg.get("ps_token")
+    return str(token) if token else None
+
+
 def pull_model(cfg: Any, out: torch.Tensor) -> int:
     """θ from every follower into ``out`` (fp32, whole model); returns the model version.
 
@@ -57,7 +66,7 @@ def pull_model(cfg: Any, out: torch.Tensor) -> int:
     def pull(i: int) -> None:
         begin, end = shards[i]
         with _client(addresses[i], cfg) as client:
-            version, theta = client.pull(0, end - begin, wire=wire)
+            version, theta = client.pull(0, end - begin, wire=wire, token=_token(cfg))
         out[begin:end].copy_(theta)
         versions[i] = int(version)
 
@@ -85,6 +94,6 @@ def push_update(cfg: Any, flat: torch.Tensor) -> int:
         begin, end = shards[i]
         piece = flat[begin:end].to(dtype)  # one shard in wire precision at a time
         with _client(addresses[i], cfg) as client:
-            client.push(job, i, piece, chunk_bytes=chunk)
+            client.push(job, i, piece, chunk_bytes=chunk, token=_token(cfg))
         sent += piece.numel() * piece.element_size()
     return sent

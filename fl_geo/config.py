@@ -223,6 +223,12 @@ class PsSection:
     # Without it an address other than loopback needs allow_insecure_remote=true, said out loud.
     tls_certs_dir: str = ""
     allow_insecure_remote: bool = False
+    # Authentication of the data path (grpc; fl_geo.ps.auth): the leader/follower shared key.
+    # "" = a fresh random key per run, handed to the followers the leader starts. A path: a file
+    # of hex (mode 0600), the same one followers started separately read with --key-file.
+    # Clients never get the key, only a per-job token that expires token_ttl_s after dispatch.
+    key_file: str = ""
+    token_ttl_s: float = 86400.0
 
 
 @dataclass
@@ -521,6 +527,7 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(ps.norm in ("global", "sum_of_shards"), f"ps.norm must be global or sum_of_shards, got '{ps.norm}'")
     _require(ps.checkpoint_keep >= 1 and ps.heartbeat_s > 0 and ps.chunk_mib >= 1 and ps.retry_s >= 0 and ps.max_pending >= 1,
              "ps: checkpoint_keep >= 1, heartbeat_s > 0, chunk_mib >= 1, retry_s >= 0, max_pending >= 1")
+    _require(ps.token_ttl_s > 0, f"ps.token_ttl_s must be > 0, got {ps.token_ttl_s}")
     if ps.followers:
         _require(s.name == "dips", f"ps.followers (the sharded parameter server) is for strategy dips, not '{s.name}'")
         _require(not p.enabled or p.granularity == "global",

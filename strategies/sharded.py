@@ -135,7 +135,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             self.supervisor = FollowerSupervisor(
                 self.plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=cfg.wire.up,
                 send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
-                torch_threads=cfg.run.server_threads, host=ps.host, tls=tls)
+                torch_threads=cfg.run.server_threads, host=ps.host, tls=tls, key=_data_path_key(ps.key_file))
             self.followers = []  # connected when the run starts (`_start_followers`)
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))
@@ -279,6 +279,10 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             "ps_chunk_bytes": ps.chunk_mib << 20,
             "ps_retry_s": ps.retry_s,
             "ps_tls_ca": self._ca_pem,  # the CA's public certificate: clients verify the followers with it
+            # this job may push to and pull from every shard, from the version it is sent, until
+            # its update is folded or dropped (fl_geo.ps.auth); the key itself never leaves the leader
+            "ps_token": self.supervisor.auth.mint_job(job, range(self.plan.num_shards), self.version,
+                                                      ttl_s=ps.token_ttl_s),
         }
 
     def push_order(self, job: str) -> list[int]:
@@ -473,6 +477,19 @@ def _data_path_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # pragma: no cover - grpcio is a dependency
         return ()
     return (DataPathError,)
+
+
+def _data_path_key(key_file: str) -> bytes:
+    """The leader/follower shared key: from ``ps.key_file`` (followers started separately read
+    the same file), else a fresh random one for this run (`fl_geo.ps.auth.new_key`)."""
+    from fl_geo.ps.auth import new_key, read_key_file
+
+    if not key_file:
+        return new_key()
+    try:
+        return read_key_file(key_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"ps.key_file: {exc}") from None
 
 
 def _clear_followers(workdir: Path) -> None:

@@ -421,16 +421,17 @@ def test_heartbeats_reach_the_leader_and_survive_its_absence(plan):
 
 def _pull_all(sup: FollowerSupervisor, wire: str = "fp32") -> list[tuple[int, torch.Tensor]]:
     out = []
-    for i, address in enumerate(sup.addresses):
-        with FollowerClient(address, retry_s=10) as c:
+    for i in range(sup.num):
+        with sup.client(i, retry_s=10) as c:  # the leader's client: its pulls need no job token
             out.append(c.pull(0, sup.plan.shards[i].numel, wire=wire, chunk_bytes=CHUNK))
     return out
 
 
 def _outer_step(sup: FollowerSupervisor, job: str, seed: int) -> None:
-    for i, address in enumerate(sup.addresses):
-        with FollowerClient(address, retry_s=10) as c:
-            c.push(job, i, _update(sup.plan.shards[i].numel, sup.wire, seed + i), chunk_bytes=CHUNK)
+    token = sup.auth.mint_job(job, range(sup.num), 0, ttl_s=600.0)
+    for i in range(sup.num):
+        with sup.client(i, retry_s=10) as c:
+            c.push(job, i, _update(sup.plan.shards[i].numel, sup.wire, seed + i), chunk_bytes=CHUNK, token=token)
             c.control("fold", job=job, weight=1.0)
             c.control("mean_sq_sums", total_weight=1.0)
             assert c.control("step", clip_factor=0.8)["version"] >= 1
@@ -452,8 +453,10 @@ def test_supervisor_restarts_dead_followers_from_their_checkpoints(plan, tmp_pat
         assert [v for v, _ in stepped] == [1, 1]
         addresses = list(sup.addresses)
         incarnation = sup._procs[1].incarnation
+        token = sup.auth.mint_job("after-crash", [1], 1, ttl_s=600.0)  # issued before the crash
 
-        # crash: the process is gone, a client's transfer waits for the restart instead of failing
+        # crash: the process is gone, a client's transfer waits for the restart instead of failing;
+        # the restarted follower has the same key, so the token issued before the crash verifies
         sup.kill(1)
         assert sup.check() == [1]
         done: dict[str, Any] = {}
@@ -461,8 +464,8 @@ def test_supervisor_restarts_dead_followers_from_their_checkpoints(plan, tmp_pat
 
         def late_push() -> None:
             try:
-                with FollowerClient(addresses[1], retry_s=30) as c:
-                    done["reply"] = c.push("after-crash", 1, x, chunk_bytes=CHUNK)
+                with FollowerClient(addresses[1], retry_s=30) as c:  # a job's client: token only
+                    done["reply"] = c.push("after-crash", 1, x, chunk_bytes=CHUNK, token=token)
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 done["error"] = exc
 
@@ -480,7 +483,7 @@ def test_supervisor_restarts_dead_followers_from_their_checkpoints(plan, tmp_pat
         assert ckpt is not None and ckpt.state["version"] == 1
         assert torch.equal(ckpt.state["params"], stepped[1][1])
         assert "momentum_buffer" in ckpt.state["optimizer"]  # the optimizer state resumes too
-        with FollowerClient(addresses[1], incarnation=incarnation) as c:
+        with sup.client(1, incarnation=incarnation) as c:
             assert c.health()["incarnation"] == sup._procs[1].incarnation
             with pytest.raises(DataPathError, match="restarted") as info:  # pinned to the old one
                 c.control("has", job="after-crash")
@@ -515,14 +518,14 @@ def test_supervisor_resumes_existing_checkpoints(plan, tmp_path):
     sup = FollowerSupervisor(plan, tmp_path, optimizer_name="avg", wire="bf16", max_pending=1)
     with sup:
         sup.start(torch.zeros(plan.spec.numel))
-        with FollowerClient(sup.addresses[0]) as c0, FollowerClient(sup.addresses[1]) as c1:
+        with sup.client(0) as c0, sup.client(1) as c1:
             assert c0.health()["version"] == 7 and c1.health()["version"] == 0
             _, theta0 = c0.pull(0, plan.shards[0].numel, wire="fp32")
             assert torch.equal(theta0, f.params)
             x = _update(plan.shards[1].numel, "bf16", 1)
-            c1.push("one", 1, x)
+            c1.push("one", 1, x, token=sup.auth.mint_job("one", [1], 0, ttl_s=600.0))
             with pytest.raises(DataPathError, match="unhandled pushes") as info:  # max_pending reached
-                c1.push("two", 1, x)
+                c1.push("two", 1, x, token=sup.auth.mint_job("two", [1], 0, ttl_s=600.0))
             assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -72,7 +72,6 @@ def _rss(pid: int, key: str = "VmHWM") -> float:
 
 def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire: str, workdir: Path,
                 seed: int) -> dict[str, Any]:
-    from fl_geo.ps.client import FollowerClient
     from fl_geo.ps.supervisor import FollowerSupervisor
 
     plan = ShardPlan.build(spec, followers)
@@ -87,17 +86,24 @@ def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire:
     sup.start(theta0)
     out["start_s"] = time.perf_counter() - t0
     del theta0
-    leader = [FollowerClient(a) for a in sup.addresses]
+    leader = [sup.client(i) for i in range(followers)]  # they hold the key: control calls
+
+    def token(job: str, version: int) -> str:  # what the leader sends each job (fl_geo.ps.auth)
+        return sup.auth.mint_job(job, range(followers), version, ttl_s=3600.0)
+
     models = [torch.empty(spec.numel) for _ in range(clients)]
     pull_s, push_s, step_s = [], [], []
     try:
         for step in range(steps):
-            with ThreadPoolExecutor(max_workers=clients) as pool:
-                pull_s.extend(pool.map(lambda c: _pull_all(plan, sup.addresses, wire, models[c]), range(clients)))
-            updates = [(torch.randn(spec.numel, generator=gen) * 1e-3).to(dtype) for _ in range(clients)]
             jobs = [f"s{step}-c{c}" for c in range(clients)]
+            tokens = [token(job, step) for job in jobs]
             with ThreadPoolExecutor(max_workers=clients) as pool:
-                push_s.extend(pool.map(_push_all, [plan] * clients, [sup.addresses] * clients, jobs, updates, range(clients)))
+                pull_s.extend(pool.map(_pull_all, [plan] * clients, [sup.addresses] * clients, [wire] * clients,
+                                       models, tokens))
+            updates = [(torch.randn(spec.numel, generator=gen) * 1e-3).to(dtype) for _ in range(clients)]
+            with ThreadPoolExecutor(max_workers=clients) as pool:
+                push_s.extend(pool.map(_push_all, [plan] * clients, [sup.addresses] * clients, jobs, updates,
+                                       range(clients), tokens))
             updates.clear()
             t = time.perf_counter()
             versions = _leader_step(leader, jobs)
@@ -107,8 +113,9 @@ def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire:
         out["follower_peak_rss_mib"] = [round(_rss(sup.pid(i)), 1) for i in range(followers)]
         # One client alone, as Flower's probe sends one message: the apples-to-apples transfer.
         solo = (torch.randn(spec.numel, generator=gen) * 1e-3).to(dtype)
-        out["solo_push_s"] = _push_all(plan, sup.addresses, "solo", solo, 0)
-        out["solo_pull_s"] = _pull_all(plan, sup.addresses, wire, models[0])
+        solo_token = token("solo", steps)
+        out["solo_push_s"] = _push_all(plan, sup.addresses, "solo", solo, 0, solo_token)
+        out["solo_pull_s"] = _pull_all(plan, sup.addresses, wire, models[0], solo_token)
         for fc in leader:
             fc.control("drop", job="solo")
     finally:
@@ -131,14 +138,14 @@ def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire:
     return out
 
 
-def _pull_all(plan: ShardPlan, addresses: list[str], wire: str, model: torch.Tensor) -> float:
-    """One client's pull: every shard in parallel (one stream per follower); seconds."""
+def _pull_all(plan: ShardPlan, addresses: list[str], wire: str, model: torch.Tensor, token: str) -> float:
+    """One client's pull with its job token: every shard in parallel (one stream per follower); seconds."""
     from fl_geo.ps.client import FollowerClient
 
     def one(i: int) -> None:
         s = plan.shards[i]
         with FollowerClient(addresses[i]) as fc:
-            _, x = fc.pull(0, s.numel, wire=wire)
+            _, x = fc.pull(0, s.numel, wire=wire, token=token)
         model[s.begin:s.end].copy_(x)
 
     t = time.perf_counter()
@@ -147,7 +154,8 @@ def _pull_all(plan: ShardPlan, addresses: list[str], wire: str, model: torch.Ten
     return time.perf_counter() - t
 
 
-def _push_all(plan: ShardPlan, addresses: list[str], job: str, update: torch.Tensor, rank: int) -> float:
+def _push_all(plan: ShardPlan, addresses: list[str], job: str, update: torch.Tensor, rank: int,
+              token: str) -> float:
     """One client's push, shard by shard, starting at follower ``rank mod F`` (clients that
     finish together start on different followers, as the leader's schedule has them); seconds."""
     from fl_geo.ps.client import FollowerClient
@@ -157,7 +165,7 @@ def _push_all(plan: ShardPlan, addresses: list[str], job: str, update: torch.Ten
         i = (rank + k) % plan.num_shards
         s = plan.shards[i]
         with FollowerClient(addresses[i]) as fc:
-            fc.push(job, i, update[s.begin:s.end])
+            fc.push(job, i, update[s.begin:s.end], token=token)
     return time.perf_counter() - t
 
 

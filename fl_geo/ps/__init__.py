@@ -8,6 +8,7 @@ followers directly over gRPC.
 - `follower`: one follower's shard state and arithmetic (framework-free);
 - `frames`, `channel`: how tensors travel (header + raw frames) and the gRPC channel settings;
 - `service`: the follower's gRPC service (push, pull, control); `client`: the retrying client;
+- `auth`: the shared key, per-job tokens (clients) and the leader's request MAC (control);
 - `server`, `follower_main`: a follower process; `heartbeat`: the leader's heartbeat service;
 - `supervisor`: starts, watches and restarts follower processes from their checkpoints (§4.3).
 

@@ -10,6 +10,11 @@ exponential backoff for up to ``retry_s``: a follower being restarted by the `Fo
 on the same port does not fail a client's transfer, it delays it. Pushes are re-sent whole (a
 follower's ``open_push`` replaces a partial push); control requests are retried with the same id,
 which the service answers from its cache.
+
+Credentials (`fl_geo.ps.auth`): a datacenter client passes its job's token to `push` and `pull`
+(it goes in the header frame / request, checked once per stream); the leader's client is built
+with the shared key and signs every control request and its own pulls (gRPC metadata). A retry
+re-sends the same bytes, so it carries the same credential.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import grpc
 import numpy as np
 import torch
 
+from fl_geo.ps.auth import LEADER_MAC_HEADER, DataPathAuth
 from fl_geo.ps.channel import open_channel
 from fl_geo.ps.follower import WIRE_DTYPES
 from fl_geo.ps.frames import (
@@ -104,12 +110,16 @@ class FollowerClient:
     fresh state (``mean_sq_sums`` of an empty sum is zeros, silently). The leader therefore pins
     the incarnation it expects (``client.incarnation = client.health()["incarnation"]``); every
     control call but ``health``/``version`` then fails with FAILED_PRECONDITION on any other
-    incarnation, and the leader voids the window and re-pins."""
+    incarnation, and the leader voids the window and re-pins.
+
+    ``leader_key``: the leader/follower shared key; only the leader's clients have it (control
+    calls need it when the followers authenticate). Clients of a job pass its token instead."""
 
     def __init__(self, address: str, *, retry_s: float = 120.0, timeout_s: float = 30.0,
                  min_rate: float = 10e6, read_ahead: int = 4, incarnation: str | None = None,
-                 root_certificates: bytes | None = None) -> None:
+                 root_certificates: bytes | None = None, leader_key: bytes | None = None) -> None:
         self.address = address
+        self._auth = DataPathAuth(leader_key) if leader_key is not None else None
         self.incarnation = incarnation
         self.retry_s = retry_s
         self.timeout_s = timeout_s
@@ -152,15 +162,23 @@ class FollowerClient:
                 time.sleep(min(delay, left))
                 delay = min(2 * delay, 2.0)
 
+    def _leader_metadata(self, method: str, request: bytes) -> list[tuple[str, str]] | None:
+        """The leader MAC of one request, as call metadata (None for a client without the key)."""
+        if self._auth is None:
+            return None
+        return [(LEADER_MAC_HEADER, self._auth.sign_leader(method, request))]
+
     def push(self, job: str, shard_index: int, tensor: torch.Tensor,
-             chunk_bytes: int = DEFAULT_CHUNK_BYTES, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Stream a whole shard (1-D, in the follower's wire dtype) as ``job``; returns the
-        follower's reply ``{ok, job, received}`` once the push is complete there."""
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, meta: dict[str, Any] | None = None,
+             token: str | None = None) -> dict[str, Any]:
+        """Stream a whole shard (1-D, in the follower's wire dtype) as ``job``, with the job's
+        ``token`` from the leader; returns the follower's reply ``{ok, job, received}`` once the
+        push is complete there. A refused token is PERMISSION_DENIED/UNAUTHENTICATED: no retry."""
         flat = tensor.detach().reshape(-1).contiguous()
         dtype = wire_name(flat.dtype)
         elems_per_frame(chunk_bytes, flat.element_size())  # fail here, not in a thread
         header = json_frame({"job": job, "shard": shard_index, "dtype": dtype, "numel": flat.numel(),
-                              **({"meta": meta} if meta else {})})
+                              **({"meta": meta} if meta else {}), **({"token": token} if token else {})})
         nbytes = flat.numel() * flat.element_size()
 
         def attempt() -> dict[str, Any]:
@@ -174,10 +192,13 @@ class FollowerClient:
         return self._retry("push", attempt)
 
     def pull(self, begin: int, end: int, wire: str | None = None, *, expect_version: int | None = None,
-             chunk_bytes: int | None = None) -> tuple[int, torch.Tensor]:
+             chunk_bytes: int | None = None, token: str | None = None) -> tuple[int, torch.Tensor]:
         """θ_s[begin:end] (shard-relative) in ``wire`` (default: the follower's); returns
-        ``(version, tensor)``. A pull interrupted by a step or a restart starts over."""
+        ``(version, tensor)``. A pull interrupted by a step or a restart starts over. A job's
+        client passes its ``token``; the leader's client signs the request instead."""
         req: dict[str, Any] = {"begin": begin, "end": end}
+        if token:
+            req["token"] = token
         if wire is not None:
             req["wire"] = wire
         if expect_version is not None:
@@ -186,9 +207,10 @@ class FollowerClient:
             req["chunk_bytes"] = chunk_bytes
         request = json_frame(req)
         itemsize = WIRE_DTYPES[wire].itemsize if wire in WIRE_DTYPES else 4
+        metadata = self._leader_metadata("Pull", request)
 
         def attempt() -> tuple[int, torch.Tensor]:
-            stream = self._pull(request, timeout=self._timeout((end - begin) * itemsize))
+            stream = self._pull(request, timeout=self._timeout((end - begin) * itemsize), metadata=metadata)
             try:
                 return self._read_pull(stream)
             finally:
@@ -234,7 +256,8 @@ class FollowerClient:
         # a step writes a checkpoint before answering; a deadline is harmless anyway (the retry
         # carries the same id and waits for the first execution), it only bounds each wait
         timeout = max(self.timeout_s, 300.0) if op == "step" else self.timeout_s
-        return self._retry(op, lambda: json.loads(self._control(request, timeout=timeout)))
+        metadata = self._leader_metadata("Control", request)
+        return self._retry(op, lambda: json.loads(self._control(request, timeout=timeout, metadata=metadata)))
 
     def health(self) -> dict[str, Any]:
         return self.control("health")

@@ -6,6 +6,13 @@ rebuilds its `FollowerShard` from the plan and the newest verified checkpoint in
 from the last step the leader saw acknowledged. It then serves the data path, heartbeats to the
 leader, writes ``host:port`` to ``--addr-file`` (tmp + rename, so a reader never sees half an
 address), and exits cleanly on SIGTERM/SIGINT or when the process that started it is gone.
+
+The data path's shared key (`fl_geo.ps.auth`) comes from ``--key-file`` (hex, a file private to
+its owner: ``(umask 077; openssl rand -hex 32 > ps.key)``) or else the environment variable
+``FLGEO_PS_KEY`` (hex; what the supervisor uses), never from the command line, where ``ps``
+would show it. A follower without a key refuses to start: every push, pull and control request
+it serves must be authenticated. The key is read at every start, so a restarted follower
+verifies the tokens the leader issued before the restart.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan
+from fl_geo.ps.auth import KEY_ENV, DataPathAuth, key_from_env, read_key_file
 from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
 from fl_geo.ps.frames import INCARNATION
@@ -55,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="CA certificate (PEM): serve TLS and send heartbeats over it")
     p.add_argument("--tls-cert", default=None, help="this follower's certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    p.add_argument("--key-file", default=None,
+                   help=f"the leader/follower shared key (hex, mode 0600); default: ${KEY_ENV}")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     return p
 
@@ -88,6 +98,18 @@ def load_follower(args: argparse.Namespace) -> tuple[FollowerShard, CheckpointSt
     return follower, store
 
 
+def load_auth(args: argparse.Namespace) -> DataPathAuth:
+    """The data path's authenticator from ``--key-file`` or `KEY_ENV`; SystemExit without a key."""
+    try:
+        key = read_key_file(args.key_file) if args.key_file else key_from_env()
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"follower {args.index}: {exc}") from None
+    if key is None:
+        raise SystemExit(f"follower {args.index}: no data path key: give --key-file or set ${KEY_ENV} "
+                         "(the leader's supervisor does this)")
+    return DataPathAuth(key)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -98,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
 
+    auth = load_auth(args)
     follower, store = load_follower(args)
     server = FollowerServer(follower, store, host=args.host, port=args.port, leader=args.leader,
-                            heartbeat_s=args.heartbeat_s, max_workers=args.max_workers,
+                            heartbeat_s=args.heartbeat_s, max_workers=args.max_workers, auth=auth,
                             tls=TlsFiles(Path(args.tls_ca), Path(args.tls_cert), Path(args.tls_key)) if args.tls_ca else None)
     try:
         server.start()

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.ps.auth import DataPathAuth
 from fl_geo.ps.channel import TlsFiles, bind_server, open_channel, server_options
 from fl_geo.ps.follower import FollowerShard
 from fl_geo.ps.frames import INCARNATION, LEADER_SERVICE, json_frame
@@ -31,13 +32,17 @@ class FollowerServer:
     The heartbeat thread sends ``{index, incarnation, version, pending}`` to the leader every
     ``heartbeat_s`` with a short deadline and never blocks on it: while the leader is down the
     follower keeps serving clients and keeps trying (Di-PS: components reconnect non-blockingly
-    until the leader is back)."""
+    until the leader is back).
+
+    ``auth`` (the leader/follower shared key) makes the service verify job tokens and the
+    leader's MAC (`fl_geo.ps.service`); without it the data path is open (tests in one process)."""
 
     def __init__(self, follower: FollowerShard, store: CheckpointStore | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, leader: str | None = None,
                  heartbeat_s: float = 1.0, max_workers: int = 16,
-                 incarnation: str = INCARNATION, tls: TlsFiles | None = None) -> None:
-        self.service = FollowerService(follower, store, incarnation=incarnation)
+                 incarnation: str = INCARNATION, tls: TlsFiles | None = None,
+                 auth: DataPathAuth | None = None) -> None:
+        self.service = FollowerService(follower, store, incarnation=incarnation, auth=auth)
         self.tls = tls
         self.host = host
         self.requested_port = port

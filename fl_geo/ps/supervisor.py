@@ -28,6 +28,7 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import ParamSpec
+from fl_geo.ps.auth import KEY_ENV, DataPathAuth, new_key
 from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.client import FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
@@ -89,6 +90,11 @@ class FollowerSupervisor:
 
     ``num`` (the number of followers) may be left out for a `ShardPlan`; it cuts a `ParamSpec`.
     ``FollowerSupervisor(plan, workdir, ...)`` is accepted too (a path as the second argument).
+
+    ``key``: the data path's shared secret (`fl_geo.ps.auth`; a fresh one when None). Followers
+    get it in their environment (``FLGEO_PS_KEY``), never on their command line; a restarted
+    follower gets the same key, so job tokens issued before the restart still verify. `client`
+    gives leader clients (they sign control requests); `auth` mints job tokens for clients.
     """
 
     def __init__(self, plan: ShardPlan | ParamSpec, num: int | str | os.PathLike[str] | None = None,
@@ -98,7 +104,7 @@ class FollowerSupervisor:
                  heartbeat_s: float = 1.0, miss: int = 3, python: str = sys.executable, *,
                  max_pending: int = 64, torch_threads: int = 1, tls: TlsFiles | None = None,
                  heartbeats: LeaderHeartbeatService | None = None,
-                 start_timeout_s: float = 120.0, host: str = "127.0.0.1") -> None:
+                 start_timeout_s: float = 120.0, host: str = "127.0.0.1", key: bytes | None = None) -> None:
         if isinstance(num, str | os.PathLike):  # FollowerSupervisor(plan, workdir, ...)
             if workdir is not None:
                 raise ValueError("workdir given twice (second positional argument and workdir=)")
@@ -131,6 +137,8 @@ class FollowerSupervisor:
         self.python = python
         self.start_timeout_s = start_timeout_s
         self.host = host
+        self._key = key if key is not None else new_key()
+        self.auth = DataPathAuth(self._key)
         self._own_heartbeats = heartbeats is None
         self.heartbeats = heartbeats or LeaderHeartbeatService()
         self.leader_port = leader_port
@@ -152,8 +160,9 @@ class FollowerSupervisor:
         return [f"{self.host}:{self._procs[i].port}" for i in range(self.num)]
 
     def client(self, i: int, **kwargs: Any) -> FollowerClient:
-        """A client of follower i over this supervisor's transport (TLS when configured)."""
-        return FollowerClient(f"{self.host}:{self._procs[i].port}",
+        """A leader client of follower i over this supervisor's transport (TLS when configured),
+        holding the shared key: it may send control requests and pull without a job token."""
+        return FollowerClient(f"{self.host}:{self._procs[i].port}", leader_key=self._key,
                               root_certificates=self.tls.ca_pem() if self.tls else None, **kwargs)
 
     def pid(self, i: int) -> int:
@@ -234,6 +243,7 @@ class FollowerSupervisor:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # fl_geo importable without installing
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env[KEY_ENV] = self._key.hex()  # the environment, not argv: `ps` shows every argument
         with self.log_path(i).open("ab") as logf:
             logf.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} launching follower {i} on port {port}\n".encode())
             logf.flush()
@@ -388,9 +398,10 @@ def data_path_throughput(payload_mib: int, wire: str = "bf16", workdir: str | Pa
             rss_start = _proc_status_mib(pid, "VmRSS")
             peak_load = _proc_status_mib(pid, "VmHWM")  # the checkpoint load dominates this one
             reset = _reset_peak_rss(pid)
-            with FollowerClient(sup.addresses[0]) as client:
+            token = sup.auth.mint_job("throughput", [0], 0, ttl_s=3600.0)
+            with sup.client(0) as client:
                 t0 = time.perf_counter()
-                client.push("throughput", 0, update, chunk_bytes=chunk_bytes)
+                client.push("throughput", 0, update, chunk_bytes=chunk_bytes, token=token)
                 push_s = time.perf_counter() - t0
                 got = client.control("norms", job="throughput")["sq_sums"]
                 want = tensor_sq_sums(update, plan.tensor_ranges(0))

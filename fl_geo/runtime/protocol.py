@@ -172,7 +172,7 @@ class TrainRequest(JobRequest):
     schedule position under the global schedule clock. ``keep_prev``: keep the inner state from
     before this round (a resumed server re-sends it). ``ps_*``: the sharded parameter server's
     data path (follower addresses, shard bounds, push order, frame size, retry time, the CA
-    certificate the followers are verified with, the job's id).
+    certificate the followers are verified with, the job's id and its token, `fl_geo.ps.auth`).
     """
 
     MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train",)
@@ -187,6 +187,7 @@ class TrainRequest(JobRequest):
     ps_chunk_bytes: int | None = None
     ps_retry_s: float | None = None
     ps_tls_ca: str | None = None
+    ps_token: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
