@@ -10,6 +10,7 @@ long experiment sweep must not silently fall back to a default.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -136,6 +137,12 @@ class StrategySection:
     # devices tokens (what its job could produce); none: trust the claim (a user's ClientApp
     # whose batches do not follow client.batch_size / seq_len).
     token_cap: str = "job"
+    # Bounded influence (fl_geo.core.robust): median_norm rejects an update whose norm is more
+    # than robust_factor x the median norm of the round's updates (synchronous; the round's
+    # replies are held until it completes) or of the last robust_window updates (asynchronous).
+    robust: str = "none"  # none | median_norm
+    robust_factor: float = 3.0
+    robust_window: int = 16
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
@@ -521,6 +528,13 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
     _require(s.max_update_ratio >= 0, f"strategy.max_update_ratio must be >= 0, got {s.max_update_ratio}")
     _require(s.token_cap in ("job", "none"), f"strategy.token_cap must be job or none, got '{s.token_cap}'")
+    _require(s.robust in ("none", "median_norm"), f"strategy.robust must be none or median_norm, got '{s.robust}'")
+    _require(math.isfinite(s.robust_factor) and s.robust_factor >= 1,
+             f"strategy.robust_factor must be a finite number >= 1, got {s.robust_factor}")
+    _require(s.robust_window >= 3, f"strategy.robust_window must be >= 3, got {s.robust_window}")
+    _require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
+             f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "
+             f"not for strategy '{s.name}'{' with ps.followers' if cfg.ps.followers else ''}")
     ps = cfg.ps
     _require(ps.followers >= 0, f"ps.followers must be >= 0, got {ps.followers}")
     _require(ps.transport in ("local", "grpc"), f"ps.transport must be local or grpc, got '{ps.transport}'")

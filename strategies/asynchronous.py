@@ -26,10 +26,11 @@ import torch
 from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.core.grace import GraceTimer
+from fl_geo.core.robust import NormWindow
 from fl_geo.runtime.dispatch import Event, JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
-from fl_geo.runtime.wire import encode, payload_nbytes
+from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 
@@ -55,6 +56,7 @@ class AsyncOuterLoop(OuterLoop):
         cfg = self.cfg
         s = cfg.strategy
         self._scratch: torch.Tensor | None = None  # θ_current − θ_worker for the "current" base
+        self.norm_window = NormWindow(s.robust_window, s.robust_factor) if s.robust == "median_norm" else None
         self.dispatched_samples = 0  # for schedule_clock=global (docs/algorithms.md §1)
         self.waiting: list[int] = []  # pushers of this step: they get the new model after it
         self.tally = Tally()
@@ -170,6 +172,8 @@ class AsyncOuterLoop(OuterLoop):
             self.discard(ev)
             return
         staleness = self.version - int(ev.job.meta["version"])
+        if self.norm_window is not None and not self.within_norm_bound(ev, r):
+            return
         norm = self.fold_update(ev, r, staleness)
         if norm is None:
             return
@@ -186,6 +190,23 @@ class AsyncOuterLoop(OuterLoop):
         return read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
                           base=base, payloads=(self._send,), max_steps=self._inner_steps(ev.job.node),
                           step_tokens=self.step_tokens(ev.job.node))
+
+    def within_norm_bound(self, ev: Event, r: TrainReply) -> bool:
+        """``strategy.robust=median_norm``: False (logged, counted) for an update whose norm is
+        beyond the bound of the recent updates' median (fl_geo.core.robust)."""
+        update: Any = r.pieces
+        if r.payload == "params":
+            update = [(0, self._current_base_grad(r.pieces))]
+        try:
+            norm = check_finite_and_norm(update)
+        except PayloadError:
+            return True  # the fold refuses it with its own reason
+        reason = self.norm_window.judge(norm)
+        if reason is None:
+            return True
+        self._reject(self.tally, ev.job.node, reason)
+        self.discard(ev)
+        return False
 
     def discard(self, ev: Event) -> None:
         """Forget whatever a rejected reply left behind (the sharded loop: pushed shards)."""

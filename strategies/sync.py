@@ -29,10 +29,11 @@ import torch
 from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.core.penalty import StepWeightMix
+from fl_geo.core.robust import median_norm_outliers
 from fl_geo.runtime.dispatch import JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
-from fl_geo.runtime.wire import encode, payload_nbytes
+from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import NoLiveNode, OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 
@@ -47,6 +48,7 @@ class SyncOuterLoop(OuterLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rng = random.Random(self.cfg.run.seed)
+        self._held: list[tuple[int, TrainReply]] = []  # strategy.robust: the round's valid replies
         s = self.cfg.strategy
         self.warmup_left = s.sync_warmup_steps  # EDiT warm-up: one-step rounds still to run
         self.step_mix: StepWeightMix | None = None
@@ -124,6 +126,32 @@ class SyncOuterLoop(OuterLoop):
                 self._reject(stats, node, str(exc))
         if not valid:
             return
+        if self.cfg.strategy.robust == "median_norm":  # judged against the whole round: fold at its end
+            self._held.extend(valid)
+            return
+        self._fold_valid(stats, valid, warm)
+
+    def fold_held(self, stats: Tally, warm: bool) -> None:
+        """``strategy.robust=median_norm``: the round is complete; reject the updates whose norm
+        is beyond the bound of the round's median (fl_geo.core.robust), fold the others in the
+        order they were received."""
+        held, self._held = self._held, []
+        norms = []
+        for _, r in held:
+            try:
+                norms.append(check_finite_and_norm(r.pieces))
+            except PayloadError:
+                norms.append(float("nan"))  # refused by the fold with its own reason
+        s = self.cfg.strategy
+        outliers = median_norm_outliers(norms, s.robust_factor)
+        for i, reason in outliers.items():
+            self._reject(stats, held[i][0], reason)
+        kept = [h for i, h in enumerate(held) if i not in outliers]
+        if kept:
+            self._fold_valid(stats, kept, warm)
+
+    def _fold_valid(self, stats: Tally, valid: list[tuple[int, TrainReply]], warm: bool) -> None:
+        """Fold validated replies (weights, penalty, NaN/Inf and model-norm checks)."""
         stats.noisy_steps += sum(r.noisy_steps for _, r in valid)
         if self.penalty is not None and not warm:
             for node, r in valid:
@@ -176,6 +204,8 @@ class SyncOuterLoop(OuterLoop):
             timeout_s=s.round_timeout_s,
             timings=timings,
         )
+        if s.robust == "median_norm":
+            self.fold_held(stats, warm)
         clock = self.dispatcher.clock
         if self.scenario is not None:
             nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))

@@ -1,0 +1,111 @@
+"""Bounded influence (strategy.robust=median_norm, fl_geo.core.robust): the rule against its
+formula, then the synchronous and asynchronous loops with one site that scales and flips its
+update, on the InlineGrid (real ClientApp, real Messages)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+
+from fl_geo.clients.datacenter import app as client_app
+from fl_geo.config import ConfigError
+from fl_geo.core.robust import NormWindow, median_norm_outliers
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.server_app import run_server
+from tests.conftest import keep_declaration
+
+# ---- the rule --------------------------------------------------------------------------------------
+
+
+def test_outliers_are_the_norms_beyond_factor_times_the_median():
+    out = median_norm_outliers([1.0, 2.0, 3.0, 9.1], 3.0)  # median 2.5: bound 7.5
+    assert list(out) == [3] and "9.1 is more than 3 x the median norm 2.5 of 4 updates" in out[3]
+    assert median_norm_outliers([1.0, 2.0, 3.0, 7.5], 3.0) == {}  # at the bound: kept
+    assert median_norm_outliers([1.0, 100.0], 3.0) == {}  # two norms: no median worth the name
+    # a non-finite norm neither counts towards the median nor is judged here (the fold refuses it)
+    assert list(median_norm_outliers([1.0, 1.0, float("nan"), 1.0, 4.0], 3.0)) == [4]
+
+
+def test_the_window_judges_each_norm_against_the_ones_before_it():
+    w = NormWindow(size=4, factor=2.0)
+    assert [w.judge(n) for n in (1.0, 1.0, 100.0)] == [None, None, None]  # fewer than 3 before it
+    assert w.judge(1.2) is None  # median of (1, 1, 100) = 1: bound 2
+    assert "5 is more than 2 x the median norm 1.1 of 4 recent updates" in w.judge(5.0)
+    # rejected norms join the window, so honest norms that grow for good are accepted again
+    for _ in range(3):
+        w.judge(5.0)
+    assert w.judge(5.0) is None and w.state_dict() == [5.0, 5.0, 5.0, 5.0]
+
+
+# ---- the loops ---------------------------------------------------------------------------------------
+
+
+def _attack(scale, victim=0, tokens=None):
+    """A reply hook: the site of partition ``victim`` sends its update × ``scale`` (fp32 wire),
+    optionally claiming ``tokens``."""
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        metrics = dict(reply.content.metric_records["metrics"])
+        if metrics["partition_id"] != victim:
+            return reply
+        if tokens is not None:
+            metrics["tokens"] = tokens
+        arrays = ArrayRecord({k: Array(a.numpy() * np.float32(scale)) for k, a in reply.content.array_records["arrays"].items()})
+        return Message(keep_declaration(reply, {"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=msg)
+    return hook
+
+
+def _run(cfg, tmp_path, name, hook=None):
+    grid = InlineGrid(client_app, cfg.run.num_clients, seed=cfg.run.seed)
+    grid.reply_hook = hook
+    summary = run_server(grid, cfg, tmp_path / name)
+    return summary, torch.load(tmp_path / name / "final_model.pt")["params"]
+
+
+def test_sync_a_scaled_flipped_update_is_rejected_and_the_others_fold_bit_identically(tiny, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny("run.rounds=2", "run.num_clients=4", "strategy.robust=median_norm")
+    attacked, final = _run(cfg, tmp_path, "attacked", _attack(-10.0))
+    assert attacked["rejected"] == 2 and attacked["outer_steps"] == 2
+    assert caplog.text.count("x the median norm") == 2 and "strategy.robust=median_norm" in caplog.text
+    _, dropped = _run(cfg, tmp_path, "dropped", _attack(float("nan")))  # the same site never counts
+    assert torch.equal(final, dropped)
+    # without the bound the flipped update is finite, well-shaped and below the model-norm bound: it gets in
+    undefended, _ = _run(tiny("run.rounds=2", "run.num_clients=4"), tmp_path, "undefended", _attack(-10.0))
+    assert undefended["rejected"] == 0
+
+
+def test_sync_with_honest_sites_the_bound_changes_no_bit(tiny, tmp_path):
+    """Holding the round's replies until it completes folds them in the same order: same bits."""
+    cfg = tiny("run.rounds=2", "run.num_clients=4")
+    _, plain = _run(cfg, tmp_path, "plain")
+    robust, held = _run(tiny("run.rounds=2", "run.num_clients=4", "strategy.robust=median_norm"), tmp_path, "held")
+    assert robust["rejected"] == 0 and torch.equal(plain, held)
+
+
+def test_async_a_scaled_update_is_rejected_once_the_window_has_a_median(tiny, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny("run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "strategy.name=fedbuff",
+               "run.rounds=6", "strategy.robust=median_norm")
+    summary, final = _run(cfg, tmp_path, "attacked", _attack(-10.0, victim=0))
+    assert torch.isfinite(final).all() and summary["outer_steps"] == 6
+    # every reply of site 0 after the first three updates is judged, and rejected
+    assert summary["rejected"] >= 2 and caplog.text.count("recent updates (strategy.robust=median_norm)") == summary["rejected"]
+    undefended, _ = _run(tiny("run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4",
+                              "strategy.name=fedbuff", "run.rounds=6"), tmp_path, "undefended", _attack(-10.0, victim=0))
+    assert undefended["rejected"] == 0
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["strategy.robust=trimmed"], "strategy.robust must be none or median_norm"),
+    (["strategy.robust=median_norm", "strategy.robust_factor=0.5"], "robust_factor must be a finite number >= 1"),
+    (["strategy.robust=median_norm", "strategy.robust_factor=.inf"], "robust_factor must be a finite number >= 1"),
+    (["strategy.robust=median_norm", "strategy.robust_window=2"], "robust_window must be >= 3"),
+    (["strategy.robust=median_norm", "strategy.name=halos"], "not for strategy 'halos'"),
+])
+def test_bad_robust_settings_are_config_errors(tiny, overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        tiny(*overrides)
