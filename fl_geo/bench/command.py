@@ -19,7 +19,7 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fl-geo bench {outer,dispatch,ps,flower-path} [...]`` (or ``python -m fl_geo.bench ...``);
+    """``fl-geo bench {outer,dispatch,ps,attack,flower-path} [...]`` (or ``python -m fl_geo.bench ...``);
     returns 1 only with --strict and a FAIL."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["dispatch"]:  # server overhead per update; fl_geo.bench.dispatch owns its options
@@ -30,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fl_geo.bench.ps import main as ps_main
 
         return ps_main(argv[1:])
+    if argv[:1] == ["attack"]:  # one hostile site: honest / undefended / defended; fl_geo.bench.attack owns its options
+        from fl_geo.bench.attack import main as attack_main
+
+        return attack_main(argv[1:])
     if argv[:1] == ["flower-path"]:  # Flower's loopback deployment path; fl_geo.bench.flower_path owns its options
         from fl_geo.bench.flower_path import main as flower_path_main
 
@@ -51,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="server overhead per update vs Flower's message cost (no-op client)")
     sub.add_parser("ps", add_help=False,
                    help="sharded parameter server: follower memory, outer-step time, data path vs Flower")
+    sub.add_parser("attack", add_help=False,
+                   help="one hostile site of four: honest vs undefended vs defended final loss")
     sub.add_parser("flower-path", add_help=False,
                    help="Flower's own message path on a loopback SuperLink + SuperNode (MB/s each way)")
     args = parser.parse_args(argv)
