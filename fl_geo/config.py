@@ -397,6 +397,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return out
 
 
+# Keys a resumed run may change without becoming another run (`run_identity` leaves them out):
+# extending the budget (run.rounds, run.max_tokens; with client.total_steps=0 the inner LR
+# schedule's length follows the new budget, so an extended run is not bit-identical to one
+# started with the longer budget), where files go and how the run is watched (directories, run
+# name, loggers, progress), how often checkpoints are written and kept, and the process and
+# waiting settings of this machine (backend, threads, CPUs, node waits, the client device:
+# a restart may land on another host). Everything else - strategy, optimizers, penalty, model,
+# data, inner loop, wire precision, seeds, evaluation - shapes the model or its metrics history,
+# so a checkpoint written under other values is another run's.
+RESUME_MAY_CHANGE = frozenset({
+    "run.resume", "run.rounds", "run.max_tokens", "run.name", "run.out_dir", "run.progress",
+    "run.tensorboard", "run.loggers", "run.checkpoint_every", "run.checkpoint_keep", "run.checkpoint_dir",
+    "run.client_state_dir", "run.backend", "run.sim_cpus", "run.server_threads", "run.threads_per_client",
+    "run.min_nodes", "run.wait_nodes_timeout_s", "run.min_live_nodes", "run.min_live_wait_s",
+    "client.device", "data.data_dir", "ps.workdir", "ps.retry_s", "ps.heartbeat_s", "ps.host",
+    "ps.tls_certs_dir", "ps.allow_insecure_remote",
+})
+
+
+def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
+    """The run identity a checkpoint carries (`fl_geo.core.checkpoint`): every resolved config
+    value as ``{"section.key": value}`` except `RESUME_MAY_CHANGE`. Two configs with the same
+    identity train the same model (strategy, model layout, data, seeds), so a resume may use
+    the other's checkpoints; any difference makes them different runs."""
+    flat: dict[str, Any] = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if name not in RESUME_MAY_CHANGE:
+                flat[name] = value
+    return flat
+
+
 def config_from_yaml_string(text: str) -> FlGeoConfig:
     """Rebuild a config from :func:`to_yaml` output (how the ServerApp receives it)."""
     try:
