@@ -74,7 +74,8 @@ class RunSection:
     loggers: list[str] = field(default_factory=list)
     # Server checkpoints (fl_geo/core/checkpoint.py): every k outer steps (0 = off), newest `keep` kept,
     # in checkpoint_dir ("" = <run dir>/checkpoints). resume=true continues from the newest valid
-    # checkpoint there (a corrupt one is skipped) and starts fresh when there is none.
+    # checkpoint there (a corrupt one is skipped) and starts fresh when there is none and nothing
+    # to replace (fl_geo.server_app.open_checkpoints lists what it refuses instead).
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
     checkpoint_dir: str = ""
