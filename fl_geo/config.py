@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -25,6 +24,7 @@ from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
 from fl_geo.inner.model import ModelConfig
 from fl_geo.registry import METHODS
+from fl_geo.yaml_safe import load_yaml
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 WEIGHTINGS = ("uniform", "tokens")
@@ -74,7 +74,8 @@ class RunSection:
     loggers: list[str] = field(default_factory=list)
     # Server checkpoints (fl_geo/core/checkpoint.py): every k outer steps (0 = off), newest `keep` kept,
     # in checkpoint_dir ("" = <run dir>/checkpoints). resume=true continues from the newest valid
-    # checkpoint there (a corrupt one is skipped) and starts fresh when there is none.
+    # checkpoint there (a corrupt one is skipped) and starts fresh when there is none and nothing
+    # to replace (fl_geo.server_app.open_checkpoints lists what it refuses instead).
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
     checkpoint_dir: str = ""
@@ -340,18 +341,23 @@ def _check_sections(values: Any, where: str) -> None:
 
 
 def _load_yaml(p: Path) -> DictConfig:
-    """A YAML config file; a syntax error is one line with the file, line and column."""
+    """A YAML config file, read with `fl_geo.yaml_safe.load_yaml` (plain data only, duplicate keys
+    refused); every problem is one line with the file (and line, column): not valid YAML, a
+    ``!!python`` tag, a key given twice, an empty file (it would run the defaults while the user
+    meant something else), or a top level that is not a mapping of sections."""
     try:
-        values = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{p}: not valid YAML{at}: {problem}") from None
+        text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot read the config file ({exc})") from None
-    _check_sections(values if values is not None else {}, str(p))
-    return OmegaConf.load(p)
+    values = load_yaml(text, str(p))
+    if values is None:
+        raise ConfigError(f"{p}: the file is empty (or only comments); a config is a mapping of sections "
+                          f"({', '.join(_section_fields())}); leave the file out to run the defaults")
+    _check_sections(values, str(p))
+    try:
+        return OmegaConf.create(values)
+    except OmegaConfBaseException as exc:
+        raise _wrap(exc, str(p)) from None
 
 
 def _wrap(exc: OmegaConfBaseException, where: str) -> ConfigError:
@@ -414,6 +420,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return out
 
 
+# Keys a resumed run may change without becoming another run (`run_identity` leaves them out):
+# extending the budget (run.rounds, run.max_tokens; with client.total_steps=0 the inner LR
+# schedule's length follows the new budget, so an extended run is not bit-identical to one
+# started with the longer budget), where files go and how the run is watched (directories, run
+# name, loggers, progress), how often checkpoints are written and kept, and the process and
+# waiting settings of this machine (backend, threads, CPUs, node waits, the client device:
+# a restart may land on another host). Everything else - strategy, optimizers, penalty, model,
+# data, inner loop, wire precision, seeds, evaluation - shapes the model or its metrics history,
+# so a checkpoint written under other values is another run's.
+RESUME_MAY_CHANGE = frozenset({
+    "run.resume", "run.rounds", "run.max_tokens", "run.name", "run.out_dir", "run.progress",
+    "run.tensorboard", "run.loggers", "run.checkpoint_every", "run.checkpoint_keep", "run.checkpoint_dir",
+    "run.client_state_dir", "run.backend", "run.sim_cpus", "run.server_threads", "run.threads_per_client",
+    "run.min_nodes", "run.wait_nodes_timeout_s", "run.min_live_nodes", "run.min_live_wait_s",
+    "client.device", "data.data_dir", "ps.workdir", "ps.retry_s", "ps.heartbeat_s", "ps.host",
+    "ps.tls_certs_dir", "ps.allow_insecure_remote",
+})
+
+
+def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
+    """The run identity a checkpoint carries (`fl_geo.core.checkpoint`): every resolved config
+    value as ``{"section.key": value}`` except `RESUME_MAY_CHANGE`. Two configs with the same
+    identity train the same model (strategy, model layout, data, seeds), so a resume may use
+    the other's checkpoints; any difference makes them different runs."""
+    flat: dict[str, Any] = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if name not in RESUME_MAY_CHANGE:
+                flat[name] = value
+    return flat
+
+
 def config_from_yaml_string(text: str) -> FlGeoConfig:
     """Rebuild a config from :func:`to_yaml` output (how the ServerApp receives it)."""
     try:
@@ -443,8 +482,24 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _require_finite(cfg: FlGeoConfig) -> None:
+    """Every float of every section is a finite number: no key of the schema means anything by
+    ``.inf`` or ``.nan`` (0 is the "off" / "no bound" value where there is one), and a NaN would
+    slip through range checks written as ``x > 0`` (any comparison with NaN is false) only to
+    poison the run later."""
+    for section in fields(cfg):
+        values = getattr(cfg, section.name)
+        if not is_dataclass(values):
+            continue
+        for f in fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
+
+
 def validate(cfg: FlGeoConfig) -> None:
     """Cross-field checks that a schema of types cannot express."""
+    _require_finite(cfg)
     r, s, w, d, c, m = cfg.run, cfg.strategy, cfg.wire, cfg.data, cfg.client, cfg.model
     _require(r.rounds >= 1, f"run.rounds must be >= 1, got {r.rounds}")
     _require(r.num_clients >= 1, f"run.num_clients must be >= 1, got {r.num_clients}")
@@ -461,6 +516,8 @@ def validate(cfg: FlGeoConfig) -> None:
              "streaming loops keep in-flight transfers and fragment syncs that checkpoints do not hold")
     _require(r.min_live_nodes >= 0, f"run.min_live_nodes must be >= 0, got {r.min_live_nodes}")
     _require(r.min_live_wait_s >= 0, f"run.min_live_wait_s must be >= 0, got {r.min_live_wait_s}")
+    _require(r.wait_nodes_timeout_s >= 0, f"run.wait_nodes_timeout_s must be >= 0, got {r.wait_nodes_timeout_s}")
+    _require(r.min_nodes >= 0, f"run.min_nodes must be >= 0, got {r.min_nodes}")
     _require(
         s.name in STRATEGY_OPTIMIZERS,
         f"strategy.name '{s.name}' is unknown; valid: {', '.join(STRATEGY_OPTIMIZERS)}",
@@ -535,6 +592,12 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
              f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "
              f"not for strategy '{s.name}'{' with ps.followers' if cfg.ps.followers else ''}")
+    _require(0 <= s.beta1 < 1 and 0 <= s.beta2 < 1 and s.tau > 0,
+             f"strategy.beta1 and beta2 must be in [0, 1) and strategy.tau > 0, got {s.beta1}, {s.beta2}, {s.tau}")
+    _require(s.delay_activation >= 0 and s.staleness_exponent >= 0 and s.grace_max_s >= 0,
+             "strategy.delay_activation, staleness_exponent and grace_max_s must be >= 0, got "
+             f"{s.delay_activation}, {s.staleness_exponent}, {s.grace_max_s}")
+    _require(cfg.halos.local_activation >= 0, f"halos.local_activation must be >= 0, got {cfg.halos.local_activation}")
     ps = cfg.ps
     _require(ps.followers >= 0, f"ps.followers must be >= 0, got {ps.followers}")
     _require(ps.transport in ("local", "grpc"), f"ps.transport must be local or grpc, got '{ps.transport}'")
@@ -569,6 +632,14 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
     _require(len(set(d.noise_partitions)) == len(d.noise_partitions), f"data.noise_partitions has duplicates: {d.noise_partitions}")
     _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
+    _require(0 <= c.min_lr_ratio <= 1, f"client.min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}")
+    _require(c.warmup_steps >= 0 and c.total_steps >= 0,
+             f"client.warmup_steps and client.total_steps must be >= 0, got {c.warmup_steps} and {c.total_steps}")
+    _require(0 <= c.beta1 < 1 and 0 <= c.beta2 < 1, f"client.beta1 and client.beta2 must be in [0, 1), got {c.beta1} and {c.beta2}")
+    _require(c.eps > 0, f"client.eps must be > 0, got {c.eps}")
+    _require(c.weight_decay >= 0 and c.grad_clip >= 0,
+             f"client.weight_decay and client.grad_clip must be >= 0 (0 = off), got {c.weight_decay} and {c.grad_clip}")
+    _require(c.eval_batches >= 1, f"client.eval_batches must be >= 1, got {c.eval_batches}")
     _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     kind, _, index = c.device.partition(":")
     _require(kind in ("auto", "cuda", "npu", "mps", "cpu") and (not index or (index.isdigit() and kind in ("cuda", "npu"))),

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.paths import SCENARIOS_DIR as _REPO_SCENARIOS
 from fl_geo.timing.scenario import Scenario, ScenarioError, ScenarioSpec
+from fl_geo.yaml_safe import load_yaml
 
 __all__ = [
     "list_scenarios",
@@ -164,11 +165,14 @@ def load_scenario(path_or_name: str | Path, overrides: list[str] | None = None) 
     """
     path = _resolve(path_or_name)
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (OmegaConfBaseException, OSError, ValueError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{path}: cannot read scenario YAML: {exc}") from None
+    # plain data only: a !!python tag, a key given twice or bad syntax is one line naming the line
+    data = load_yaml(text, str(path), ScenarioError)
     if data is None:
-        data = {}
+        raise ScenarioError(f"{path}: the scenario file is empty; it needs at least regions, nodes, "
+                            "links.bandwidth_gbps and model.step_time_s")
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: a scenario file must be a mapping of keys, got {type(data).__name__}")
     for item in overrides or []:

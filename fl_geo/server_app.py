@@ -25,15 +25,16 @@ from fl_geo.config import (
     ConfigError,
     FlGeoConfig,
     load_config,
+    run_identity,
     to_dict,
 )
-from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
+from fl_geo.core.checkpoint import Checkpoint, CheckpointStore, identity_diff
 from fl_geo.core.state import ParamSpec
 from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
 from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.progress import Progress
-from fl_geo.runtime.session import RunSession
+from fl_geo.runtime.session import RESULT_FILES, RunSession
 from fl_geo.strategies import build_strategy
 
 log = logging.getLogger("fl_geo")
@@ -83,16 +84,60 @@ def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) 
 
 def open_checkpoints(cfg: FlGeoConfig, run_dir: Path) -> tuple[CheckpointStore | None, Checkpoint | None]:
     """The run's checkpoint store (when ``run.checkpoint_every`` > 0 or ``run.resume``) and,
-    with ``run.resume``, the newest checkpoint that verifies (None: start fresh)."""
+    with ``run.resume``, the checkpoint to continue from. Raises ConfigError, before anything
+    on disk changes, whenever going on could lose or mix results:
+
+    - a new run (no ``run.resume``) whose checkpoint directory already holds checkpoint files:
+      they are an earlier run's (of this config or another), and writing ours beside them would
+      let a later resume or the pruning confuse the two;
+    - ``run.resume`` where checkpoint files exist but none verifies (all damaged): starting
+      fresh would silently throw the run's progress away;
+    - ``run.resume`` where the newest checkpoint that verifies was written by another run
+      configuration (its run identity, `fl_geo.config.run_identity`, differs): the message names
+      the keys that differ;
+    - ``run.resume`` with no checkpoint file at all while ``run_dir`` holds results of an
+      earlier run (`RESULT_FILES`): a fresh start would replace them.
+
+    ``run.resume`` with no checkpoint file and nothing to replace starts a new run (logged at
+    WARNING), so one command serves a first start and a restart. A damaged newest checkpoint
+    is skipped for the previous one that verifies (warning), as before."""
     r = cfg.run
     if not r.checkpoint_every and not r.resume:
         return None, None
-    store = CheckpointStore(Path(r.checkpoint_dir) if r.checkpoint_dir else run_dir / "checkpoints", r.checkpoint_keep)
+    identity = run_identity(cfg)
+    store = CheckpointStore(Path(r.checkpoint_dir) if r.checkpoint_dir else run_dir / "checkpoints",
+                            r.checkpoint_keep, identity=identity)
+    present = store.steps()
     if not r.resume:
+        if present:
+            newest = store.path_for(present[-1])
+            whose = ("this config's" if store.owns(present[-1])
+                     else "another config's or an unreadable one")
+            raise ConfigError(
+                f"{store.directory} already holds {len(present)} checkpoint file(s) of an earlier run (newest "
+                f"{newest.name}: {whose}); a new run does not write beside them. Continue that run with "
+                "run.resume=true, or move them away, or set run.checkpoint_dir to an empty directory")
+        return store, None
+    if not present:
+        earlier = [name for name in RESULT_FILES if (run_dir / name).exists()]
+        if earlier:
+            raise ConfigError(
+                f"run.resume=true but {store.directory} holds no checkpoint, and {run_dir} holds results of an "
+                f"earlier run ({', '.join(earlier)}) that a fresh start would replace; nothing was changed. "
+                "Point run.checkpoint_dir at the run's checkpoints, or start a new run in another directory")
+        log.warning("fl-geo: run.resume=true but %s holds no checkpoint: starting a new run", store.directory)
         return store, None
     latest = store.load_latest()
     if latest is None:
-        log.info("fl-geo: run.resume=true but no valid checkpoint in %s: starting fresh", store.directory)
+        raise ConfigError(
+            f"run.resume=true but none of the {len(present)} checkpoint file(s) in {store.directory} verifies "
+            "(each was skipped with a warning above: truncated, damaged or of another format); nothing was "
+            "changed. Move them away to start a new run")
+    if latest.identity != identity:
+        raise ConfigError(
+            f"cannot resume from {latest.path}: it was written by another run configuration "
+            f"({identity_diff(identity, latest.identity)}); resume with the config that wrote it, or start a "
+            "new run with another run.checkpoint_dir")
     return store, latest
 
 

@@ -176,17 +176,107 @@ def test_async_resume_keeps_every_accepted_step(tiny, tmp_path):
     assert steps == sorted(steps) and steps[-1] == 5 and len(steps) == len(set(steps))
 
 
+def _files(root) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes: what "nothing on disk changed" is checked against."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def test_resume_refuses_another_strategy_or_model(tiny, tmp_path):
     run_server(InlineGrid(client_app, 3, seed=0), tiny("run.checkpoint_every=1"), tmp_path / "r")
-    with pytest.raises(ConfigError, match="strategy 'diloco'"):
+    before = _files(tmp_path / "r")
+    with pytest.raises(ConfigError, match="another run configuration .*strategy.name: 'diloco' in the checkpoint, "
+                                          "'fedavg' now"):
         run_server(InlineGrid(client_app, 3, seed=0), tiny("strategy.name=fedavg", "run.resume=true"), tmp_path / "r")
-    with pytest.raises(ConfigError, match="parameter layout"):
+    with pytest.raises(ConfigError, match="model.d_model: 32 in the checkpoint, 16 now"):
         run_server(InlineGrid(client_app, 3, seed=0), tiny("model.d_model=16", "run.resume=true"), tmp_path / "r")
+    # a hyperparameter the strategy check never saw is named too; nothing on disk changed
+    with pytest.raises(ConfigError, match="client.lr: 0.003 in the checkpoint, 0.002 now"):
+        run_server(InlineGrid(client_app, 3, seed=0), tiny("client.lr=0.002", "run.resume=true"), tmp_path / "r")
+    assert _files(tmp_path / "r") == before
 
 
-def test_resume_without_a_checkpoint_starts_fresh(tiny, tmp_path):
-    summary = run_server(InlineGrid(client_app, 3, seed=0), tiny("run.resume=true"), tmp_path / "fresh")
+def test_resume_without_a_checkpoint_starts_fresh(tiny, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="fl_geo"):
+        summary = run_server(InlineGrid(client_app, 3, seed=0), tiny("run.resume=true"), tmp_path / "fresh")
     assert summary["outer_steps"] == 2
+    assert "holds no checkpoint: starting a new run" in caplog.text
+    # an empty checkpoint directory is the same: nothing to lose, a new run
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    summary = run_server(InlineGrid(client_app, 3, seed=0), tiny("run.resume=true"), tmp_path / "empty")
+    assert summary["outer_steps"] == 2
+
+
+def test_resume_without_a_checkpoint_keeps_earlier_results(tiny, tmp_path):
+    """A finished run without checkpoints, then run.resume=true into its directory: a fresh start
+    would delete its metrics, summary and model. Refused; every file stays byte-identical."""
+    run_server(InlineGrid(client_app, 3, seed=0), tiny(), tmp_path / "r")
+    before = _files(tmp_path / "r")
+    assert "final_model.pt" in before and "metrics.jsonl" in before
+    with pytest.raises(ConfigError, match=r"holds no checkpoint, and .* holds results of an earlier run "
+                                          r"\(metrics.jsonl, summary.json, meta.json, final_model.pt"):
+        run_server(InlineGrid(client_app, 3, seed=0), tiny("run.resume=true"), tmp_path / "r")
+    assert _files(tmp_path / "r") == before
+
+
+def test_resume_with_only_damaged_checkpoints_is_an_error_not_a_fresh_start(tiny, tmp_path, caplog):
+    cfg = tiny("run.checkpoint_every=1")
+    run_server(InlineGrid(client_app, 3, seed=0), cfg, tmp_path / "r")
+    store = CheckpointStore(tmp_path / "r" / "checkpoints")
+    assert store.steps() == [1, 2]
+    for step in store.steps():
+        path = store.path_for(step)
+        path.write_bytes(path.read_bytes()[:-3])  # every checkpoint torn
+    before = _files(tmp_path / "r")
+    with caplog.at_level(logging.WARNING, logger="fl_geo"), \
+            pytest.raises(ConfigError, match="none of the 2 checkpoint file.* verifies"):
+        run_server(InlineGrid(client_app, 3, seed=0), tiny("run.checkpoint_every=1", "run.resume=true"), tmp_path / "r")
+    assert caplog.text.count("skipping checkpoint that does not verify") == 2
+    assert _files(tmp_path / "r") == before
+
+
+def test_new_run_refuses_a_directory_with_earlier_checkpoints(tiny, tmp_path):
+    """A new run (no run.resume) into a directory holding checkpoints (of this config or another)
+    refuses before anything changes: its own checkpoints would otherwise sit beside the old run's,
+    and a later resume or the pruning could take theirs for ours."""
+    run_server(InlineGrid(client_app, 3, seed=0), tiny("run.checkpoint_every=1", "run.rounds=3"), tmp_path / "r")
+    before = _files(tmp_path / "r")
+    for extra in ([], ["strategy.outer_lr=0.5"]):
+        with pytest.raises(ConfigError, match="already holds 3 checkpoint file.*newest ckpt-00000003.pt"):
+            run_server(InlineGrid(client_app, 3, seed=0), tiny("run.checkpoint_every=1", *extra), tmp_path / "r")
+    assert _files(tmp_path / "r") == before
+
+
+def test_a_checkpoint_names_its_run_and_pruning_spares_other_runs(tmp_path):
+    """Two stores (two run identities) in one directory: each prunes only its own files, never
+    replaces the other's, and a damaged identity is a checksum failure, not another owner."""
+    ours = CheckpointStore(tmp_path, keep=2, identity={"strategy.name": "diloco"})
+    theirs = CheckpointStore(tmp_path, keep=2, identity={"strategy.name": "edit"})
+    theirs.save(0, _state(0))
+    theirs.save(9, _state(9))  # newer than anything ours will write
+    foreign = {s: theirs.path_for(s).read_bytes() for s in (0, 9)}
+    for i in range(1, 6):
+        ours.save(i, _state(i))
+    assert ours.own_steps() == [4, 5] and ours.foreign_steps() == [0, 9]
+    assert ours.steps() == [0, 4, 5, 9]
+    assert {s: theirs.path_for(s).read_bytes() for s in (0, 9)} == foreign
+    latest = ours.load_latest()  # the newest file is theirs, and says so
+    assert latest is not None and latest.step == 9 and latest.identity == {"strategy.name": "edit"}
+    with pytest.raises(CheckpointError, match="not written by this run"):
+        ours.save(9, _state(1))
+    assert theirs.path_for(9).read_bytes() == foreign[9]
+    # their stale .tmp is theirs too; ours is removed at our next save
+    (tmp_path / "ckpt-00000010.pt.tmp").write_bytes(encode_checkpoint(_state(10), {"strategy.name": "edit"})[:200])
+    (tmp_path / "ckpt-00000006.pt.tmp").write_bytes(encode_checkpoint(_state(6), {"strategy.name": "diloco"})[:200])
+    ours.save(7, _state(7))
+    assert sorted(p.name for p in tmp_path.glob("*.tmp")) == ["ckpt-00000010.pt.tmp"]
+    # a flipped bit in the identity fails the checksum (the previous checkpoint is used), it does
+    # not turn the file into another run's
+    path = ours.path_for(7)
+    data = bytearray(path.read_bytes())
+    data[84 + 3] ^= 0x01  # inside the identity JSON, which follows the 84-byte fixed header
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        ours.load(7)
 
 
 def test_checkpointing_is_refused_where_it_is_not_complete(tiny):

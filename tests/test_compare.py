@@ -120,3 +120,25 @@ def test_tensorboard_losses_also_against_virtual_time_and_tokens():
     assert not any(tag.startswith("comm/bytes_up") for tag, _ in points)  # NaN: JSONL null, not plotted
     wall = metrics_record(1, 1.0, {"val/loss": 2.0, "train/tokens": 10})
     assert not any(tag.startswith("by_virtual_s") for tag, _, _ in tensorboard_points(1, wall))
+
+
+def test_a_torn_last_metrics_line_is_skipped_with_a_warning(tmp_path, caplog):
+    """A run killed while appending leaves a prefix of its last record: readers keep every whole
+    record before it and warn; a bad line in the middle is damage, a one-line error."""
+    import logging
+
+    from fl_geo.runtime.metrics import read_metrics
+
+    d = _fake_run(tmp_path, "torn", [3.0, 2.5, 2.0])
+    whole = read_metrics(d)
+    with (d / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 3, "time/wall_s": 30.0, "val/lo')  # no newline: the write was cut
+    with caplog.at_level(logging.WARNING, logger="fl_geo"):
+        assert read_metrics(d) == whole
+        run = load_run(d)
+    assert "skipping line 4, a torn last record" in caplog.text
+    assert [r["step"] for r in run.rows] == [0, 1, 2] and run.final_loss == 2.0
+    lines = (d / "metrics.jsonl").read_text().split("\n")
+    (d / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:-5], *lines[2:]]))
+    with pytest.raises(ConfigError, match="line 2 is not a metrics record"):
+        load_run(d)

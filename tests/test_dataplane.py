@@ -535,3 +535,51 @@ def test_data_path_throughput_is_sane(tmp_path):
     assert r["push_s"] > 0 and r["pull_s"] > 0
     assert r["push_mb_s"] > 20 and r["pull_mb_s"] > 20
     assert 50 < r["follower_peak_rss_mib"] < 4096
+
+
+# ---- bounded resources on bad frames ---------------------------------------------------------------
+
+def test_an_oversized_json_frame_is_refused_before_parsing(plan):
+    """A push header or control request over 1 MiB (gRPC would let 64 MiB through) is refused
+    with INVALID_ARGUMENT before it is parsed; the follower holds nothing afterwards."""
+    from fl_geo.ps.frames import MAX_JSON_FRAME_BYTES, RequestError
+
+    f = _follower(plan, 1, "bf16")
+    service = FollowerService(f)
+    big = _header(f, job="big", meta={"pad": "x" * MAX_JSON_FRAME_BYTES})
+    frames = list(encode_frames(_update(f.numel, "bf16", 1), CHUNK))
+    with pytest.raises(RequestError, match=r"push header of \d+ bytes exceeds 1048576") as info:
+        service._push_stream(iter([big, *frames]))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert not f.pending and not service._owners
+    ctx = _Context()
+    request = json.dumps({"op": "health", "args": {}, "id": "x" * MAX_JSON_FRAME_BYTES}).encode()
+    with pytest.raises(_Aborted, match="control request of .* exceeds"):
+        service._control(request, ctx)
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and not service._calls
+
+
+def test_the_control_reply_cache_stays_bounded_behind_a_stuck_call(plan):
+    """The repeated-id cache holds at most ``remember`` ids (more only while more calls than that
+    run at once): a call stuck behind a slow peer no longer stops older answers from being forgotten (before, the
+    cache grew by one entry per request for as long as the oldest call ran)."""
+    f = _follower(plan, 1, "bf16")
+    service = FollowerService(f, remember=4)
+    release, started = threading.Event(), threading.Event()
+
+    def stuck() -> bytes:
+        started.set()
+        release.wait(10)
+        return b"late"
+
+    t = threading.Thread(target=service._once, args=("stuck", stuck), daemon=True)
+    t.start()
+    assert started.wait(5)
+    for i in range(50):
+        assert service._once(f"id-{i}", lambda i=i: str(i).encode()) == str(i).encode()
+    assert list(service._calls) == ["stuck", "id-47", "id-48", "id-49"]  # the running call + 3 answers
+    assert service._once("id-49", lambda: b"again") == b"49"  # a retry still gets the first answer
+    release.set()
+    t.join(5)
+    service._once("next", lambda: b"n")
+    assert len(service._calls) == 4 and "stuck" not in service._calls

@@ -285,3 +285,86 @@ def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
         assert g["lps_counters"][region]["sends"] == 2
     steps = [m for m in _metrics(res.run_dirs[topo.global_tier.name]) if m.get("halos/region") is not None]
     assert sorted(m["halos/region"] for m in steps) == [0, 0, 1, 1]
+
+
+def test_a_frame_declaring_a_huge_payload_is_refused_before_reading(sock_dir):
+    """Declared sizes are checked before anything that large is allocated or read: the sender
+    sends only a header claiming 1 TB of arrays (no data follows), and the reader refuses it at
+    once; the LPS service's limit is one fp32 model plus a .npy header per parameter."""
+    from fl_geo.halos.ipc import MAGIC, payload_limit
+
+    head = json.dumps({"op": "exchange", "arrays": [
+        {"key": "w", "dtype": "float32", "shape": [3, 2], "stype": "numpy.ndarray", "nbytes": 10**12}]}).encode()
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5.0)  # without the check the reader would wait for the terabyte, then fail here
+        a.sendall(MAGIC + len(head).to_bytes(4, "big") + head)
+        with pytest.raises(IpcError, match="frame payload of 1000000000000 bytes exceeds the limit of 4136"):
+            recv_frame(b, max_payload_bytes=payload_limit(10, 1))
+    spec = _spec()
+    svc = LpsService(f"unix://{sock_dir}/cap.sock", spec, "fp32", reply_timeout_s=5.0)
+    assert svc.max_payload_bytes == 4 * 10 + 4096 * 2
+    svc.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5.0)
+            s.connect(svc.path)
+            s.sendall(MAGIC + len(head).to_bytes(4, "big") + head)
+            header, _ = recv_frame(s)
+        assert header["op"] == "error" and "exceeds the limit of 8232" in header["error"]
+        assert svc.inbox.empty() and svc.rejected == 1
+    finally:
+        svc.close()
+
+
+def test_a_peer_trickling_bytes_cannot_hold_a_reader_or_the_service(sock_dir):
+    """A socket timeout bounds one recv; a peer sending a byte every 50 ms never trips it. The
+    frame's own deadline does: the reader gives up on time, and the LPS service (one connection
+    at a time) answers the next bridge instead of waiting on the slow one for ever."""
+    from fl_geo.halos.ipc import MAGIC
+
+    stop = threading.Event()
+
+    def trickle(sock: socket.socket) -> None:
+        data = MAGIC + (1000).to_bytes(4, "big") + b"{" * 1000
+        for i in range(len(data)):
+            if stop.is_set():
+                return
+            try:
+                sock.sendall(data[i:i + 1])
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(0.3)  # per recv: never reached while bytes keep coming
+        t = threading.Thread(target=trickle, args=(a,), daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="frame not complete in time"):
+            recv_frame(b, timeout_s=0.6)
+        assert time.monotonic() - t0 < 1.5
+        stop.set()
+        t.join(timeout=5)
+
+    spec = _spec()
+    svc = LpsService(f"unix://{sock_dir}/slow.sock", spec, "fp32", reply_timeout_s=5.0, request_timeout_s=0.6)
+    svc.start()
+    stop.clear()
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        slow.connect(svc.path)
+        t = threading.Thread(target=trickle, args=(slow,), daemon=True)
+        t.start()
+        time.sleep(0.1)  # the service is now reading the slow request
+        svc.outbox.put((encode(torch.ones(spec.numel), spec, "fp32"), {}))
+        t0 = time.monotonic()
+        reply, out = exchange(svc.address, {"op": "exchange"}, None, connect_timeout_s=2, reply_timeout_s=5)
+        assert reply["op"] == "result" and out is not None
+        assert time.monotonic() - t0 < 3.0  # served after the slow peer's 0.6 s, not after its 50 s
+        assert svc.rejected == 1  # the slow request, answered with an error
+    finally:
+        stop.set()
+        slow.close()
+        svc.close()

@@ -301,3 +301,32 @@ def test_yaml_file_errors_name_the_file(tmp_path):
     s = load_scenario(p)  # name defaults to the file stem; an infinite link costs nothing
     assert s.name == "mine" and s.transfer_time("a", "a", 10**12) == 0.0
     assert not math.isnan(s.allreduce_time([0], 10))
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("name: x\nregions: [a]\nregions: [b]\n", "key 'regions' appears twice in one mapping (line 2 and line 3)"),
+        ("name: !!python/object/apply:os.getcwd []\n", "YAML tag refused at line 1"),
+        ("", "the scenario file is empty"),
+        ("- a\n", "a scenario file must be a mapping of keys, got list"),
+        ("regions: [a\n", "not valid YAML at line 2"),
+        ("regions: [a]\nserver_region: a\nlinks: {bandwidth_gbps: [[.nan]]}\nmodel: {step_time_s: 1.0}\n"
+         "nodes: [{region: a}]\n", "links.bandwidth_gbps[0][0] (region 0 -> 0) must be > 0 Gbit/s, got nan"),
+        ("regions: [a]\nserver_region: a\nlinks: {bandwidth_gbps: [[1.0]], latency_s: [[-0.5]]}\n"
+         "model: {step_time_s: 1.0}\nnodes: [{region: a}]\n", "links.latency_s[0][0] (region 0 -> 0) must be a finite value >= 0"),
+        ("regions: [a]\nserver_region: a\nlinks: {bandwidth_gbps: [[1.0]], latency_s: [[.inf]]}\n"
+         "model: {step_time_s: 1.0}\nnodes: [{region: a}]\n", "must be a finite value >= 0, got inf"),
+        ("regions: [a]\nserver_region: a\nlinks: {bandwidth_gbps: [[1.0]]}\nmodel: {step_time_s: .inf}\n"
+         "nodes: [{region: a}]\n", "model.step_time_s must be > 0"),
+    ],
+)
+def test_bad_scenario_files_are_one_clear_error(tmp_path, text, needle):
+    """Scenario files go through the same plain-data YAML reader as configs: a duplicate key, a
+    Python tag, an empty file, bad syntax, and NaN / negative / infinite times are each a
+    ScenarioError (a ConfigError: one line, exit 2 from the CLI) naming the problem."""
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(p)
+    assert str(exc.value).startswith(f"{p}: ") and needle in str(exc.value), str(exc.value)

@@ -32,6 +32,18 @@ def _one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         ("run:\n\tname: tab\n", "not valid YAML at line 2"),
         ("data: 5\n", "'data' is a section, not a value (5); set its keys, e.g. data.corpus=..."),
         ("- a\n- b\n", "a config is a mapping of sections"),
+        ("42\n", "a config is a mapping of sections (run, strategy, penalty, halos, streaming, wire, ps, model, "
+                 "data, client), got int"),
+        ("", "the file is empty (or only comments)"),
+        ("# nothing set\n", "the file is empty (or only comments)"),
+        ("run:\n  rounds: 3\n  rounds: 4\n", "key 'rounds' appears twice in one mapping (line 2 and line 3)"),
+        ("run:\n  rounds: 3\nclient:\n  lr: 0.1\nrun:\n  seed: 1\n", "key 'run' appears twice in one mapping "
+                                                                     "(line 1 and line 5)"),
+        ("run:\n  name: !!python/object/apply:os.system ['echo owned']\n", "YAML tag refused at line 2, column 9"),
+        ("run:\n  out_dir: !!python/object/apply:pathlib.Path ['/tmp']\n", "YAML tag refused at line 2"),
+        ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+         "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+         "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n", "more than 100000 values once YAML aliases are expanded"),
     ],
 )
 def test_bad_config_file_is_one_line(tmp_path, capsys, content: str, needle: str) -> None:
@@ -39,6 +51,30 @@ def test_bad_config_file_is_one_line(tmp_path, capsys, content: str, needle: str
     path.write_text(content)
     err = _one_error_line(capsys, ["config", str(path)])
     assert err.startswith(f"fl-geo: config error: {path}") and needle in err
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+        ("client:\n  lr: .inf\n", "client.lr must be a finite number, got inf"),
+        ("client:\n  lr: .nan\n", "client.lr must be a finite number, got nan"),
+        ("strategy:\n  outer_lr: .inf\n", "strategy.outer_lr must be a finite number, got inf"),
+        ("strategy:\n  round_timeout_s: .inf\n", "strategy.round_timeout_s must be a finite number, got inf"),
+        ("strategy:\n  round_timeout_s: -1\n", "strategy.round_timeout_s must be >= 0"),
+        ("run:\n  wait_nodes_timeout_s: -5\n", "run.wait_nodes_timeout_s must be >= 0, got -5.0"),
+        ("client:\n  lr: -0.1\n", "client.lr, batch_size and seq_len must be positive"),
+        ("client:\n  weight_decay: -0.1\n", "client.weight_decay and client.grad_clip must be >= 0"),
+        ("client:\n  beta2: 1.5\n", "client.beta1 and client.beta2 must be in [0, 1)"),
+        ("strategy:\n  tau: 0\n", "strategy.beta1 and beta2 must be in [0, 1) and strategy.tau > 0"),
+        ("run:\n  rounds: -3\n", "run.rounds must be >= 1, got -3"),
+        ("run:\n  rounds: .inf\n", "invalid config key or value 'run.rounds'"),
+        ("ps:\n  heartbeat_s: .inf\n", "ps.heartbeat_s must be a finite number, got inf"),
+])
+def test_bad_values_in_a_config_file_are_one_line(tmp_path, capsys, content: str, needle: str) -> None:
+    """Infinite, NaN or negative values where they make no sense: one line, exit 2, before any
+    run starts (NaN fails every comparison, so only an explicit finiteness check catches it)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    err = _one_error_line(capsys, ["config", str(path)])
+    assert err.startswith("fl-geo: config error: ") and needle in err, err
 
 
 @pytest.mark.parametrize(
@@ -84,6 +120,20 @@ def test_compare_with_nothing_to_compare_is_one_line(tmp_path, capsys) -> None:
     (tmp_path / "empty" / "summary.json").write_text("{not json")
     assert "cannot read the run's results" in _one_error_line(
         capsys, ["compare", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
+
+
+def test_resume_that_would_replace_earlier_results_is_one_line(tmp_path, capsys) -> None:
+    """``run.resume=true`` into a run directory without checkpoints but with an earlier run's
+    results: exit 2, one line, the files untouched (a fresh start would have deleted them)."""
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run_dir / "final_model.pt").write_bytes(b"earlier model")
+    err = _one_error_line(capsys, ["run", *TINY, "run.resume=true", "--out", str(tmp_path / "runs")])
+    assert err.startswith("fl-geo: config error: run.resume=true but ") and "holds no checkpoint" in err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["final_model.pt", "metrics.jsonl"]
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert (run_dir / "final_model.pt").read_bytes() == b"earlier model"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import struct
 import warnings
 
 import numpy as np
@@ -162,6 +164,34 @@ def test_rejects_truncated_or_padded_data(spec: ParamSpec, flat: torch.Tensor) -
         decode(_tamper(record, "scale", data=b"garbage"), spec, "bf16")
     with pytest.raises(PayloadError, match="stype 'torch.Tensor'"):
         decode(_tamper(record, "scale", stype="torch.Tensor"), spec, "bf16")
+
+
+def _padded_npy(piece: np.ndarray, header_bytes: int, version: int) -> bytes:
+    """A well-formed .npy of ``piece`` whose header is padded with spaces to about ``header_bytes``
+    (the format allows it; np.save never writes it)."""
+    text = repr({"descr": piece.dtype.str, "fortran_order": False, "shape": piece.shape})
+    prefix = 10 if version == 1 else 12
+    total = -(-(prefix + header_bytes) // 64) * 64  # a 64-byte multiple, as the format wants
+    text = text + " " * (total - prefix - len(text) - 1) + "\n"
+    size = struct.pack("<H", len(text)) if version == 1 else struct.pack("<I", len(text))
+    return b"\x93NUMPY" + bytes([version, 0]) + size + text.encode("latin1") + piece.tobytes()
+
+
+@pytest.mark.parametrize(("header_bytes", "version"), [(60_000, 1), (1 << 20, 2)])
+def test_rejects_a_padded_npy_header_before_parsing_it(spec: ParamSpec, flat: torch.Tensor,
+                                                       header_bytes: int, version: int) -> None:
+    """A header padded to 60 KB (format 1.0) or 1 MB (2.0) is valid .npy, and NumPy would parse
+    it; decode refuses it from the length field, before copying or parsing a byte of it."""
+    record = encode(flat, spec, "fp32")
+    piece = flat[1568:1584].numpy().copy()  # the values of 'blocks.0.norm' (16 floats)
+    data = _padded_npy(piece, header_bytes, version)
+    assert np.load(io.BytesIO(data), allow_pickle=False, max_header_size=header_bytes + 100).tolist() == piece.tolist()
+    with pytest.raises(PayloadError, match=r"'blocks.0.norm': .npy header of \d+ bytes exceeds 4096"):
+        decode(_tamper(record, "blocks.0.norm", data=data), spec, "fp32")
+    # a header that claims 3 GB but is not there: refused by the same bound, nothing allocated
+    claim = b"\x93NUMPY\x02\x00" + struct.pack("<I", 3 << 30) + b"{}"
+    with pytest.raises(PayloadError, match="exceeds 4096"):
+        decode(_tamper(record, "scale", data=claim), spec, "fp32")
 
 
 @pytest.mark.parametrize(("value", "what"), [(float("nan"), "1 NaN, 0 \\+Inf, 0 -Inf"),

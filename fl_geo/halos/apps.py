@@ -48,7 +48,7 @@ from flwr.serverapp import Grid, ServerApp
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.core.halos import GlobalParameterServer
 from fl_geo.core.state import ParamSpec, flatten
-from fl_geo.halos.ipc import IpcError, recv_frame, send_frame, unix_path
+from fl_geo.halos.ipc import IpcError, payload_limit, recv_frame, send_frame, unix_path
 from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
 from fl_geo.runtime.dispatch import Dispatcher, Event, NodeProfile
@@ -105,10 +105,18 @@ class LpsService:
     (only this user's bridge can connect) and removed on `close`.
     """
 
-    def __init__(self, address: str, spec: ParamSpec, precision_down: str, reply_timeout_s: float) -> None:
+    def __init__(self, address: str, spec: ParamSpec, precision_down: str, reply_timeout_s: float,
+                 request_timeout_s: float | None = None) -> None:
+        """``request_timeout_s``: how long one bridge may take to send its whole request (None: 60 s
+        plus 1 s per 100 MB of the largest frame). The service serves one connection at a time,
+        so this is what bounds the wait a slow or stuck bridge can impose on the next one."""
         self.address = address
         self.path = unix_path(address)
         self.spec = spec
+        # the largest request frame: one model (wire.down) with a .npy header per parameter
+        self.max_payload_bytes = payload_limit(spec.numel, len(spec.names))
+        self.request_timeout_s = (60.0 + self.max_payload_bytes / 100e6 if request_timeout_s is None
+                                  else request_timeout_s)
         self.precision_down = precision_down
         self.reply_timeout_s = reply_timeout_s
         self.inbox: queue.Queue[tuple[torch.Tensor | None, bool, int]] = queue.Queue()
@@ -178,11 +186,16 @@ class LpsService:
         send_frame(conn, {"op": "error", "error": reason})
 
     def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(60.0)  # reading the request: the bridge sends at once
+        conn.settimeout(self.request_timeout_s)  # reading the request: the bridge sends at once
         try:
-            header, record = recv_frame(conn)
+            header, record = recv_frame(conn, self.max_payload_bytes, timeout_s=self.request_timeout_s)
         except IpcError as exc:
+            conn.settimeout(5.0)  # the read may have left a near-zero timeout: room for the answer
             self._error(conn, f"malformed request: {exc}")
+            return
+        except TimeoutError:
+            conn.settimeout(5.0)
+            self._error(conn, f"request not complete within {self.request_timeout_s:g} s")
             return
         if header.get("op") != "exchange":
             self._error(conn, f"unknown op {header.get('op')!r}")

@@ -32,6 +32,7 @@ __all__ = [
     "IpcError",
     "MAGIC",
     "exchange",
+    "payload_limit",
     "recv_frame",
     "send_frame",
     "unix_path",
@@ -41,6 +42,17 @@ MAGIC = b"FLGH"
 _PREFIX = struct.Struct("!4sI")
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # JSON header (one entry per parameter tensor)
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024**3  # refuse absurd sizes before allocating
+# Per array, what a payload may hold besides its elements: the .npy header (about 128 bytes;
+# `fl_geo.runtime.wire.MAX_NPY_HEADER_BYTES` is the most the decoder accepts).
+NPY_HEADER_ALLOWANCE = 4096
+
+
+def payload_limit(numel: int, arrays: int) -> int:
+    """The most payload bytes a frame carrying one model of ``numel`` elements in ``arrays``
+    arrays can need: every element at fp32 (the widest wire precision) plus an ``.npy`` header
+    allowance per array. The LPS service refuses larger frames before reading them, so a
+    malformed or hostile frame costs at most one model's worth of memory, not what it claims."""
+    return 4 * int(numel) + NPY_HEADER_ALLOWANCE * int(arrays)
 
 
 class IpcError(RuntimeError):
@@ -60,12 +72,25 @@ def unix_path(address: str) -> str:
     return path
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes from ``sock``. With ``deadline`` (a `time.monotonic` value) the whole read
+    must end by then: a socket timeout bounds each ``recv`` only, so a peer that trickles a
+    byte just before each timeout would otherwise hold the reader for ever."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], min(n - got, 1 << 22))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"frame not complete in time ({got} of {n} bytes read)")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], min(n - got, 1 << 22))
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise TimeoutError(f"frame not complete in time ({got} of {n} bytes read)") from None
         if k == 0:
             raise IpcError(f"connection closed after {got} of {n} bytes")
         got += k
@@ -98,20 +123,25 @@ def _check_entry(i: int, entry: Any) -> tuple[str, str, tuple[int, ...], str, in
     return entry["key"], entry["dtype"], tuple(entry["shape"]), entry["stype"], entry["nbytes"]
 
 
-def recv_frame(sock: socket.socket, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
-               ) -> tuple[dict[str, Any], ArrayRecord | None]:
+def recv_frame(sock: socket.socket, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+               timeout_s: float | None = None) -> tuple[dict[str, Any], ArrayRecord | None]:
     """Read one frame: its header and the ``ArrayRecord`` it carries (None when it has none).
 
     Only the framing is checked here (magic, sizes, entry types); the arrays' content is checked
-    by the receiver against its model spec and precision (`fl_geo.runtime.wire.decode`).
+    by the receiver against its model spec and precision (`fl_geo.runtime.wire.decode`). Sizes
+    are checked before anything of that size is allocated or read: the header against
+    `MAX_HEADER_BYTES`, the arrays' declared total against ``max_payload_bytes``.
+    ``timeout_s``: the whole frame must arrive within it (`TimeoutError` otherwise), however
+    slowly the peer trickles bytes; None leaves only the socket's own per-call timeout.
     """
-    magic, size = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    magic, size = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, deadline))
     if magic != MAGIC:
         raise IpcError(f"not an fl-geo HALoS IPC frame (magic {magic!r})")
     if size > MAX_HEADER_BYTES:
         raise IpcError(f"frame header of {size} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = json.loads(_recv_exact(sock, size))
+        header = json.loads(_recv_exact(sock, size, deadline))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise IpcError(f"frame header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -129,7 +159,7 @@ def recv_frame(sock: socket.socket, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD
     for key, dtype, shape, stype, nbytes in parsed:
         if key in record:
             raise IpcError(f"array {key!r} appears twice in the frame")
-        record[key] = Array(dtype=dtype, shape=shape, stype=stype, data=_recv_exact(sock, nbytes))
+        record[key] = Array(dtype=dtype, shape=shape, stype=stype, data=_recv_exact(sock, nbytes, deadline))
     return header, record
 
 
@@ -140,8 +170,9 @@ def exchange(address: str, header: dict[str, Any], record: ArrayRecord | None, *
 
     Connecting is retried for ``connect_timeout_s``: the regional ServerApp may still be starting
     when the first global message arrives. The reply may take long (the LPS answers once K more
-    worker updates were applied), hence the separate ``reply_timeout_s``. An ``error`` frame from
-    the LPS is raised as `IpcError` with its reason.
+    worker updates were applied), hence the separate ``reply_timeout_s``: it bounds the whole
+    reply, however slowly it arrives. An ``error`` frame from the LPS is raised as `IpcError`
+    with its reason.
     """
     path = unix_path(address)
     deadline = time.monotonic() + connect_timeout_s
@@ -161,7 +192,7 @@ def exchange(address: str, header: dict[str, Any], record: ArrayRecord | None, *
         sock.settimeout(reply_timeout_s)
         send_frame(sock, header, record)
         try:
-            reply, out = recv_frame(sock, max_payload_bytes)
+            reply, out = recv_frame(sock, max_payload_bytes, timeout_s=reply_timeout_s)
         except TimeoutError:
             raise IpcError(f"LPS at {address} sent no reply within {reply_timeout_s:.0f} s") from None
     except OSError as exc:

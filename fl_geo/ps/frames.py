@@ -155,7 +155,17 @@ def json_frame(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+# The longest JSON frame (push header, pull or control request) a follower parses: they hold a
+# few ids and numbers, so 1 MiB is generous; gRPC's own limit (MAX_MESSAGE_BYTES) would let a
+# 64 MiB JSON document through to the parser and into memory as nested Python objects.
+MAX_JSON_FRAME_BYTES = 1 << 20
+
+
 def parse_json(frame: bytes, what: str) -> dict[str, Any]:
+    """A JSON object frame; INVALID_ARGUMENT for one over `MAX_JSON_FRAME_BYTES` (refused before
+    parsing), not UTF-8 JSON, or not an object."""
+    if len(frame) > MAX_JSON_FRAME_BYTES:
+        raise bad_request(f"{what} of {len(frame)} bytes exceeds {MAX_JSON_FRAME_BYTES}")
     try:
         obj = json.loads(frame.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -353,11 +353,15 @@ class FollowerService:
             owner = call is None
             if owner:
                 call = self._calls[rid] = _ControlCall()
-                while len(self._calls) > self._remember:
-                    old_id, old = next(iter(self._calls.items()))
-                    if not old.done.is_set():
-                        break
-                    del self._calls[old_id]
+                # Forget the oldest *answered* ids beyond `remember`; a running call is kept (its
+                # retries wait on it) but no longer stops the trimming, so one call stuck behind
+                # a slow peer cannot make the cache grow without bound: it holds at most
+                # `remember` ids, more only while more calls than that are in flight at once
+                # (bounded by the gRPC server's worker threads).
+                excess = len(self._calls) - self._remember
+                if excess > 0:
+                    for old_id in [i for i, c in self._calls.items() if c.done.is_set()][:excess]:
+                        del self._calls[old_id]
         if not owner:
             call.done.wait()
             if call.error is not None:

@@ -111,12 +111,33 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Load a run's ``metrics.jsonl`` (a directory or the file itself)."""
+    """Load a run's ``metrics.jsonl`` (a directory or the file itself): one dict per record.
+
+    The file is appended to one record at a time, so a run killed mid-write can leave a torn
+    last line (a prefix of a record, no newline). That line is skipped with a warning naming
+    the file: every record before it is intact. An unreadable line anywhere else is not a
+    crash's trace but damage, and raises ValueError naming the line (readers turn it into a
+    one-line error)."""
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
     with p.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        lines = fh.read().split("\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    rows: list[dict[str, Any]] = []
+    for k, (lineno, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a {type(record).__name__}, not a JSON object")
+        except ValueError as exc:
+            if k == len(numbered) - 1:
+                log.warning("%s: skipping line %d, a torn last record (%d bytes; the run was stopped while "
+                            "writing it?): %s", p, lineno, len(line), exc)
+                break
+            raise ValueError(f"{p}: line {lineno} is not a metrics record: {exc}") from None
+        rows.append(record)
+    return rows
 
 
 class MemoryLogger:

@@ -60,6 +60,11 @@ PRECISIONS: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 _TORCH_WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.int16}
 _NPY_MAGIC = b"\x93NUMPY"
+# The longest .npy header decode accepts. np.save writes about 128 bytes for any shape a model
+# has (a 64-byte multiple, padded with spaces); the format allows up to 4 GiB (version 2), and
+# NumPy's parser is a Python literal parse, so a header padded to megabytes would cost a copy
+# and a slow parse per array before any check could refuse it. Refused from the length field.
+MAX_NPY_HEADER_BYTES = 4096
 
 
 def _precision(precision: str) -> tuple[torch.dtype, np.dtype]:
@@ -115,9 +120,11 @@ def encode(flat: torch.Tensor, spec: ParamSpec, precision: str = "fp32") -> Arra
 def _parse_npy_header(data: bytes, key: str) -> tuple[np.dtype, bool, tuple[int, ...], int]:
     """(dtype, fortran_order, shape, data offset) of an ``.npy`` byte string, or PayloadError.
 
-    Only the header bytes (about a hundred) are copied, for NumPy's own parser
-    (``read_magic``/``read_array_header_*``: literal parsing only, never pickle); the array data
-    is never touched here.
+    Only the header bytes (about a hundred; more than `MAX_NPY_HEADER_BYTES` is refused from the
+    length field, before any copy) are copied, for NumPy's own parser (``read_magic``/
+    ``read_array_header_*``: literal parsing only, never pickle); the array data is never
+    touched here. The caller checks the declared shape against the spec and the data length
+    against shape x itemsize, so nothing is allocated from what the header claims.
     """
     if len(data) < 10 or data[:6] != _NPY_MAGIC:
         raise PayloadError(f"array {key!r}: not an .npy payload (bad magic or too short)")
@@ -130,6 +137,9 @@ def _parse_npy_header(data: bytes, key: str) -> tuple[np.dtype, bool, tuple[int,
         read_header = npy_format.read_array_header_2_0
     else:
         raise PayloadError(f"array {key!r}: unsupported .npy format version {major}")
+    if end > MAX_NPY_HEADER_BYTES:
+        raise PayloadError(f"array {key!r}: .npy header of {end} bytes exceeds {MAX_NPY_HEADER_BYTES} "
+                           "(np.save writes about 128)")
     if len(data) < end:
         raise PayloadError(f"array {key!r}: truncated .npy header")
     try:
