@@ -48,3 +48,34 @@ def test_main_rejects_bad_precision(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["outer", "--precision", "int8"])
     assert "usage: fl-geo bench outer" in capsys.readouterr().err
+
+
+def test_attack_bench_runs_every_defence_and_each_rejects_the_hostile_site(tmp_path, capsys):
+    """``fl-geo bench attack`` on the tiny config: the hostile site wrecks the undefended run and
+    every defence rejects each of its replies (the cap for its claim, the bound for its norm)."""
+    from fl_geo.bench.attack import format_attack_bench, run_attack_bench
+    from tests.conftest import tiny_overrides
+
+    results = run_attack_bench(None, tiny_overrides("run.rounds=2", "strategy.weighting=tokens"), out=tmp_path)
+    by_name = {r.name: r for r in results}
+    assert list(by_name) == ["honest", "undefended", "token cap", "norm bound", "defended"]
+    assert by_name["honest"].rejected == by_name["undefended"].rejected == 0
+    import torch
+
+    final = {n: torch.load(tmp_path / n / "final_model.pt")["params"] for n in ("honest", "undefended", "defended")}
+    # the claim owns the mean undefended: the model lands far from the honest one; defended it stays close
+    far = torch.linalg.vector_norm(final["undefended"] - final["honest"])
+    near = torch.linalg.vector_norm(final["defended"] - final["honest"])
+    assert far > 10 * near
+    for name in ("token cap", "norm bound", "defended"):
+        assert by_name[name].rejected == 2 and by_name[name].outer_steps == 2  # one hostile reply per round
+    table = format_attack_bench(results, -10.0, 2**40)
+    assert "target: defended <= 1.05 x honest" in table and (tmp_path / "attack.json").exists()
+
+
+def test_attack_bench_refuses_an_attacker_the_run_does_not_have():
+    from fl_geo.bench.attack import run_attack_bench
+    from fl_geo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--attacker 9 is not a partition of the run's 3 sites"):
+        run_attack_bench(None, ["run.num_clients=3"], attacker=9)

@@ -2,14 +2,16 @@
 
 The attack (issue: bounded influence): the site of partition ``--attacker`` trains honestly, then
 replies its update multiplied by ``--scale`` (negative: sign-flipped, so it pushes the model
-uphill) and claims ``--claim`` tokens, so that under token weighting it would own the mean. The
-same config runs three times on the in-process grid (real ClientApps and Messages, one process,
-the same seed):
+uphill) and claims ``--claim`` tokens (0: its true count), so that under token weighting it would
+own the mean. The same config runs five times on the in-process grid (real ClientApps and
+Messages, one process, the same seed):
 
 1. **honest**: no attacker: the reference loss;
 2. **undefended**: the attack with ``strategy.token_cap=none`` and ``strategy.robust=none``
    (every claim trusted, no bound relative to the peers);
-3. **defended**: the attack with the token cap (``job``) and ``strategy.robust=median_norm``.
+3. **token cap**: the attack with ``strategy.token_cap=job`` only;
+4. **norm bound**: the attack with ``strategy.robust=median_norm`` only;
+5. **defended**: both (what ``strategy.robust=median_norm`` gives next to the default cap).
 
 It prints each run's final validation loss, its ratio to the honest run and the rejected
 updates; the target is defended ≤ 1.05 × honest. Exit 1 with ``--strict`` when it is missed.
@@ -35,6 +37,7 @@ import torch
 from flwr.app import Message, MetricRecord, RecordDict
 
 from fl_geo.config import FlGeoConfig, load_config
+from fl_geo.errors import ConfigError
 from fl_geo.paths import CONFIGS_DIR
 
 __all__ = ["AttackResult", "hostile_reply_hook", "main", "run_attack_bench"]
@@ -48,7 +51,8 @@ ReplyHook = Callable[[int, Message, Message], Message]
 def hostile_reply_hook(cfg: FlGeoConfig, attacker: int, scale: float, claim: int) -> ReplyHook:
     """A reply hook for the in-process grid: the train replies of partition ``attacker`` carry
     their update × ``scale`` (decoded and re-encoded in the run's uplink precision, so the reply
-    stays well-formed) and claim ``claim`` tokens; every other reply passes untouched."""
+    stays well-formed) and claim ``claim`` tokens (0: their true count); every other reply
+    passes untouched."""
     from fl_geo.core.state import ParamSpec
     from fl_geo.runtime.builders import make_model
     from fl_geo.runtime.wire import decode, encode
@@ -65,7 +69,8 @@ def hostile_reply_hook(cfg: FlGeoConfig, attacker: int, scale: float, claim: int
         flat = torch.zeros(spec.numel, dtype=torch.float32)
         for offset, piece in decode(reply.content.array_records["arrays"], spec, precision):
             flat[offset : offset + piece.numel()] = piece.reshape(-1).to(torch.float32)
-        metrics["tokens"] = claim
+        if claim:
+            metrics["tokens"] = claim
         records: dict[str, Any] = {"arrays": encode(flat * scale, spec, precision), "metrics": MetricRecord(metrics)}
         records.update((k, v) for k, v in reply.content.config_records.items())  # keep the fl-geo declaration
         return Message(RecordDict(records), reply_to=msg)
@@ -97,26 +102,34 @@ def _run(cfg: FlGeoConfig, run_dir: Path, name: str, hook: ReplyHook | None) -> 
                         int(summary["outer_steps"]), time.perf_counter() - t0)
 
 
-def run_attack_bench(config: str | Path, overrides: Sequence[str] = (), *, attacker: int = 0, scale: float = -10.0,
+def run_attack_bench(config: str | Path | None, overrides: Sequence[str] = (), *, attacker: int = 0, scale: float = -10.0,
                      claim: int = 2**40, out: str | Path | None = None) -> list[AttackResult]:
-    """Run the honest, undefended and defended runs of ``config`` (see the module docstring)."""
+    """Run the honest run of ``config`` and the attacked runs under each defence (see the module
+    docstring); ``config`` None: the defaults plus ``overrides``."""
     base = [*overrides, "run.backend=inline"]
     honest_cfg = load_config(config, base)
     if not 0 <= attacker < honest_cfg.run.num_clients:
-        raise ValueError(f"--attacker {attacker} is not a partition of the run's {honest_cfg.run.num_clients} sites")
-    undefended_cfg = load_config(config, [*base, "strategy.token_cap=none", "strategy.robust=none"])
-    defended_cfg = load_config(config, [*base, "strategy.token_cap=job", "strategy.robust=median_norm"])
+        raise ConfigError(f"--attacker {attacker} is not a partition of the run's {honest_cfg.run.num_clients} sites")
+    defences = {
+        "undefended": ("strategy.token_cap=none", "strategy.robust=none"),
+        "token cap": ("strategy.token_cap=job", "strategy.robust=none"),
+        "norm bound": ("strategy.token_cap=none", "strategy.robust=median_norm"),
+        "defended": ("strategy.token_cap=job", "strategy.robust=median_norm"),
+    }
     run_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="fl-geo-attack-"))
     results = [_run(honest_cfg, run_dir, "honest", None)]
-    for name, cfg in (("undefended", undefended_cfg), ("defended", defended_cfg)):
-        results.append(_run(cfg, run_dir, name, hostile_reply_hook(cfg, attacker, scale, claim)))
+    for name, extra in defences.items():
+        cfg = load_config(config, [*base, *extra])
+        results.append(_run(cfg, run_dir, name.replace(" ", "_"), hostile_reply_hook(cfg, attacker, scale, claim)))
+        results[-1].name = name
     (run_dir / "attack.json").write_text(json.dumps([r.__dict__ for r in results], indent=2))
     return results
 
 
 def format_attack_bench(results: Sequence[AttackResult], scale: float, claim: int) -> str:
     honest = results[0].final_val_loss
-    lines = [f"one site of the run sends its update x {scale:g} and claims {claim} tokens",
+    claimed = f"claims {claim} tokens" if claim else "claims its true token count"
+    lines = [f"one site of the run sends its update x {scale:g} and {claimed}",
              f"{'run':<12} {'final val loss':>15} {'vs honest':>10} {'rejected':>9} {'outer steps':>12} {'wall s':>7}"]
     for r in results:
         lines.append(f"{r.name:<12} {r.final_val_loss:>15.4f} {r.final_val_loss / honest:>9.3f}x "
@@ -129,12 +142,12 @@ def format_attack_bench(results: Sequence[AttackResult], scale: float, claim: in
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fl-geo bench attack",
-                                     description="one hostile site: honest vs undefended vs defended runs")
+                                     description="one hostile site: honest, undefended and defended runs")
     parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="run config (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides")
     parser.add_argument("--attacker", type=int, default=0, help="partition id of the hostile site")
     parser.add_argument("--scale", type=float, default=-10.0, help="factor on the hostile update (negative: flipped)")
-    parser.add_argument("--claim", type=int, default=2**40, help="tokens the hostile site claims")
+    parser.add_argument("--claim", type=int, default=2**40, help="tokens the hostile site claims (0: its true count)")
     parser.add_argument("--out", default=None, help="directory for the three runs (default: a temporary one)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if the target is missed")
     args = parser.parse_args(argv)
