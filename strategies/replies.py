@@ -83,13 +83,16 @@ def read_reply_metrics(metrics: MetricRecord, expected_version: int | None = Non
     have produced: client.batch_size × client.seq_len × the site's devices; None trusts the
     claim); ``steps`` a whole number in [1, ``max_steps``] (the steps the job asked for);
     ``noisy_steps`` in [0, steps]; ``train_loss`` finite; ``step_time_s`` in [0,
-    `MAX_STEP_TIME_S`]; ``base_version``, when sent, a whole number equal to ``expected_version``.
+    `MAX_STEP_TIME_S`]; ``base_version`` a whole number equal to ``expected_version`` (required
+    when the loop knows the job's version).
     Anything else is a `ReplyError` naming the field (the loop logs and counts the rejection),
     never an exception that ends the run.
     """
     missing = [k for k in REPLY_METRICS if k not in metrics]
     if missing:
         raise ReplyError(f"reply metrics lack {missing}")
+    if expected_version is not None and "base_version" not in metrics:
+        raise ReplyError("reply metrics lack 'base_version' (the model version the job was sent)")
     if "base_version" in metrics:
         base_version = metric_whole(metrics, "base_version", -(2**63))  # any whole number; then it must be the job's
         if expected_version is not None and base_version != expected_version:

@@ -189,3 +189,25 @@ def test_share_lr_scaling_scales_single_update_steps(tiny, tmp_path):
     _, full, _ = _run(tiny(*base), tmp_path, "full")
     _, share, _ = _run(tiny(*base, "strategy.outer_lr_scaling=share"), tmp_path, "share")
     torch.testing.assert_close(share - init, (full - init) / 4, rtol=1e-4, atol=1e-6)
+
+
+def test_a_node_failing_three_jobs_in_a_row_is_benched_and_the_run_goes_on(tiny, tmp_path, caplog):
+    """A site whose ClientApp raises on every train message: three error replies (each counted
+    in ``outer/failed``), then it is benched: no fourth job goes to it, the run ends its steps."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny(*VIRTUAL, "strategy.name=async_diloco", "run.rounds=8")
+    grid = InlineGrid(client_app, 4, seed=0)
+    victim = sorted(grid.contexts)[0]
+    inner = grid.client_app
+
+    def app(msg, context):
+        if msg.metadata.dst_node_id == victim and msg.metadata.message_type == "train":
+            raise RuntimeError("the site's accelerator is gone")
+        return inner(msg, context)
+
+    grid.client_app = app
+    summary, final, _ = _run(cfg, tmp_path, grid=grid)
+    assert summary["outer_steps"] == 8 and summary["rejected"] == 0
+    assert [t for n, t in grid.executed if n == victim].count("train") == 3
+    assert sum(r["outer/failed"] for r in read_metrics(tmp_path / "run")[1:]) == 3
+    assert f"node {victim} failed 3 jobs in a row; no more jobs go to it" in caplog.text

@@ -182,12 +182,25 @@ def test_missing_metrics_and_error_replies(tiny, tmp_path):
 
 
 def test_client_exception_becomes_error_reply_not_a_crash(tiny, tmp_path):
-    # a node whose node_config lacks its partition id: its ClientApp raises on every message
-    cfg = tiny("run.min_nodes=2")
-    grid = InlineGrid(client_app, 2, seed=0)
-    grid.add_node({"site": "broken"})
+    """A ClientApp that raises in its train handler: an error reply, counted in ``outer/failed``
+    each round, and the rounds step on the others' updates exactly as without that node's jobs."""
+    cfg = tiny("run.rounds=2")
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[2]
+    inner = grid.client_app
+
+    def app(msg, context):
+        if msg.metadata.dst_node_id == victim and msg.metadata.message_type == "train":
+            raise RuntimeError("out of memory on the site's accelerator")
+        return inner(msg, context)
+
+    grid.client_app = app
     summary, final, _ = _run(cfg, tmp_path, grid=grid)
-    assert summary["outer_steps"] == 2 and torch.isfinite(final).all()
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert [r["outer/failed"] for r in rows] == [1, 1] and [r["outer/accepted"] for r in rows] == [2, 2]
+    assert summary["outer_steps"] == 2 and summary["rejected"] == 0
+    _, dropped, _ = _run(cfg, tmp_path, "dropped", hook=_claim(float("nan"), victim_rank=2))  # same node, refused
+    assert torch.equal(final, dropped)
 
 
 def test_vanished_node_does_not_stall_the_round(tiny, tmp_path):
@@ -250,6 +263,7 @@ LYING_METRICS = {
     "step time negative": ({"step_time_s": -1.0}, "step_time_s=-1.0, must be in [0, 3600]"),
     "step time NaN": ({"step_time_s": float("nan")}, "metric 'step_time_s' is nan"),
     "base version NaN": ({"base_version": float("nan")}, "metric 'base_version' is nan"),
+    "base version missing": ({"base_version": None}, "reply metrics lack 'base_version'"),
     # tiny: H 3 x batch 4 x seq_len 32 x 1 device = 384 tokens at most
     "tokens beyond the job": ({"tokens": 2**40}, "tokens=1099511627776 is more than 3 steps can produce (128 per step"),
 }
@@ -262,7 +276,8 @@ def test_lying_reply_metrics_are_rejected_and_model_untouched(tiny, tmp_path, ca
     def hook(node, msg, reply):
         if msg.metadata.message_type != "train" or reply.has_error():
             return reply
-        metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **lie})
+        merged = {**dict(reply.content.metric_records["metrics"]), **lie}
+        metrics = MetricRecord({k: v for k, v in merged.items() if v is not None})  # None: the key is left out
         return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"], "metrics": metrics}), reply_to=msg)
 
     caplog.set_level("WARNING", logger="fl_geo")
