@@ -34,7 +34,7 @@ from fl_geo.runtime.protocol import (
     user_config,
 )
 from fl_geo.runtime.wire import encode
-from fl_geo.strategies.replies import Tally
+from fl_geo.strategies.replies import ReplyError, Tally, metric_number, metric_whole
 from fl_geo.strategies.server_model import ServerModel
 
 log = logging.getLogger("fl_geo")
@@ -286,11 +286,10 @@ class OuterLoop:
                 if m is None or "val_loss" not in m or "val_tokens" not in m:
                     log.warning("evaluate reply from node %s lacks val_loss/val_tokens; ignored", node)
                     continue
-                loss, tokens = float(m["val_loss"]), int(m["val_tokens"])
-                if not math.isfinite(loss) or tokens <= 0:
-                    log.warning("evaluate reply from node %s: val_loss=%s over %s tokens; ignored", node, loss, tokens)
-                    continue
-                out.append((loss, tokens))
+                try:  # the same checks as a train reply's scalars: a lie is skipped, never a crash
+                    out.append((metric_number(m, "val_loss"), metric_whole(m, "val_tokens", 1)))
+                except ReplyError as exc:
+                    log.warning("evaluate reply from node %s ignored: %s", node, exc)
 
         timings = [JobTiming(self.profiles[n].partition_id if n in self.profiles else 0, free=True) for n in nodes]
         self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s,

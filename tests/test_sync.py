@@ -228,6 +228,31 @@ def test_client_side_evaluation(tiny, tmp_path):
     assert all("val/client_loss" in r for r in rows[1:])
 
 
+@pytest.mark.parametrize("lie, reason", [({"val_tokens": float("nan")}, "metric 'val_tokens' is nan"),
+                                         ({"val_loss": [1.0]}, "metric 'val_loss' must be a number"),
+                                         ({"val_tokens": 0}, "val_tokens=0, must be a whole number >= 1")])
+def test_a_lying_evaluate_reply_is_skipped_and_the_others_still_count(tiny, tmp_path, lie, reason, caplog):
+    """One site's evaluate reply lies: it is left out of ``val/client_loss`` (the token-weighted
+    mean of the two others, exactly), never a crash (before: ``int(nan)`` ended the run)."""
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "evaluate" or reply.has_error():
+            return reply
+        metrics = dict(reply.content.metric_records["metrics"])
+        seen.setdefault(node, []).append((metrics["val_loss"], metrics["val_tokens"]))
+        if node != victim:
+            return reply
+        return Message(keep_declaration(reply, {"metrics": MetricRecord({**metrics, **lie})}), reply_to=msg)
+
+    caplog.set_level("WARNING", logger="fl_geo")
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim, seen = sorted(grid.contexts)[0], {}
+    _run(tiny("run.client_eval_every=1", "run.rounds=1"), tmp_path, grid=grid, hook=hook)
+    last = read_metrics(tmp_path / "run")[-1]
+    honest = [seen[n][-1] for n in sorted(seen) if n != victim]
+    assert last["val/client_loss"] == pytest.approx(sum(v * t for v, t in honest) / sum(t for _, t in honest), rel=1e-12)
+    assert reason in caplog.text
+
+
 def test_max_tokens_ends_a_synchronous_run_after_the_round_that_reaches_it(tiny, tmp_path):
     per_round = 3 * 3 * 4 * 32  # clients * H * batch * seq
     cfg = tiny("run.rounds=10", f"run.max_tokens={2 * per_round - 1}")
