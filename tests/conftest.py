@@ -109,3 +109,39 @@ def down_and_assert_clean(topo, also: set[int] | frozenset[int] = frozenset()) -
     alive = [pid for pid in family | set(also) if processes._alive(pid)]
     assert not alive, f"processes left behind: {alive}"
     assert not topo.pids_path.exists()
+
+
+def fail_train_on(grid, node: int, reason: str = "the site's accelerator is gone") -> None:
+    """Make ``node``'s ClientApp raise on every train message of ``grid`` (an InlineGrid): its
+    jobs become error replies, as a site whose training crashes gives."""
+    inner = grid.client_app
+
+    def app(msg, context):
+        if msg.metadata.dst_node_id == node and msg.metadata.message_type == "train":
+            raise RuntimeError(reason)
+        return inner(msg, context)
+
+    grid.client_app = app
+
+
+def site_reply_hook(partition: int, *, tokens=None, scale: float | None = None):
+    """A reply hook for an InlineGrid: the train replies of the site of ``partition`` claim
+    ``tokens`` (when given) and carry their arrays × ``scale`` (when given; an fp32 wire)."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        metrics = dict(reply.content.metric_records["metrics"])
+        if metrics["partition_id"] != partition:
+            return reply
+        if tokens is not None:
+            metrics["tokens"] = tokens
+        arrays = reply.content.array_records["arrays"]
+        if scale is not None:
+            arrays = ArrayRecord({k: Array(a.numpy() * np.float32(scale)) for k, a in arrays.items()})
+        return Message(keep_declaration(reply, {"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    return hook
+

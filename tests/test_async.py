@@ -11,7 +11,7 @@ from fl_geo.clients.datacenter import app as client_app
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
-from tests.conftest import keep_declaration
+from tests.conftest import fail_train_on, keep_declaration
 
 VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16"]
 DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
@@ -198,14 +198,7 @@ def test_a_node_failing_three_jobs_in_a_row_is_benched_and_the_run_goes_on(tiny,
     cfg = tiny(*VIRTUAL, "strategy.name=async_diloco", "run.rounds=8")
     grid = InlineGrid(client_app, 4, seed=0)
     victim = sorted(grid.contexts)[0]
-    inner = grid.client_app
-
-    def app(msg, context):
-        if msg.metadata.dst_node_id == victim and msg.metadata.message_type == "train":
-            raise RuntimeError("the site's accelerator is gone")
-        return inner(msg, context)
-
-    grid.client_app = app
+    fail_train_on(grid, victim)
     summary, final, _ = _run(cfg, tmp_path, grid=grid)
     assert summary["outer_steps"] == 8 and summary["rejected"] == 0
     assert [t for n, t in grid.executed if n == victim].count("train") == 3

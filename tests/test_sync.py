@@ -15,7 +15,7 @@ from fl_geo.clients.datacenter import app as client_app
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
-from tests.conftest import keep_declaration
+from tests.conftest import fail_train_on, keep_declaration, site_reply_hook
 
 
 def _run(cfg, tmp_path, name="run", hook=None, grid=None):
@@ -186,20 +186,12 @@ def test_client_exception_becomes_error_reply_not_a_crash(tiny, tmp_path):
     each round, and the rounds step on the others' updates exactly as without that node's jobs."""
     cfg = tiny("run.rounds=2")
     grid = InlineGrid(client_app, 3, seed=0)
-    victim = sorted(grid.contexts)[2]
-    inner = grid.client_app
-
-    def app(msg, context):
-        if msg.metadata.dst_node_id == victim and msg.metadata.message_type == "train":
-            raise RuntimeError("out of memory on the site's accelerator")
-        return inner(msg, context)
-
-    grid.client_app = app
+    fail_train_on(grid, sorted(grid.contexts)[2], "out of memory on the site's accelerator")
     summary, final, _ = _run(cfg, tmp_path, grid=grid)
     rows = read_metrics(tmp_path / "run")[1:]
     assert [r["outer/failed"] for r in rows] == [1, 1] and [r["outer/accepted"] for r in rows] == [2, 2]
     assert summary["outer_steps"] == 2 and summary["rejected"] == 0
-    _, dropped, _ = _run(cfg, tmp_path, "dropped", hook=_claim(float("nan"), victim_rank=2))  # same node, refused
+    _, dropped, _ = _run(cfg, tmp_path, "dropped", hook=site_reply_hook(2, tokens=float("nan")))  # same node, refused
     assert torch.equal(final, dropped)
 
 
@@ -339,20 +331,6 @@ def test_scaled_update_rejected_alone_others_fold_bit_identically(tiny, tmp_path
     assert torch.equal(f1, f2)
 
 
-def _claim(tokens, victim_rank=0):
-    """A hook: the reply of the node of partition ``victim_rank`` claims ``tokens`` tokens."""
-    def hook(node, msg, reply):
-        if msg.metadata.message_type != "train" or reply.has_error():
-            return reply
-        metrics = dict(reply.content.metric_records["metrics"])
-        if metrics["partition_id"] != victim_rank:
-            return reply
-        metrics["tokens"] = tokens
-        return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"],
-                                                "metrics": MetricRecord(metrics)}), reply_to=msg)
-    return hook
-
-
 def test_a_huge_token_claim_is_refused_so_it_neither_owns_the_mean_nor_ends_the_budget(tiny, tmp_path, caplog):
     """Token-weighted DiLoCo with run.max_tokens: one site claims 2^40 tokens each round. With the
     job's token cap it is rejected every round, the run does all its rounds (the budget counts
@@ -361,13 +339,13 @@ def test_a_huge_token_claim_is_refused_so_it_neither_owns_the_mean_nor_ends_the_
     caplog.set_level("WARNING", logger="fl_geo")
     honest_total = 3 * 2 * 3 * 4 * 32  # rounds x honest sites x H x batch x seq_len
     cfg = tiny("run.rounds=3", "strategy.weighting=tokens", f"run.max_tokens={honest_total + 1}")
-    capped, final, _ = _run(cfg, tmp_path, "capped", hook=_claim(2**40))
+    capped, final, _ = _run(cfg, tmp_path, "capped", hook=site_reply_hook(0, tokens=2**40))
     assert capped["outer_steps"] == 3 and capped["rejected"] == 3 and capped["tokens"] == honest_total
     assert caplog.text.count("is more than 3 steps can produce") == 3
-    _, without, _ = _run(cfg, tmp_path, "without", hook=_claim(float("nan")))  # the same site's reply never counts
+    _, without, _ = _run(cfg, tmp_path, "without", hook=site_reply_hook(0, tokens=float("nan")))  # the same site's reply never counts
     assert torch.equal(final, without)
     trusted, _, _ = _run(tiny("run.rounds=3", "strategy.weighting=tokens", f"run.max_tokens={honest_total + 1}",
-                              "strategy.token_cap=none"), tmp_path, "trusted", hook=_claim(2**40))
+                              "strategy.token_cap=none"), tmp_path, "trusted", hook=site_reply_hook(0, tokens=2**40))
     assert trusted["rejected"] == 0 and trusted["outer_steps"] == 1  # the claim ended the token budget
 
 
@@ -382,9 +360,9 @@ def test_a_site_with_more_devices_may_claim_more_tokens(tiny, tmp_path):
             if profile["partition_id"] == 0:
                 profile["devices"] = 2
             return Message(keep_declaration(reply, {PROFILE_KEY: ConfigRecord(profile)}), reply_to=msg)
-        return _claim(2 * 3 * 4 * 32)(node, msg, reply)  # twice what one device gives in H = 3 steps
+        return site_reply_hook(0, tokens=2 * 3 * 4 * 32)(node, msg, reply)  # twice what one device gives in H = 3 steps
 
     summary, _, _ = _run(tiny("run.rounds=1"), tmp_path, hook=devices)
     assert summary["rejected"] == 0
-    summary, _, _ = _run(tiny("run.rounds=1"), tmp_path, "one", hook=_claim(2 * 3 * 4 * 32))
+    summary, _, _ = _run(tiny("run.rounds=1"), tmp_path, "one", hook=site_reply_hook(0, tokens=2 * 3 * 4 * 32))
     assert summary["rejected"] == 1
