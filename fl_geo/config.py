@@ -131,6 +131,11 @@ class StrategySection:
     clients_per_round: int = 0  # 0 = every live node
     min_replies: int = 1  # fewer accepted updates than this: skip the outer step
     round_timeout_s: float = 0.0  # 0 = wait for every selected node (or its error reply)
+    # Quorum rounds (synchronous): the round steps once ceil(quorum x selected) nodes replied
+    # (0 = wait for all). The others keep training, their nodes busy; their replies come in a
+    # later round and are dropped, or folded there with FedBuff's staleness weight 1/sqrt(1 + tau).
+    quorum: float = 0.0
+    late_replies: str = "drop"  # drop | fold
     # Reject an update whose L2 norm exceeds this multiple of the global model's (at least 1):
     # a broken or hostile update scaled x1e6 is finite and well-shaped. 0 = no bound.
     max_update_ratio: float = 10.0
@@ -584,10 +589,19 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
     _require(s.max_update_ratio >= 0, f"strategy.max_update_ratio must be >= 0, got {s.max_update_ratio}")
+    _require(0 <= s.quorum <= 1, f"strategy.quorum must be in [0, 1] (a share of the selected nodes; 0 = all), got {s.quorum}")
+    _require(s.quorum == 0 or not is_async, "strategy.quorum is for synchronous strategies (asynchronous ones never wait)")
+    _require(s.quorum == 0 or (s.name not in STREAMING_STRATEGIES and s.name != "halos"),
+             f"strategy.quorum is for the synchronous DiLoCo-style loop, not for strategy '{s.name}'")
+    _require(s.late_replies in ("drop", "fold"), f"strategy.late_replies must be drop or fold, got '{s.late_replies}'")
+    _require(s.late_replies == "drop" or not p.enabled,
+             "strategy.late_replies=fold with the penalty (EDiT) is not supported; use late_replies=drop")
+    _require(s.quorum == 0 or not r.checkpoint_every,
+             "strategy.quorum with run.checkpoint_every is not supported yet: a checkpoint between rounds "
+             "would miss the late jobs still in flight")
     _require(s.token_cap in ("job", "none"), f"strategy.token_cap must be job or none, got '{s.token_cap}'")
     _require(s.robust in ("none", "median_norm"), f"strategy.robust must be none or median_norm, got '{s.robust}'")
-    _require(math.isfinite(s.robust_factor) and s.robust_factor >= 1,
-             f"strategy.robust_factor must be a finite number >= 1, got {s.robust_factor}")
+    _require(s.robust_factor >= 1, f"strategy.robust_factor must be >= 1, got {s.robust_factor}")
     _require(s.robust_window >= 3, f"strategy.robust_window must be >= 3, got {s.robust_window}")
     _require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
              f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "

@@ -19,7 +19,6 @@ FedAsync's mixing θ ← (1−α_t)θ + α_t·θ_i = θ − α_t·g).
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.core.grace import GraceTimer
 from fl_geo.core.robust import NormWindow
+from fl_geo.core.weights import staleness_weight
 from fl_geo.runtime.dispatch import Event, JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
@@ -36,11 +36,6 @@ from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 
 log = logging.getLogger("fl_geo")
 
-
-
-def staleness_weight(staleness: int) -> float:
-    """FedBuff's s(τ) = 1/sqrt(1 + τ)."""
-    return 1.0 / math.sqrt(1.0 + staleness)
 
 
 def fedasync_alpha(alpha: float, exponent: float, staleness: int) -> float:

@@ -152,6 +152,9 @@ class Tally:
     noisy_steps: int = 0  # steps on corrupted batches in every valid reply, accepted or not
     noisy_steps_accepted: int = 0
     max_z: float = float("nan")  # largest outlier score this step (penalty only; NaN before warm-up)
+    late_folded: int = 0  # quorum rounds: replies of earlier rounds' jobs folded, dropped, failed
+    late_dropped: int = 0
+    late_failed: int = 0
 
     def accept(self, r: TrainReply, norm: float, staleness: int = 0) -> None:
         self.accepted += 1

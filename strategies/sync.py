@@ -21,6 +21,7 @@ global model and optimizer state stay exactly as they were.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,8 @@ from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.core.penalty import StepWeightMix
 from fl_geo.core.robust import median_norm_outliers
-from fl_geo.runtime.dispatch import JobTiming
+from fl_geo.core.weights import staleness_weight
+from fl_geo.runtime.dispatch import Event, JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
@@ -150,8 +152,9 @@ class SyncOuterLoop(OuterLoop):
         if kept:
             self._fold_valid(stats, kept, warm)
 
-    def _fold_valid(self, stats: Tally, valid: list[tuple[int, TrainReply]], warm: bool) -> None:
-        """Fold validated replies (weights, penalty, NaN/Inf and model-norm checks)."""
+    def _fold_valid(self, stats: Tally, valid: list[tuple[int, TrainReply]], warm: bool,
+                    factor: float = 1.0) -> None:
+        """Fold validated replies (weights × ``factor``, penalty, NaN/Inf and model-norm checks)."""
         stats.noisy_steps += sum(r.noisy_steps for _, r in valid)
         if self.penalty is not None and not warm:
             for node, r in valid:
@@ -163,13 +166,36 @@ class SyncOuterLoop(OuterLoop):
                 stats.accept(r, float(verdict.norms.norm()))
             return
         tokens_weighted = self.cfg.strategy.weighting == "tokens"
-        weights = [float(r.tokens) if tokens_weighted else 1.0 for _, r in valid]
+        weights = [(float(r.tokens) if tokens_weighted else 1.0) * factor for _, r in valid]
         result = self.accumulator.add_batch_checked([r.pieces for _, r in valid], weights, self.update_bound())
         for i, (node, r) in enumerate(valid):
             if i in result.rejected:
                 self._reject(stats, node, result.rejected[i])
             else:
                 stats.accept(r, float(result.norms[i]))
+
+    def fold_late(self, stats: Tally, ev: Event) -> None:
+        """A reply of an earlier round's job that missed its quorum (``strategy.quorum``):
+        ``late_replies=drop`` counts it; ``fold`` folds it into this round with the staleness
+        weight 1/sqrt(1 + τ), τ the model versions it is behind, after the usual checks against
+        the job it answers (its version, its steps)."""
+        if not ev.ok:
+            stats.late_failed += 1
+            return
+        version, steps = int(ev.job.meta["version"]), int(ev.job.meta["steps"])
+        if self.cfg.strategy.late_replies == "drop":
+            stats.late_dropped += 1
+            log.debug("late reply from node %s (model version %d) dropped", ev.job.node, version)
+            return
+        try:
+            r = read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=version,
+                           base=ev.job.meta.get("base"), max_steps=steps, step_tokens=self.step_tokens(ev.job.node))
+        except ReplyError as exc:
+            self._reject(stats, ev.job.node, str(exc))
+            return
+        accepted = stats.accepted
+        self._fold_valid(stats, [(ev.job.node, r)], warm=False, factor=staleness_weight(self.version - version))
+        stats.late_folded += stats.accepted - accepted
 
     # ---- the loop -----------------------------------------------------------------------------
     def train_round(self, rnd: int) -> dict[str, float]:
@@ -197,13 +223,21 @@ class SyncOuterLoop(OuterLoop):
             # Compute only: the exchange of a synchronous round is modelled as one ring
             # all-reduce over the slowest link of the best ring (docs/algorithms.md §8).
             timings = [JobTiming(slot, steps[n]) for slot, n in zip(slots, nodes, strict=True)]
+        quorum = math.ceil(s.quorum * len(nodes)) if s.quorum > 0 else 0
+        meta = [{"version": self.version, "steps": steps[n], "base": self.base_snapshot(n, self.global_params)}
+                for n in nodes] if quorum else None
         outcome = self.dispatcher.run_jobs(
             msgs,
             on_replies=lambda group: self.fold_replies(stats, group, warm),
             order=order,
             timeout_s=s.round_timeout_s,
             timings=timings,
+            meta=meta,
+            quorum=quorum,
+            on_late=lambda ev: self.fold_late(stats, ev),
         )
+        if outcome.pending:  # the all-reduce is among the nodes that made the quorum
+            slots = [self.profiles[n].partition_id for n in nodes if n not in outcome.pending]
         if s.robust == "median_norm":
             self.fold_held(stats, warm)
         clock = self.dispatcher.clock
@@ -238,6 +272,9 @@ class SyncOuterLoop(OuterLoop):
             "data/noisy_steps_accepted": stats.noisy_steps_accepted,
             "comm/bytes_down": down,
         }
+        if s.quorum > 0:
+            metrics.update({"outer/pending": len(outcome.pending), "outer/late_folded": stats.late_folded,
+                            "outer/late_dropped": stats.late_dropped, "outer/late_failed": stats.late_failed})
         if self.penalty is not None and not warm:
             metrics["outer/rejected_modules"] = stats.rejected_groups
             metrics["outer/max_z"] = stats.max_z
@@ -293,4 +330,8 @@ class SyncOuterLoop(OuterLoop):
                                 tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
             if last:
                 break
+        # Quorum rounds leave jobs in flight: let them finish (nothing is folded) so no node is
+        # left mid-message when the run ends.
+        while self.dispatcher.in_flight():
+            self.dispatcher.next_event()
         return self.history[-1] if self.history else {}

@@ -34,6 +34,7 @@ __all__ = [
     "StreamingWeights",
     "base_weight",
     "compute_weights",
+    "staleness_weight",
 ]
 
 WEIGHT_KINDS = ("tokens", "norm_softmax", "uniform", "staleness")
@@ -44,6 +45,11 @@ WEIGHT_KINDS = ("tokens", "norm_softmax", "uniform", "staleness")
 _REBASE_NATS = 30.0
 _NEGLIGIBLE = 1e-30
 _MIN_TEMPERATURE = 1e-12  # floor of a data-derived temperature, also when eps = 0
+
+
+def staleness_weight(staleness: int) -> float:
+    """FedBuff's s(τ) = 1/sqrt(1 + τ): the factor on an update τ model versions old."""
+    return 1.0 / math.sqrt(1.0 + staleness)
 
 
 def _parse_weighting(weighting: str | Sequence[str]) -> tuple[str, ...]:

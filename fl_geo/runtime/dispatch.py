@@ -113,6 +113,7 @@ class RoundOutcome:
     errors: dict[int, str] = field(default_factory=dict)
     vanished: list[int] = field(default_factory=list)
     timed_out: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # still in flight when the quorum came
 
 
 _VANISHED = object()
@@ -360,6 +361,8 @@ class Dispatcher:
         timeout_s: float = 0.0,
         timings: Sequence[JobTiming] | None = None,
         meta: Sequence[dict[str, Any]] | None = None,
+        quorum: int = 0,
+        on_late: Callable[[Event], None] | None = None,
     ) -> RoundOutcome:
         """A synchronous round: push one message per node, hand good replies over in groups.
 
@@ -368,6 +371,11 @@ class Dispatcher:
         nodes in hand-over order: a reply that resolves early waits until every node before it
         has replied or failed (deterministic folding whatever the clock). ``None`` hands replies
         over in clock order. ``timeout_s`` > 0 (wall seconds) abandons jobs still running then.
+
+        ``quorum`` > 0: the round ends as soon as that many replies came (in clock order; with a
+        virtual clock, at the quorum-th modelled finish time); the other jobs stay in flight,
+        their nodes busy, and are listed in ``outcome.pending``. Their events come in a later
+        round and go to ``on_late`` (dropped when None), as do those of any job not of this round.
         """
         jobs = self.submit(messages, timings, meta)
         outcome = RoundOutcome()
@@ -375,6 +383,7 @@ class Dispatcher:
         resolved: dict[int, Message | None] = {}
         remaining = {j.id for j in jobs}
         deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        replies = 0
 
         def hand_over() -> None:
             group: list[tuple[int, Message]] = []
@@ -387,8 +396,12 @@ class Dispatcher:
             if group:
                 on_replies(group)
 
-        while remaining:
+        while remaining and not (quorum and replies >= quorum):
             ev = self.next_event(block=False)
+            if ev is not None and ev.job.id not in remaining:  # a job of an earlier round
+                if on_late is not None:
+                    on_late(ev)
+                continue
             if ev is None:
                 if deadline is not None and time.monotonic() > deadline:
                     for job in [j for j in jobs if j.id in remaining]:
@@ -408,7 +421,12 @@ class Dispatcher:
             elif ev.error is not None:
                 outcome.errors[ev.job.node] = ev.error
             resolved[ev.job.node] = ev.reply if ev.ok else None
+            replies += int(ev.ok)
             if order is None:
                 queue.sort(key=lambda n: n not in resolved)  # clock order (stable sort)
+        if remaining:  # the quorum came first: the rest are late, their nodes stay busy
+            pending = {j.node for j in jobs if j.id in remaining}
+            outcome.pending = sorted(pending)
+            queue[:] = [n for n in queue if n not in pending]
         hand_over()
         return outcome
