@@ -172,6 +172,19 @@ class FlGeoStrategy(Strategy):
         Synchronous methods: nodes sampled per round (0: every live node).
     max_update_ratio : float (default: 10.0)
         Reject an update whose L2 norm exceeds this multiple of the model's (0: no bound).
+    token_cap : str (default: "job")
+        ``"job"``: a reply claiming more tokens than its steps × ``client.batch_size`` ×
+        ``client.seq_len`` × the site's devices is rejected; ``"none"`` trusts the claim (a
+        ClientApp whose batches do not follow those settings).
+    robust : str (default: "none")
+        ``"median_norm"``: reject an update whose norm is more than 3 × (``options``
+        ``strategy.robust_factor``) the median norm of its peers' (the round's updates, or the
+        last 16 for asynchronous methods).
+    quorum : float (default: 0.0)
+        Synchronous methods: step a round once this share of its nodes replied (0: wait for all);
+        the stragglers' replies come later and are dropped, or folded with a staleness weight when
+        ``late_replies="fold"``.
+    late_replies : str (default: "drop")
     min_nodes : int (default: 1)
         Nodes to wait for before the first job (``wait_nodes_timeout_s`` at most).
     scenario : str or fl_geo.timing.scenario.Scenario, optional
@@ -211,6 +224,10 @@ class FlGeoStrategy(Strategy):
         wire_down: str = "fp32",
         clients_per_round: int = 0,
         max_update_ratio: float = 10.0,
+        token_cap: str = "job",
+        robust: str = "none",
+        quorum: float = 0.0,
+        late_replies: str = "drop",
         min_nodes: int = 1,
         wait_nodes_timeout_s: float = 120.0,
         scenario: str | Scenario | None = None,
@@ -230,6 +247,7 @@ class FlGeoStrategy(Strategy):
                     "checkpoint_every": checkpoint_every, "tensorboard": False, "progress": bool(progress)},
             "strategy": {"name": self.method, "inner_steps": inner_steps, "weighting": weighting,
                          "clients_per_round": clients_per_round, "max_update_ratio": max_update_ratio,
+                         "token_cap": token_cap, "robust": robust, "quorum": quorum, "late_replies": late_replies,
                          **dict(_strategy or {})},
             "wire": {"up": wire_up, "down": wire_down},
         }

@@ -246,3 +246,18 @@ def test_every_strategy_learns_a_users_model_through_the_client_wrapper(tmp_path
         name = type(strategy).__name__
         assert losses[max(losses)]["loss"] < losses[0]["loss"] - 0.05, (name, losses)
         assert strategy.stats.rejected == 0 and strategy.stats.tokens > 0, name
+
+
+def test_the_hardening_and_quorum_settings_are_keyword_arguments():
+    """token_cap, robust, quorum and late_replies reach the run's config; a combination a method
+    cannot run is a one-line ConfigError at construction, not at the first round."""
+    from fl_geo.config import ConfigError
+    from fl_geo.strategies import DiLoCo, DiPS, HALoS
+
+    s = DiLoCo(quorum=0.75, late_replies="fold", robust="median_norm", token_cap="none").config.strategy
+    assert (s.quorum, s.late_replies, s.robust, s.token_cap) == (0.75, "fold", "median_norm", "none")
+    assert DiPS(robust="median_norm").config.strategy.robust == "median_norm"
+    with pytest.raises(ConfigError, match="strategy.quorum is for synchronous strategies"):
+        DiPS(quorum=0.5)
+    with pytest.raises(ConfigError, match="strategy.robust=median_norm is for the synchronous"):
+        HALoS(robust="median_norm")
