@@ -52,7 +52,8 @@ class Clock(Protocol):
 
     def now(self) -> float: ...
     def schedule(self, job_id: str, node: int, start: float | None = None, *, steps: int,
-                 bytes_down: int, bytes_up: int, peer_region: str | int | None = None) -> float: ...
+                 bytes_down: int, bytes_up: int, peer_region: str | int | None = None,
+                 traced: bool = True) -> float: ...
     def due(self) -> str | None: ...
     def finish_time(self, job_id: str) -> float: ...
     def complete(self, job_id: str) -> float: ...
@@ -334,8 +335,10 @@ class Dispatcher:
             else:
                 if self.goodput is not None:
                     job.compute_s = self.clock.scenario.compute_time(timing.slot, timing.steps)  # type: ignore[attr-defined]
+                # only train work is lost to the failure trace (control queries are not modelled work)
                 self.clock.schedule(job_id, timing.slot, steps=timing.steps, bytes_down=timing.bytes_down,
-                                    bytes_up=timing.bytes_up, peer_region=timing.peer_region)
+                                    bytes_up=timing.bytes_up, peer_region=timing.peer_region,
+                                    traced=job.kind == MessageType.TRAIN)
             self._jobs[job_id] = job
             if not mid:  # Flower returns an empty id for a node it does not know
                 self._arrived[job_id] = _VANISHED

@@ -52,6 +52,7 @@ class WallClock:
     def schedule(
         self, job_id: str, node: int, start: float | None = None, *,
         steps: int = 0, bytes_down: int = 0, bytes_up: int = 0, peer_region: str | int | None = None,
+        traced: bool = True,
     ) -> float:
         """Record a dispatched job; returns NaN (a real job's finish time is not known in advance)."""
         if job_id in self._jobs:
@@ -165,13 +166,15 @@ class VirtualClock:
     def schedule(
         self, job_id: str, node: int, start: float | None = None, *,
         steps: int, bytes_down: int, bytes_up: int, peer_region: str | int | None = None,
+        traced: bool = True,
     ) -> float:
         """Fix a job's finish time at dispatch and return it.
 
         ``finish = start + transfer(server -> node) + steps * step_time(node) + transfer(node ->
         server)``, ``start`` defaulting to ``now()``. ``peer_region`` is the region of the server
         the node talks to (default the scenario's ``server_region``; a HALoS local server sits in
-        the node's own region).
+        the node's own region). ``traced=False`` exempts the job from the failure trace (a control
+        message such as the profile query, which is not work a failure can lose).
         """
         t0 = self._now if start is None else float(start)
         if not math.isfinite(t0):
@@ -180,7 +183,7 @@ class VirtualClock:
             raise ValueError(f"job '{job_id}': byte counts must be >= 0")
         jt: JobTime = self.scenario.job_time(node, steps, bytes_down, bytes_up, peer_region)
         finish = t0 + jt.total
-        if self.failures is not None:
+        if self.failures is not None and traced:
             down = self.failures.first_down(node, t0, finish)
             if down is not None:  # the node fails first: the job ends there, without a result
                 return self._push(job_id, node, t0, down, lost=True)
