@@ -180,8 +180,8 @@ def test_a_rejoined_node_trains_from_the_latest_model(tiny, tmp_path):
     steps_by_10 = max(int(r["outer/step"]) for r in rows if r["time/virtual_s"] <= 10.0)
     assert steps_by_10 >= 5
     assert cfg_nodes[victim][:2] == [0, steps_by_10]  # first job from v0 (lost), next from the latest
-    # it was really down: no step between 3 s and 10 s folded anything of node 2 (it got no job)
-    assert len(cfg_nodes[victim]) >= 2
+    # while down it got no job: its second train message is the one sent at the repair
+    assert rows[0]["outer/failed"] + sum(r["outer/failed"] for r in rows[1:]) == 1
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "async_diloco"])
