@@ -137,9 +137,9 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown_table(runs: list[RunRecord], target: float) -> str:
     head = (
         f"| run | strategy | loss of | final val loss | steps to {target:.3f} | virtual s to {target:.3f} | "
-        f"wall s to {target:.3f} | tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike |"
+        f"wall s to {target:.3f} | tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike | goodput |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     notes = []
     for r in runs:
         s = r.summary
@@ -156,7 +156,7 @@ def markdown_table(runs: list[RunRecord], target: float) -> str:
             f"{_fmt(r.first_reaching(target, 'steps'), ',.0f')} | {_fmt(r.first_reaching(target, VIRTUAL), '.1f')} | {_fmt(r.first_reaching(target, WALL), '.1f')} | "
             f"{_fmt(r.first_reaching(target, TOKENS), ',.0f')} | {_fmt(s.get('tokens'), ',')} | "
             f"{_fmt(s.get('bytes_up', 0) / 1e6, '.1f')} | {_fmt(s.get('bytes_down', 0) / 1e6, '.1f')} | "
-            f"{_fmt(s.get('rejected'), 'd')} | {_fmt(r.max_spike, '.3f')} |"
+            f"{_fmt(s.get('rejected'), 'd')} | {_fmt(r.max_spike, '.3f')} | {_fmt(s.get('goodput'), '.3f')} |"
         )
     return "\n".join(lines + ([""] + notes if notes else []))
 
@@ -207,6 +207,37 @@ def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: flo
     return path
 
 
+GOODPUT_BUCKETS = ("useful", "comm", "waiting", "lost", "rejected", "stale", "in_flight")
+
+
+def plot_goodput(runs: list[RunRecord], path: Path) -> Path | None:
+    """One stacked bar per run: where its provisioned node-time went (summary ``goodput_s``, as
+    shares of it); None when no run has one (wall-clock runs)."""
+    rows = [(r.name, r.summary["goodput_s"]) for r in runs
+            if isinstance(r.summary.get("goodput_s"), dict) and (r.summary["goodput_s"].get("provisioned") or 0) > 0]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.6), dpi=120)
+    left = [0.0] * len(rows)
+    for bucket in GOODPUT_BUCKETS:
+        shares = [float(g.get(bucket) or 0.0) / float(g["provisioned"]) for _, g in rows]
+        ax.barh([name for name, _ in rows], shares, left=left, label=bucket)
+        left = [a + b for a, b in zip(left, shares, strict=True)]
+    ax.set_xlabel("share of provisioned node-time (useful = goodput)")
+    ax.set_xlim(0, 1)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(rows) < 3 else -0.12))
+    ax.set_title("Goodput breakdown", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = None) -> dict[str, Any]:
     """Write ``compare.md`` and the plots into ``out_dir``; return what was written."""
     if not runs:
@@ -221,5 +252,6 @@ def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = N
         "wall": plot(runs, WALL, "wall time (s)", out / "val_loss_vs_wall_time.png", target),
         "tokens": plot(runs, TOKENS, "tokens consumed", out / "val_loss_vs_tokens.png", target),
         "steps": plot(runs, "steps", "inner steps per worker", out / "val_loss_vs_steps.png", target),
+        "goodput": plot_goodput(runs, out / "goodput.png"),
     }
     return {"table": table, "target": target, "plots": {k: str(v) for k, v in plots.items() if v is not None}}

@@ -187,6 +187,12 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "rejected": stats.rejected,
             "accepted_updates": stats.accepted,
             "failed_jobs": stats.failed,
+            "lost_to_failures": stats.lost_jobs,
+            # share of provisioned node-time that produced folded progress, and where the rest
+            # went (fl_geo.runtime.goodput); null on a wall clock
+            "goodput": stats.last.get("goodput/ratio"),
+            "goodput_s": {k.split("/", 1)[1].removesuffix("_s"): v for k, v in stats.last.items()
+                          if k.startswith("goodput/") and k.endswith("_s")} or None,
             "failure": stats.failure,  # one line when the run must not count as a success, else null
             "interrupted": stats.interrupted,
             "late_replies": stats.late_replies,

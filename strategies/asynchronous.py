@@ -157,7 +157,7 @@ class AsyncOuterLoop(OuterLoop):
         self.last_arrival = ev.time
         if self.grace_timer is not None:
             self.grace_timer.observe_arrival(ev.time)
-        if self.job_failed(self.tally, node, ev.ok):
+        if self.job_failed(self.tally, node, ev.ok, ev.error):
             return  # error reply or vanished node: nothing to fold; it is re-dispatched if alive
         self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
         try:
@@ -269,8 +269,11 @@ class AsyncOuterLoop(OuterLoop):
         t = self.tally
         base_lr = self.optimizer.lr
         self.optimizer.lr = base_lr * self._lr_share()
-        if t.accepted > 0 and self.apply_update():
+        stepped = t.accepted > 0 and self.apply_update()
+        if stepped:
             self.version += 1
+        elif self.dispatcher.goodput is not None:
+            self.dispatcher.goodput.settle(accepted=False)  # nothing was folded into a step
         self.optimizer.lr = base_lr
         if self.penalty is not None:
             self.penalty.commit()  # statistics learn from accepted updates only
@@ -324,6 +327,7 @@ class AsyncOuterLoop(OuterLoop):
 
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         self.log_initial()
+        self.dispatcher.wake_on_rejoin = True  # a repaired node gets work the moment it is back
         self.dispatch(self.idle_nodes())
         while not self._done():
             pending = self.tally.accepted + self.tally.rejected > 0
@@ -332,12 +336,17 @@ class AsyncOuterLoop(OuterLoop):
             windowed = pending and self.uses_grace and self.last_arrival is not None
             deadline = self.last_arrival + self.grace() if windowed else None
             ev = self.dispatcher.next_event(deadline=deadline)
+            if ev is None and self.dispatcher.take_rejoined():
+                self.dispatch(self.idle_nodes())  # the repaired node starts from the latest model
+                continue
             if ev is None:
                 if pending:
                     self._log_step(self.step(), progress)
                     continue
                 idle = self.idle_nodes()
                 if not idle and not self.dispatcher.in_flight():
+                    if self.dispatcher.wait_for_repair():  # every node is down: on to the next repair
+                        continue
                     self.stop("no live node to train on (all vanished or benched after repeated errors)")
                     break
                 self.dispatch(idle)

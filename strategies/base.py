@@ -23,7 +23,7 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import ParamSpec
-from fl_geo.runtime.dispatch import Dispatcher, JobTiming, NodeProfile, default_profiles
+from fl_geo.runtime.dispatch import NODE_DOWN, Dispatcher, JobTiming, NodeProfile, default_profiles
 from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.metrics import MetricsLogger
 from fl_geo.runtime.protocol import (
@@ -139,6 +139,8 @@ class OuterLoop:
         self.user_evaluate_config: ConfigRecord | None = None
         self._errors: dict[int, int] = {}  # consecutive failed jobs per node
         self.benched: set[int] = set()  # nodes that get no more jobs
+        # A failure trace (virtual clock) names nodes by scenario slot = partition id.
+        dispatcher.slot_of = self.partition_of
 
     def server_model(self, cfg: FlGeoConfig, global_params: torch.Tensor) -> ServerModel:
         """The model part this loop steps: by default the strategy's outer optimizer over all of θ
@@ -223,14 +225,17 @@ class OuterLoop:
             self._bound_version = self.version
         return self._bound
 
-    def job_failed(self, tally: Tally, node: int, ok: bool) -> bool:
+    def job_failed(self, tally: Tally, node: int, ok: bool, error: str | None = None) -> bool:
         """Count an error reply or a vanished node's job; after `MAX_CONSECUTIVE_ERRORS` in a row
         the node is benched (no more jobs). A good reply clears the node's count. True when the
-        job failed (nothing to fold)."""
+        job failed (nothing to fold). A job lost to the scenario's failure trace (``error`` is
+        `NODE_DOWN`) counts as failed but never benches: the node is repaired, not faulty."""
         if ok:
             self._errors.pop(node, None)
             return False
         tally.errors += 1
+        if error == NODE_DOWN:
+            return True
         self._errors[node] = self._errors.get(node, 0) + 1
         if self._errors[node] >= MAX_CONSECUTIVE_ERRORS:
             log.warning("node %s failed %d jobs in a row; no more jobs go to it", node, self._errors[node])
@@ -242,6 +247,8 @@ class OuterLoop:
         part = self.profiles[node].partition_id if node in self.profiles else -1
         log.warning("rejected update from node %s (partition %s): %s", node, part, reason)
         tally.rejected += 1
+        if self.dispatcher.goodput is not None:
+            self.dispatcher.goodput.verdict(node)
 
     def _virtual_zero(self) -> dict[str, float]:
         """``time/virtual_s`` = 0 for the step-0 record, only when the run has a virtual clock."""
@@ -317,6 +324,7 @@ class OuterLoop:
         self.total_accepted += t.accepted
         self.total_failed += t.errors
         return {
+            **self.goodput_metrics(),
             "outer/step": self.version,
             "outer/accepted": t.accepted,
             "outer/rejected": t.rejected,
@@ -330,6 +338,15 @@ class OuterLoop:
             "comm/bytes_down_total": self.total_bytes_down,
             "time/virtual_s": self._virtual_now(),
         }
+
+    def goodput_metrics(self, folded: bool = True) -> dict[str, float]:
+        """Cumulative goodput (fl_geo.runtime.goodput) at this step, on a virtual clock: the
+        replies of this step were folded into it (``folded``) or wasted (the step was not taken)."""
+        meter = self.dispatcher.goodput
+        if meter is None:
+            return {}
+        meter.settle(accepted=folded)
+        return meter.metrics(self.dispatcher.clock.now(), self.dispatcher.in_flight_s())
 
     # ---- checkpoint and resume (fl_geo/core/checkpoint.py) -------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -429,6 +446,9 @@ class OuterLoop:
         """``run.min_live_nodes``: pause before an outer step while fewer nodes are live, rather
         than step on too little; give up with a clear error after ``run.min_live_wait_s``."""
         need = self.cfg.run.min_live_nodes
+        # under a failure trace, virtual time moves on to repairs (nothing is in flight between steps)
+        while need and len(self.dispatcher.live_nodes()) < need and self.dispatcher.wait_for_repair():
+            pass
         if not need or len(self.dispatcher.live_nodes()) >= need:
             return
         wait_s = self.cfg.run.min_live_wait_s

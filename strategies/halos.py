@@ -173,7 +173,7 @@ class HalosLoop(OuterLoop):
     # ---- events ---------------------------------------------------------------------------------
     def handle(self, ev: Event) -> None:
         node = ev.job.node
-        if self.job_failed(self.tally, node, ev.ok):
+        if self.job_failed(self.tally, node, ev.ok, ev.error):
             return
         g = int(ev.job.meta["group"])
         lps = self.lps[g]

@@ -135,6 +135,7 @@ class RunStats:
     steps_this_run: int = 0  # outer steps taken by this start() (a resumed run starts above 0)
     stop_reason: str | None = None  # why the loop ended before its budget
     interrupted: bool = False  # the user stopped it (Ctrl-C)
+    lost_jobs: int = 0  # jobs lost to the scenario's failure trace (virtual clock)
 
     @property
     def failure(self) -> str | None:
@@ -459,7 +460,7 @@ class FlGeoStrategy(Strategy):
             virtual_s=clock.now() if clock.is_virtual else None,
             scenario=scenario.name if scenario is not None else None, num_params=spec.numel, last=dict(last),
             accepted=loop.total_accepted, failed=loop.failed_jobs(), steps_this_run=loop.version - first_version,
-            stop_reason=loop.stop_reason, interrupted=interrupted,
+            stop_reason=loop.stop_reason, interrupted=interrupted, lost_jobs=dispatcher.lost_jobs,
         )
         if self.stats.failure and not interrupted:
             log.error("run failed: %s", self.stats.failure)

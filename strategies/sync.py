@@ -32,7 +32,7 @@ from flwr.app import Message, MessageType, RecordDict
 from fl_geo.core.penalty import StepWeightMix
 from fl_geo.core.robust import median_norm_outliers
 from fl_geo.core.weights import staleness_weight
-from fl_geo.runtime.dispatch import Event, JobTiming
+from fl_geo.runtime.dispatch import NODE_DOWN, Event, JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
@@ -203,6 +203,8 @@ class SyncOuterLoop(OuterLoop):
         warm = self.warmup_left > 0
         self.wait_for_quorum()
         nodes = self.select(self.refresh_nodes())
+        while not nodes and self.dispatcher.wait_for_repair():  # every node down: on to the next repair
+            nodes = self.select(self.refresh_nodes())
         if not nodes:
             raise NoLiveNode("no live node to train on (all vanished or failed)")
         arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
@@ -236,14 +238,17 @@ class SyncOuterLoop(OuterLoop):
             quorum=quorum,
             on_late=lambda ev: self.fold_late(stats, ev),
         )
-        if outcome.pending:  # the all-reduce is among the nodes that made the quorum
-            slots = [self.profiles[n].partition_id for n in nodes if n not in outcome.pending]
         if s.robust == "median_norm":
             self.fold_held(stats, warm)
         clock = self.dispatcher.clock
-        if self.scenario is not None:
+        # nodes lost to the failure trace, and those still training when the quorum came, take
+        # no part in the all-reduce
+        pending = set(outcome.pending)
+        reduced = [self.profiles[n].partition_id for n in nodes
+                   if outcome.errors.get(n) != NODE_DOWN and n not in pending]
+        if self.scenario is not None and reduced:
             nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))
-            clock.advance_to(clock.now() + self.scenario.allreduce_time(slots, nbytes))
+            clock.advance_to(clock.now() + self.scenario.allreduce_time(reduced, nbytes))
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
         stepped = stats.accepted >= s.min_replies
         pg_norm = float("nan")
@@ -256,6 +261,8 @@ class SyncOuterLoop(OuterLoop):
                 "round %d: %d accepted update(s) < strategy.min_replies=%d; outer step skipped, model unchanged",
                 rnd, stats.accepted, s.min_replies,
             )
+            if self.dispatcher.goodput is not None:
+                self.dispatcher.goodput.settle(accepted=False)  # the round's updates were not used
         if self.penalty is not None and not warm:
             self.penalty.commit()  # statistics learn from the accepted updates only
         if warm:

@@ -47,7 +47,21 @@ def test_time_to_target_is_read_at_evaluation_points(tmp_path):
     table = markdown_table([a, b], 2.0)
     assert "| a | diloco | global | 1.5000 | 50 | 200.0 | 20.0 | 2,000 |" in table
     assert "| b | diloco | global | 1.9000 | 75 | — | 30.0 | 3,000 |" in table  # no virtual clock in run b
-    assert table.splitlines()[2].endswith("| 1 | 0.000 |")  # never rose: no spike
+    assert table.splitlines()[2].endswith("| 1 | 0.000 | — |")  # never rose: no spike; no goodput in summary
+
+
+def test_goodput_column_and_breakdown_plot(tmp_path):
+    a = load_run(_fake_run(tmp_path, "a", [5.0, 3.0]))
+    b = load_run(_fake_run(tmp_path, "b", [5.0, 3.5]))
+    a.summary.update(goodput=0.4, goodput_s={"provisioned": 10.0, "useful": 4.0, "comm": 1.0, "waiting": 3.0,
+                                               "lost": 2.0, "rejected": 0.0, "stale": 0.0, "in_flight": 0.0})
+    lines = markdown_table([a, b], 4.0).splitlines()
+    assert lines[0].endswith("| max spike | goodput |")
+    assert lines[2].endswith("| 0.400 |") and lines[3].endswith("| — |")  # b: a wall-clock run has none
+    result = compare([a, b], tmp_path / "out")
+    assert (tmp_path / "out" / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["plots"]["goodput"].endswith("goodput.png")
+    assert "goodput" not in compare([b], tmp_path / "out2")["plots"]
 
 
 def test_max_spike_is_the_largest_rise_between_evaluations(tmp_path):

@@ -12,13 +12,19 @@ fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (docs/flower.
   the same event order, and the same model, however the real processes happen to finish;
 - asynchronous strategies consume :meth:`Dispatcher.next_event` one event at a time; a synchronous
   round is the special case :meth:`Dispatcher.run_jobs`: "hand everything over once every job of
-  the round is resolved".
+  the round is resolved";
+- under a scenario's failure trace (``fl_geo.timing.failures``, virtual clock only) a node that is
+  down is not live, a job whose node fails before it finishes is handed over at the failure time
+  as a failed job (error `NODE_DOWN`; the real ClientApp's reply, when it comes, is discarded), and
+  a node that is repaired is live again and free, so its next job carries the latest model;
+- every train job's modelled time is booked for goodput (``fl_geo.runtime.goodput``, virtual clock).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,12 +34,15 @@ from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fl_geo.runtime import interrupt
+from fl_geo.runtime.goodput import GoodputMeter, JobCost
 from fl_geo.runtime.membership import Membership, NodeProfile, ProfileError, profile_from_record
 from fl_geo.runtime.protocol import REQUEST_RECORD, ProfileQuery
 
 log = logging.getLogger("fl_geo")
 
 PROFILE_KEY = "profile"
+# The error of a job lost because its node failed under the scenario's failure trace.
+NODE_DOWN = "node down (failure trace)"
 
 
 class Clock(Protocol):
@@ -43,12 +52,14 @@ class Clock(Protocol):
 
     def now(self) -> float: ...
     def schedule(self, job_id: str, node: int, start: float | None = None, *, steps: int,
-                 bytes_down: int, bytes_up: int, peer_region: str | int | None = None) -> float: ...
+                 bytes_down: int, bytes_up: int, peer_region: str | int | None = None,
+                 traced: bool = True) -> float: ...
     def due(self) -> str | None: ...
     def finish_time(self, job_id: str) -> float: ...
     def complete(self, job_id: str) -> float: ...
     def cancel(self, job_id: str) -> None: ...
     def advance_to(self, t: float) -> None: ...
+    def lost(self, job_id: str) -> bool: ...
 
 
 def default_profiles(nodes: list[int], known: Mapping[int, NodeProfile]) -> dict[int, NodeProfile]:
@@ -89,6 +100,8 @@ class Job:
     seq: int
     submitted_at: float
     meta: dict[str, Any] = field(default_factory=dict)
+    slot: int = -1  # the scenario node it runs on (JobTiming.slot)
+    compute_s: float = 0.0  # its modelled compute time (virtual clock; for goodput)
 
 
 @dataclass
@@ -145,10 +158,95 @@ class Dispatcher:
         self._poll = 0.001  # adaptive: 1 ms right after activity, backing off to poll_interval_s
         self.late_replies = 0
         self.membership = Membership()  # who was admitted or refused (fl_geo.runtime.membership)
+        # Failure traces (virtual clock): the loop tells which scenario slot a node holds; an
+        # asynchronous loop asks to be woken when a repaired node is back (`take_rejoined`).
+        self.slot_of: Callable[[int], int] | None = None
+        self.wake_on_rejoin = False
+        self._rejoined = False
+        self.lost_jobs = 0  # jobs lost to the failure trace
+        self.goodput: GoodputMeter | None = self._goodput_meter()
+
+    def _goodput_meter(self) -> GoodputMeter | None:
+        """A meter on a virtual clock with a scenario: provisioned = each node's up time."""
+        scenario = getattr(self.clock, "scenario", None)
+        if not self.clock.is_virtual or scenario is None:
+            return None
+        failures = getattr(self.clock, "failures", None)
+        slots = range(scenario.num_nodes)
+        if failures is None:
+            return GoodputMeter(lambda t: len(slots) * t)
+        return GoodputMeter(lambda t: sum(failures.uptime(n, 0.0, t) for n in slots))
+
+    # ---- failure trace (virtual clock) ---------------------------------------------------------
+    def _trace(self) -> bool:
+        return self.clock.is_virtual and getattr(self.clock, "failures", None) is not None
+
+    def _slot(self, node: int) -> int:
+        return self.slot_of(node) if self.slot_of is not None else -1
+
+    def is_down(self, node: int) -> bool:
+        """Whether ``node`` is down now under the failure trace (never with a wall clock)."""
+        if not self._trace():
+            return False
+        slot = self._slot(node)
+        return slot >= 0 and self.clock.is_down(slot)  # type: ignore[attr-defined]
+
+    def _next_up(self) -> float | None:
+        slots = [s for s in (self._slot(n) for n in self.grid.get_node_ids()) if s >= 0]
+        return self.clock.next_up(slots)  # type: ignore[attr-defined]
+
+    def wait_for_repair(self) -> bool:
+        """Nothing in flight and nodes down: move virtual time to the next repair. False when there
+        is no trace, work is still in flight, or no down node ever comes back."""
+        if not self._trace() or self._jobs:
+            return False
+        t_up = self._next_up()
+        if t_up is None:
+            return False
+        log.info("virtual clock moves to %.1f s: a node is repaired", t_up)
+        self.clock.advance_to(t_up)
+        return True
+
+    def take_rejoined(self) -> bool:
+        """True once after `next_event` returned None because a repaired node came back."""
+        woke, self._rejoined = self._rejoined, False
+        return woke
+
+    def _rejoin_first(self, deadline: float | None) -> bool:
+        """Move virtual time to a repair that comes before the next job's finish and ``deadline``."""
+        if not self._trace() or (not self._jobs and deadline is None):
+            return False
+        t_up = self._next_up()
+        if t_up is None:
+            return False
+        due = self.clock.due()
+        first = min(self.clock.finish_time(due) if due is not None else math.inf,
+                    deadline if deadline is not None else math.inf)
+        if not t_up < first:
+            return False
+        log.info("virtual time %.1f s: a repaired node rejoins", t_up)
+        self.clock.advance_to(t_up)
+        return True
+
+    def in_flight_s(self) -> float:
+        """Modelled time so far of the train jobs in flight (goodput's ``in_flight`` bucket)."""
+        now = self.clock.now()
+        return sum(now - j.submitted_at for j in self._jobs.values() if j.kind == MessageType.TRAIN)
+
+    def _book(self, job: Job, t: float, ok: bool) -> None:
+        """Book a resolved train job's modelled time for goodput."""
+        if self.goodput is None or job.kind != MessageType.TRAIN:
+            return
+        total = max(0.0, t - job.submitted_at)
+        self.goodput.resolved(job.node, JobCost(total, min(job.compute_s, total)), ok)
 
     # ---- membership -------------------------------------------------------------------------
     def live_nodes(self) -> list[int]:
-        return sorted(self.grid.get_node_ids())
+        """The grid's nodes, less those down now under a failure trace (virtual clock)."""
+        nodes = sorted(self.grid.get_node_ids())
+        if self._trace():
+            nodes = [n for n in nodes if not self.is_down(n)]
+        return nodes
 
     def busy_nodes(self) -> set[int]:
         return {j.node for j in self._jobs.values()} | set(self._abandoned.values())
@@ -232,11 +330,16 @@ class Dispatcher:
             job_id = mid or f"unsent-{nid}-{next(self._seq)}"
             job = Job(job_id, nid, msg.metadata.message_type, next(self._seq), now, dict(meta[i]) if meta else {})
             timing = timings[i] if timings is not None else JobTiming(slot=0)
+            job.slot = timing.slot
             if timing.free and self.clock.is_virtual:
                 self.clock.schedule_at(job_id, now, node=timing.slot)
             else:
+                if self.goodput is not None:
+                    job.compute_s = self.clock.scenario.compute_time(timing.slot, timing.steps)  # type: ignore[attr-defined]
+                # only train work is lost to the failure trace (control queries are not modelled work)
                 self.clock.schedule(job_id, timing.slot, steps=timing.steps, bytes_down=timing.bytes_down,
-                                    bytes_up=timing.bytes_up, peer_region=timing.peer_region)
+                                    bytes_up=timing.bytes_up, peer_region=timing.peer_region,
+                                    traced=job.kind == MessageType.TRAIN)
             self._jobs[job_id] = job
             if not mid:  # Flower returns an empty id for a node it does not know
                 self._arrived[job_id] = _VANISHED
@@ -247,6 +350,7 @@ class Dispatcher:
         """Give up on a job (round timeout): its node stays busy until its late reply is pulled."""
         if self._jobs.pop(job.id, None) is None:
             return
+        self._book(job, self.clock.now(), ok=False)
         self.clock.cancel(job.id)
         if self._arrived.pop(job.id, None) is None:
             self._abandoned[job.id] = job.node
@@ -301,8 +405,15 @@ class Dispatcher:
         reply = self._arrived.pop(job_id)
         if reply is _VANISHED:
             self.clock.cancel(job_id)
+            self._book(job, self.clock.now(), ok=False)
             return Event(job, None, "vanished", self.clock.now())
+        lost = self.clock.lost(job_id)
         t = self.clock.complete(job_id)
+        self._book(job, t, ok=not lost and not reply.has_error())
+        if lost:  # its node failed first: whatever the ClientApp replied is discarded
+            self.lost_jobs += 1
+            log.info("node %s (slot %s) failed at virtual %.1f s; its job is lost", job.node, job.slot, t)
+            return Event(job, None, NODE_DOWN, t)
         if reply.has_error():
             err = f"{reply.error.code}: {reply.error.reason}"
             level = logging.DEBUG if job.meta.get("quiet_errors") else logging.WARNING
@@ -324,10 +435,17 @@ class Dispatcher:
         """The next resolved job in clock order, or None.
 
         None means: nothing is in flight, or ``deadline`` (clock time) came first (a virtual clock
-        then stands at the deadline), or ``block`` is False and nothing can be handed over yet.
+        then stands at the deadline), or ``block`` is False and nothing can be handed over yet, or
+        (with ``wake_on_rejoin``) a node repaired under the failure trace is back: `take_rejoined`
+        is then True. Without ``wake_on_rejoin`` a repair just moves virtual time on.
         """
         virtual = self.clock.is_virtual
         while True:
+            if virtual and self._rejoin_first(deadline):
+                if self.wake_on_rejoin:
+                    self._rejoined = True
+                    return None
+                continue
             jid = self._ready()
             if jid is not None and (
                 self._arrived[jid] is _VANISHED or not virtual or deadline is None

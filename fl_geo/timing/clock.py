@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fl_geo.timing.failures import FailureTimeline
 from fl_geo.timing.scenario import JobTime, Scenario
 
 __all__ = ["VirtualClock", "WallClock"]
@@ -37,6 +38,7 @@ class WallClock:
     """
 
     is_virtual = False
+    failures: FailureTimeline | None = None  # a failure trace lives on the virtual time axis only
 
     def __init__(self, time_fn: Callable[[], float] = time.monotonic) -> None:
         self._time_fn = time_fn
@@ -50,6 +52,7 @@ class WallClock:
     def schedule(
         self, job_id: str, node: int, start: float | None = None, *,
         steps: int = 0, bytes_down: int = 0, bytes_up: int = 0, peer_region: str | int | None = None,
+        traced: bool = True,
     ) -> float:
         """Record a dispatched job; returns NaN (a real job's finish time is not known in advance)."""
         if job_id in self._jobs:
@@ -80,6 +83,10 @@ class WallClock:
         """The node vanished or the job was abandoned; unknown ids are ignored (idempotent)."""
         self._jobs.pop(job_id, None)
 
+    def lost(self, job_id: str) -> bool:
+        """Wall time has no failure trace: real faults arrive as error replies or vanished nodes."""
+        return False
+
     def pending(self) -> int:
         return len(self._jobs)
 
@@ -108,6 +115,7 @@ class _Job:
     seq: int
     start: float
     finish: float
+    lost: bool = False  # its node fails at ``finish``: the job ends there without a result
 
 
 def _key(finish: float) -> int:
@@ -125,6 +133,11 @@ class VirtualClock:
 
     ``num_params_modelled`` is the parameter count used by :meth:`payload_bytes` when the
     scenario does not model one (``model.num_params``); pass the trained model's count.
+
+    Failures (``fl_geo.timing.failures``): when the scenario models a failure trace, a job whose
+    node goes down before its modelled finish is *lost*: its finish time becomes the failure time
+    and :meth:`lost` says so, so the dispatcher hands it over at that moment as a failed job,
+    never as a reply. :meth:`is_down` and :meth:`next_up` tell who is live in virtual time.
     """
 
     is_virtual = True
@@ -137,6 +150,7 @@ class VirtualClock:
         self._jobs: dict[str, _Job] = {}
         self._heap: list[tuple[int, int, int, str]] = []
         self._stale = 0
+        self.failures: FailureTimeline | None = FailureTimeline.from_scenario(scenario)
 
     # ---- time ----
     def now(self) -> float:
@@ -152,13 +166,15 @@ class VirtualClock:
     def schedule(
         self, job_id: str, node: int, start: float | None = None, *,
         steps: int, bytes_down: int, bytes_up: int, peer_region: str | int | None = None,
+        traced: bool = True,
     ) -> float:
         """Fix a job's finish time at dispatch and return it.
 
         ``finish = start + transfer(server -> node) + steps * step_time(node) + transfer(node ->
         server)``, ``start`` defaulting to ``now()``. ``peer_region`` is the region of the server
         the node talks to (default the scenario's ``server_region``; a HALoS local server sits in
-        the node's own region).
+        the node's own region). ``traced=False`` exempts the job from the failure trace (a control
+        message such as the profile query, which is not work a failure can lose).
         """
         t0 = self._now if start is None else float(start)
         if not math.isfinite(t0):
@@ -166,7 +182,12 @@ class VirtualClock:
         if bytes_down < 0 or bytes_up < 0:
             raise ValueError(f"job '{job_id}': byte counts must be >= 0")
         jt: JobTime = self.scenario.job_time(node, steps, bytes_down, bytes_up, peer_region)
-        return self._push(job_id, node, t0, t0 + jt.total)
+        finish = t0 + jt.total
+        if self.failures is not None and traced:
+            down = self.failures.first_down(node, t0, finish)
+            if down is not None:  # the node fails first: the job ends there, without a result
+                return self._push(job_id, node, t0, down, lost=True)
+        return self._push(job_id, node, t0, finish)
 
     def schedule_at(self, job_id: str, finish: float, *, node: int = -1) -> float:
         """Schedule an event with a known finish time, e.g. a HALoS local->global server
@@ -176,12 +197,12 @@ class VirtualClock:
             raise ValueError(f"job '{job_id}': finish must be finite, got {finish}")
         return self._push(job_id, node, self._now, float(finish))
 
-    def _push(self, job_id: str, node: int, start: float, finish: float) -> float:
+    def _push(self, job_id: str, node: int, start: float, finish: float, lost: bool = False) -> float:
         if job_id in self._jobs:
             raise ValueError(f"job '{job_id}' is already pending")
         seq = self._seq
         self._seq += 1
-        self._jobs[job_id] = _Job(node, seq, start, finish)
+        self._jobs[job_id] = _Job(node, seq, start, finish, lost)
         heapq.heappush(self._heap, (_key(finish), node, seq, job_id))
         return finish
 
@@ -209,6 +230,25 @@ class VirtualClock:
 
     def start_time(self, job_id: str) -> float:
         return self._get(job_id).start
+
+    def lost(self, job_id: str) -> bool:
+        """True when the job's node fails before the job finishes (its finish time is the failure)."""
+        return self._get(job_id).lost
+
+    # ---- failures ----
+    def is_down(self, node: int, t: float | None = None) -> bool:
+        """Whether scenario node ``node`` is down at ``t`` (default: now) under the failure trace."""
+        if self.failures is None or not 0 <= node < self.failures.num_nodes:
+            return False
+        return self.failures.is_down(node, self._now if t is None else t)
+
+    def next_up(self, nodes: list[int]) -> float | None:
+        """The earliest time one of ``nodes`` that is down now comes back; None when none will."""
+        if self.failures is None:
+            return None
+        times = [self.failures.up_at(n, self._now) for n in nodes if self.is_down(n)]
+        finite = [t for t in times if math.isfinite(t)]
+        return min(finite) if finite else None
 
     def complete(self, job_id: str) -> float:
         """Hand a job over: ``now`` moves to its finish time (never backwards); returns ``now``.
@@ -283,7 +323,8 @@ class VirtualClock:
             "now": self._now,
             "seq": self._seq,
             "jobs": [
-                {"id": jid, "node": j.node, "seq": j.seq, "start": j.start, "finish": j.finish}
+                {"id": jid, "node": j.node, "seq": j.seq, "start": j.start, "finish": j.finish,
+                 **({"lost": True} if j.lost else {})}
                 for jid, j in jobs
             ],
         }
@@ -300,7 +341,8 @@ class VirtualClock:
         self._now = float(state["now"])
         self._seq = int(state["seq"])
         self._jobs = {
-            str(j["id"]): _Job(int(j["node"]), int(j["seq"]), float(j["start"]), float(j["finish"]))
+            str(j["id"]): _Job(int(j["node"]), int(j["seq"]), float(j["start"]), float(j["finish"]),
+                               bool(j.get("lost", False)))
             for j in state["jobs"]
         }
         self._heap = [(_key(j.finish), j.node, j.seq, jid) for jid, j in self._jobs.items()]

@@ -30,6 +30,7 @@ from fl_geo.errors import ConfigError
 __all__ = [
     "BYTES_PER_PARAM",
     "EXACT_RING_MAX_REGIONS",
+    "FailureProcessSpec",
     "FailureSpec",
     "HeterogeneitySpec",
     "JobTime",
@@ -47,6 +48,7 @@ __all__ = [
 # Bytes per parameter of a model-sized payload on the wire (the outer state is always fp32).
 BYTES_PER_PARAM: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 SPREADS = ("even", "random")
+REPAIRS = ("fixed", "exponential")
 # Up to this many distinct regions the best all-reduce ring is found by enumerating every ring
 # ((R-1)! orders: 5,040 at R = 8); beyond it a greedy heuristic picks one (see Scenario.best_ring).
 EXACT_RING_MAX_REGIONS = 8
@@ -107,11 +109,27 @@ class HeterogeneitySpec:
 
 @dataclass
 class FailureSpec:
-    """Node ``node`` is unavailable from ``at_time`` (virtual s) for ``duration`` s (None = for good)."""
+    """An explicit outage: node ``node`` (or every node of ``region``) is down from ``at_time``
+    (virtual s) for ``duration`` s (None = for good). Exactly one of ``node`` and ``region`` is set."""
 
-    node: int = 0
+    node: int = -1  # -1 = not set (a region outage)
     at_time: float = 0.0
     duration: float | None = None
+    region: str = ""  # a whole-region outage: every node of this region
+
+
+@dataclass
+class FailureProcessSpec:
+    """A seeded failure process per node (fl_geo.timing.failures): up-times drawn from an
+    exponential distribution of mean ``mtbf_s``, each followed by a repair of ``repair_s``
+    (``repair: fixed``) or of an exponential time of that mean (``repair: exponential``).
+    ``mtbf_s = 0`` turns the process off; ``nodes`` empty = every node."""
+
+    mtbf_s: float = 0.0
+    repair_s: float = 0.0
+    repair: str = "fixed"
+    seed: int = 0
+    nodes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +145,7 @@ class ScenarioSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     heterogeneity: HeterogeneitySpec = field(default_factory=HeterogeneitySpec)
     failures: list[FailureSpec] = field(default_factory=list)
+    failure_process: FailureProcessSpec = field(default_factory=FailureProcessSpec)
 
 
 # ---- small value types ------------------------------------------------------------------------
@@ -220,6 +239,10 @@ class Scenario:
     @property
     def failures(self) -> list[FailureSpec]:
         return copy.deepcopy(self._spec.failures)
+
+    @property
+    def failure_process(self) -> FailureProcessSpec:
+        return copy.deepcopy(self._spec.failure_process)
 
     def node(self, node: int) -> NodeSpec:
         return copy.deepcopy(self._spec.nodes[self._check_node(node)])
@@ -542,13 +565,35 @@ def _validate(s: ScenarioSpec, where: str) -> None:
     _require(h.spread in SPREADS, f"{where}: heterogeneity.spread must be one of {', '.join(SPREADS)}, got '{h.spread}'")
     for i, f in enumerate(s.failures):
         _require(
-            0 <= f.node < len(s.nodes), f"{where}: failures[{i}].node must be in 0..{len(s.nodes) - 1}, got {f.node}"
+            (f.node == -1) != (f.region == ""),
+            f"{where}: failures[{i}] must set exactly one of 'node' (one node) and 'region' (every node of a region)",
         )
+        if f.region:
+            _require(f.region in s.regions, f"{where}: failures[{i}].region '{f.region}' is not one of the regions ({regions})")
+        else:
+            _require(
+                0 <= f.node < len(s.nodes), f"{where}: failures[{i}].node must be in 0..{len(s.nodes) - 1}, got {f.node}"
+            )
         _require(0 <= f.at_time < math.inf, f"{where}: failures[{i}].at_time must be >= 0 seconds, got {f.at_time}")
         _require(
             f.duration is None or 0 < f.duration < math.inf,
             f"{where}: failures[{i}].duration must be > 0 seconds (or null = for good), got {f.duration}",
         )
+    _validate_process(s.failure_process, len(s.nodes), where)
+
+
+def _validate_process(p: FailureProcessSpec, num_nodes: int, where: str) -> None:
+    _require(0 <= p.mtbf_s < math.inf, f"{where}: failure_process.mtbf_s must be >= 0 seconds (0 = off), got {p.mtbf_s}")
+    if p.mtbf_s == 0:
+        return
+    _require(
+        0 < p.repair_s < math.inf,
+        f"{where}: failure_process.repair_s must be > 0 seconds when failure_process.mtbf_s is set, got {p.repair_s}",
+    )
+    _require(p.repair in REPAIRS, f"{where}: failure_process.repair must be one of {', '.join(REPAIRS)}, got '{p.repair}'")
+    for i, n in enumerate(p.nodes):
+        _require(0 <= n < num_nodes, f"{where}: failure_process.nodes[{i}] must be in 0..{num_nodes - 1}, got {n}")
+    _require(len(set(p.nodes)) == len(p.nodes), f"{where}: failure_process.nodes must be distinct, got {p.nodes}")
 
 
 def _eta_multipliers(h: HeterogeneitySpec, k: int) -> list[float]:
@@ -567,6 +612,15 @@ def _eta_multipliers(h: HeterogeneitySpec, k: int) -> list[float]:
     if k == 1:
         return [1.0]
     return [1.0 + h.eta_percent / 100.0 * i / (k - 1) for i in range(k)]
+
+
+def _process_for_nodes(p: FailureProcessSpec, num_nodes: int) -> FailureProcessSpec:
+    """The failure process over the first ``num_nodes`` nodes; off when it named only dropped nodes
+    (an empty ``nodes`` list would otherwise mean every node)."""
+    if not p.nodes:
+        return dataclasses.replace(p)
+    kept = [n for n in p.nodes if n < num_nodes]
+    return dataclasses.replace(p, nodes=kept) if kept else dataclasses.replace(p, mtbf_s=0.0, nodes=[])
 
 
 def scenario_for_nodes(scenario: Scenario, num_nodes: int) -> Scenario:
@@ -589,6 +643,7 @@ def scenario_for_nodes(scenario: Scenario, num_nodes: int) -> Scenario:
     spec = dataclasses.replace(
         spec,
         nodes=spec.nodes[:num_nodes],
-        failures=[f for f in spec.failures if f.node < num_nodes],
+        failures=[f for f in spec.failures if f.node < num_nodes],  # region outages (node -1) stay
+        failure_process=_process_for_nodes(spec.failure_process, num_nodes),
     )
     return Scenario(spec, f"{scenario.name} (first {num_nodes} nodes)")
