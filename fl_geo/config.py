@@ -594,6 +594,9 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.quorum == 0 or (s.name not in STREAMING_STRATEGIES and s.name != "halos"),
              f"strategy.quorum is for the synchronous DiLoCo-style loop, not for strategy '{s.name}'")
     _require(s.late_replies in ("drop", "fold"), f"strategy.late_replies must be drop or fold, got '{s.late_replies}'")
+    _require(s.late_replies == "drop" or s.robust == "none",
+             "strategy.late_replies=fold with strategy.robust=median_norm is not supported: a late reply is folded "
+             "outside the round whose median it would be judged against; use late_replies=drop")
     _require(s.late_replies == "drop" or not p.enabled,
              "strategy.late_replies=fold with the penalty (EDiT) is not supported; use late_replies=drop")
     _require(s.quorum == 0 or not r.checkpoint_every,

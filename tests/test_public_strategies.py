@@ -254,8 +254,9 @@ def test_the_hardening_and_quorum_settings_are_keyword_arguments():
     from fl_geo.config import ConfigError
     from fl_geo.strategies import DiLoCo, DiPS, HALoS
 
-    s = DiLoCo(quorum=0.75, late_replies="fold", robust="median_norm", token_cap="none").config.strategy
-    assert (s.quorum, s.late_replies, s.robust, s.token_cap) == (0.75, "fold", "median_norm", "none")
+    s = DiLoCo(quorum=0.75, late_replies="fold", token_cap="none").config.strategy
+    assert (s.quorum, s.late_replies, s.robust, s.token_cap) == (0.75, "fold", "none", "none")
+    assert DiLoCo(quorum=0.75, robust="median_norm").config.strategy.robust == "median_norm"
     assert DiPS(robust="median_norm").config.strategy.robust == "median_norm"
     with pytest.raises(ConfigError, match="strategy.quorum is for synchronous strategies"):
         DiPS(quorum=0.5)

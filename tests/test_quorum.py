@@ -75,6 +75,8 @@ def test_a_quorum_of_every_node_is_the_waiting_round_bit_for_bit(tiny, tmp_path)
     (["strategy.late_replies=keep"], "strategy.late_replies must be drop or fold"),
     (["strategy.quorum=0.5", "strategy.late_replies=fold", "strategy.name=edit"], "late_replies=fold with the penalty"),
     (["strategy.quorum=0.5", "run.checkpoint_every=1"], "strategy.quorum with run.checkpoint_every"),
+    (["strategy.quorum=0.5", "strategy.late_replies=fold", "strategy.robust=median_norm"],
+     "late_replies=fold with strategy.robust=median_norm"),
 ])
 def test_bad_quorum_settings_are_config_errors(tiny, overrides, needle):
     with pytest.raises(ConfigError, match=needle):
