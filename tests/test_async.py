@@ -124,23 +124,35 @@ def test_bad_payload_is_rejected_and_the_run_continues(tiny, tmp_path, kind):
     assert summary["rejected"] == 1 and summary["outer_steps"] == 4 and torch.isfinite(final).all()
 
 
-@pytest.mark.parametrize("lie", [{"tokens": float("nan")}, {"steps": 10**6}, {"step_time_s": float("inf")},
-                                 {"tokens": 2**40}],
-                         ids=["tokens-nan", "steps-beyond-job", "step-time-inf", "tokens-beyond-job"])
-def test_lying_metrics_are_rejected_and_the_run_continues(tiny, tmp_path, lie):
-    """One reply with a lying metric is one counted rejection; the asynchronous loop goes on and
-    ends with the same outer steps (before: int(nan) or the unchecked value ended or skewed the run)."""
-    def hook(node, msg, reply):
-        if msg.metadata.message_type != "train" or reply.has_error() or hook.done:
-            return reply
-        hook.done = True
-        metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **lie})
-        return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"], "metrics": metrics}),
-                       reply_to=msg)
+@pytest.mark.parametrize("lie, reason", [
+    ({"tokens": float("nan")}, "metric 'tokens' is nan"),
+    ({"steps": 10**6}, "steps=1000000, must be a whole number"),
+    ({"step_time_s": float("inf")}, "metric 'step_time_s' is inf"),
+    ({"tokens": 2**40}, "tokens=1099511627776 is more than"),
+], ids=["tokens-nan", "steps-beyond-job", "step-time-inf", "tokens-beyond-job"])
+def test_lying_metrics_are_rejected_and_the_run_continues(tiny, tmp_path, lie, reason, caplog):
+    """The first train reply lies in one metric: it is rejected for that field (logged, counted
+    once), and the asynchronous loop goes on exactly as when that same reply is refused for
+    another reason: the same outer steps and a bit-identical model (before: int(nan) or the
+    unchecked value ended or skewed the run)."""
+    def lying(lie):
+        def hook(node, msg, reply):
+            if msg.metadata.message_type != "train" or reply.has_error() or hook.done:
+                return reply
+            hook.done = True
+            metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **lie})
+            return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"],
+                                                    "metrics": metrics}), reply_to=msg)
+        hook.done = False
+        return hook
 
-    hook.done = False
-    summary, final, _ = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=4"), tmp_path, hook=hook)
-    assert summary["rejected"] == 1 and summary["outer_steps"] == 4 and torch.isfinite(final).all()
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny(*VIRTUAL, *DIPS, "run.rounds=4")
+    summary, final, _ = _run(cfg, tmp_path, "lie", hook=lying(lie))
+    assert summary["rejected"] == 1 and summary["outer_steps"] == 4
+    assert caplog.text.count(reason) == 1, caplog.text[-2000:]
+    refused, reference, _ = _run(cfg, tmp_path, "refused", hook=lying({"train_loss": float("nan")}))
+    assert refused["rejected"] == 1 and torch.equal(final, reference)
 
 
 def test_node_leaving_mid_run_loses_nothing_and_does_not_stall(tiny, tmp_path):
