@@ -185,6 +185,8 @@ class SyncOuterLoop(OuterLoop):
         version, steps = int(ev.job.meta["version"]), int(ev.job.meta["steps"])
         if self.cfg.strategy.late_replies == "drop":
             stats.late_dropped += 1
+            if self.dispatcher.goodput is not None:  # its whole job was work thrown away as too stale
+                self.dispatcher.goodput.verdict(ev.job.node, "stale")
             log.debug("late reply from node %s (model version %d) dropped", ev.job.node, version)
             return
         try:
