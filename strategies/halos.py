@@ -200,7 +200,8 @@ class HalosLoop(OuterLoop):
             self._global_step(g, update)
             return
         region, server = self.group_region[g], self.scenario.server_region
-        t = self.dispatcher.clock.now() + self.scenario.transfer_time(region, server, self._nbytes(self.cfg.wire.up))
+        now = self.dispatcher.clock.now()
+        t = now + self.scenario.transfer_time(region, server, self._nbytes(self.cfg.wire.up), start=now)
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "up", g, update))
         self.total_bytes_up += self._payload_bytes(self.cfg.wire.up)  # what was sent, as every loop counts
 
@@ -214,7 +215,8 @@ class HalosLoop(OuterLoop):
             self.lps[g].merge(self.gps.params)
             return
         region, server = self.group_region[g], self.scenario.server_region
-        t = self.dispatcher.clock.now() + self.scenario.transfer_time(server, region, self._nbytes(self.cfg.wire.down))
+        now = self.dispatcher.clock.now()
+        t = now + self.scenario.transfer_time(server, region, self._nbytes(self.cfg.wire.down), start=now)
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "down", g, self.gps.params.clone()))
         self.total_bytes_down += self._payload_bytes(self.cfg.wire.down)
 

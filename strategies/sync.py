@@ -250,7 +250,7 @@ class SyncOuterLoop(OuterLoop):
                    if outcome.errors.get(n) != NODE_DOWN and n not in pending]
         if self.scenario is not None and reduced:
             nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))
-            clock.advance_to(clock.now() + self.scenario.allreduce_time(reduced, nbytes))
+            clock.advance_to(clock.now() + self.scenario.allreduce_time(reduced, nbytes, start=clock.now()))
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
         stepped = stats.accepted >= s.min_replies
         pg_norm = float("nan")
