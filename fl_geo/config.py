@@ -87,6 +87,11 @@ class RunSection:
     # Live nodes below which the server pauses instead of stepping on too little (0 = off).
     min_live_nodes: int = 0
     min_live_wait_s: float = 600.0  # how long to wait for enough live nodes before giving up
+    # With clock=wall: replay run.scenario's failure trace as real faults (a failing node's ClientApp
+    # answers its job with an error; the node gets nothing until its repair), jobs laid on each
+    # node's modelled time line in dispatch order; wall seconds per modelled second (fl_geo/runtime/wall_faults.py).
+    wall_faults: bool = False
+    wall_fault_scale: float = 0.0
 
 
 @dataclass
@@ -557,6 +562,10 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.outer_lr_scaling in ("none", "share"), "strategy.outer_lr_scaling must be none or share")
     _require(s.outer_lr_scaling == "none" or is_async, "strategy.outer_lr_scaling=share is for asynchronous strategies")
     _require(r.clock in ("wall", "virtual"), f"run.clock must be wall or virtual, got '{r.clock}'")
+    _require(not r.wall_faults or r.clock == "wall",
+             "run.wall_faults=true needs run.clock=wall (a virtual clock replays the failure trace itself)")
+    _require(r.wall_fault_scale >= 0, f"run.wall_fault_scale must be >= 0 wall seconds per modelled second, "
+                                      f"got {r.wall_fault_scale}")
     _require(r.max_tokens >= 0, "run.max_tokens must be >= 0")
     unknown = [name for name in r.loggers if name not in ("wandb", "mlflow")]
     _require(not unknown, f"run.loggers {unknown} unknown; valid: wandb, mlflow (metrics.jsonl is always "
