@@ -448,7 +448,7 @@ class Dispatcher:
             self.wall_faults.failed(job.node, job.fault)
             self.lost_jobs += 1
             log.info("node %s (slot %s) failed (wall fault, modelled %.1f s); its job is lost, down for %.2f s",
-                     job.node, job.slot, job.fault.virtual_down, job.fault.down_s)
+                     job.node, self._slot(job.node), job.fault.virtual_down, job.fault.down_s)
             return Event(job, None, NODE_DOWN, t)
         self._book(job, t, ok=not lost and not reply.has_error())
         if lost:  # its node failed first: whatever the ClientApp replied is discarded
