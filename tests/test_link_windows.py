@@ -117,3 +117,14 @@ def test_windows_of_dropped_nodes_are_dropped_with_them():
              {"region": "B", "at_time": 0.0, "until_time": math.inf, "bandwidth_factor": 0.5})
     two = scenario_for_nodes(sc, 2)
     assert [w.region for w in two.link_windows] == ["B"]
+
+
+def test_the_example_scenario_slows_cluster_3_in_its_window():
+    from fl_geo.scenario_files import load_scenario
+
+    sc = load_scenario("dips_eta100_slow_link")
+    bits = sc.payload_bytes("bf16") * 8
+    assert sc.transfer_time("ps", "c3", sc.payload_bytes("bf16"), start=0.0) == bits / 10e9
+    assert sc.transfer_time("ps", "c3", sc.payload_bytes("bf16"), start=150.0, node=3) == pytest.approx(
+        0.05 + bits / 2.5e9, rel=1e-12)
+    assert sc.transfer_time("ps", "c2", sc.payload_bytes("bf16"), start=150.0) == bits / 10e9
