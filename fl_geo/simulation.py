@@ -87,6 +87,10 @@ def preflight(cfg: FlGeoConfig) -> None:
         raise ConfigError(f"client.device={cfg.client.device}: {exc} (a simulation's clients run on this "
                           "machine)") from None
     partitions(cfg.data, cfg.run.num_clients)
+    if cfg.run.wall_faults:  # a scenario without a failure trace is one line, before Ray starts
+        from fl_geo.strategies.loops import make_wall_faults
+
+        make_wall_faults(cfg, 1)
 
 
 def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
