@@ -180,6 +180,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "rounds": cfg.run.rounds,
             "outer_steps": stats.outer_steps,
             "final_val_loss": stats.last.get("val/loss"),
+            "final_val_bpb": stats.last.get("val/bpb"),  # bits per byte (docs/data.md)
             "final_train_loss": stats.last.get("train/loss"),
             "tokens": stats.tokens,
             "bytes_up": stats.bytes_up,
