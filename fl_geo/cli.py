@@ -1,7 +1,7 @@
 """``fl-geo``: run experiments, fetch the offline corpora, benchmark the server path.
 
     fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
-    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--out DIR]
+    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--metric loss|bpb] [--out DIR]
                                                      table + plots of several runs
     fl-geo sweep CONFIG key=a,b,c [key=value ...] [--out DIR]   every combination, one table + plots
     fl-geo flwr-run [CONFIG] [key=value ...]         the same through Flower's CLI: flwr run . --stream
@@ -107,10 +107,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     configs, overrides = _split(args.items)
     resolved = [load_config(c, overrides) for c in configs]
     out = Path(args.out)
-    runs = [load_run(p, args.loss) for p in args.runs]
+    runs = [load_run(p, args.loss, args.metric) for p in args.runs]
     for cfg in resolved:
         summary = run_simulation(cfg, out / "runs" / cfg.run.name)
-        runs.append(load_run(summary["run_dir"], args.loss))
+        runs.append(load_run(summary["run_dir"], args.loss, args.metric))
     if not runs:
         raise ConfigError("fl-geo compare needs config files to run and/or --runs DIR ...")
     result = compare(runs, out, args.target)
@@ -394,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--loss", choices=("global", "workers"), default="global",
                       help="whose validation loss: the server's model (val/loss), or the workers' own "
                            "models where a streaming run logged them (val/worker_loss; streaming.eval_workers)")
+    cmp_.add_argument("--metric", choices=("loss", "bpb"), default="loss",
+                      help="tabulate and plot the validation loss (nats/token) or bits per byte (val/bpb: fair "
+                           "across tokenizers; --target is then in bits per byte)")
     cmp_.set_defaults(func=cmd_compare)
 
     sw = sub.add_parser("sweep", help="run every combination of key=a,b,c values; one table and plots")
