@@ -256,7 +256,7 @@ class WireSection:
 class DataSection:
     """Corpus, partitioning and batch shape (fl_geo.data)."""
 
-    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files
+    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files | jsonl | parquet | arrow
     data_dir: str = ""  # "" = $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora
     files: list[str] = field(default_factory=list)
     text_key: str = "text"
@@ -273,6 +273,9 @@ class DataSection:
     # a directory holding tokenizer.json; model.vocab_size follows the tokenizer (docs/data.md)
     tokenizer: str = "byte"
     bpe_vocab_size: int = 4096
+    # data.corpus=jsonl|parquet|arrow: local files read through `datasets` (a file, glob or directory)
+    path: str = ""
+    text_field: str = "text"
 
 
 @dataclass
@@ -646,6 +649,9 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
     _require(d.corpus in CORPUS_NAMES, f"data.corpus '{d.corpus}' is unknown; valid: {', '.join(CORPUS_NAMES)}")
     _require(d.corpus != "files" or bool(d.files), "data.corpus=files needs data.files (paths or globs of .txt/.jsonl)")
+    _require(d.corpus not in ("jsonl", "parquet", "arrow") or bool(d.path),
+             f"data.corpus={d.corpus} needs data.path (a local file, glob or directory)")
+    _require(bool(d.text_field), "data.text_field must name the column that holds the text")
     _require(0 <= d.noise_fraction <= 1, f"data.noise_fraction must be in [0, 1], got {d.noise_fraction}")
     _require(d.noise_kind in NOISE_KINDS, f"data.noise_kind must be one of {NOISE_KINDS}, got '{d.noise_kind}'")
     _require(d.noise_block >= 1, f"data.noise_block must be >= 1, got {d.noise_block}")

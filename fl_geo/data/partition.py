@@ -14,14 +14,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from fl_geo.data.corpus import Corpus, default_data_dir, load_corpus
+from fl_geo.data.corpus import Corpus, Document, default_data_dir, load_corpus
 from fl_geo.data.tokenizer import ByteTokenizer, Tokenizer
 from fl_geo.errors import ConfigError
 
@@ -94,8 +95,8 @@ def _deal_chunks(
     return [sorted(order[p::parts].tolist()) for p in range(parts)]
 
 
-def _gather(data: np.ndarray, starts: Sequence[int], chunk: int) -> np.ndarray:
-    return _concat([data[start : start + chunk] for start in starts])
+def _gather(data: np.ndarray, starts: Sequence[int], chunk: int, concat: Concat) -> np.ndarray:
+    return concat([data[start : start + chunk] for start in starts])
 
 
 def _covered_docs(
@@ -142,15 +143,38 @@ def partition_corpus(
     tokenizer = tokenizer or ByteTokenizer()
 
     docs = corpus.documents
-    train_parts, val_parts = _encode_split(corpus, tokenizer, val_fraction)
+    train_parts, val_parts = _encode_split(docs, tokenizer, val_fraction)
     group_names = corpus.groups
     group_index = {name: i for i, name in enumerate(group_names)}
     doc_group = [group_index[doc.group] for doc in docs]
+    return partition_tokens(corpus.name, train_parts, val_parts, doc_group, group_names, num_partitions, scheme, seed)
 
+
+Concat = Callable[[Sequence[np.ndarray]], np.ndarray]
+
+
+def partition_tokens(
+    corpus_name: str,
+    train_parts: list[np.ndarray],
+    val_parts: list[np.ndarray],
+    doc_group: list[int],
+    group_names: list[str],
+    num_partitions: int,
+    scheme: str,
+    seed: int,
+    concat: Concat | None = None,
+    whole: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[list[Partition], torch.Tensor]:
+    """The partitions of already tokenised documents (``train_parts[i]`` / ``val_parts[i]`` of
+    document ``i``, in group ``doc_group[i]``). ``concat`` joins pieces (default in memory; the
+    token store passes one that writes to a memory-mapped file); ``whole``: the concatenation of
+    all training and all held-out parts when the caller has it already (the token store's files)."""
+    concat = concat or _concat
+    docs = train_parts
     # Each plan entry: (train pieces, val pieces, group indices) for one partition.
     plan: list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]
     if scheme == "iid":
-        plan = _plan_iid(train_parts, val_parts, doc_group, num_partitions, seed)
+        plan = _plan_iid(train_parts, val_parts, doc_group, num_partitions, seed, concat, whole)
     elif scheme == "by_document":
         if len(docs) < num_partitions:
             raise ValueError(
@@ -161,25 +185,25 @@ def partition_corpus(
             owner, train_parts, val_parts, [[g] for g in doc_group], num_partitions
         )
     else:
-        plan = _plan_by_group(train_parts, val_parts, doc_group, len(group_names), num_partitions)
+        plan = _plan_by_group(train_parts, val_parts, doc_group, len(group_names), num_partitions, concat)
 
     partitions = []
     for index, (train, val, groups) in enumerate(plan):
-        train_tokens = _concat(train)
+        train_tokens = concat(train)
         if len(train_tokens) == 0:
             raise ValueError(
                 f"partition {index} of {num_partitions} would be empty ({scheme} split of corpus "
-                f"{corpus.name!r} with {len(docs)} documents); use fewer partitions or another scheme"
+                f"{corpus_name!r} with {len(docs)} documents); use fewer partitions or another scheme"
             )
         partitions.append(
             Partition(
                 index=index,
                 groups=[group_names[g] for g in groups],
                 train=torch.from_numpy(train_tokens),
-                val=torch.from_numpy(_concat(val)),
+                val=torch.from_numpy(concat(val)),
             )
         )
-    return partitions, torch.from_numpy(_concat(val_parts))
+    return partitions, torch.from_numpy(whole[1] if whole is not None else concat(val_parts))
 
 
 def split_text(text: str, val_fraction: float) -> tuple[str, str]:
@@ -194,9 +218,11 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
     return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
 
 
-def training_texts(corpus: Corpus, val_fraction: float) -> Iterator[str]:
-    """Every document's training text, in corpus order: all a tokenizer may be trained on."""
-    for doc in corpus.documents:
+def training_texts(corpus: Corpus | Any, val_fraction: float) -> Iterator[str]:
+    """Every document's training text, in corpus order: all a tokenizer may be trained on (a
+    dataset corpus is read record by record)."""
+    docs: Iterable[Document] = corpus.iter_documents() if hasattr(corpus, "iter_documents") else corpus.documents
+    for doc in docs:
         train, _ = split_text(doc.text, val_fraction)
         if train:
             yield train
@@ -219,10 +245,9 @@ def _with_eos(tokens: np.ndarray, eos_id: int | None) -> np.ndarray:
 
 
 def _encode_split(
-    corpus: Corpus, tokenizer: Tokenizer, val_fraction: float
+    docs: Sequence[Document], tokenizer: Tokenizer, val_fraction: float
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per document: its training tokens and its held-out tokens."""
-    docs = corpus.documents
     if isinstance(tokenizer, ByteTokenizer):  # cut in token space = bytes (bit for bit as before)
         encoded = [tokenizer.encode(doc.text) for doc in docs]
         cuts = [len(tokens) - int(len(tokens) * val_fraction) for tokens in encoded]
@@ -268,10 +293,11 @@ def _plan_iid(
     doc_group: list[int],
     parts: int,
     seed: int,
+    concat: Concat,
+    whole: tuple[np.ndarray, np.ndarray] | None,
 ) -> list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]:
     rng = np.random.default_rng(seed)
-    train = _concat(train_parts)
-    val = _concat(val_parts)
+    train, val = whole if whole is not None else (concat(train_parts), concat(val_parts))
     if len(train) < parts * IID_CHUNK_BYTES and len(train) >= parts:
         chunk = len(train) // parts  # tiny corpora: smaller chunks so every partition gets text
     else:
@@ -288,7 +314,7 @@ def _plan_iid(
         covered = _covered_docs(offsets, train_deal[p], chunk, len(train))
         groups = sorted(set(group_of_doc[covered].tolist()))
         plan.append(
-            ([_gather(train, train_deal[p], chunk)], [_gather(val, val_deal[p], val_chunk)], groups)
+            ([_gather(train, train_deal[p], chunk, concat)], [_gather(val, val_deal[p], val_chunk, concat)], groups)
         )
     return plan
 
@@ -299,13 +325,14 @@ def _plan_by_group(
     doc_group: list[int],
     num_groups: int,
     parts: int,
+    concat: Concat,
 ) -> list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]:
     group_train = [
-        _concat([t for t, g in zip(train_parts, doc_group, strict=True) if g == k])
+        concat([t for t, g in zip(train_parts, doc_group, strict=True) if g == k])
         for k in range(num_groups)
     ]
     group_val = [
-        _concat([v for v, g in zip(val_parts, doc_group, strict=True) if g == k])
+        concat([v for v, g in zip(val_parts, doc_group, strict=True) if g == k])
         for k in range(num_groups)
     ]
     if num_groups >= parts:
@@ -327,10 +354,12 @@ def _plan_by_group(
 
 @functools.lru_cache(maxsize=2)
 def _cached_corpus(
-    name: str, data_dir: str, files: tuple[str, ...] | None, text_key: str
+    name: str, data_dir: str, files: tuple[str, ...] | None, text_key: str, path: str = "",
+    text_field: str = "text",
 ) -> Corpus:
     return load_corpus(
-        name, data_dir=data_dir, files=list(files) if files else None, text_key=text_key
+        name, data_dir=data_dir, files=list(files) if files else None, text_key=text_key, path=path,
+        text_field=text_field,
     )
 
 
@@ -346,10 +375,12 @@ def get_corpus(
     data_dir: str | Path | None = None,
     files: Sequence[str] | None = None,
     text_key: str = "text",
+    path: str = "",
+    text_field: str = "text",
 ) -> Corpus:
     """Memoised :func:`load_corpus` (e.g. to record ``.name``/``.sha256`` of what ``auto`` chose)."""
     directory, file_key = _corpus_key(data_dir, files)
-    return _cached_corpus(corpus_name, directory, file_key, text_key)
+    return _cached_corpus(corpus_name, directory, file_key, text_key, path, text_field)
 
 
 def make_tokenizer(
@@ -382,8 +413,10 @@ def _cached_tokenizer(
     data_dir: str,
     files: tuple[str, ...] | None,
     text_key: str,
+    path: str = "",
+    text_field: str = "text",
 ) -> Tokenizer:
-    corpus = _cached_corpus(corpus_name, data_dir, files, text_key) if spec == "bpe" else None
+    corpus = _cached_corpus(corpus_name, data_dir, files, text_key, path, text_field) if spec == "bpe" else None
     return make_tokenizer(spec, corpus, val_fraction, bpe_vocab_size, data_dir)
 
 
@@ -395,11 +428,13 @@ def get_tokenizer(
     text_key: str = "text",
     tokenizer: str = "byte",
     bpe_vocab_size: int = 4096,
+    path: str = "",
+    text_field: str = "text",
 ) -> Tokenizer:
     """Memoised :func:`make_tokenizer` for the run's data settings (what :func:`get_partitions` uses)."""
     directory, file_key = _corpus_key(data_dir, files)
     return _cached_tokenizer(str(tokenizer), int(bpe_vocab_size), corpus_name, float(val_fraction),
-                             directory, file_key, text_key)
+                             directory, file_key, text_key, path, text_field)
 
 
 @functools.lru_cache(maxsize=4)
@@ -414,9 +449,17 @@ def _cached_partitions(
     text_key: str,
     tokenizer: str = "byte",
     bpe_vocab_size: int = 4096,
+    path: str = "",
+    text_field: str = "text",
 ) -> tuple[list[Partition], torch.Tensor]:
-    corpus = _cached_corpus(corpus_name, data_dir, files, text_key)
-    tok = _cached_tokenizer(tokenizer, bpe_vocab_size, corpus_name, val_fraction, data_dir, files, text_key)
+    corpus = _cached_corpus(corpus_name, data_dir, files, text_key, path, text_field)
+    tok = _cached_tokenizer(tokenizer, bpe_vocab_size, corpus_name, val_fraction, data_dir, files, text_key,
+                            path, text_field)
+    if hasattr(corpus, "iter_documents"):  # a dataset corpus: tokenised once into memory maps on disk
+        from fl_geo.data.store import build_store, partition_store
+
+        store = build_store(corpus, tok, val_fraction, Path(data_dir) / "token-stores")
+        return partition_store(store, corpus.name, num_partitions, scheme, seed)
     return partition_corpus(corpus, num_partitions, scheme, val_fraction, seed, tokenizer=tok)
 
 
@@ -431,8 +474,11 @@ def get_partitions(
     text_key: str = "text",
     tokenizer: str = "byte",
     bpe_vocab_size: int = 4096,
+    path: str = "",
+    text_field: str = "text",
 ) -> tuple[list[Partition], torch.Tensor]:
-    """Memoised :func:`partition_corpus` of :func:`load_corpus`.
+    """Memoised :func:`partition_corpus` of :func:`load_corpus` (dataset corpora: of their token
+    store, `fl_geo.data.store`).
 
     A simulation actor handles many client messages per process; loading and tokenising the corpus
     once per process instead of once per message saves seconds each round. The returned tensors are
@@ -451,4 +497,6 @@ def get_partitions(
         text_key,
         str(tokenizer),
         int(bpe_vocab_size),
+        str(path),
+        str(text_field),
     )

@@ -70,6 +70,8 @@ def partitions(data_section: Any, num_partitions: int) -> tuple[list[Partition],
         text_key=d["text_key"],
         tokenizer=d.get("tokenizer", "byte"),
         bpe_vocab_size=d.get("bpe_vocab_size", 4096),
+        path=d.get("path", ""),
+        text_field=d.get("text_field", "text"),
     )
 
 
@@ -85,4 +87,6 @@ def tokenizer(data_section: Any) -> Tokenizer:
         text_key=d["text_key"],
         tokenizer=d.get("tokenizer", "byte"),
         bpe_vocab_size=d.get("bpe_vocab_size", 4096),
+        path=d.get("path", ""),
+        text_field=d.get("text_field", "text"),
     )
