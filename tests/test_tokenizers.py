@@ -6,12 +6,12 @@ import json
 import math
 import subprocess
 import sys
+from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from pydoc_data.topics import topics
 
 from fl_geo.config import load_config
 from fl_geo.data import ByteTokenizer, eval_batches
