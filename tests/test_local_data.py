@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+from pydoc_data.topics import topics
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from pydoc_data.topics import topics
 
 from fl_geo.config import load_config
 from fl_geo.data import store as store_mod
