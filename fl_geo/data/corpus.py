@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +70,10 @@ class Corpus:
     @property
     def num_chars(self) -> int:
         return sum(len(doc.text) for doc in self.documents)
+
+    def iter_documents(self) -> Iterator[Document]:
+        """The documents one by one (the interface the token store reads, `fl_geo.data.store`)."""
+        return iter(self.documents)
 
 
 def corpus_digest(documents: Iterable[Document]) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import numbers
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,8 +221,7 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
 def training_texts(corpus: Corpus | Any, val_fraction: float) -> Iterator[str]:
     """Every document's training text, in corpus order: all a tokenizer may be trained on (a
     dataset corpus is read record by record)."""
-    docs: Iterable[Document] = corpus.iter_documents() if hasattr(corpus, "iter_documents") else corpus.documents
-    for doc in docs:
+    for doc in corpus.iter_documents():
         train, _ = split_text(doc.text, val_fraction)
         if train:
             yield train
@@ -455,7 +454,10 @@ def _cached_partitions(
     corpus = _cached_corpus(corpus_name, data_dir, files, text_key, path, text_field)
     tok = _cached_tokenizer(tokenizer, bpe_vocab_size, corpus_name, val_fraction, data_dir, files, text_key,
                             path, text_field)
-    if hasattr(corpus, "iter_documents"):  # a dataset corpus: tokenised once into memory maps on disk
+    if tokenizer != "byte" or not isinstance(corpus, Corpus):
+        # A dataset corpus, or any corpus with a trained tokenizer: tokenised once into memory maps on
+        # disk (fl_geo.data.store; the same partitions as in memory), so the other processes of the run
+        # and later runs map the store instead of encoding again. Bytes of a built-in corpus stay in memory.
         from fl_geo.data.store import build_store, partition_store
 
         store = build_store(corpus, tok, val_fraction, Path(data_dir) / "token-stores")
