@@ -160,17 +160,21 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """``fl-geo eval``: the final model's validation loss, as the run's own evaluator computes it."""
+    """``fl-geo eval``: the final model's validation loss, as the run's own evaluator computes it
+    (and bits per byte, which the line shows where a token is not a byte)."""
     import json
+    import math
 
     from fl_geo.results import evaluate_run
 
     res = evaluate_run(args.run_dir, args.batches)
     if args.json:
-        print(json.dumps({"run_dir": str(res.run_dir), "val_loss": res.loss, "tokens": res.tokens,
+        print(json.dumps({"run_dir": str(res.run_dir), "val_loss": res.loss, "val_bpb": res.bpb, "tokens": res.tokens,
                           "batches": res.batches, "weights": str(res.weights)}))
-    else:
+    elif abs(res.bpb * math.log(2) - res.loss) <= 1e-9 * max(1.0, res.loss):  # byte-level: a token is a byte
         print(f"{res.run_dir}: val loss {res.loss:.4f} nats/byte ({res.tokens:,} tokens)")
+    else:
+        print(f"{res.run_dir}: val loss {res.loss:.4f} nats/token, {res.bpb:.4f} bits/byte ({res.tokens:,} tokens)")
     return 0
 
 
@@ -181,8 +185,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     if not args.temperature >= 0:  # before loading anything
         raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    model, _ = load_run_model(args.run_dir)
-    out = sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    from fl_geo.runtime.builders import tokenizer
+
+    model, cfg = load_run_model(args.run_dir)
+    tok = None if cfg.data.tokenizer == "byte" else tokenizer(cfg.data)
+    out = sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer=tok)
     print(ByteTokenizer().decode(out))
     return 0
 

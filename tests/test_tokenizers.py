@@ -200,3 +200,10 @@ def test_diloco_on_bpe_tokens_learns_and_reports_bpb(tmp_path, capsys):
     assert cli_main(["compare", "--runs", summary["run_dir"], "--out", str(tmp_path / "cmp2")]) == 0
     table = capsys.readouterr().out
     assert "final val loss" in table and f"{summary['final_val_loss']:.4f}" in table
+    # the finished run's model on its held-out text, and a continuation in the run's tokens
+    assert cli_main(["eval", summary["run_dir"], "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["val_bpb"] == pytest.approx(summary["final_val_bpb"], rel=1e-5)
+    assert cli_main(["sample", summary["run_dir"], "--prompt", "The ", "--tokens", "8", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("The ") and len(text) > len("The ") + 8  # 8 BPE tokens: more than 8 characters
