@@ -126,3 +126,13 @@ def test_run_config_reads_a_dataset_with_bpe_and_noise(tmp_path):
     assert int(x.max()) < tok.vocab_size and int(x.min()) >= 0
     clean = make_sampler({}, parts[0].train, inner, 0, tok.vocab_size, 0).batch(3)[0]
     assert int(clean.max()) < tok.vocab_size  # real windows from the memory map
+
+
+def test_missing_datasets_extra_is_one_line(tmp_path, monkeypatch):
+    import sys
+
+    path = _write("jsonl", tmp_path, _records(KEYS[:2]))
+    corpus = load_corpus("jsonl", path=path, text_field="body")
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ConfigError, match=r"needs the `datasets` package: pip install 'fl-geo\[data\]'"):
+        list(corpus.iter_documents())

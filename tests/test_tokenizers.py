@@ -207,3 +207,9 @@ def test_diloco_on_bpe_tokens_learns_and_reports_bpb(tmp_path, capsys):
     assert cli_main(["sample", summary["run_dir"], "--prompt", "The ", "--tokens", "8", "--seed", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("The ") and len(text) > len("The ") + 8  # 8 BPE tokens: more than 8 characters
+
+
+def test_missing_tokenizers_extra_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers -> ImportError
+    with pytest.raises(ConfigError, match=r"needs the `tokenizers` package: pip install 'fl-geo\[hf\]'"):
+        load_config(None, ["data.tokenizer=bpe"])

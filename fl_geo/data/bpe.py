@@ -33,6 +33,7 @@ __all__ = [
     "HFTokenizer",
     "bpe_cache_key",
     "load_dir_tokenizer",
+    "require_tokenizers",
     "train_bpe",
 ]
 
@@ -49,6 +50,11 @@ def _tokenizers() -> Any:
         raise ConfigError("data.tokenizer=bpe or a directory needs the `tokenizers` package: "
                           "pip install 'fl-geo[hf]'") from None
     return tokenizers
+
+
+def require_tokenizers() -> None:
+    """Raise the one-line `ConfigError` naming the extra when ``tokenizers`` is not installed."""
+    _tokenizers()
 
 
 class HFTokenizer:
