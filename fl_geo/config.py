@@ -696,7 +696,6 @@ def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
         from fl_geo.data.bpe import MIN_BPE_VOCAB, require_tokenizers
 
         require_tokenizers()  # a missing optional extra is one line now, not a failure in every ClientApp
-
         _require(MIN_BPE_VOCAB <= d.bpe_vocab_size <= 1 << 24,
                  f"data.bpe_vocab_size must be in [{MIN_BPE_VOCAB}, {1 << 24}] (256 byte symbols, the "
                  f"end-of-text token and at least one merge), got {d.bpe_vocab_size}")
