@@ -261,7 +261,7 @@ class WireSection:
 class DataSection:
     """Corpus, partitioning and batch shape (fl_geo.data)."""
 
-    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files
+    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files | jsonl | parquet | arrow
     data_dir: str = ""  # "" = $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora
     files: list[str] = field(default_factory=list)
     text_key: str = "text"
@@ -274,6 +274,13 @@ class DataSection:
     noise_kind: str = "random"  # random (uniform token ids) | shuffle (real windows, tokens permuted)
     noise_block: int = 1  # consecutive inner steps sharing one corrupt/clean decision
     noise_shared: bool = False  # true: every noisy partition is corrupted in the same blocks
+    # byte (UTF-8 bytes, vocabulary 256) | bpe (byte-level BPE trained on the training text, cached) |
+    # a directory holding tokenizer.json; model.vocab_size follows the tokenizer (docs/data.md)
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    # data.corpus=jsonl|parquet|arrow: local files read through `datasets` (a file, glob or directory)
+    path: str = ""
+    text_field: str = "text"
 
 
 @dataclass
@@ -651,12 +658,16 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
     _require(d.corpus in CORPUS_NAMES, f"data.corpus '{d.corpus}' is unknown; valid: {', '.join(CORPUS_NAMES)}")
     _require(d.corpus != "files" or bool(d.files), "data.corpus=files needs data.files (paths or globs of .txt/.jsonl)")
+    _require(d.corpus not in ("jsonl", "parquet", "arrow") or bool(d.path),
+             f"data.corpus={d.corpus} needs data.path (a local file, glob or directory)")
+    _require(bool(d.text_field), "data.text_field must name the column that holds the text")
     _require(0 <= d.noise_fraction <= 1, f"data.noise_fraction must be in [0, 1], got {d.noise_fraction}")
     _require(d.noise_kind in NOISE_KINDS, f"data.noise_kind must be one of {NOISE_KINDS}, got '{d.noise_kind}'")
     _require(d.noise_block >= 1, f"data.noise_block must be >= 1, got {d.noise_block}")
     out_of_range = [p for p in d.noise_partitions if not 0 <= p < r.num_clients]
     _require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
     _require(len(set(d.noise_partitions)) == len(d.noise_partitions), f"data.noise_partitions has duplicates: {d.noise_partitions}")
+    _resolve_vocab(d, m)
     _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
     _require(0 <= c.min_lr_ratio <= 1, f"client.min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}")
     _require(c.warmup_steps >= 0 and c.total_steps >= 0,
@@ -681,6 +692,33 @@ def validate(cfg: FlGeoConfig) -> None:
         m.validate()
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
+
+
+def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
+    """``model.vocab_size`` from ``data.tokenizer`` when it is not ``byte``: ``bpe`` gives
+    ``data.bpe_vocab_size`` (the trainer may stop short of it on a tiny corpus; the unused rows are
+    never a target), a directory its tokenizer's size. The schema default 256 counts as unset; any
+    other value that differs is a config error (the model could not embed every token id)."""
+    if d.tokenizer == "byte":
+        return
+    if d.tokenizer == "bpe":
+        from fl_geo.data.bpe import MIN_BPE_VOCAB, require_tokenizers
+
+        require_tokenizers()  # a missing optional extra is one line now, not a failure in every ClientApp
+        _require(MIN_BPE_VOCAB <= d.bpe_vocab_size <= 1 << 24,
+                 f"data.bpe_vocab_size must be in [{MIN_BPE_VOCAB}, {1 << 24}] (256 byte symbols, the "
+                 f"end-of-text token and at least one merge), got {d.bpe_vocab_size}")
+        size = d.bpe_vocab_size
+    else:
+        from fl_geo.data.partition import make_tokenizer
+
+        size = make_tokenizer(d.tokenizer, None, d.val_fraction, d.bpe_vocab_size, None).vocab_size
+    vocab = getattr(m, "vocab_size", None)
+    if vocab is None:
+        return
+    _require(vocab in (256, size), f"model.vocab_size={vocab} does not match data.tokenizer={d.tokenizer} "
+                                   f"(vocabulary {size}); leave model.vocab_size unset")
+    m.vocab_size = size
 
 
 def _validate_streaming(cfg: FlGeoConfig) -> None:
