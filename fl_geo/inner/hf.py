@@ -25,10 +25,11 @@ count it once, and the tie survives every load.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "CausalLM",
     "HFShape",
     "build_hf_model",
+    "causal_lm",
     "decoder_layers",
     "hf_shape",
     "preset_config",
@@ -314,3 +316,28 @@ def _fill_aliases(module: CausalLM, state_dict: dict[str, Any], prefix: str, loc
     for alias, source in module.tied.items():
         if prefix + alias not in state_dict and prefix + source in state_dict:
             state_dict[prefix + alias] = state_dict[prefix + source]
+
+
+def causal_lm(model_or_factory: nn.Module | Callable[..., nn.Module]) -> Any:
+    """A user's Hugging Face (or any ``input_ids -> .logits``) causal LM as an fl-geo model.
+
+    Given a model: the `CausalLM` around it (a `CausalLM` is returned as is). Given a factory
+    (``model_fn(site)`` of ``make_client_app``, or any callable): a factory with the same
+    arguments whose models are wrapped, picklable when the factory is (the data-parallel job
+    pickles it). Use the same wrapping for the server's initial arrays,
+    ``ArrayRecord(causal_lm(model).state_dict())``, so that both sides hold a tied matrix once.
+    """
+    if isinstance(model_or_factory, CausalLM):
+        return model_or_factory
+    if isinstance(model_or_factory, nn.Module):
+        return CausalLM(model_or_factory)
+    if callable(model_or_factory):
+        return functools.partial(_wrapped_call, model_or_factory)
+    raise TypeError(f"causal_lm takes a torch model or a factory of one, got {type(model_or_factory).__name__}")
+
+
+def _wrapped_call(factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> CausalLM:
+    model = factory(*args, **kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model factory must return a torch.nn.Module, got {type(model).__name__}")
+    return causal_lm(model)
