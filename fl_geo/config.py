@@ -657,10 +657,6 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(c.weight_decay >= 0 and c.grad_clip >= 0,
              f"client.weight_decay and client.grad_clip must be >= 0 (0 = off), got {c.weight_decay} and {c.grad_clip}")
     _require(c.eval_batches >= 1, f"client.eval_batches must be >= 1, got {c.eval_batches}")
-    try:
-        m.validate()
-    except ValueError as exc:
-        raise ConfigError(f"model: {exc}") from None
     if m.kind == "hf":
         _validate_hf(m, c.seq_len)
     else:
@@ -675,6 +671,10 @@ def validate(cfg: FlGeoConfig) -> None:
              f"client.dist_backend=nccl needs CUDA devices, but client.device is '{c.device}'")
     _require(c.devices == 1 or c.device in ("auto", "cuda", "cpu"),
              f"client.devices > 1 runs on cuda or cpu, not on client.device '{c.device}'")
+    try:
+        m.validate()
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
 
 
 def _model_layers(m: ModelConfig) -> tuple[int, str]:

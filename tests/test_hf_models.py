@@ -155,7 +155,7 @@ DIPS = ["strategy.name=dips", "run.clock=virtual", "penalty.warmup=1"]
 @pytest.mark.parametrize("preset,strategy", [("pythia-tiny", "diloco"), ("smollm-tiny", "dips")])
 def test_fl_geo_run_trains_the_preset_and_its_loss_falls(tmp_path, preset, strategy, capsys):
     extra = DIPS if strategy == "dips" else []
-    code = cli_main(["run", "configs/diloco_pythia_tiny.yaml", *TINY, f"model.preset={preset}", "run.rounds=3",
+    code = cli_main(["run", "configs/quickstart_hf_pythia.yaml", *TINY, f"model.preset={preset}", "run.rounds=3",
                      "strategy.inner_steps=6", "client.warmup_steps=2", "run.name=hf", *extra,
                      "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
