@@ -22,6 +22,7 @@ from fl_geo.clients import causal_lm  # noqa: E402
 from fl_geo.clients.datacenter import app as client_app  # noqa: E402
 from fl_geo.config import ConfigError, load_config  # noqa: E402
 from fl_geo.core.groups import layer_container, module_groups  # noqa: E402
+from fl_geo.core.penalty import Penalty  # noqa: E402
 from fl_geo.core.shards import ShardPlan  # noqa: E402
 from fl_geo.core.state import ParamSpec, flatten, load_flat_into  # noqa: E402
 from fl_geo.core.streaming import Fragments, fragment_spec  # noqa: E402
@@ -131,6 +132,27 @@ def test_modules_and_fragments_follow_the_models_own_layer_list(preset):
         Fragments(spec, 3)
     # the sharded parameter server's units are the same modules
     assert [u for s in ShardPlan.build(spec, 2).shards for u in s.units] == MODULES[preset]
+
+
+@pytest.mark.parametrize("preset", list(LAYERS))
+def test_edit_clips_each_layer_of_the_model_on_its_own(preset):
+    """EDiT's per-module clip (φ = 10) on the model's modules: only the layer whose part of the
+    averaged update is too long is scaled, to norm φ; the others are untouched."""
+    spec = ParamSpec.from_state_dict(_built(preset).state_dict())
+    penalty = Penalty(spec, granularity="module", clip=10.0)
+    assert penalty.group_names == MODULES[preset]
+    update = torch.full((spec.numel,), 1e-3)
+    (big,) = [r for name, r in penalty.groups if name == f"{LAYERS[preset]}.1"]
+    for b, e in big:
+        update[b:e] = 1.0  # norm sqrt(n) >> 10
+    before = update.clone()
+    factors = penalty.clip_(update)
+    for (name, ranges), factor in zip(penalty.groups, factors.tolist(), strict=True):
+        part = torch.cat([update[b:e] for b, e in ranges])
+        if name == f"{LAYERS[preset]}.1":
+            assert factor < 1 and abs(float(part.norm()) - 10.0) < 1e-3
+        else:
+            assert factor == 1.0 and torch.equal(part, torch.cat([before[b:e] for b, e in ranges]))
 
 
 def test_fragment_count_is_checked_against_the_real_layer_count():
