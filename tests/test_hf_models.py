@@ -27,6 +27,7 @@ from fl_geo.core.shards import ShardPlan  # noqa: E402
 from fl_geo.core.state import ParamSpec, flatten, load_flat_into  # noqa: E402
 from fl_geo.core.streaming import Fragments, fragment_spec  # noqa: E402
 from fl_geo.inner import hf  # noqa: E402
+from fl_geo.results import evaluate_run  # noqa: E402
 from fl_geo.runtime.builders import make_model  # noqa: E402
 from fl_geo.runtime.evaluation import GlobalEvaluator  # noqa: E402
 from fl_geo.runtime.inline import InlineGrid  # noqa: E402
@@ -185,6 +186,8 @@ def test_fl_geo_run_trains_the_preset_and_its_loss_falls(tmp_path, preset, strat
     assert summary["strategy"] == strategy and summary["outer_steps"] >= 3
     losses = _val_losses(tmp_path / "hf")
     assert losses[-1] < losses[0] - 0.2, losses
+    # the saved final model (a tied head saved once) loads back and scores the run's last val/loss
+    assert evaluate_run(tmp_path / "hf").loss == pytest.approx(summary["final_val_loss"], abs=1e-6)
 
 
 @pytest.mark.parametrize("cls,preset", [(DiPS, "pythia-tiny"), (DiLoCo, "smollm-tiny")])
