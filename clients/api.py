@@ -39,6 +39,7 @@ from fl_geo.core.state import ParamSpec, flatten, load_flat_into, pseudo_grad
 from fl_geo.core.streaming import Fragments, fragment_spec
 from fl_geo.inner.device import pick_device
 from fl_geo.inner.distributed import DataParallelTrainer, resolve_devices, spec_of
+from fl_geo.inner.hf import tied_aliases
 from fl_geo.inner.training import (
     BatchSource,
     InnerTrainer,
@@ -304,7 +305,12 @@ class DatacenterClient:
         model = self.model_fn(site)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
-        entry = (model, ParamSpec.from_state_dict(model.state_dict()))
+        state = model.state_dict()
+        tied = [(alias, source) for alias, source in tied_aliases(model).items() if alias in state and source in state]
+        if tied:  # two names, one tensor: the flat state would hold (and average, clip) it twice
+            raise ValueError(f"the model's {tied[0][0]} is {tied[0][1]} (tied weights): wrap the model with "
+                             "fl_geo.clients.causal_lm so its state dict holds the tensor once")
+        entry = (model, ParamSpec.from_state_dict(state))
         self._models[key] = entry
         while len(self._models) > _MODEL_CACHE:
             self._models.popitem(last=False)

@@ -677,7 +677,10 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(c.weight_decay >= 0 and c.grad_clip >= 0,
              f"client.weight_decay and client.grad_clip must be >= 0 (0 = off), got {c.weight_decay} and {c.grad_clip}")
     _require(c.eval_batches >= 1, f"client.eval_batches must be >= 1, got {c.eval_batches}")
-    _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    if m.kind == "hf":
+        _validate_hf(m, c.seq_len)
+    else:
+        _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     kind, _, index = c.device.partition(":")
     _require(kind in ("auto", "cuda", "npu", "mps", "cpu") and (not index or (index.isdigit() and kind in ("cuda", "npu"))),
              f"client.device '{c.device}' is unknown; valid: auto, cuda, cuda:N, npu, npu:N, mps, cpu")
@@ -721,6 +724,28 @@ def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
     m.vocab_size = size
 
 
+def _model_layers(m: ModelConfig) -> tuple[int, str]:
+    """The model's number of transformer blocks and how to name it in a message."""
+    if m.kind == "hf":
+        from fl_geo.inner.hf import hf_shape
+
+        shape = hf_shape(m)
+        return shape.layers, f"the layers of the model ({shape.source})"
+    return m.n_layers, "model.n_layers"
+
+
+def _validate_hf(m: ModelConfig, seq_len: int) -> None:
+    """``model.kind: hf``: the package is there, a known preset or a readable local checkpoint
+    whose vocabulary covers the tokenizer's, and room for client.seq_len positions (read
+    without importing ``transformers``; fl_geo.inner.hf)."""
+    from fl_geo.inner.hf import HF_EXTRA_HINT, hf_shape, transformers_available
+
+    _require(transformers_available(), HF_EXTRA_HINT)
+    shape = hf_shape(m)
+    _require(shape.max_positions is None or seq_len <= shape.max_positions,
+             f"client.seq_len ({seq_len}) exceeds the {shape.max_positions} positions of the model ({shape.source})")
+
+
 def _validate_streaming(cfg: FlGeoConfig) -> None:
     """The ``streaming`` section: ranges always (the defaults pass); the schedule and the
     strategy knobs the streaming loop does not implement only for streaming_diloco / cocodc."""
@@ -739,8 +764,9 @@ def _validate_streaming(cfg: FlGeoConfig) -> None:
              f"streaming.quantize={st.quantize} replaces wire.up for the fragment updates; leave "
              f"wire.up at fp32 (got {cfg.wire.up})")
     P, H = st.fragments, s.inner_steps
-    _require(cfg.model.n_layers >= P,
-             f"streaming.fragments (P={P}) must be <= model.n_layers ({cfg.model.n_layers}): "
+    layers, where = _model_layers(cfg.model)
+    _require(layers >= P,
+             f"streaming.fragments (P={P}) must be <= {where} ({layers}): "
              "every fragment needs at least one transformer block")
     _require(st.adaptive or H % P == 0,
              f"streaming.fragments (P={P}) must divide strategy.inner_steps (H={H}) for the fixed "

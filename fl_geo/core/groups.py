@@ -2,8 +2,11 @@
 
 A *group* is a named list of sorted, disjoint ``(begin, end)`` ranges of the flat parameter
 buffer (`fl_geo.core.state.ParamSpec` lays it out). `module_groups` builds them for a granularity:
-``global`` gives one group ``"model"`` over everything, ``module`` one group per top-level module
-(`module_group_name`: ``embed``, ``blocks.0`` …, ``norm``; EDiT's modules, atorch's FSDP units).
+``global`` gives one group ``"model"`` over everything, ``module`` one group per module
+(`module_group_names`: ``embed``, ``blocks.0`` …, ``norm`` for fl-geo's decoder;
+``gpt_neox.embed_in``, ``gpt_neox.layers.0`` …, ``gpt_neox.final_layer_norm``, ``embed_out`` for a
+Hugging Face GPT-NeoX; EDiT's modules, atorch's FSDP units). The modules are derived from the
+model's own layer list, found in the parameter names (`layer_container`), for any architecture.
 The pseudo-gradient penalty (`fl_geo.core.penalty`) works per group: every per-update quantity is
 a scalar per group, i.e. a ``[num_groups]`` tensor, and every operation on them is vectorised over
 groups. The same module naming decides the units of the sharded parameter server
@@ -35,7 +38,9 @@ __all__ = [
     "GRANULARITIES",
     "clip_",
     "group_norms",
+    "layer_container",
     "module_group_name",
+    "module_group_names",
     "module_groups",
     "restrict",
     "scale_ranges_",
@@ -52,11 +57,12 @@ _INTEGER = re.compile(r"[0-9]+")
 
 
 def module_group_name(name: str) -> str:
-    """Top-level module of a parameter name: the first component, plus the second when it is a
-    container index (``blocks.3.attn.wq.weight`` → ``blocks.3``, ``embed.weight`` → ``embed``).
+    """Top-level module of one parameter name, without the rest of the model: the first
+    component, plus the second when it is a container index (``blocks.3.attn.wq.weight`` →
+    ``blocks.3``, ``embed.weight`` → ``embed``).
 
-    This is what EDiT calls a module (a top-level layer), without knowing the container's name:
-    any ``<list>.<integer>`` prefix (``blocks``, ``layers``, ``h``) counts.
+    Only right for models whose layer list is a top-level attribute (fl-geo's decoder); the spec
+    functions use `module_group_names`, which finds the layer list at any depth.
     """
     parts = name.split(".")
     if len(parts) >= 2 and _INTEGER.fullmatch(parts[1]):
@@ -64,12 +70,73 @@ def module_group_name(name: str) -> str:
     return parts[0]
 
 
+def _container_of(name: str) -> tuple[str, str] | None:
+    """``(container, index)`` of the outermost ``<path>.<int>`` in a parameter name (the index
+    followed by at least the parameter's own name), else None: ``gpt_neox.layers.3.mlp.w`` →
+    ``("gpt_neox.layers", "3")``. An index at the very start (an ``nn.Sequential`` model) is
+    not a layer list of a larger model and does not count."""
+    parts = name.split(".")
+    for k in range(1, len(parts) - 1):
+        if _INTEGER.fullmatch(parts[k]):
+            return ".".join(parts[:k]), parts[k]
+    return None
+
+
+def layer_container(names: Sequence[str], numels: Sequence[int] | None = None) -> str | None:
+    """The dotted path of the model's layer list as its parameter names show it: the
+    ``<path>.<int>`` container holding the most elements (``numels``; without them, the most
+    names), the first one in the spec on a tie; None when there is none.
+
+    ``blocks`` for fl-geo's decoder, ``gpt_neox.layers`` (GPT-NeoX), ``model.layers`` (Llama,
+    Mistral, Qwen), ``transformer.h`` (GPT-2). The server of a public strategy sees only the names
+    of the arrays it got, which is why the layer list is read from them; the module tree gives
+    the same answer (`fl_geo.inner.layers.decoder_layers`, checked for the Hugging Face presets).
+    """
+    sizes: dict[str, int] = {}
+    for i, name in enumerate(names):
+        found = _container_of(name)
+        if found is not None:
+            sizes[found[0]] = sizes.get(found[0], 0) + (int(numels[i]) if numels is not None else 1)
+    if not sizes:
+        return None
+    return max(sizes, key=lambda c: sizes[c])  # max keeps the first of equals (insertion order)
+
+
+def module_group_names(names: Sequence[str], numels: Sequence[int] | None = None,
+                       layers: str | None = None) -> list[str]:
+    """The module of every parameter name: what EDiT calls a module, the sharded parameter
+    server a unit, and Streaming DiLoCo's fragments a block (for the layers).
+
+    ``layers``: the dotted path of the layer list (default `layer_container`). A name inside it
+    belongs to its layer (``gpt_neox.layers.3``); a name beside it, under the same parent, to
+    that sibling module (``gpt_neox.embed_in``, ``gpt_neox.final_layer_norm``); any other name
+    to its top-level module (``embed_out``, ``lm_head``). For fl-geo's decoder (layer list
+    ``blocks`` at the top) this is ``embed``, ``blocks.0`` … ``blocks.{L-1}``, ``norm``.
+    """
+    container = layer_container(names, numels) if layers is None else layers
+    if not container:
+        return [name.split(".")[0] for name in names]
+    inside = container + "."
+    parent = container.rpartition(".")[0]
+    beside = parent + "." if parent else ""
+    out = []
+    for name in names:
+        if name.startswith(inside):
+            index = name[len(inside):].split(".", 1)[0]
+            out.append(f"{container}.{index}" if _INTEGER.fullmatch(index) else container)
+        elif beside and name.startswith(beside):
+            out.append(beside + name[len(beside):].split(".", 1)[0])
+        else:
+            out.append(name.split(".")[0])
+    return out
+
+
 def module_groups(spec: ParamSpec, granularity: str = "module") -> Groups:
     """Named groups of flat-buffer ranges ``(begin, end)`` for a granularity.
 
     ``global``: one group ``"model"`` over the whole buffer. ``module``: one group per
-    `module_group_name`, in order of first appearance in the spec, with contiguous ranges merged
-    (our model gives ``embed``, ``blocks.0`` … ``blocks.{L-1}``, ``norm``, one range each).
+    `module_group_names` entry, in order of first appearance in the spec, with contiguous ranges
+    merged (our model gives ``embed``, ``blocks.0`` … ``blocks.{L-1}``, ``norm``, one range each).
     Zero-sized parameters hold no data and are left out.
     """
     if granularity not in GRANULARITIES:
@@ -77,10 +144,11 @@ def module_groups(spec: ParamSpec, granularity: str = "module") -> Groups:
     if granularity == "global":
         return [("model", [(0, spec.numel)] if spec.numel else [])]
     groups: dict[str, Ranges] = {}
-    for name, begin, n in zip(spec.names, spec.offsets, spec.numels, strict=True):
+    units = module_group_names(spec.names, spec.numels)
+    for unit, begin, n in zip(units, spec.offsets, spec.numels, strict=True):
         if n == 0:
             continue
-        ranges = groups.setdefault(module_group_name(name), [])
+        ranges = groups.setdefault(unit, [])
         if ranges and ranges[-1][1] == begin:
             ranges[-1] = (ranges[-1][0], begin + n)
         else:

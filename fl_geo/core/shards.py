@@ -1,7 +1,7 @@
 """How a sharded parameter server splits the model (Di-PS §4.1: followers own contiguous layers).
 
 A `ShardPlan` cuts the flat fp32 buffer laid out by a `ParamSpec` into F contiguous shards made of
-whole *units* (layers: ``embed``, ``blocks.0`` …, ``norm``, as `fl_geo.core.groups.module_group_name`
+whole *units* (layers: ``embed``, ``blocks.0`` …, ``norm``, as `fl_geo.core.groups.module_group_names`
 names them). Units are the indivisible communication units of Di-PS Appendix A; shards are balanced
 by element count, so each follower holds about 1/F of θ, of the fp32 outer-optimizer state and of
 the running sum.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_geo.core.groups import module_group_name
+from fl_geo.core.groups import module_group_names
 from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges
 
 __all__ = [
@@ -58,8 +58,7 @@ class Shard:
 def _units(spec: ParamSpec) -> list[tuple[str, list[int]]]:
     """Contiguous runs of spec tensors that share a unit name, in spec order."""
     out: list[tuple[str, list[int]]] = []
-    for i, name in enumerate(spec.names):
-        unit = module_group_name(name)
+    for i, unit in enumerate(module_group_names(spec.names, spec.numels)):
         if out and out[-1][0] == unit:
             out[-1][1].append(i)
         else:

@@ -25,14 +25,13 @@ step θ ← θ − η·Δ̄ moves the global fragment toward the workers. Framew
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 import torch
 
-from fl_geo.core.groups import module_group_name
+from fl_geo.core.groups import layer_container, module_group_names
 from fl_geo.core.outer import OuterOptimizer, build_outer_optimizer
 from fl_geo.core.state import ParamSpec
 
@@ -47,8 +46,6 @@ __all__ = [
     "fragment_spec",
     "streaming_merge",
 ]
-
-_BLOCK = re.compile(r"[^.]+\.\d+")  # a `module_group_name` of the form <list>.<int>
 
 Ranges = list[tuple[int, int]]
 
@@ -84,10 +81,11 @@ def _blocks_from_names(spec: ParamSpec, blocks: Sequence[Sequence[str]]) -> list
 class Fragments:
     """Strided assignment of transformer blocks to P fragments, as flat-buffer ranges.
 
-    A *block* is any top-level ``<list>.<int>`` module (`module_group_name`: ``blocks.3``,
-    ``layers.3``, ``h.3``). Blocks are numbered 0 … L−1 in the order they first appear in the
-    spec (for a model built with ``nn.ModuleList`` that is depth order, i.e. the container
-    index), and block i goes to fragment ``i mod P``. The strided pattern (Streaming DiLoCo)
+    A *block* is one layer of the model's layer list, found in the parameter names at any depth
+    (`fl_geo.core.groups.layer_container`: ``blocks.3`` in fl-geo's decoder, ``gpt_neox.layers.3``,
+    ``model.layers.3``, ``transformer.h.3`` in Hugging Face models). Blocks are numbered 0 … L−1
+    in the order they first appear in the spec (for a model built with ``nn.ModuleList`` that is
+    depth order, i.e. the container index), and block i goes to fragment ``i mod P``. The strided pattern (Streaming DiLoCo)
     makes every fragment span the whole depth, so each sync touches shallow and deep layers
     alike and no fragment is "the embedding end" of the network.
 
@@ -111,20 +109,24 @@ class Fragments:
                  blocks: Sequence[Sequence[str]] | None = None) -> None:
         if isinstance(num_fragments, bool) or not isinstance(num_fragments, int):
             raise ValueError(f"num_fragments must be an int, got {num_fragments!r}")
-        if blocks is None:  # the top-level <list>.<int> modules, in order of appearance
+        if blocks is None:  # the layers of the model's layer list, in order of appearance
+            container = layer_container(spec.names, spec.numels)
             order: dict[str, int] = {}
-            for group in (module_group_name(name) for name in spec.names):
-                if _BLOCK.fullmatch(group) and group not in order:
-                    order[group] = len(order)
-            block_of = [order.get(module_group_name(name)) for name in spec.names]
+            units = module_group_names(spec.names, spec.numels, container)
+            for unit in units:
+                if container and unit.startswith(container + ".") and unit not in order:
+                    order[unit] = len(order)
+            block_of = [order.get(unit) for unit in units]
             num_blocks = len(order)
+            where = f"layers of {container}" if container else "layers (no <list>.<int> layer list in the parameter names)"
         else:
             block_of = _blocks_from_names(spec, blocks)
             num_blocks = len(blocks)
+            where = "blocks given"
         if not 1 <= num_fragments <= num_blocks:
             raise ValueError(
-                f"num_fragments must be in [1, {num_blocks}] (the number of blocks in the "
-                f"spec), got {num_fragments}"
+                f"num_fragments (streaming.fragments) must be in [1, {num_blocks}]: the model has "
+                f"{num_blocks} {where}, got {num_fragments}"
             )
         self.spec = spec
         self.num_fragments = num_fragments

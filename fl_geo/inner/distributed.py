@@ -169,7 +169,7 @@ def model_spec(model_cfg: ModelConfig) -> ParamSpec:
     The parent of a data-parallel job needs the layout, not a model: building a real one there
     would allocate and initialise a model-sized copy that nobody trains.
     """
-    return spec_of(functools.partial(Decoder, model_cfg))
+    return spec_of(functools.partial(config_model, model_cfg))
 
 
 def spec_of(factory: ModelFactory) -> ParamSpec:
@@ -184,9 +184,19 @@ def spec_of(factory: ModelFactory) -> ParamSpec:
     return ParamSpec.from_state_dict(model.state_dict())
 
 
+def config_model(model_cfg: ModelConfig) -> torch.nn.Module:
+    """The model of a ``model`` section, initial values unspecified (the job's shared buffer
+    overwrites them): fl-geo's decoder, or a Hugging Face model for ``kind: hf``."""
+    if model_cfg.kind == "hf":
+        from fl_geo.inner.hf import build_hf_model
+
+        return build_hf_model(model_cfg, 0)
+    return Decoder(model_cfg)
+
+
 def as_factory(model: ModelConfig | ModelFactory) -> ModelFactory:
-    """A ModelFactory for fl-geo's decoder config or a user's factory (returned as is)."""
-    return functools.partial(Decoder, model) if isinstance(model, ModelConfig) else model
+    """A ModelFactory for a ``model`` section (`config_model`) or a user's factory (returned as is)."""
+    return functools.partial(config_model, model) if isinstance(model, ModelConfig) else model
 
 
 

@@ -24,8 +24,16 @@ __all__ = ["ModelConfig", "Decoder", "RMSNorm", "build_model"]
 
 @dataclass
 class ModelConfig:
-    """Shape of the decoder. ``d_ff=0`` derives the SwiGLU width from ``d_model``."""
+    """Shape of the decoder. ``d_ff=0`` derives the SwiGLU width from ``d_model``.
 
+    ``kind``: ``builtin`` (this decoder) or ``hf`` (a Hugging Face causal LM, fl_geo.inner.hf:
+    ``preset`` names a shape kept in the repo, ``path`` a local pretrained checkpoint; the
+    decoder's shape fields are then unused, ``vocab_size`` is still the tokenizer's).
+    """
+
+    kind: str = "builtin"
+    preset: str = ""
+    path: str = ""
     vocab_size: int = 256
     n_layers: int = 2
     d_model: int = 128
@@ -38,6 +46,10 @@ class ModelConfig:
 
     def validate(self) -> ModelConfig:
         """Raise ``ValueError`` naming the offending field; returns ``self`` for chaining."""
+        if self.kind not in ("builtin", "hf"):
+            raise ValueError(f"ModelConfig.kind must be builtin or hf, got {self.kind!r}")
+        if self.kind == "builtin" and (self.preset or self.path):
+            raise ValueError("ModelConfig.preset and ModelConfig.path are for kind=hf (model.kind=hf)")
         for field in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:

@@ -33,9 +33,17 @@ def model_config(section: Any) -> ModelConfig:
     return cfg
 
 
-def make_model(section: Any, seed: int) -> Decoder:
-    """The initial global model: identical on every process for the same config and seed."""
-    return build_model(model_config(section), seed=seed)
+def make_model(section: Any, seed: int) -> Decoder | torch.nn.Module:
+    """The initial global model: identical on every process for the same config and seed.
+
+    ``model.kind: hf`` builds a Hugging Face causal LM (fl_geo.inner.hf, ``transformers``
+    imported only then); the default is fl-geo's decoder."""
+    cfg = model_config(section)
+    if cfg.kind == "hf":
+        from fl_geo.inner.hf import build_hf_model
+
+        return build_hf_model(cfg, seed)
+    return build_model(cfg, seed=seed)
 
 
 def inner_config(section: Any, total_steps: int) -> InnerConfig:
