@@ -102,7 +102,7 @@ def check_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 def backend_config(run: Any) -> dict[str, Any]:
     """Flower's Ray backend config for the run section ``run``.
 
-    Local Ray: ``sim_cpus`` CPUs, no dashboard. Cluster: only the address (ray.init rejects sizing
+    Local Ray: a new instance (``address="local"``) of ``sim_cpus`` CPUs, no dashboard. Cluster: only the address (ray.init rejects sizing
     arguments for a running cluster). Both: each actor reserves ``client_cpus`` / ``client_gpus``.
     """
     address = str(run.ray_address).strip()
@@ -110,6 +110,9 @@ def backend_config(run: Any) -> dict[str, Any]:
     if address:
         init_args["address"] = address
     else:
+        # "local": a new Ray even when this machine has joined a cluster (a plain ray.init() would
+        # join the one `ray start` recorded, or RAY_ADDRESS's, and then refuse num_cpus)
+        init_args["address"] = "local"
         init_args["num_cpus"] = run.sim_cpus
     return {
         "init_args": init_args,

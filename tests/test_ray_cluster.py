@@ -8,6 +8,7 @@ stopped by ending the process group the test started (``ray stop`` would stop ev
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -57,7 +58,7 @@ def test_address_needs_the_ray_backend():
 def test_backend_config_local_and_cluster():
     local = tiny_config("run.backend=ray", "run.sim_cpus=3", "run.client_cpus=1.5", "run.client_gpus=0.25")
     assert backend_config(local.run) == {
-        "init_args": {"include_dashboard": False, "num_cpus": 3},
+        "init_args": {"include_dashboard": False, "address": "local", "num_cpus": 3},
         "client_resources": {"num_cpus": 1.5, "num_gpus": 0.25},
     }
     cluster = tiny_config("run.backend=ray", "run.ray_address=10.1.2.3:6379", "run.client_cpus=4")
@@ -69,7 +70,7 @@ def test_backend_config_local_and_cluster():
     # the defaults are what fl-geo always used: one CPU per actor, no GPU, sim_cpus local CPUs
     default = load_config(None, [])
     assert backend_config(default.run) == {
-        "init_args": {"include_dashboard": False, "num_cpus": default.run.sim_cpus},
+        "init_args": {"include_dashboard": False, "address": "local", "num_cpus": default.run.sim_cpus},
         "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
     }
 
@@ -176,10 +177,7 @@ def test_tiny_run_on_a_local_ray_cluster(ray_head, tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = tiny_config("run.backend=ray", f"run.ray_address={ray_head}", "run.num_clients=2", "run.rounds=1",
                       "run.client_cpus=1", f"run.out_dir={tmp_path}")
-    summary = run_simulation(cfg, tmp_path / "run")
-    assert summary["rounds_completed"] == 1 if "rounds_completed" in summary else True
+    run_simulation(cfg, tmp_path / "run")
     metrics = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
-    import json
-
     last = json.loads(metrics[-1])
     assert last["step"] == 1 and last["outer/accepted"] == 2.0  # both clients ran on the cluster's actors
