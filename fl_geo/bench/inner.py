@@ -116,8 +116,8 @@ def loop_bench(cfg: FlGeoConfig, *, steps: int = 20, repeats: int = 5, warmup: i
                device: str = "", threads: int | None = 1) -> dict[str, Any]:
     """Interleaved timings of ``InnerTrainer.train`` and `PlainLoop` on the same model and data.
 
-    Returns per-block tokens/s of both, their medians, the ratio of the medians and the largest
-    difference between the two loops' block losses (0 on CPU: identical arithmetic).
+    Returns per-block tokens/s of both, their medians, the ratio (median of the per-repeat ratios)
+    and the largest difference between the two loops' block losses (0 on CPU: identical arithmetic).
     """
     from fl_geo.inner.training import InnerTrainer
 
@@ -155,13 +155,17 @@ def loop_bench(cfg: FlGeoConfig, *, steps: int = 20, repeats: int = 5, warmup: i
             block(name)
         position += steps
     med = {name: statistics.median(v) for name, v in rates.items()}
-    ratio = med["fl-geo"] / med["plain"]
+    pairs = [a / b for a, b in zip(rates["fl-geo"], rates["plain"], strict=True)]
+    # Judged on the median of the per-repeat ratios: the two blocks of a repeat run back to back,
+    # so load from other processes on a shared machine mostly cancels within a pair.
+    ratio = statistics.median(pairs)
     return {
         "device": str(ours.device), "threads": torch.get_num_threads(), "steps": steps, "repeats": repeats,
         "batch": icfg.batch_size, "seq_len": icfg.seq_len,
         "params": sum(p.numel() for p in ours.model.parameters()),
         "tokens_per_s": rates, "median": med, "ratio": ratio,
-        "pair_ratios": [a / b for a, b in zip(rates["fl-geo"], rates["plain"], strict=True)],
+        "pair_ratios": pairs, "ratio_of_medians": med["fl-geo"] / med["plain"],
+        "ratio_of_best": max(rates["fl-geo"]) / max(rates["plain"]),
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses["fl-geo"], losses["plain"], strict=True)),
         "pass": ratio >= LOOP_TARGET,
     }
@@ -324,9 +328,11 @@ def format_inner_bench(loop: dict[str, Any] | None, sim: dict[str, Any] | None) 
             + ", ".join(f"{v:.0f}" for v in loop["tokens_per_s"]["fl-geo"]) + ")",
             f"  plain torch loop          : {med['plain']:10.0f} tokens/s  (blocks: "
             + ", ".join(f"{v:.0f}" for v in loop["tokens_per_s"]["plain"]) + ")",
-            f"  ratio {loop['ratio']:.3f} (per pair: " + ", ".join(f"{r:.3f}" for r in loop["pair_ratios"])
-            + f"); target >= {LOOP_TARGET}: {'PASS' if loop['pass'] else 'FAIL'}; "
-            f"largest block-loss difference {loop['max_loss_diff']:.2e}",
+            f"  ratio {loop['ratio']:.3f} = median of the per-repeat ratios ("
+            + ", ".join(f"{r:.3f}" for r in loop["pair_ratios"])
+            + f"); of the medians {loop['ratio_of_medians']:.3f}, of the best blocks {loop['ratio_of_best']:.3f}",
+            f"  target >= {LOOP_TARGET}: {'PASS' if loop['pass'] else 'FAIL'}; "
+            f"largest block-loss difference between the loops {loop['max_loss_diff']:.2e}",
         ]
     if sim is not None:
         wall = sim["wall_s"]
