@@ -152,7 +152,7 @@ def run_gpu_bench(*, minutes: float = 10.0, device: str = "cuda", tiny: bool = F
     shape = TINY if tiny else [*PYTHIA_70M, f"model.max_seq_len={seq_len}"]
     base = [*shape, f"client.device={device}", "client.precision=auto", f"client.batch_size={batch_size}",
             f"client.seq_len={seq_len}", f"strategy.inner_steps={inner_steps}", "client.warmup_steps=10",
-            "run.progress=false", "run.tensorboard=false", "run.eval_every=0", "run.sim_cpus=1",
+            "run.progress=false", "run.tensorboard=false", "run.eval_every=0", "run.eval_batches=4", "run.sim_cpus=1",
             *overrides]
     probe = _configs("diloco", base)
     started = time.perf_counter()
