@@ -63,6 +63,8 @@ def test_slots_follow_backend_cpus_and_client_cpus():
     assert slots_of(tiny_config("run.backend=ray", "run.sim_cpus=2", "run.num_clients=4")) == 2
     assert slots_of(tiny_config("run.backend=ray", "run.sim_cpus=4", "run.client_cpus=2", "run.num_clients=4")) == 2
     assert slots_of(tiny_config("run.backend=ray", "run.sim_cpus=8", "run.num_clients=3")) == 3
+    with pytest.raises(ValueError, match="run.ray_address"):
+        slots_of(tiny_config("run.backend=ray", "run.ray_address=10.0.0.1:6379"))
 
 
 def test_loop_bench_trains_both_loops_identically():
@@ -96,3 +98,6 @@ def test_command_runs_the_loop_and_rejects_bad_config(capsys):
         bench_main(["inner", "--tiny", "--no-sim", "run.num_clients=0"])
     assert exc.value.code == 2
     assert "run.num_clients" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # overrides without a config file: the quickstart's
+        bench_main(["inner", "--tiny", "run.backend=ray", "run.ray_address=10.0.0.1:6379"])
+    assert exc.value.code == 2 and "drop run.ray_address" in capsys.readouterr().err

@@ -180,6 +180,9 @@ def slots_of(cfg: FlGeoConfig) -> int:
     of ``sim_cpus`` CPUs holds (⌊sim_cpus / client_cpus⌋), at most the number of clients."""
     if cfg.run.backend == "inline":
         return 1
+    if cfg.run.ray_address.strip():
+        raise ValueError("the simulation share is measured on a local Ray (a cluster's slots are not known "
+                         "here): drop run.ray_address")
     return max(1, min(cfg.run.num_clients, int(cfg.run.sim_cpus // cfg.run.client_cpus)))
 
 
@@ -301,13 +304,14 @@ def sim_share(cfg: FlGeoConfig, out_dir: str | Path | None = None) -> dict[str, 
 
     if cfg.run.rounds < 2:
         raise ValueError("the simulation share needs run.rounds >= 2 (round 1 is start-up)")
+    slots = slots_of(cfg)  # before the run: a config it cannot measure fails at once
     with tempfile.TemporaryDirectory(prefix="flgeo-bench-inner-") as tmp:
         run_dir = Path(out_dir or tmp) / "run"
         started = time.perf_counter()
         run_simulation(cfg, run_dir)
         total = time.perf_counter() - started
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    share = share_from_metrics(records, slots_of(cfg))
+    share = share_from_metrics(records, slots)
     costs = component_costs(cfg)
     return {**share, "total_s": total, "costs": costs, "breakdown": breakdown(share, costs),
             "pass": share["share"] >= SHARE_TARGET}
@@ -367,17 +371,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from fl_geo.errors import ConfigError
 
+    if "=" in args.config and not Path(args.config).exists():  # overrides only: the default config
+        args.overrides, args.config = [args.config, *args.overrides], DEFAULT_CONFIG
     try:
         cfg = load_config(args.config, [*(TINY if args.tiny else []), *args.overrides,
                                         f"run.rounds={args.sim_rounds}", "run.progress=false",
                                         "run.tensorboard=false"])
     except (ConfigError, FileNotFoundError) as exc:
         parser.exit(2, f"fl-geo bench inner: {exc}\n")
-    loop = None if args.no_loop else loop_bench(cfg, steps=args.steps, repeats=args.repeats,
-                                                 warmup=args.warmup, device=args.device, threads=args.threads)
-    if loop is not None:
-        print(format_inner_bench(loop, None), flush=True)
-    sim = None if args.no_sim else sim_share(cfg)
+    try:
+        if not args.no_sim:
+            slots_of(cfg)
+        loop = None if args.no_loop else loop_bench(cfg, steps=args.steps, repeats=args.repeats,
+                                                     warmup=args.warmup, device=args.device, threads=args.threads)
+        if loop is not None:
+            print(format_inner_bench(loop, None), flush=True)
+        sim = None if args.no_sim else sim_share(cfg)
+    except ValueError as exc:
+        parser.exit(2, f"fl-geo bench inner: {exc}\n")
     if sim is not None:
         print(format_inner_bench(None, sim))
     failed = any(r is not None and not r["pass"] for r in (loop, sim))
