@@ -42,8 +42,9 @@ bench: setup
 	$(BIN)/fl-geo bench outer
 
 # On a CUDA machine: the tests marked gpu (bf16 autocast, NCCL data-parallel job, a Hugging Face
-# model on CUDA), then the ten-minute benchmark (docs/benchmarks.md, "GPU check").
-gpu-check: setup
+# model on CUDA), then the ten-minute benchmark (docs/benchmarks.md, "GPU check"). No corpus
+# fetch: the tests write their own text and the benchmark falls back to the Python stdlib corpus.
+gpu-check: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu -rs
 	$(BIN)/fl-geo bench gpu
 

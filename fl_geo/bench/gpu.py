@@ -14,7 +14,7 @@ step's time on the server path (decode four bf16 replies, checked fold, Nesterov
 run), final validation loss and virtual time.
 
 The budget (``--minutes``, 10 by default) is split between the two runs after a calibration of the
-step time: rounds = budget / (4 · H · step time), at least 2. ``--device cpu --tiny`` runs the same
+step time: rounds = budget / (4 · H · step time · OVERHEAD), at least 2 (approximate until measured on a GPU). ``--device cpu --tiny`` runs the same
 code path with a tiny model in seconds (tests/test_bench_gpu.py).
 """
 
@@ -50,7 +50,10 @@ PYTHIA_70M = ["model.vocab_size=50304", "model.d_model=512", "model.n_layers=6",
               "model.d_ff=1365"]
 TINY = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=0",
         "model.max_seq_len=32", "data.corpus=pydoc", "run.eval_batches=2"]
-OVERHEAD = 1.3  # evaluation, server and set-up on top of the inner loops when planning rounds
+# Server work, the clients' optimizer state in and out of the message (AdamW moments to CPU every
+# round) and evaluation on top of the inner loops when planning rounds: a guess until measured on a
+# GPU, so the ten minutes are approximate.
+OVERHEAD = 1.5
 
 
 def peak_tflops(device_name: str, override: float | None = None) -> float | None:
