@@ -23,6 +23,7 @@ from fl_geo.data.corpus import CORPUS_NAMES  # data.corpus
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
 from fl_geo.inner.model import ModelConfig
+from fl_geo.ray_cluster import check_ray_section  # run.ray_address, client_cpus, client_gpus
 from fl_geo.registry import METHODS
 from fl_geo.yaml_safe import load_yaml
 
@@ -65,6 +66,12 @@ class RunSection:
     # on descheduled workers while clients share the cores (10-60x slower at 2 under load).
     server_threads: int = 1
     sim_cpus: int = 2  # Ray CPUs; one actor per CPU since each client asks for one
+    # backend=ray: "" = Flower starts (and stops) its own local Ray with sim_cpus CPUs; "auto" = the
+    # cluster this machine joined with `ray start`; HOST:PORT = a running cluster's head (GCS)
+    # address (docs/deploy.md, "A Ray cluster"). With a cluster, its CPUs replace sim_cpus.
+    ray_address: str = ""
+    client_cpus: float = 1.0  # Ray CPUs each ClientApp actor reserves (actors = CPUs / client_cpus)
+    client_gpus: float = 0.0  # Ray GPUs each actor reserves (0.25 = four actors share one GPU)
     min_nodes: int = 0  # nodes to wait for before round 1 (0 = num_clients)
     wait_nodes_timeout_s: float = 120.0
     progress: bool = True
@@ -450,6 +457,7 @@ RESUME_MAY_CHANGE = frozenset({
     "run.resume", "run.rounds", "run.max_tokens", "run.name", "run.out_dir", "run.progress",
     "run.tensorboard", "run.loggers", "run.checkpoint_every", "run.checkpoint_keep", "run.checkpoint_dir",
     "run.client_state_dir", "run.backend", "run.sim_cpus", "run.server_threads", "run.threads_per_client",
+    "run.ray_address", "run.client_cpus", "run.client_gpus",
     "run.min_nodes", "run.wait_nodes_timeout_s", "run.min_live_nodes", "run.min_live_wait_s",
     "client.device", "data.data_dir", "ps.workdir", "ps.retry_s", "ps.heartbeat_s", "ps.host",
     "ps.tls_certs_dir", "ps.allow_insecure_remote",
@@ -524,6 +532,7 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(r.threads_per_client >= 1, "run.threads_per_client must be >= 1")
     _require(r.server_threads >= 1, "run.server_threads must be >= 1")
     _require(r.sim_cpus >= 1, "run.sim_cpus must be >= 1")
+    check_ray_section(r)
     _require(r.eval_every >= 0 and r.client_eval_every >= 0, "run.eval_every / client_eval_every must be >= 0")
     _require(r.eval_batches >= 1, "run.eval_batches must be >= 1")
     _require(r.checkpoint_every >= 0, f"run.checkpoint_every must be >= 0, got {r.checkpoint_every}")
