@@ -1,6 +1,6 @@
 """On a CUDA device (marker ``gpu``; tests/conftest.py skips them elsewhere, `make gpu-check` runs
-them): the inner loop under bf16 autocast, the NCCL data-parallel job, and a Hugging Face GPT-NeoX
-model (built from a config written here, never downloaded) training on CUDA. Heavy imports stay
+them): the inner loop under bf16 autocast, the NCCL data-parallel job, and the Hugging Face presets
+(GPT-NeoX and Llama shapes from fl_geo/inner/hf.py, random init, never downloaded) training on CUDA. Heavy imports stay
 inside the tests so that collecting this file costs the CPU suite nothing."""
 
 from __future__ import annotations
@@ -70,23 +70,12 @@ def test_nccl_data_parallel_job_equals_one_process_with_the_whole_batch():
     torch.testing.assert_close(job.params, flatten(reference.model.state_dict(), spec).cpu(), rtol=1e-3, atol=1e-4)
 
 
-class _Logits(torch.nn.Module):
-    """A Hugging Face causal LM as the inner loop's model: token ids in, logits out."""
+@pytest.mark.parametrize("preset", ["pythia-tiny", "smollm-tiny"])
+def test_hf_preset_trains_on_cuda_and_evaluates_as_on_cpu(preset):
+    pytest.importorskip("transformers")
+    from fl_geo.inner.hf import build_hf_model
 
-    def __init__(self, hf: torch.nn.Module) -> None:
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=x).logits
-
-
-def test_hf_gpt_neox_trains_on_cuda_and_evaluates_as_on_cpu():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=256, max_position_embeddings=SEQ)
-    torch.manual_seed(0)
-    model = _Logits(transformers.AutoModelForCausalLM.from_config(config))
+    model = build_hf_model(ModelConfig(kind="hf", preset=preset, vocab_size=256, max_seq_len=SEQ), seed=0)
     trainer = InnerTrainer(model, _inner("auto"))
     assert next(trainer.model.parameters()).is_cuda
     first = trainer.train(_sampler(), 3, 0)

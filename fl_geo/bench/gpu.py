@@ -1,9 +1,10 @@
 """``fl-geo bench gpu``: the accelerator check (``make gpu-check`` runs it after ``pytest -m gpu``).
 
-A Pythia-70M-shaped model (d_model 512, 6 layers, 8 heads, vocabulary 50,304; fl-geo's built-in
-decoder, whose SwiGLU width 1,365 matches GPT-NeoX's 4·d GELU MLP in parameters, tied embeddings:
-~44.6 M parameters; any ``model.*`` override replaces it, e.g. ``model.kind=hf
-model.preset=pythia-70m`` where the Hugging Face presets are installed) trains as four simulated
+A Pythia-70M-shaped model (d_model 512, 6 layers, 8 heads, vocabulary 50,304): the Hugging Face
+``pythia-70m`` preset (GPT-NeoX, 70.4 M parameters, random init, fl_geo/inner/hf.py) when
+``transformers`` is installed, else (or with ``--builtin``) fl-geo's decoder in that shape (SwiGLU
+width 1,365 to match GPT-NeoX's 4·d GELU MLP in parameters, tied embeddings: 44.6 M); any
+``model.*`` override replaces it. It trains as four simulated
 datacenters that share one GPU (``run.backend=inline``: the clients take turns on the device),
 DiLoCo and then Di-PS at the same token budget on the virtual clock of the η = 100 scenario
 (configs/bench/eta_*.yaml). Printed per method: the inner loop's tokens/s (the clients' own
@@ -46,10 +47,25 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
     "A100": 312.0,
 }
 METHODS = {"diloco": "configs/bench/eta_diloco.yaml", "dips": "configs/bench/eta_dips.yaml"}
+# The Hugging Face preset (GPT-NeoX, untied head: 70.4 M parameters, fl_geo/inner/hf.py) when
+# transformers is installed; otherwise, or with --builtin, fl-geo's decoder in the same shape.
+PYTHIA_70M_HF = ["model.kind=hf", "model.preset=pythia-70m", "model.vocab_size=50304"]
 PYTHIA_70M = ["model.vocab_size=50304", "model.d_model=512", "model.n_layers=6", "model.n_heads=8",
               "model.d_ff=1365"]
-TINY = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=0",
-        "model.max_seq_len=32", "data.corpus=pydoc", "run.eval_batches=2"]
+TINY_HF = ["model.kind=hf", "model.preset=pythia-tiny", "model.vocab_size=256"]
+TINY = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=0"]
+TINY_RUN = ["model.max_seq_len=32", "data.corpus=pydoc", "run.eval_batches=2"]
+
+
+def model_overrides(tiny: bool, builtin: bool) -> list[str]:
+    """The model of the bench: the HF Pythia preset (tiny: pythia-tiny) if transformers is
+    installed and ``builtin`` is false, else the built-in decoder of that shape."""
+    from fl_geo.inner.hf import transformers_available
+
+    hf = not builtin and transformers_available()
+    if tiny:
+        return [*(TINY_HF if hf else TINY), *TINY_RUN]
+    return PYTHIA_70M_HF if hf else PYTHIA_70M
 # Server work, the clients' optimizer state in and out of the message (AdamW moments to CPU every
 # round) and evaluation on top of the inner loops when planning rounds: a guess until measured on a
 # GPU, so the ten minutes are approximate.
@@ -93,6 +109,8 @@ def calibrate(cfg: FlGeoConfig, steps: int = 5, warmup: int = 2) -> float:
     from fl_geo.inner.training import InnerTrainer
 
     sampler, build, icfg = _setup(cfg, cfg.client.device)
+    if torch.device(cfg.client.device).type == "cpu":
+        torch.set_num_threads(cfg.run.threads_per_client)  # as the clients will (2 threads under load: 10-100x slower)
     trainer = InnerTrainer(build(), icfg)
     trainer.train(sampler, warmup, 0)
     result = trainer.train(sampler, steps, warmup)
@@ -147,12 +165,14 @@ def run_method(method: str, overrides: Sequence[str], out_dir: Path) -> dict[str
 
 
 def run_gpu_bench(*, minutes: float = 10.0, device: str = "cuda", tiny: bool = False, inner_steps: int = 50,
-                  batch_size: int = 32, seq_len: int = 512, peak: float | None = None,
+                  batch_size: int = 32, seq_len: int = 512, peak: float | None = None, builtin: bool = False,
                   overrides: Sequence[str] = (), out_dir: str | Path | None = None) -> dict[str, Any]:
     """DiLoCo then Di-PS on the same token budget; the figures `format_gpu_bench` prints."""
     if tiny:
         inner_steps, batch_size, seq_len = min(inner_steps, 3), min(batch_size, 4), min(seq_len, 32)
-    shape = TINY if tiny else [*PYTHIA_70M, f"model.max_seq_len={seq_len}"]
+    shape = model_overrides(tiny, builtin)
+    if not tiny:
+        shape = [*shape, f"model.max_seq_len={seq_len}"]
     base = [*shape, f"client.device={device}", "client.precision=auto", f"client.batch_size={batch_size}",
             f"client.seq_len={seq_len}", f"strategy.inner_steps={inner_steps}", "client.warmup_steps=10",
             "run.progress=false", "run.tensorboard=false", "run.eval_every=0", "run.eval_batches=4", "run.sim_cpus=1",
@@ -189,7 +209,7 @@ def run_gpu_bench(*, minutes: float = 10.0, device: str = "cuda", tiny: bool = F
             }
     num_params = results["diloco"]["num_params"]
     return {
-        "device": name, "peak_tflops": peak_tf, "step_s": step_s, "rounds": rounds, "inner_steps": inner_steps,
+        "device": name, "peak_tflops": peak_tf, "model": f"{probe.model.kind} {probe.model.preset}".strip(), "step_s": step_s, "rounds": rounds, "inner_steps": inner_steps,
         "batch": batch_size, "seq_len": seq_len, "clients": clients, "max_tokens": max_tokens,
         "methods": results, "outer_step_s": outer_step_s(num_params, clients, results["diloco"]["wire_up"]),
         "elapsed_s": time.perf_counter() - started,
@@ -203,7 +223,7 @@ def _pct(x: float | None) -> str:
 def format_gpu_bench(r: dict[str, Any]) -> str:
     peak = "unknown" if r["peak_tflops"] is None else f"{r['peak_tflops']:.0f} TFLOP/s bf16"
     lines = [
-        f"device {r['device']} (peak {peak}); {r['clients']} datacenters on it, batch {r['batch']} x "
+        f"device {r['device']} (peak {peak}); model {r['model']}; {r['clients']} datacenters on it, batch {r['batch']} x "
         f"{r['seq_len']}, H = {r['inner_steps']}, {r['max_tokens']:,} tokens per method "
         f"(calibrated {r['step_s'] * 1e3:.1f} ms/step -> {r['rounds']} DiLoCo rounds)",
     ]
@@ -234,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak dense bf16 TFLOP/s (default: table by device name)")
+    parser.add_argument("--builtin", action="store_true",
+                        help="fl-geo's decoder in Pythia-70M's shape instead of the Hugging Face preset")
     parser.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     from fl_geo.errors import ConfigError
@@ -247,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         peak_tflops("", args.peak_tflops)
         result = run_gpu_bench(minutes=args.minutes, device=args.device, tiny=args.tiny,
                                inner_steps=args.inner_steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                               peak=args.peak_tflops, overrides=args.overrides, out_dir=args.out)
+                               peak=args.peak_tflops, builtin=args.builtin, overrides=args.overrides,
+                               out_dir=args.out)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"fl-geo bench gpu: {exc}\n")
     print(format_gpu_bench(result))
