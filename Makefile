@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DATA_STAMP := $(VENV)/.corpora
 
-.PHONY: setup quickstart test test-fast lint bench clean
+.PHONY: setup quickstart test test-fast lint bench gpu-check clean
 
 # torch first, pinned: this machine installs the 2.13.0 CPU wheel offline; an unpinned torch
 # would pull the newest CUDA build (several GB). Everything else is pinned by constraints.txt.
@@ -40,6 +40,13 @@ lint: setup
 
 bench: setup
 	$(BIN)/fl-geo bench outer
+
+# On a CUDA machine: the tests marked gpu (bf16 autocast, NCCL data-parallel job, a Hugging Face
+# model on CUDA), then the ten-minute benchmark (docs/benchmarks.md, "GPU check"). No corpus
+# fetch: the tests write their own text and the benchmark falls back to the Python stdlib corpus.
+gpu-check: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu -rs
+	$(BIN)/fl-geo bench gpu
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -55,6 +55,7 @@ from fl_geo.inner.training import (
 from fl_geo.runtime import protocol
 from fl_geo.runtime.builders import inner_config
 from fl_geo.runtime.dispatch import PROFILE_KEY
+from fl_geo.runtime.wall_faults import wall_fault_mod
 from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
 
 __all__ = [
@@ -262,7 +263,8 @@ class DatacenterClient:
         self._models: OrderedDict[str, tuple[torch.nn.Module, ParamSpec]] = OrderedDict()
         self._fragments: OrderedDict[tuple[str, int], tuple[Fragments, tuple[ParamSpec, ...]]] = OrderedDict()
         self.pulled_version = -1  # the model version the last pull from the follower PSs returned
-        self.app = ClientApp()
+        # run.wall_faults: a job the failure trace ends is answered with an error at the failure
+        self.app = ClientApp(mods=[wall_fault_mod])
         self.app.query()(self.query)
         self.app.train()(self.train)
         self.app.evaluate()(self.evaluate)

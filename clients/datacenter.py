@@ -40,10 +40,10 @@ from fl_geo.clients.stream import (  # noqa: F401  (re-exported)
     STREAM_SNAPSHOT_KEY,
     merge_fragment,
 )
-from fl_geo.data import BatchNoise, BatchSampler, eval_batches
+from fl_geo.data import BatchNoise, BatchSampler, Tokenizer, eval_batches
 from fl_geo.inner.model import Decoder
 from fl_geo.inner.training import InnerConfig
-from fl_geo.runtime.builders import make_model, model_config, partitions
+from fl_geo.runtime.builders import make_model, model_config, partitions, tokenizer
 
 
 def make_sampler(
@@ -65,6 +65,19 @@ def make_sampler(
     return BatchSampler(tokens, icfg.seq_len, icfg.batch_size, seed=data_seed, stream=pid, noise=noise)
 
 
+def checked_tokenizer(data_cfg: dict[str, Any]) -> Tokenizer:
+    """This node's tokenizer for the run's data section, refused (ValueError: the reply is an
+    error naming both identities) when it is not the server's (``tokenizer_sha256`` in the
+    section, sent with every job when ``data.tokenizer`` is not ``byte``)."""
+    tok = tokenizer(data_cfg)
+    expected = data_cfg.get("tokenizer_sha256")
+    if expected and expected != tok.sha256:
+        raise ValueError(f"tokenizer mismatch: the server's data.tokenizer={data_cfg.get('tokenizer')} has "
+                         f"sha256 {str(expected)[:16]}…, this node's {tok.sha256[:16]}…; give every node the same "
+                         "tokenizer.json or training text")
+    return tok
+
+
 def decoder(site: Site) -> Decoder:
     """The run's decoder (``model`` section), identical on every node for the run's seed."""
     return make_model(site.sections["model"], site.seed)
@@ -73,14 +86,18 @@ def decoder(site: Site) -> Decoder:
 def corpus_batches(site: Site) -> BatchSampler:
     """This partition's training batches: fl-geo's sampler over its share of the corpus."""
     data_cfg = dict(site.sections["data"])
+    tok = checked_tokenizer(data_cfg)
     parts, _ = partitions(data_cfg, site.num_partitions)
     data_seed = int(data_cfg["seed"]) * 1_000_003 + site.seed
     vocab_size = model_config(site.sections["model"]).vocab_size
+    if data_cfg.get("tokenizer", "byte") != "byte":  # noise draws real token ids, not unused model rows
+        vocab_size = min(vocab_size, tok.vocab_size)
     return make_sampler(data_cfg, parts[site.partition_id].train, site.inner, site.partition_id, vocab_size, data_seed)
 
 
 def corpus_eval_batches(site: Site) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Held-out batches: the partition's own (``evaluate``) or the global set (``evaluate.stream``)."""
+    checked_tokenizer(dict(site.sections["data"]))
     parts, val_tokens = partitions(site.sections["data"], site.num_partitions)
     tokens = parts[site.partition_id].val if site.eval_scope == "partition" else val_tokens
     return eval_batches(tokens, site.inner.seq_len, site.inner.batch_size, site.eval_batches)

@@ -1,7 +1,7 @@
 """``fl-geo``: run experiments, fetch the offline corpora, benchmark the server path.
 
     fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
-    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--out DIR]
+    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--metric loss|bpb] [--out DIR]
                                                      table + plots of several runs
     fl-geo sweep CONFIG key=a,b,c [key=value ...] [--out DIR]   every combination, one table + plots
     fl-geo flwr-run [CONFIG] [key=value ...]         the same through Flower's CLI: flwr run . --stream
@@ -107,10 +107,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     configs, overrides = _split(args.items)
     resolved = [load_config(c, overrides) for c in configs]
     out = Path(args.out)
-    runs = [load_run(p, args.loss) for p in args.runs]
+    runs = [load_run(p, args.loss, args.metric) for p in args.runs]
     for cfg in resolved:
         summary = run_simulation(cfg, out / "runs" / cfg.run.name)
-        runs.append(load_run(summary["run_dir"], args.loss))
+        runs.append(load_run(summary["run_dir"], args.loss, args.metric))
     if not runs:
         raise ConfigError("fl-geo compare needs config files to run and/or --runs DIR ...")
     result = compare(runs, out, args.target)
@@ -160,17 +160,21 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """``fl-geo eval``: the final model's validation loss, as the run's own evaluator computes it."""
+    """``fl-geo eval``: the final model's validation loss, as the run's own evaluator computes it
+    (and bits per byte, which the line shows where a token is not a byte)."""
     import json
+    import math
 
     from fl_geo.results import evaluate_run
 
     res = evaluate_run(args.run_dir, args.batches)
     if args.json:
-        print(json.dumps({"run_dir": str(res.run_dir), "val_loss": res.loss, "tokens": res.tokens,
+        print(json.dumps({"run_dir": str(res.run_dir), "val_loss": res.loss, "val_bpb": res.bpb, "tokens": res.tokens,
                           "batches": res.batches, "weights": str(res.weights)}))
-    else:
+    elif abs(res.bpb * math.log(2) - res.loss) <= 1e-9 * max(1.0, res.loss):  # byte-level: a token is a byte
         print(f"{res.run_dir}: val loss {res.loss:.4f} nats/byte ({res.tokens:,} tokens)")
+    else:
+        print(f"{res.run_dir}: val loss {res.loss:.4f} nats/token, {res.bpb:.4f} bits/byte ({res.tokens:,} tokens)")
     return 0
 
 
@@ -181,8 +185,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     if not args.temperature >= 0:  # before loading anything
         raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    model, _ = load_run_model(args.run_dir)
-    out = sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    from fl_geo.runtime.builders import tokenizer
+
+    model, cfg = load_run_model(args.run_dir)
+    tok = None if cfg.data.tokenizer == "byte" else tokenizer(cfg.data)
+    out = sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer=tok)
     print(ByteTokenizer().decode(out))
     return 0
 
@@ -394,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--loss", choices=("global", "workers"), default="global",
                       help="whose validation loss: the server's model (val/loss), or the workers' own "
                            "models where a streaming run logged them (val/worker_loss; streaming.eval_workers)")
+    cmp_.add_argument("--metric", choices=("loss", "bpb"), default="loss",
+                      help="tabulate and plot the validation loss (nats/token) or bits per byte (val/bpb: fair "
+                           "across tokenizers; --target is then in bits per byte)")
     cmp_.set_defaults(func=cmd_compare)
 
     sw = sub.add_parser("sweep", help="run every combination of key=a,b,c values; one table and plots")

@@ -12,6 +12,10 @@ Which model's loss: ``global`` (the default) is the server's model, ``val/loss``
 reads ``val/worker_loss``, the mean over the workers' own models, where a run logged it
 (Streaming DiLoCo and CoCoDC with ``streaming.eval_workers``), and ``val/loss`` elsewhere: the
 synchronous loops' workers start every period from the global model, so it is what they hold.
+
+Which unit (``metric``): ``loss`` (the default) is nats per token; ``bpb`` is bits per byte
+(``val/bpb``), the figure that compares runs with different tokenizers (docs/data.md). Runs
+written before ``val/bpb`` existed were all byte-level, so their bpb is read as loss / ln 2.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from fl_geo.runtime.metrics import read_metrics
 LOSS = "val/loss"
 WORKER_LOSS = "val/worker_loss"
 LOSS_KINDS = ("global", "workers")
+BPB = "val/bpb"
+METRICS = ("loss", "bpb")
 STEPS = "train/inner_steps"
 VIRTUAL = "time/virtual_s"
 WALL = "time/wall_s"
@@ -43,13 +49,27 @@ class RunRecord:
     summary: dict[str, Any]
     rows: list[dict[str, Any]]
     loss: str = "global"  # which model's loss (LOSS_KINDS; see the module docstring)
+    metric: str = "loss"  # nats per token or bits per byte (METRICS)
 
     @property
     def loss_key(self) -> str:
         """The metric read as "the" validation loss of this run."""
+        if self.metric == "bpb":
+            return BPB
         if self.loss == "workers" and any(WORKER_LOSS in row for row in self.rows):
             return WORKER_LOSS
         return LOSS
+
+    def _value(self, row: dict[str, Any], key: str) -> Any:
+        """``row[key]``; for bits per byte of a run that predates ``val/bpb`` (byte-level), loss / ln 2."""
+        value = row.get(key)
+        if value is None and key == BPB and not self._has_bpb and row.get(LOSS) is not None:
+            value = float(row[LOSS]) / math.log(2)
+        return value
+
+    @property
+    def _has_bpb(self) -> bool:
+        return any(BPB in row for row in self.rows)
 
     def _with_steps(self) -> list[dict[str, Any]]:
         """The rows with ``steps``: inner steps per worker so far (running sum of
@@ -69,8 +89,8 @@ class RunRecord:
         key = self.loss_key
         xs, ys = [], []
         for row in self._with_steps() if x_key == "steps" else self.rows:
-            x, y = row.get(x_key), row.get(key)
-            if y is None and key != LOSS and not row.get(STEPS) and not row.get("outer/step"):
+            x, y = row.get(x_key), self._value(row, key)
+            if y is None and key == WORKER_LOSS and not row.get(STEPS) and not row.get("outer/step"):
                 y = row.get(LOSS)
             if x is not None and y is not None:
                 xs.append(float(x))
@@ -98,10 +118,12 @@ class RunRecord:
         return ys[-1] if ys else None
 
 
-def load_run(path: str | Path, loss: str = "global") -> RunRecord:
+def load_run(path: str | Path, loss: str = "global", metric: str = "loss") -> RunRecord:
     """A run directory (or its metrics.jsonl); clear error if it is not a finished fl-geo run."""
     if loss not in LOSS_KINDS:
         raise ValueError(f"loss must be one of {LOSS_KINDS}, got {loss!r}")
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     p = Path(path)
     if p.is_file():
         p = p.parent
@@ -115,7 +137,7 @@ def load_run(path: str | Path, loss: str = "global") -> RunRecord:
         raise ConfigError(f"{p}: cannot read the run's results ({exc})") from None
     if not isinstance(summary, dict):
         raise ConfigError(f"{summary_path}: not a run summary (a JSON object)")
-    return RunRecord(summary.get("name", p.name), p, summary, rows, loss)
+    return RunRecord(summary.get("name", p.name), p, summary, rows, loss, metric)
 
 
 def default_target(runs: list[RunRecord]) -> float:
@@ -135,8 +157,9 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def markdown_table(runs: list[RunRecord], target: float) -> str:
+    final = "final val bpb" if runs and runs[0].metric == "bpb" else "final val loss"
     head = (
-        f"| run | strategy | loss of | final val loss | steps to {target:.3f} | virtual s to {target:.3f} | "
+        f"| run | strategy | loss of | {final} | steps to {target:.3f} | virtual s to {target:.3f} | "
         f"wall s to {target:.3f} | tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike | goodput |"
     )
     lines = [head, "|" + "---|" * 14]
@@ -193,9 +216,13 @@ def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: flo
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
     ax.set_xlabel(xlabel)
-    # fl-geo's built-in tokenizer is byte-level: one token is one byte of UTF-8 text
-    ax.set_ylabel("validation loss (nats/token = nats/byte)")
-    ax.set_title(f"Validation loss against {xlabel.split(' (')[0]}, {len(series)} run(s)", fontsize=10)
+    if runs[0].metric == "bpb":
+        ax.set_ylabel("validation bits per byte")
+    else:
+        # fl-geo's default tokenizer is byte-level: one token is one byte of UTF-8 text
+        ax.set_ylabel("validation loss (nats/token = nats/byte)")
+    what = "bits per byte" if runs[0].metric == "bpb" else "loss"
+    ax.set_title(f"Validation {what} against {xlabel.split(' (')[0]}, {len(series)} run(s)", fontsize=10)
     limits = loss_range([ys for _, _, ys in series])
     if limits is not None:
         ax.set_ylim(*limits)
@@ -242,16 +269,19 @@ def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = N
     """Write ``compare.md`` and the plots into ``out_dir``; return what was written."""
     if not runs:
         raise ValueError("nothing to compare")
+    if len({r.metric for r in runs}) > 1:
+        raise ValueError("runs compared together must use one metric (loss or bpb)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = default_target(runs) if target is None else target
     table = markdown_table(runs, target)
     (out / "compare.md").write_text(table + "\n", encoding="utf-8")
+    stem = "val_bpb" if runs[0].metric == "bpb" else "val_loss"
     plots = {
-        "virtual": plot(runs, VIRTUAL, "virtual time (s, modelled WAN + accelerators)", out / "val_loss_vs_virtual_time.png", target),
-        "wall": plot(runs, WALL, "wall time (s)", out / "val_loss_vs_wall_time.png", target),
-        "tokens": plot(runs, TOKENS, "tokens consumed", out / "val_loss_vs_tokens.png", target),
-        "steps": plot(runs, "steps", "inner steps per worker", out / "val_loss_vs_steps.png", target),
+        "virtual": plot(runs, VIRTUAL, "virtual time (s, modelled WAN + accelerators)", out / f"{stem}_vs_virtual_time.png", target),
+        "wall": plot(runs, WALL, "wall time (s)", out / f"{stem}_vs_wall_time.png", target),
+        "tokens": plot(runs, TOKENS, "tokens consumed", out / f"{stem}_vs_tokens.png", target),
+        "steps": plot(runs, "steps", "inner steps per worker", out / f"{stem}_vs_steps.png", target),
         "goodput": plot_goodput(runs, out / "goodput.png"),
     }
     return {"table": table, "target": target, "plots": {k: str(v) for k, v in plots.items() if v is not None}}

@@ -23,6 +23,7 @@ from fl_geo.data.corpus import CORPUS_NAMES  # data.corpus
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
 from fl_geo.inner.model import ModelConfig
+from fl_geo.ray_cluster import check_ray_section  # run.ray_address, client_cpus, client_gpus
 from fl_geo.registry import METHODS
 from fl_geo.yaml_safe import load_yaml
 
@@ -65,6 +66,12 @@ class RunSection:
     # on descheduled workers while clients share the cores (10-60x slower at 2 under load).
     server_threads: int = 1
     sim_cpus: int = 2  # Ray CPUs; one actor per CPU since each client asks for one
+    # backend=ray: "" = Flower starts (and stops) its own local Ray with sim_cpus CPUs; "auto" = the
+    # cluster this machine joined with `ray start`; HOST:PORT = a running cluster's head (GCS)
+    # address (docs/deploy.md, "A Ray cluster"). With a cluster, its CPUs replace sim_cpus.
+    ray_address: str = ""
+    client_cpus: float = 1.0  # Ray CPUs each ClientApp actor reserves (actors = CPUs / client_cpus)
+    client_gpus: float = 0.0  # Ray GPUs each actor reserves (0.25 = four actors share one GPU)
     min_nodes: int = 0  # nodes to wait for before round 1 (0 = num_clients)
     wait_nodes_timeout_s: float = 120.0
     progress: bool = True
@@ -87,6 +94,11 @@ class RunSection:
     # Live nodes below which the server pauses instead of stepping on too little (0 = off).
     min_live_nodes: int = 0
     min_live_wait_s: float = 600.0  # how long to wait for enough live nodes before giving up
+    # With clock=wall: replay run.scenario's failure trace as real faults (a failing node's ClientApp
+    # answers its job with an error; the node gets nothing until its repair), jobs laid on each
+    # node's modelled time line in dispatch order; wall seconds per modelled second (fl_geo/runtime/wall_faults.py).
+    wall_faults: bool = False
+    wall_fault_scale: float = 0.0
 
 
 @dataclass
@@ -256,7 +268,7 @@ class WireSection:
 class DataSection:
     """Corpus, partitioning and batch shape (fl_geo.data)."""
 
-    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files
+    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files | jsonl | parquet | arrow
     data_dir: str = ""  # "" = $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora
     files: list[str] = field(default_factory=list)
     text_key: str = "text"
@@ -269,6 +281,13 @@ class DataSection:
     noise_kind: str = "random"  # random (uniform token ids) | shuffle (real windows, tokens permuted)
     noise_block: int = 1  # consecutive inner steps sharing one corrupt/clean decision
     noise_shared: bool = False  # true: every noisy partition is corrupted in the same blocks
+    # byte (UTF-8 bytes, vocabulary 256) | bpe (byte-level BPE trained on the training text, cached) |
+    # a directory holding tokenizer.json; model.vocab_size follows the tokenizer (docs/data.md)
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    # data.corpus=jsonl|parquet|arrow: local files read through `datasets` (a file, glob or directory)
+    path: str = ""
+    text_field: str = "text"
 
 
 @dataclass
@@ -438,6 +457,7 @@ RESUME_MAY_CHANGE = frozenset({
     "run.resume", "run.rounds", "run.max_tokens", "run.name", "run.out_dir", "run.progress",
     "run.tensorboard", "run.loggers", "run.checkpoint_every", "run.checkpoint_keep", "run.checkpoint_dir",
     "run.client_state_dir", "run.backend", "run.sim_cpus", "run.server_threads", "run.threads_per_client",
+    "run.ray_address", "run.client_cpus", "run.client_gpus",
     "run.min_nodes", "run.wait_nodes_timeout_s", "run.min_live_nodes", "run.min_live_wait_s",
     "client.device", "data.data_dir", "ps.workdir", "ps.retry_s", "ps.heartbeat_s", "ps.host",
     "ps.tls_certs_dir", "ps.allow_insecure_remote",
@@ -512,6 +532,7 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(r.threads_per_client >= 1, "run.threads_per_client must be >= 1")
     _require(r.server_threads >= 1, "run.server_threads must be >= 1")
     _require(r.sim_cpus >= 1, "run.sim_cpus must be >= 1")
+    check_ray_section(r)
     _require(r.eval_every >= 0 and r.client_eval_every >= 0, "run.eval_every / client_eval_every must be >= 0")
     _require(r.eval_batches >= 1, "run.eval_batches must be >= 1")
     _require(r.checkpoint_every >= 0, f"run.checkpoint_every must be >= 0, got {r.checkpoint_every}")
@@ -557,6 +578,10 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.outer_lr_scaling in ("none", "share"), "strategy.outer_lr_scaling must be none or share")
     _require(s.outer_lr_scaling == "none" or is_async, "strategy.outer_lr_scaling=share is for asynchronous strategies")
     _require(r.clock in ("wall", "virtual"), f"run.clock must be wall or virtual, got '{r.clock}'")
+    _require(not r.wall_faults or r.clock == "wall",
+             "run.wall_faults=true needs run.clock=wall (a virtual clock replays the failure trace itself)")
+    _require(r.wall_fault_scale >= 0, f"run.wall_fault_scale must be >= 0 wall seconds per modelled second, "
+                                      f"got {r.wall_fault_scale}")
     _require(r.max_tokens >= 0, "run.max_tokens must be >= 0")
     unknown = [name for name in r.loggers if name not in ("wandb", "mlflow")]
     _require(not unknown, f"run.loggers {unknown} unknown; valid: wandb, mlflow (metrics.jsonl is always "
@@ -642,12 +667,16 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
     _require(d.corpus in CORPUS_NAMES, f"data.corpus '{d.corpus}' is unknown; valid: {', '.join(CORPUS_NAMES)}")
     _require(d.corpus != "files" or bool(d.files), "data.corpus=files needs data.files (paths or globs of .txt/.jsonl)")
+    _require(d.corpus not in ("jsonl", "parquet", "arrow") or bool(d.path),
+             f"data.corpus={d.corpus} needs data.path (a local file, glob or directory)")
+    _require(bool(d.text_field), "data.text_field must name the column that holds the text")
     _require(0 <= d.noise_fraction <= 1, f"data.noise_fraction must be in [0, 1], got {d.noise_fraction}")
     _require(d.noise_kind in NOISE_KINDS, f"data.noise_kind must be one of {NOISE_KINDS}, got '{d.noise_kind}'")
     _require(d.noise_block >= 1, f"data.noise_block must be >= 1, got {d.noise_block}")
     out_of_range = [p for p in d.noise_partitions if not 0 <= p < r.num_clients]
     _require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
     _require(len(set(d.noise_partitions)) == len(d.noise_partitions), f"data.noise_partitions has duplicates: {d.noise_partitions}")
+    _resolve_vocab(d, m)
     _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
     _require(0 <= c.min_lr_ratio <= 1, f"client.min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}")
     _require(c.warmup_steps >= 0 and c.total_steps >= 0,
@@ -675,6 +704,33 @@ def validate(cfg: FlGeoConfig) -> None:
         m.validate()
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
+
+
+def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
+    """``model.vocab_size`` from ``data.tokenizer`` when it is not ``byte``: ``bpe`` gives
+    ``data.bpe_vocab_size`` (the trainer may stop short of it on a tiny corpus; the unused rows are
+    never a target), a directory its tokenizer's size. The schema default 256 counts as unset; any
+    other value that differs is a config error (the model could not embed every token id)."""
+    if d.tokenizer == "byte":
+        return
+    if d.tokenizer == "bpe":
+        from fl_geo.data.bpe import MIN_BPE_VOCAB, require_tokenizers
+
+        require_tokenizers()  # a missing optional extra is one line now, not a failure in every ClientApp
+        _require(MIN_BPE_VOCAB <= d.bpe_vocab_size <= 1 << 24,
+                 f"data.bpe_vocab_size must be in [{MIN_BPE_VOCAB}, {1 << 24}] (256 byte symbols, the "
+                 f"end-of-text token and at least one merge), got {d.bpe_vocab_size}")
+        size = d.bpe_vocab_size
+    else:
+        from fl_geo.data.partition import make_tokenizer
+
+        size = make_tokenizer(d.tokenizer, None, d.val_fraction, d.bpe_vocab_size, None).vocab_size
+    vocab = getattr(m, "vocab_size", None)
+    if vocab is None:
+        return
+    _require(vocab in (256, size), f"model.vocab_size={vocab} does not match data.tokenizer={d.tokenizer} "
+                                   f"(vocabulary {size}); leave model.vocab_size unset")
+    m.vocab_size = size
 
 
 def _model_layers(m: ModelConfig) -> tuple[int, str]:

@@ -23,7 +23,7 @@ import torch
 
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.core.state import ParamSpec, flatten, unflatten
-from fl_geo.data import ByteTokenizer
+from fl_geo.data import ByteTokenizer, Tokenizer
 from fl_geo.errors import ConfigError
 from fl_geo.inner.model import Decoder
 from fl_geo.runtime.builders import make_model
@@ -148,6 +148,7 @@ class RunEval:
     tokens: int
     batches: int
     weights: Path
+    bpb: float = float("nan")  # bits per byte of the same batches (fl_geo.runtime.evaluation)
 
 
 def evaluate_run(run_dir: str | Path, batches: int | None = None) -> RunEval:
@@ -171,12 +172,12 @@ def evaluate_run(run_dir: str | Path, batches: int | None = None) -> RunEval:
         loss = evaluator.evaluate(flatten(model.state_dict(), evaluator.spec))
     finally:
         torch.set_num_threads(threads)
-    return RunEval(run_dir, loss, evaluator.num_tokens, len(evaluator.batches), path)
+    return RunEval(run_dir, loss, evaluator.num_tokens, len(evaluator.batches), path, evaluator.bpb(loss))
 
 
 @torch.no_grad()
 def sample(model: Decoder, prompt: str, tokens: int = 200, temperature: float = 1.0,
-           top_k: int = 0, seed: int = 0) -> bytes:
+           top_k: int = 0, seed: int = 0, tokenizer: Tokenizer | None = None) -> bytes:
     """``prompt``'s UTF-8 bytes followed by ``tokens`` bytes generated one at a time.
 
     Each step feeds the last ``model.cfg.max_seq_len`` bytes (the context is cropped to what the
@@ -184,6 +185,8 @@ def sample(model: Decoder, prompt: str, tokens: int = 200, temperature: float = 
     to the ``top_k`` most likely bytes when ``top_k`` > 0; ``temperature`` 0 is greedy (argmax).
     Only byte ids (< 256) are ever drawn. Deterministic for a given model, prompt and ``seed``
     (a private generator; the global RNG is untouched). Bad arguments raise `ConfigError`.
+    ``tokenizer``: the run's (``data.tokenizer``; default bytes): the prompt is encoded with it,
+    ``tokens`` of its ids are drawn (only ids it has) and the text is returned as UTF-8.
     """
     if tokens < 0:
         raise ConfigError(f"--tokens must be >= 0, got {tokens}")
@@ -191,10 +194,11 @@ def sample(model: Decoder, prompt: str, tokens: int = 200, temperature: float = 
         raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = no limit), got {top_k}")
-    ids = [int(b) for b in ByteTokenizer().encode(prompt)]
+    tok = tokenizer or ByteTokenizer()
+    ids = [int(b) for b in tok.encode(prompt)]
     if not ids:
         raise ConfigError("--prompt must not be empty")
-    vocab = min(model.cfg.vocab_size, ByteTokenizer.vocab_size)
+    vocab = min(model.cfg.vocab_size, tok.vocab_size)
     if max(ids) >= model.cfg.vocab_size:
         raise ConfigError(f"the prompt has byte {max(ids)}, outside the model's vocabulary of {model.cfg.vocab_size}")
     device = next(model.parameters()).device
@@ -216,4 +220,4 @@ def sample(model: Decoder, prompt: str, tokens: int = 200, temperature: float = 
             ids.append(int(torch.multinomial(probs, 1, generator=generator)))
     finally:
         model.train(was_training)
-    return bytes(ids)
+    return bytes(ids) if tokenizer is None else tok.decode(ids).encode("utf-8")

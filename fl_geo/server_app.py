@@ -65,9 +65,11 @@ def _flat_value(value: Any) -> str:
 
 
 def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) -> dict[str, Any]:
-    from fl_geo.data import load_corpus
+    from fl_geo.data import get_corpus
+    from fl_geo.runtime.builders import tokenizer
 
-    corpus = load_corpus(cfg.data.corpus, cfg.data.data_dir or None, list(cfg.data.files) or None, cfg.data.text_key)
+    corpus = get_corpus(cfg.data.corpus, cfg.data.data_dir or None, list(cfg.data.files) or None, cfg.data.text_key,
+                        cfg.data.path, cfg.data.text_field)
     return {
         "fl_geo": __version__,
         "flwr": flwr.__version__,
@@ -76,6 +78,8 @@ def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) 
         "num_params": spec.numel,
         "corpus": corpus.name,
         "corpus_sha256": corpus.sha256,
+        "tokenizer": cfg.data.tokenizer,
+        "tokenizer_sha256": tokenizer(cfg.data).sha256,
         "param_spec_sha256": hashlib.sha256(spec.to_json().encode()).hexdigest(),
         "val_tokens": evaluator.num_tokens if evaluator else 0,
         "config": to_dict(cfg),
@@ -180,6 +184,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "rounds": cfg.run.rounds,
             "outer_steps": stats.outer_steps,
             "final_val_loss": stats.last.get("val/loss"),
+            "final_val_bpb": stats.last.get("val/bpb"),  # bits per byte (docs/data.md)
             "final_train_loss": stats.last.get("train/loss"),
             "tokens": stats.tokens,
             "bytes_up": stats.bytes_up,

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.config import ConfigError, FlGeoConfig
+from fl_geo.ray_cluster import backend_config as ray_backend_config
+from fl_geo.ray_cluster import check_reachable
 from fl_geo.runtime.interrupt import stop_on_ctrl_c
 from fl_geo.runtime.session import new_run_dir
 from fl_geo.server_app import make_server_app
@@ -33,11 +35,9 @@ class _DropRunSimulationDeprecation(logging.Filter):
 
 
 def backend_config(cfg: FlGeoConfig) -> dict[str, Any]:
-    """Ray sizing: ``sim_cpus`` actors, each one CPU (and one torch thread per client)."""
-    return {
-        "init_args": {"num_cpus": cfg.run.sim_cpus, "include_dashboard": False},
-        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-    }
+    """Ray sizing: a local Ray of ``sim_cpus`` CPUs or the cluster at ``run.ray_address``; each
+    actor reserves ``run.client_cpus`` / ``run.client_gpus`` (fl_geo.ray_cluster)."""
+    return ray_backend_config(cfg.run)
 
 
 def run_flower_simulation(cfg: FlGeoConfig, server_app: Any, client_app: Any) -> None:
@@ -81,12 +81,26 @@ def preflight(cfg: FlGeoConfig) -> None:
     check_trackers(list(cfg.run.loggers))  # an uninstalled tracker is one line, before anything starts
     from fl_geo.inner.device import pick_device
 
-    try:  # a simulation's clients run on this machine: their device must exist here
-        pick_device(cfg.client.device)
-    except (RuntimeError, ValueError) as exc:
-        raise ConfigError(f"client.device={cfg.client.device}: {exc} (a simulation's clients run on this "
-                          "machine)") from None
+    if cfg.run.backend == "ray" and cfg.run.ray_address.strip():
+        # the clients run on the cluster's nodes, whose devices this machine cannot check
+        check_reachable(cfg.run.ray_address)
+    else:
+        try:  # a simulation's clients run on this machine: their device must exist here
+            pick_device(cfg.client.device)
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(f"client.device={cfg.client.device}: {exc} (a simulation's clients run on this "
+                              "machine)") from None
+        if cfg.run.backend == "ray" and cfg.run.client_gpus > 0:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"run.client_gpus={cfg.run.client_gpus}: this machine has no CUDA GPU for "
+                                  "the local Ray to share out (0 = CPU actors)")
     partitions(cfg.data, cfg.run.num_clients)
+    if cfg.run.wall_faults:  # a scenario without a failure trace is one line, before Ray starts
+        from fl_geo.strategies.loops import make_wall_faults
+
+        make_wall_faults(cfg, 1)
 
 
 def run_simulation(cfg: FlGeoConfig, run_dir: str | Path | None = None) -> dict[str, Any]:

@@ -284,6 +284,7 @@ class AsyncOuterLoop(OuterLoop):
             **self.tally_metrics(t),
             "outer/staleness": t.mean(t.staleness_sum),
             "outer/staleness_max": t.staleness_max,
+            "train/step_time_s": t.mean(t.step_time_sum),  # the accepted clients' own step timers
         }
         self._last_step_wall = _time.perf_counter() - t0
         if self.grace_timer is not None:

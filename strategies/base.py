@@ -66,8 +66,19 @@ def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
         "seed": cfg.run.seed,
         "client": json.dumps({**to_dict(cfg.client), "warmup_steps": warmup_length(cfg)}, sort_keys=True),
         "model": section_to_json(cfg.model),
-        "data": section_to_json(cfg.data),
+        "data": data_section_json(cfg),
     }
+
+
+def data_section_json(cfg: FlGeoConfig) -> str:
+    """The ``data`` section for the ClientApps; with a tokenizer other than bytes it also carries
+    ``tokenizer_sha256``, the server's tokenizer identity, which every ClientApp compares with the
+    tokenizer it built (a node with another tokenizer.json or cache would train on other ids)."""
+    if cfg.data.tokenizer == "byte":
+        return section_to_json(cfg.data)
+    from fl_geo.runtime.builders import tokenizer
+
+    return json.dumps({**to_dict(cfg.data), "tokenizer_sha256": tokenizer(cfg.data).sha256}, sort_keys=True)
 
 
 def penalty_from_config(cfg: FlGeoConfig, spec: ParamSpec) -> Penalty | None:

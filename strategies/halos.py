@@ -200,7 +200,8 @@ class HalosLoop(OuterLoop):
             self._global_step(g, update)
             return
         region, server = self.group_region[g], self.scenario.server_region
-        t = self.dispatcher.clock.now() + self.scenario.transfer_time(region, server, self._nbytes(self.cfg.wire.up))
+        now = self.dispatcher.clock.now()
+        t = now + self.scenario.transfer_time(region, server, self._nbytes(self.cfg.wire.up), start=now)
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "up", g, update))
         self.total_bytes_up += self._payload_bytes(self.cfg.wire.up)  # what was sent, as every loop counts
 
@@ -214,7 +215,8 @@ class HalosLoop(OuterLoop):
             self.lps[g].merge(self.gps.params)
             return
         region, server = self.group_region[g], self.scenario.server_region
-        t = self.dispatcher.clock.now() + self.scenario.transfer_time(server, region, self._nbytes(self.cfg.wire.down))
+        now = self.dispatcher.clock.now()
+        t = now + self.scenario.transfer_time(server, region, self._nbytes(self.cfg.wire.down), start=now)
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "down", g, self.gps.params.clone()))
         self.total_bytes_down += self._payload_bytes(self.cfg.wire.down)
 
@@ -233,10 +235,18 @@ class HalosLoop(OuterLoop):
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         self.log_initial()
         self._progress = progress
+        # failure traces (virtual clock): a worker repaired while others train, or while only
+        # server-side transfers are pending, is woken at its repair time and sent its local
+        # server's current model; with nothing at all pending the clock moves to the next repair
+        self.dispatcher.wake_on_rejoin = True
         self.dispatch(self.idle_nodes())
         while not self._done():
             deadline = self._transfers[0].finish if self._transfers else None
-            ev = self.dispatcher.next_event(deadline=deadline) if self.dispatcher.in_flight() else None
+            busy = self.dispatcher.in_flight() or deadline is not None
+            ev = self.dispatcher.next_event(deadline=deadline) if busy else None
+            if ev is None and self.dispatcher.take_rejoined():
+                self.dispatch(self.idle_nodes())  # the repaired worker starts from its LPS's latest model
+                continue
             if ev is not None:
                 self.handle(ev)
                 self.dispatch(self.idle_nodes())
@@ -246,9 +256,12 @@ class HalosLoop(OuterLoop):
                 continue
             idle = self.idle_nodes()
             if not idle:
+                if not self.dispatcher.in_flight() and self.dispatcher.wait_for_repair():
+                    continue  # every worker is down: on to the next repair
                 self.stop("no live node to train on (all vanished or benched after repeated errors)")
                 break
             self.dispatch(idle)
+        self.dispatcher.wake_on_rejoin = False
         if self.tally.accepted or self.tally.rejected or self.tally.errors:
             self._log_step(None)  # the local updates since the last global update, evaluated
         while self.dispatcher.in_flight():  # clean drain: nothing more is applied

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fl_geo.config import FlGeoConfig
+from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.registry import method
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.base import OuterLoop
@@ -30,6 +30,23 @@ def loop_class(cfg: FlGeoConfig) -> type[OuterLoop]:
     if cfg.ps.followers:
         return ShardedDiPSLoop
     return LOOPS[method(cfg.strategy.name).family]
+
+
+def make_wall_faults(cfg: FlGeoConfig, num_params: int, scenario: Any = None) -> Any:
+    """``run.wall_faults``: the failure trace of ``run.scenario`` (or ``scenario``) as real faults
+    (`fl_geo.runtime.wall_faults.WallFaults`); None when off. A scenario without a trace is a
+    config error."""
+    if not cfg.run.wall_faults:
+        return None
+    from fl_geo.runtime.wall_faults import WallFaults
+    from fl_geo.scenario_files import load_scenario
+    from fl_geo.timing.scenario import scenario_for_nodes
+
+    scenario = scenario_for_nodes(scenario or load_scenario(cfg.run.scenario), cfg.run.num_clients)
+    try:
+        return WallFaults(scenario, cfg.run.wall_fault_scale, scenario.modelled_params(fallback=num_params))
+    except ValueError as exc:
+        raise ConfigError(f"run.wall_faults=true: {exc}; add failures or a failure_process to it") from None
 
 
 def make_clock(cfg: FlGeoConfig, num_params: int, scenario: Any = None) -> tuple[Any, Any]:

@@ -403,7 +403,7 @@ class FlGeoStrategy(Strategy):
     def _run(self, grid: Grid, cfg: FlGeoConfig, spec: ParamSpec, params: torch.Tensor,
              train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
              evaluate_fn: EvaluateFn | None) -> Result:
-        from fl_geo.strategies.loops import loop_class, make_clock
+        from fl_geo.strategies.loops import loop_class, make_clock, make_wall_faults
         from fl_geo.timing.clock import WallClock
 
         minimum = cfg.run.min_nodes or cfg.run.num_clients
@@ -413,6 +413,7 @@ class FlGeoStrategy(Strategy):
             validate(cfg)
         clock, scenario = make_clock(cfg, spec.numel, self._scenario)
         dispatcher = Dispatcher(grid, clock)
+        dispatcher.wall_faults = make_wall_faults(cfg, spec.numel, self._scenario)
         if scenario is not None:  # partition id = scenario slot: a claim beyond them is refused
             dispatcher.membership.slots = scenario.num_nodes
         profiles = self._profiles(dispatcher, cfg, nodes)

@@ -237,8 +237,11 @@ class StreamingLoop(OuterLoop):
             return quantized_nbytes(st.quantize, share, st.quantize_block)
         return payload_bytes(self.cfg.wire.up, share)  # not Scenario.payload_bytes: that is the whole model
 
-    def _allreduce_s(self, p: int, slots: list[int]) -> float:
-        return self.scenario.allreduce_time(slots, self._fragment_bytes(p)) if self.scenario is not None else 0.0
+    def _allreduce_s(self, p: int, slots: list[int], start: float | None = None) -> float:
+        """Fragment p's all-reduce; ``start`` (virtual s) lets the scenario's link windows act on it."""
+        if self.scenario is None:
+            return 0.0
+        return self.scenario.allreduce_time(slots, self._fragment_bytes(p), start=start)
 
     def _adaptive_interval(self, nodes: Sequence[int]) -> int:
         """h of CoCoDC Eq. 10 from T_c (one inner step of the slowest worker) and T_s (one
@@ -440,7 +443,7 @@ class StreamingLoop(OuterLoop):
         clock = self.dispatcher.clock
         if clock.is_virtual:
             begin = max(clock.now(), self._link_free)
-            done = self._link_free = begin + self._allreduce_s(p, slots)
+            done = self._link_free = begin + self._allreduce_s(p, slots, start=begin)
         record = encode(fragment, self.frag_specs[p], self.cfg.wire.down)
         self.in_flight[p] = _Sync(end, end + self.tau, record, done, norm)
 

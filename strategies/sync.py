@@ -185,6 +185,8 @@ class SyncOuterLoop(OuterLoop):
         version, steps = int(ev.job.meta["version"]), int(ev.job.meta["steps"])
         if self.cfg.strategy.late_replies == "drop":
             stats.late_dropped += 1
+            if self.dispatcher.goodput is not None:  # its whole job was work thrown away as too stale
+                self.dispatcher.goodput.verdict(ev.job.node, "stale")
             log.debug("late reply from node %s (model version %d) dropped", ev.job.node, version)
             return
         try:
@@ -248,7 +250,7 @@ class SyncOuterLoop(OuterLoop):
                    if outcome.errors.get(n) != NODE_DOWN and n not in pending]
         if self.scenario is not None and reduced:
             nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))
-            clock.advance_to(clock.now() + self.scenario.allreduce_time(reduced, nbytes))
+            clock.advance_to(clock.now() + self.scenario.allreduce_time(reduced, nbytes, start=clock.now()))
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
         stepped = stats.accepted >= s.min_replies
         pg_norm = float("nan")

@@ -33,6 +33,16 @@ TINY = [
 ]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped where torch sees no CUDA device (CI, this laptop)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)

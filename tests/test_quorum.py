@@ -48,6 +48,18 @@ def test_a_quorum_round_steps_at_the_quorum_and_drops_the_straggler_late(tiny, t
     assert [r["outer/late_dropped"] for r in rows] == [0, 1, 0]
     assert [r["time/virtual_s"] for r in rows] == pytest.approx([3 + ar2, 2 * (3 + ar2), 3 * (3 + ar2)], rel=1e-9)
     assert summary["tokens"] == 6 * PER_JOB and summary["rejected"] == 0
+    # goodput by hand at the end of round 3 (t = 3T, T = 3 s + ar2): nodes 0 and 1 each folded 3
+    # jobs (3 s of compute; 1.5 s of compute + 0.75 s of latency); node 2's dropped late reply is
+    # its whole 6.75 s job thrown away as stale, never useful; its round-3 job has run T s
+    t_round = 3 + ar2
+    g = rows[-1]
+    assert g["goodput/useful_s"] == pytest.approx(3 * (3 + 1.5))
+    assert g["goodput/comm_s"] == pytest.approx(3 * 0.75)
+    assert g["goodput/stale_s"] == pytest.approx(6.75) and g["goodput/lost_s"] == 0
+    assert g["goodput/in_flight_s"] == pytest.approx(t_round)
+    assert g["goodput/provisioned_s"] == pytest.approx(3 * 3 * t_round)
+    assert g["goodput/waiting_s"] == pytest.approx(9 * t_round - 13.5 - 2.25 - 6.75 - t_round)
+    assert summary["goodput"] == pytest.approx(13.5 / (9 * t_round))
     waited, _, full, _ = _run(tiny, tmp_path, "waited")  # every round waits for node 2: 6.75 s each
     ar3 = _allreduce(cfg, [0, 1, 2])
     assert [r["time/virtual_s"] for r in full] == pytest.approx([6.75 + ar3, 2 * (6.75 + ar3), 3 * (6.75 + ar3)], rel=1e-9)
@@ -58,6 +70,9 @@ def test_late_replies_can_be_folded_next_round_with_the_staleness_weight(tiny, t
     summary, final, rows, _ = _run(tiny, tmp_path, "fold", "strategy.quorum=0.6", "strategy.late_replies=fold")
     assert [r["outer/accepted"] for r in rows] == [2, 3, 2] and [r["outer/late_folded"] for r in rows] == [0, 1, 0]
     assert summary["tokens"] == 7 * PER_JOB
+    # the folded late reply is accepted progress: node 2's 6 s of compute count as useful
+    assert rows[-1]["goodput/useful_s"] == pytest.approx(3 * (3 + 1.5) + 6)
+    assert rows[-1]["goodput/stale_s"] == 0 and rows[-1]["goodput/comm_s"] == pytest.approx(4 * 0.75)
     _, dropped, _, _ = _run(tiny, tmp_path, "drop", "strategy.quorum=0.6")
     assert not torch.equal(final, dropped)  # the late update was folded
 

@@ -197,11 +197,13 @@ def two_threads() -> Iterator[None]:
 
 @pytest.mark.slow
 def test_inner_loop_converges_on_real_text(two_threads: None) -> None:
-    """0.43 M-parameter decoder on corpus `auto` (Bible if fetched, else stdlib): ≈ ln 256 → < 2.5."""
+    """0.43 M-parameter decoder on corpus `auto` (Bible if fetched, else stdlib): ≈ ln 256 → < 2.9 in
+    60 steps, below what the training text's byte frequencies alone score on the Bible's held-out text
+    (3.07 nats/byte), so it has learned context; 2.73 there. (It was 120 steps to < 2.5: half the suite time, the same check.)"""
     partitions, global_val = get_partitions("auto", 1, "by_group", val_fraction=0.05, seed=0)
     corpus = get_corpus("auto")
     cfg = InnerConfig(
-        lr=3e-3, warmup_steps=20, total_steps=120, batch_size=16, seq_len=128, device="cpu"
+        lr=6e-3, warmup_steps=10, total_steps=60, batch_size=16, seq_len=128, device="cpu"
     )
     trainer = InnerTrainer(build_model(ModelConfig(), seed=0), cfg)
     val = eval_batches(global_val, seq_len=128, batch_size=16, max_batches=8)
@@ -209,7 +211,7 @@ def test_inner_loop_converges_on_real_text(two_threads: None) -> None:
 
     initial = trainer.evaluate(val)
     started = time.perf_counter()
-    result = trainer.train(sampler, steps=120, start_step=0)
+    result = trainer.train(sampler, steps=60, start_step=0)
     final = trainer.evaluate(val)
     elapsed = time.perf_counter() - started
     print(
@@ -220,5 +222,5 @@ def test_inner_loop_converges_on_real_text(two_threads: None) -> None:
     # current byte" logit already beats uniform at init; prose starts at ln 256.
     tolerance = 0.3 if corpus.name == "bible" else 0.45
     assert initial == pytest.approx(math.log(256), abs=tolerance)
-    assert final < 2.5
+    assert final < 2.9
     # No time bound here: speed lives in benchmarks (a loaded machine made a 60 s bound flaky).

@@ -19,7 +19,7 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fl-geo bench {outer,dispatch,ps,attack,flower-path} [...]`` (or ``python -m fl_geo.bench ...``);
+    """``fl-geo bench {outer,dispatch,ps,attack,inner,gpu,flower-path} [...]`` (or ``python -m fl_geo.bench ...``);
     returns 1 only with --strict and a FAIL."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["dispatch"]:  # server overhead per update; fl_geo.bench.dispatch owns its options
@@ -34,6 +34,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fl_geo.bench.attack import main as attack_main
 
         return attack_main(argv[1:])
+    if argv[:1] == ["inner"]:  # the inner loop vs plain torch, and its share of a simulation; fl_geo.bench.inner
+        from fl_geo.bench.inner import main as inner_main
+
+        return inner_main(argv[1:])
+    if argv[:1] == ["gpu"]:  # the accelerator check (make gpu-check); fl_geo.bench.gpu owns its options
+        from fl_geo.bench.gpu import main as gpu_main
+
+        return gpu_main(argv[1:])
     if argv[:1] == ["flower-path"]:  # Flower's loopback deployment path; fl_geo.bench.flower_path owns its options
         from fl_geo.bench.flower_path import main as flower_path_main
 
@@ -57,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="sharded parameter server: follower memory, outer-step time, data path vs Flower")
     sub.add_parser("attack", add_help=False,
                    help="one hostile site of four: honest vs undefended vs defended final loss")
+    sub.add_parser("inner", add_help=False,
+                   help="inner loop tokens/s vs a plain torch loop; inner training's share of a simulation")
+    sub.add_parser("gpu", add_help=False,
+                   help="accelerator check: Pythia-70M-shaped DiLoCo vs Di-PS, tokens/s, MFU, outer step")
     sub.add_parser("flower-path", add_help=False,
                    help="Flower's own message path on a loopback SuperLink + SuperNode (MB/s each way)")
     args = parser.parse_args(argv)

@@ -15,9 +15,11 @@ from fl_geo.data.partition import (
     Partition,
     get_corpus,
     get_partitions,
+    get_tokenizer,
+    make_tokenizer,
     partition_corpus,
 )
-from fl_geo.data.tokenizer import ByteTokenizer
+from fl_geo.data.tokenizer import ByteTokenizer, Tokenizer
 
 
 def __getattr__(name: str) -> object:
@@ -39,6 +41,7 @@ __all__ = [
     "Corpus",
     "Document",
     "Partition",
+    "Tokenizer",
     "corpus_digest",
     "default_data_dir",
     "eval_batches",
@@ -46,6 +49,8 @@ __all__ = [
     "fetch_corpora",
     "get_corpus",
     "get_partitions",
+    "get_tokenizer",
+    "make_tokenizer",
     "load_corpus",
     "partition_corpus",
 ]

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CORPUS_NAMES = ("auto", "bible", "shakespeare", "stdlib", "pydoc", "files")
+CORPUS_NAMES = ("auto", "bible", "shakespeare", "stdlib", "pydoc", "files", "jsonl", "parquet", "arrow")
+DATASET_CORPORA = ("jsonl", "parquet", "arrow")  # read through `datasets` (fl_geo.data.local_datasets)
 FETCHED_CORPORA = ("bible", "shakespeare")
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = 1
@@ -69,6 +70,10 @@ class Corpus:
     @property
     def num_chars(self) -> int:
         return sum(len(doc.text) for doc in self.documents)
+
+    def iter_documents(self) -> Iterator[Document]:
+        """The documents one by one (the interface the token store reads, `fl_geo.data.store`)."""
+        return iter(self.documents)
 
 
 def corpus_digest(documents: Iterable[Document]) -> str:
@@ -253,8 +258,14 @@ def load_corpus(
     data_dir: str | Path | None = None,
     files: list[str] | None = None,
     text_key: str = "text",
+    path: str = "",
+    text_field: str = "text",
 ) -> Corpus:
     """Load corpus ``name`` (one of :data:`CORPUS_NAMES`).
+
+    ``jsonl`` / ``parquet`` / ``arrow`` (``path``, ``text_field``) give a lazily read
+    `fl_geo.data.local_datasets.DatasetCorpus` instead (same ``name`` / ``sha256`` / ``groups``;
+    documents through ``iter_documents()``), which the token store tokenises to disk.
 
     ``auto`` picks ``bible`` when it has been fetched into ``data_dir`` and otherwise falls back to
     the always-present Python standard library, so a fresh checkout can train without network.
@@ -278,4 +289,8 @@ def load_corpus(
         return _load_pydoc()
     if name == "files":
         return _load_files(files, text_key)
+    if name in DATASET_CORPORA:
+        from fl_geo.data.local_datasets import load_dataset_corpus
+
+        return load_dataset_corpus(name, path, text_field)  # type: ignore[return-value]
     raise ConfigError(f"unknown corpus {name!r}; expected one of {', '.join(CORPUS_NAMES)}")

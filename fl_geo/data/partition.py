@@ -12,16 +12,19 @@ datacenter, under every scheme. The schemes differ only in how the training text
 from __future__ import annotations
 
 import functools
+import hashlib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from fl_geo.data.corpus import Corpus, default_data_dir, load_corpus
-from fl_geo.data.tokenizer import ByteTokenizer
+from fl_geo.data.corpus import Corpus, Document, default_data_dir, load_corpus
+from fl_geo.data.tokenizer import ByteTokenizer, Tokenizer
+from fl_geo.errors import ConfigError
 
 __all__ = [
     "IID_CHUNK_BYTES",
@@ -29,7 +32,11 @@ __all__ = [
     "Partition",
     "get_corpus",
     "get_partitions",
+    "get_tokenizer",
+    "make_tokenizer",
     "partition_corpus",
+    "split_text",
+    "training_sha256",
 ]
 
 PARTITION_SCHEMES = ("by_group", "iid", "by_document")
@@ -38,7 +45,8 @@ IID_CHUNK_BYTES = 4096
 
 @dataclass
 class Partition:
-    """One datacenter's data: uint8 token tensors for training and for local validation."""
+    """One datacenter's data: token tensors for training and for local validation (uint8 with the
+    byte tokenizer, uint16 or int32 with a larger vocabulary)."""
 
     index: int
     groups: list[str]
@@ -87,8 +95,8 @@ def _deal_chunks(
     return [sorted(order[p::parts].tolist()) for p in range(parts)]
 
 
-def _gather(data: np.ndarray, starts: Sequence[int], chunk: int) -> np.ndarray:
-    return _concat([data[start : start + chunk] for start in starts])
+def _gather(data: np.ndarray, starts: Sequence[int], chunk: int, concat: Concat) -> np.ndarray:
+    return concat([data[start : start + chunk] for start in starts])
 
 
 def _covered_docs(
@@ -112,7 +120,7 @@ def partition_corpus(
     scheme: str = "by_group",
     val_fraction: float = 0.05,
     seed: int = 0,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[list[Partition], torch.Tensor]:
     """Partitions (one per datacenter) and the global validation tokens.
 
@@ -120,7 +128,9 @@ def partition_corpus(
     With more groups, groups are balanced greedily by size (largest first). With fewer, each group
     gets ≥ 1 partition (extra partitions go to the largest groups) and its training text is cut into
     equal contiguous pieces, so each partition stays within one group. Only ``iid`` uses ``seed``;
-    every scheme is deterministic.
+    every scheme is deterministic. ``tokenizer`` (default bytes): with another tokenizer each
+    document's held-out tail is cut as text (`split_text`) before encoding, and each piece ends
+    with the tokenizer's end-of-text id when it has one (documents packed with a separator).
     """
     if not isinstance(num_partitions, numbers.Integral) or num_partitions < 1:
         raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions!r}")
@@ -133,18 +143,38 @@ def partition_corpus(
     tokenizer = tokenizer or ByteTokenizer()
 
     docs = corpus.documents
-    encoded = [tokenizer.encode(doc.text) for doc in docs]
-    cuts = [len(tokens) - int(len(tokens) * val_fraction) for tokens in encoded]
-    train_parts = [tokens[:cut] for tokens, cut in zip(encoded, cuts, strict=True)]
-    val_parts = [tokens[cut:] for tokens, cut in zip(encoded, cuts, strict=True)]
+    train_parts, val_parts = _encode_split(docs, tokenizer, val_fraction)
     group_names = corpus.groups
     group_index = {name: i for i, name in enumerate(group_names)}
     doc_group = [group_index[doc.group] for doc in docs]
+    return partition_tokens(corpus.name, train_parts, val_parts, doc_group, group_names, num_partitions, scheme, seed)
 
+
+Concat = Callable[[Sequence[np.ndarray]], np.ndarray]
+
+
+def partition_tokens(
+    corpus_name: str,
+    train_parts: list[np.ndarray],
+    val_parts: list[np.ndarray],
+    doc_group: list[int],
+    group_names: list[str],
+    num_partitions: int,
+    scheme: str,
+    seed: int,
+    concat: Concat | None = None,
+    whole: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[list[Partition], torch.Tensor]:
+    """The partitions of already tokenised documents (``train_parts[i]`` / ``val_parts[i]`` of
+    document ``i``, in group ``doc_group[i]``). ``concat`` joins pieces (default in memory; the
+    token store passes one that writes to a memory-mapped file); ``whole``: the concatenation of
+    all training and all held-out parts when the caller has it already (the token store's files)."""
+    concat = concat or _concat
+    docs = train_parts
     # Each plan entry: (train pieces, val pieces, group indices) for one partition.
     plan: list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]
     if scheme == "iid":
-        plan = _plan_iid(train_parts, val_parts, doc_group, num_partitions, seed)
+        plan = _plan_iid(train_parts, val_parts, doc_group, num_partitions, seed, concat, whole)
     elif scheme == "by_document":
         if len(docs) < num_partitions:
             raise ValueError(
@@ -155,25 +185,84 @@ def partition_corpus(
             owner, train_parts, val_parts, [[g] for g in doc_group], num_partitions
         )
     else:
-        plan = _plan_by_group(train_parts, val_parts, doc_group, len(group_names), num_partitions)
+        plan = _plan_by_group(train_parts, val_parts, doc_group, len(group_names), num_partitions, concat)
 
     partitions = []
     for index, (train, val, groups) in enumerate(plan):
-        train_tokens = _concat(train)
+        train_tokens = concat(train)
         if len(train_tokens) == 0:
             raise ValueError(
                 f"partition {index} of {num_partitions} would be empty ({scheme} split of corpus "
-                f"{corpus.name!r} with {len(docs)} documents); use fewer partitions or another scheme"
+                f"{corpus_name!r} with {len(docs)} documents); use fewer partitions or another scheme"
             )
         partitions.append(
             Partition(
                 index=index,
                 groups=[group_names[g] for g in groups],
                 train=torch.from_numpy(train_tokens),
-                val=torch.from_numpy(_concat(val)),
+                val=torch.from_numpy(concat(val)),
             )
         )
-    return partitions, torch.from_numpy(_concat(val_parts))
+    return partitions, torch.from_numpy(whole[1] if whole is not None else concat(val_parts))
+
+
+def split_text(text: str, val_fraction: float) -> tuple[str, str]:
+    """A document's training text and held-out tail: the last ``val_fraction`` of its UTF-8 bytes,
+    the cut moved back to a character boundary. The byte tokenizer cuts at the same byte (without
+    the move, which bytes do not need), so byte-level and BPE runs hold out nearly the same
+    bytes and differ at most by the part of one character."""
+    data = text.encode("utf-8")
+    cut = len(data) - int(len(data) * val_fraction)
+    while 0 < cut < len(data) and (data[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
+
+
+def training_texts(corpus: Corpus | Any, val_fraction: float) -> Iterator[str]:
+    """Every document's training text, in corpus order: all a tokenizer may be trained on (a
+    dataset corpus is read record by record)."""
+    for doc in corpus.iter_documents():
+        train, _ = split_text(doc.text, val_fraction)
+        if train:
+            yield train
+
+
+def training_sha256(texts: Iterator[str]) -> str:
+    """sha256 of the training texts in order, each with its length, so the pieces' boundaries count."""
+    digest = hashlib.sha256()
+    for text in texts:
+        data = text.encode("utf-8")
+        digest.update(f"{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def _with_eos(tokens: np.ndarray, eos_id: int | None) -> np.ndarray:
+    if eos_id is None or len(tokens) == 0:
+        return tokens
+    return np.concatenate([tokens, np.asarray([eos_id], dtype=tokens.dtype)])
+
+
+def _encode_split(
+    docs: Sequence[Document], tokenizer: Tokenizer, val_fraction: float
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per document: its training tokens and its held-out tokens."""
+    if isinstance(tokenizer, ByteTokenizer):  # cut in token space = bytes (bit for bit as before)
+        encoded = [tokenizer.encode(doc.text) for doc in docs]
+        cuts = [len(tokens) - int(len(tokens) * val_fraction) for tokens in encoded]
+        return ([tokens[:cut] for tokens, cut in zip(encoded, cuts, strict=True)],
+                [tokens[cut:] for tokens, cut in zip(encoded, cuts, strict=True)])
+    pieces = [split_text(doc.text, val_fraction) for doc in docs]
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    train_texts = [train for train, _ in pieces]
+    val_texts = [val for _, val in pieces]
+    if encode_batch is not None:
+        train_ids, val_ids = encode_batch(train_texts), encode_batch(val_texts)
+    else:
+        train_ids = [tokenizer.encode(t) for t in train_texts]
+        val_ids = [tokenizer.encode(t) for t in val_texts]
+    eos = tokenizer.eos_id
+    return [_with_eos(t, eos) for t in train_ids], [_with_eos(v, eos) for v in val_ids]
 
 
 def _plan_from_owner(
@@ -203,10 +292,11 @@ def _plan_iid(
     doc_group: list[int],
     parts: int,
     seed: int,
+    concat: Concat,
+    whole: tuple[np.ndarray, np.ndarray] | None,
 ) -> list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]:
     rng = np.random.default_rng(seed)
-    train = _concat(train_parts)
-    val = _concat(val_parts)
+    train, val = whole if whole is not None else (concat(train_parts), concat(val_parts))
     if len(train) < parts * IID_CHUNK_BYTES and len(train) >= parts:
         chunk = len(train) // parts  # tiny corpora: smaller chunks so every partition gets text
     else:
@@ -223,7 +313,7 @@ def _plan_iid(
         covered = _covered_docs(offsets, train_deal[p], chunk, len(train))
         groups = sorted(set(group_of_doc[covered].tolist()))
         plan.append(
-            ([_gather(train, train_deal[p], chunk)], [_gather(val, val_deal[p], val_chunk)], groups)
+            ([_gather(train, train_deal[p], chunk, concat)], [_gather(val, val_deal[p], val_chunk, concat)], groups)
         )
     return plan
 
@@ -234,13 +324,14 @@ def _plan_by_group(
     doc_group: list[int],
     num_groups: int,
     parts: int,
+    concat: Concat,
 ) -> list[tuple[list[np.ndarray], list[np.ndarray], list[int]]]:
     group_train = [
-        _concat([t for t, g in zip(train_parts, doc_group, strict=True) if g == k])
+        concat([t for t, g in zip(train_parts, doc_group, strict=True) if g == k])
         for k in range(num_groups)
     ]
     group_val = [
-        _concat([v for v, g in zip(val_parts, doc_group, strict=True) if g == k])
+        concat([v for v, g in zip(val_parts, doc_group, strict=True) if g == k])
         for k in range(num_groups)
     ]
     if num_groups >= parts:
@@ -262,10 +353,12 @@ def _plan_by_group(
 
 @functools.lru_cache(maxsize=2)
 def _cached_corpus(
-    name: str, data_dir: str, files: tuple[str, ...] | None, text_key: str
+    name: str, data_dir: str, files: tuple[str, ...] | None, text_key: str, path: str = "",
+    text_field: str = "text",
 ) -> Corpus:
     return load_corpus(
-        name, data_dir=data_dir, files=list(files) if files else None, text_key=text_key
+        name, data_dir=data_dir, files=list(files) if files else None, text_key=text_key, path=path,
+        text_field=text_field,
     )
 
 
@@ -281,10 +374,66 @@ def get_corpus(
     data_dir: str | Path | None = None,
     files: Sequence[str] | None = None,
     text_key: str = "text",
+    path: str = "",
+    text_field: str = "text",
 ) -> Corpus:
     """Memoised :func:`load_corpus` (e.g. to record ``.name``/``.sha256`` of what ``auto`` chose)."""
     directory, file_key = _corpus_key(data_dir, files)
-    return _cached_corpus(corpus_name, directory, file_key, text_key)
+    return _cached_corpus(corpus_name, directory, file_key, text_key, path, text_field)
+
+
+def make_tokenizer(
+    spec: str, corpus: Corpus | None, val_fraction: float, bpe_vocab_size: int, cache_dir: str | Path | None
+) -> Tokenizer:
+    """The tokenizer ``data.tokenizer`` names: ``byte``, ``bpe`` (trained on ``corpus``'s training
+    text, cached in ``cache_dir``/tokenizers) or a directory holding ``tokenizer.json``."""
+    if spec == "byte":
+        return ByteTokenizer()
+    from fl_geo.data import bpe
+
+    if spec == "bpe":
+        if corpus is None:
+            raise ValueError("data.tokenizer=bpe needs the corpus to train on")
+        sha = training_sha256(training_texts(corpus, val_fraction))
+        directory = (Path(cache_dir).expanduser() if cache_dir else default_data_dir()) / "tokenizers"
+        return bpe.train_bpe(lambda: training_texts(corpus, val_fraction), sha, bpe_vocab_size, directory)
+    path = Path(spec).expanduser()
+    if not path.exists() and "/" not in spec and not spec.startswith("."):
+        raise ConfigError(f"data.tokenizer {spec!r} is unknown; valid: byte, bpe, or a directory holding tokenizer.json")
+    return bpe.load_dir_tokenizer(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(
+    spec: str,
+    bpe_vocab_size: int,
+    corpus_name: str,
+    val_fraction: float,
+    data_dir: str,
+    files: tuple[str, ...] | None,
+    text_key: str,
+    path: str = "",
+    text_field: str = "text",
+) -> Tokenizer:
+    corpus = _cached_corpus(corpus_name, data_dir, files, text_key, path, text_field) if spec == "bpe" else None
+    return make_tokenizer(spec, corpus, val_fraction, bpe_vocab_size, data_dir)
+
+
+def get_tokenizer(
+    corpus_name: str,
+    val_fraction: float = 0.05,
+    data_dir: str | Path | None = None,
+    files: Sequence[str] | None = None,
+    text_key: str = "text",
+    tokenizer: str = "byte",
+    bpe_vocab_size: int = 4096,
+    path: str = "",
+    text_field: str = "text",
+) -> Tokenizer:
+    """Memoised :func:`make_tokenizer` for the run's data settings (what :func:`get_partitions` uses)."""
+    directory, file_key = _corpus_key(data_dir, files)
+    return _cached_tokenizer(str(tokenizer), int(bpe_vocab_size), corpus_name, float(val_fraction),
+                             directory, file_key, text_key, path, text_field)
 
 
 @functools.lru_cache(maxsize=4)
@@ -297,9 +446,23 @@ def _cached_partitions(
     data_dir: str,
     files: tuple[str, ...] | None,
     text_key: str,
+    tokenizer: str = "byte",
+    bpe_vocab_size: int = 4096,
+    path: str = "",
+    text_field: str = "text",
 ) -> tuple[list[Partition], torch.Tensor]:
-    corpus = _cached_corpus(corpus_name, data_dir, files, text_key)
-    return partition_corpus(corpus, num_partitions, scheme, val_fraction, seed)
+    corpus = _cached_corpus(corpus_name, data_dir, files, text_key, path, text_field)
+    tok = _cached_tokenizer(tokenizer, bpe_vocab_size, corpus_name, val_fraction, data_dir, files, text_key,
+                            path, text_field)
+    if tokenizer != "byte" or not isinstance(corpus, Corpus):
+        # A dataset corpus, or any corpus with a trained tokenizer: tokenised once into memory maps on
+        # disk (fl_geo.data.store; the same partitions as in memory), so the other processes of the run
+        # and later runs map the store instead of encoding again. Bytes of a built-in corpus stay in memory.
+        from fl_geo.data.store import build_store, partition_store
+
+        store = build_store(corpus, tok, val_fraction, Path(data_dir) / "token-stores")
+        return partition_store(store, corpus.name, num_partitions, scheme, seed)
+    return partition_corpus(corpus, num_partitions, scheme, val_fraction, seed, tokenizer=tok)
 
 
 def get_partitions(
@@ -311,12 +474,18 @@ def get_partitions(
     data_dir: str | Path | None = None,
     files: Sequence[str] | None = None,
     text_key: str = "text",
+    tokenizer: str = "byte",
+    bpe_vocab_size: int = 4096,
+    path: str = "",
+    text_field: str = "text",
 ) -> tuple[list[Partition], torch.Tensor]:
-    """Memoised :func:`partition_corpus` of :func:`load_corpus`.
+    """Memoised :func:`partition_corpus` of :func:`load_corpus` (dataset corpora: of their token
+    store, `fl_geo.data.store`).
 
     A simulation actor handles many client messages per process; loading and tokenising the corpus
     once per process instead of once per message saves seconds each round. The returned tensors are
-    shared between callers: treat them as read-only.
+    shared between callers: treat them as read-only. ``tokenizer``: ``data.tokenizer``
+    (:func:`get_tokenizer`).
     """
     directory, file_key = _corpus_key(data_dir, files)
     return _cached_partitions(
@@ -328,4 +497,8 @@ def get_partitions(
         directory,
         file_key,
         text_key,
+        str(tokenizer),
+        int(bpe_vocab_size),
+        str(path),
+        str(text_field),
     )

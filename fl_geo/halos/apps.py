@@ -390,7 +390,7 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                 "local_updates": loop.local_updates, "lps_version": lps.version if lps else 0,
                 "sends": lps.sends if lps else 0, "merges": loop.merges, "exchanges": service.exchanges,
                 "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
-                "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"),
+                "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"), "final_val_bpb": last.get("val/bpb"),
                 "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
                 "late_replies": dispatcher.late_replies, "wall_s": round(time.perf_counter() - t0, 3),
                 "num_params": spec.numel, "lps_address": address,
@@ -490,13 +490,13 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             push(node, stop=sends[node] >= quota)
         final = evaluator.evaluate(gps.params)
         history.append(logger.log(gps.version, {"outer/step": gps.version, "val/loss": final,
-                                                "val/ppl": math.exp(min(final, 50.0))}))
+                                                "val/ppl": math.exp(min(final, 50.0)), "val/bpb": evaluator.bpb(final)}))
         session.save_model(gps.params, spec)
         return session.finish({
             "name": cfg.run.name, "strategy": "halos", "role": "global", "rounds": cfg.run.rounds,
             "outer_steps": gps.version, "global_version": gps.version, "regions": len(profiles),
             "updates_per_region": {region_of[n]: c for n, c in sends.items()},
-            "lps_counters": counters, "initial_val_loss": initial, "final_val_loss": final,
+            "lps_counters": counters, "initial_val_loss": initial, "final_val_loss": final, "final_val_bpb": evaluator.bpb(final),
             "bytes_up": bytes_up, "bytes_down": bytes_down, "wall_s": round(time.perf_counter() - t0, 3),
             "num_params": spec.numel,
         })

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fl_geo.data import Partition, get_partitions
+from fl_geo.data import Partition, Tokenizer, get_partitions, get_tokenizer
 from fl_geo.inner.model import Decoder, ModelConfig, build_model
 from fl_geo.inner.training import InnerConfig
 
@@ -76,4 +76,25 @@ def partitions(data_section: Any, num_partitions: int) -> tuple[list[Partition],
         data_dir=d["data_dir"] or None,
         files=tuple(d["files"]) or None,
         text_key=d["text_key"],
+        tokenizer=d.get("tokenizer", "byte"),
+        bpe_vocab_size=d.get("bpe_vocab_size", 4096),
+        path=d.get("path", ""),
+        text_field=d.get("text_field", "text"),
+    )
+
+
+def tokenizer(data_section: Any) -> Tokenizer:
+    """The run's tokenizer (``data.tokenizer``; a data section without the key means bytes),
+    memoised per process; the one `partitions` encodes with."""
+    d = _as_dict(data_section)
+    return get_tokenizer(
+        d["corpus"],
+        d["val_fraction"],
+        data_dir=d["data_dir"] or None,
+        files=tuple(d["files"]) or None,
+        text_key=d["text_key"],
+        tokenizer=d.get("tokenizer", "byte"),
+        bpe_vocab_size=d.get("bpe_vocab_size", 4096),
+        path=d.get("path", ""),
+        text_field=d.get("text_field", "text"),
     )

@@ -17,7 +17,11 @@ fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (docs/flower.
   down is not live, a job whose node fails before it finishes is handed over at the failure time
   as a failed job (error `NODE_DOWN`; the real ClientApp's reply, when it comes, is discarded), and
   a node that is repaired is live again and free, so its next job carries the latest model;
-- every train job's modelled time is booked for goodput (``fl_geo.runtime.goodput``, virtual clock).
+- every train job's modelled time is booked for goodput (``fl_geo.runtime.goodput``, virtual clock);
+- with a wall clock and ``run.wall_faults`` (``fl_geo.runtime.wall_faults``) the same trace makes
+  real faults: a train job its node's failure ends is sent with a fault record (its ClientApp
+  answers it with an error at the failure), is handed over as a failed job (`NODE_DOWN`) whatever
+  the node answers, and the node is not live until its repair.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from fl_geo.runtime import interrupt
 from fl_geo.runtime.goodput import GoodputMeter, JobCost
 from fl_geo.runtime.membership import Membership, NodeProfile, ProfileError, profile_from_record
 from fl_geo.runtime.protocol import REQUEST_RECORD, ProfileQuery
+from fl_geo.runtime.wall_faults import FAULT_RECORD, Fault, WallFaults, fault_record
 
 log = logging.getLogger("fl_geo")
 
@@ -102,6 +107,7 @@ class Job:
     meta: dict[str, Any] = field(default_factory=dict)
     slot: int = -1  # the scenario node it runs on (JobTiming.slot)
     compute_s: float = 0.0  # its modelled compute time (virtual clock; for goodput)
+    fault: Fault | None = None  # a wall fault ends it (run.wall_faults)
 
 
 @dataclass
@@ -164,6 +170,7 @@ class Dispatcher:
         self.wake_on_rejoin = False
         self._rejoined = False
         self.lost_jobs = 0  # jobs lost to the failure trace
+        self.wall_faults: WallFaults | None = None  # the trace as real faults (wall clock, run.wall_faults)
         self.goodput: GoodputMeter | None = self._goodput_meter()
 
     def _goodput_meter(self) -> GoodputMeter | None:
@@ -185,7 +192,10 @@ class Dispatcher:
         return self.slot_of(node) if self.slot_of is not None else -1
 
     def is_down(self, node: int) -> bool:
-        """Whether ``node`` is down now under the failure trace (never with a wall clock)."""
+        """Whether ``node`` is down now under the failure trace (with a wall clock: only under
+        ``run.wall_faults``, between a failed job and the node's repair)."""
+        if self.wall_faults is not None:
+            return self.wall_faults.is_down(node)
         if not self._trace():
             return False
         slot = self._slot(node)
@@ -196,8 +206,19 @@ class Dispatcher:
         return self.clock.next_up(slots)  # type: ignore[attr-defined]
 
     def wait_for_repair(self) -> bool:
-        """Nothing in flight and nodes down: move virtual time to the next repair. False when there
-        is no trace, work is still in flight, or no down node ever comes back."""
+        """Nothing in flight and nodes down: move virtual time to the next repair (wall faults:
+        sleep until it). False when there is no trace, work is still in flight, or no down node
+        ever comes back."""
+        if self.wall_faults is not None and not self._jobs:
+            t_up = self.wall_faults.next_up(sorted(self.grid.get_node_ids()))
+            if t_up is None:
+                return False
+            log.info("every live node is busy or down: waiting %.2f s for a repair (wall faults)",
+                     max(0.0, t_up - time.monotonic()))
+            while time.monotonic() < t_up:
+                interrupt.check()
+                time.sleep(min(0.05, max(0.0, t_up - time.monotonic())))
+            return True
         if not self._trace() or self._jobs:
             return False
         t_up = self._next_up()
@@ -244,7 +265,7 @@ class Dispatcher:
     def live_nodes(self) -> list[int]:
         """The grid's nodes, less those down now under a failure trace (virtual clock)."""
         nodes = sorted(self.grid.get_node_ids())
-        if self._trace():
+        if self._trace() or self.wall_faults is not None:
             nodes = [n for n in nodes if not self.is_down(n)]
         return nodes
 
@@ -323,6 +344,7 @@ class Dispatcher:
             raise ValueError(f"nodes {sorted(busy)} still have a job in flight")
         if timings is not None and len(timings) != len(messages):
             raise ValueError("one JobTiming per message")
+        faults = [self._plan_fault(m) for m in messages]
         ids = list(self.grid.push_messages(messages))
         jobs = []
         now = self.clock.now()
@@ -331,6 +353,7 @@ class Dispatcher:
             job = Job(job_id, nid, msg.metadata.message_type, next(self._seq), now, dict(meta[i]) if meta else {})
             timing = timings[i] if timings is not None else JobTiming(slot=0)
             job.slot = timing.slot
+            job.fault = faults[i]
             if timing.free and self.clock.is_virtual:
                 self.clock.schedule_at(job_id, now, node=timing.slot)
             else:
@@ -345,6 +368,18 @@ class Dispatcher:
                 self._arrived[job_id] = _VANISHED
             jobs.append(job)
         return jobs
+
+    def _plan_fault(self, msg: Message) -> Fault | None:
+        """Under ``run.wall_faults``: whether the failure trace ends this train job, and if so tell
+        its ClientApp (a record it acts on; see fl_geo.runtime.wall_faults)."""
+        if self.wall_faults is None or msg.metadata.message_type != MessageType.TRAIN:
+            return None
+        slot = self._slot(msg.metadata.dst_node_id)
+        rec = msg.content.config_records.get(REQUEST_RECORD)
+        fault = self.wall_faults.plan(slot, dict(rec) if rec is not None else {})
+        if fault is not None:
+            msg.content.config_records[FAULT_RECORD] = fault_record(fault)
+        return fault
 
     def abandon(self, job: Job) -> None:
         """Give up on a job (round timeout): its node stays busy until its late reply is pulled."""
@@ -409,6 +444,12 @@ class Dispatcher:
             return Event(job, None, "vanished", self.clock.now())
         lost = self.clock.lost(job_id)
         t = self.clock.complete(job_id)
+        if job.fault is not None and self.wall_faults is not None:  # whatever it answered, its node failed
+            self.wall_faults.failed(job.node, job.fault)
+            self.lost_jobs += 1
+            log.info("node %s (slot %s) failed (wall fault, modelled %.1f s); its job is lost, down for %.2f s",
+                     job.node, self._slot(job.node), job.fault.virtual_down, job.fault.down_s)
+            return Event(job, None, NODE_DOWN, t)
         self._book(job, t, ok=not lost and not reply.has_error())
         if lost:  # its node failed first: whatever the ClientApp replied is discarded
             self.lost_jobs += 1
@@ -441,6 +482,9 @@ class Dispatcher:
         """
         virtual = self.clock.is_virtual
         while True:
+            if self.wall_faults is not None and self.wake_on_rejoin and self.wall_faults.take_repaired():
+                self._rejoined = True  # a node is back from a wall fault: the loop gives it work
+                return None
             if virtual and self._rejoin_first(deadline):
                 if self.wake_on_rejoin:
                     self._rejoined = True

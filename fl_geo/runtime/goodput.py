@@ -12,8 +12,9 @@ exactly one bucket, so the buckets add up to the provisioned time:
   of the trace (up to the failure), error replies, vanished nodes, round time-outs;
 - ``rejected``: the whole time of jobs whose reply was refused (invalid, outlier, beyond the
   norm bound) or whose round took no outer step (fewer than ``strategy.min_replies``);
-- ``stale``: the whole time of jobs discarded as too stale (no loop discards for staleness yet:
-  asynchronous loops down-weight stale updates instead, so this bucket stays 0);
+- ``stale``: the whole time of jobs discarded as too stale: a quorum round's late reply under
+  ``strategy.late_replies=drop`` (asynchronous loops down-weight stale updates instead of
+  discarding them, and a late reply that is folded is useful);
 - ``in_flight``: the time so far of jobs not resolved yet (at the end of a run: work that will
   never be folded);
 - ``waiting``: the rest: up time with no job, e.g. waiting for a synchronous round's slowest node

@@ -181,7 +181,7 @@ class VirtualClock:
             raise ValueError(f"job '{job_id}': start must be finite, got {start}")
         if bytes_down < 0 or bytes_up < 0:
             raise ValueError(f"job '{job_id}': byte counts must be >= 0")
-        jt: JobTime = self.scenario.job_time(node, steps, bytes_down, bytes_up, peer_region)
+        jt: JobTime = self.scenario.job_time(node, steps, bytes_down, bytes_up, peer_region, start=t0)
         finish = t0 + jt.total
         if self.failures is not None and traced:
             down = self.failures.first_down(node, t0, finish)

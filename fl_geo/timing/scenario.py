@@ -34,6 +34,7 @@ __all__ = [
     "FailureSpec",
     "HeterogeneitySpec",
     "JobTime",
+    "LinkWindowSpec",
     "LinksSpec",
     "ModelSpec",
     "NodeSpec",
@@ -133,6 +134,27 @@ class FailureProcessSpec:
 
 
 @dataclass
+class LinkWindowSpec:
+    """A link slow-down over the virtual-time window ``[at_time, until_time)``.
+
+    The selector is exactly one of ``node`` (the transfers of one node to and from its server),
+    ``region`` (every transfer with an end in that region) and ``link`` (``[A, B]``: the
+    transfers between regions A and B, both directions; ``[A, A]`` is A's intra-region link).
+    While the window is open the matching transfers send their bytes at ``bandwidth_factor`` x
+    the link's bandwidth (< 1 slows, > 1 speeds up) and a transfer that *starts* in it pays
+    ``extra_latency_s`` more latency. Overlapping windows multiply their factors and add their
+    latencies. A transfer that straddles a boundary is timed piecewise (docs/algorithms.md §8)."""
+
+    node: int = -1  # -1 = not set
+    region: str = ""
+    link: list[str] = field(default_factory=list)
+    at_time: float = 0.0
+    until_time: float = math.inf
+    bandwidth_factor: float = 1.0
+    extra_latency_s: float = 0.0
+
+
+@dataclass
 class ScenarioSpec:
     """The whole scenario file."""
 
@@ -146,6 +168,7 @@ class ScenarioSpec:
     heterogeneity: HeterogeneitySpec = field(default_factory=HeterogeneitySpec)
     failures: list[FailureSpec] = field(default_factory=list)
     failure_process: FailureProcessSpec = field(default_factory=FailureProcessSpec)
+    link_windows: list[LinkWindowSpec] = field(default_factory=list)
 
 
 # ---- small value types ------------------------------------------------------------------------
@@ -187,6 +210,57 @@ def _ceil(x: float) -> int:
     return math.ceil(x - _CEIL_SLACK * max(1.0, abs(x)))
 
 
+@dataclass(frozen=True)
+class _Window:
+    """A validated link window with its selector resolved to indices."""
+
+    node: int  # -1: not a node window
+    region: int  # -1: not a region window
+    link: tuple[int, int] | None  # region indices, unordered
+    at: float
+    until: float
+    factor: float
+    extra_latency_s: float
+
+    @classmethod
+    def from_spec(cls, w: LinkWindowSpec, region_index: dict[str, int]) -> _Window:
+        link = tuple(sorted(region_index[r] for r in w.link)) if w.link else None
+        return cls(w.node, region_index[w.region] if w.region else -1, link,  # type: ignore[arg-type]
+                   float(w.at_time), float(w.until_time), float(w.bandwidth_factor), float(w.extra_latency_s))
+
+    def is_open(self, t: float) -> bool:
+        return self.at <= t < self.until
+
+    def matches(self, src: int, dst: int, node: int | None) -> bool:
+        """Whether a transfer ``src -> dst`` (region indices) of ``node`` is selected."""
+        if self.node >= 0:
+            return node == self.node
+        if self.region >= 0:
+            return self.region in (src, dst)
+        return self.link == tuple(sorted((src, dst)))
+
+    def matches_ring_link(self, a: int, b: int, nodes: list[int], node_region: list[int]) -> bool:
+        """Whether the all-reduce ring's link ``a - b`` (region indices) is selected."""
+        if self.node >= 0:
+            return self.node in nodes and node_region[self.node] in (a, b)
+        return self.matches(a, b, None)
+
+
+def _flow(t: float, bits: float, rate: Any, windows: list[_Window]) -> float:
+    """When ``bits`` that start flowing at ``t`` are through, at ``rate(x)`` bits/s (piecewise
+    constant, changing only at the ``windows``' boundaries)."""
+    bounds = sorted({b for w in windows for b in (w.at, w.until) if math.isfinite(b)})
+    while True:
+        r = rate(t)
+        if bits <= 0 or math.isinf(r):
+            return t
+        nxt = next((b for b in bounds if b > t), math.inf)
+        if bits <= r * (nxt - t):
+            return t + bits / r
+        bits -= r * (nxt - t)
+        t = nxt
+
+
 # ---- the validated scenario ---------------------------------------------------------------------
 
 
@@ -213,6 +287,7 @@ class Scenario:
         self._speeds = [n.speed / m for n, m in zip(s.nodes, self._multipliers, strict=True)]
         self._max_speed = max(self._speeds)
         self._ring_cache: dict[tuple[int, ...], tuple[tuple[int, ...], float, float, bool]] = {}
+        self._windows = [_Window.from_spec(w, self._region_index) for w in s.link_windows]
 
     # -- description --
     @property
@@ -324,32 +399,56 @@ class Scenario:
     def latency_s(self, src_region: str | int, dst_region: str | int) -> float:
         return self._lat[self.region_index(src_region)][self.region_index(dst_region)]
 
-    def transfer_time(self, src_region: str | int, dst_region: str | int, nbytes: int) -> float:
+    @property
+    def link_windows(self) -> list[LinkWindowSpec]:
+        return copy.deepcopy(self._spec.link_windows)
+
+    def transfer_time(
+        self, src_region: str | int, dst_region: str | int, nbytes: int, *,
+        start: float | None = None, node: int | None = None,
+    ) -> float:
         """Point-to-point time, the α–β model: ``latency + bytes * 8 / bandwidth``.
 
         Each transfer gets its link's full bandwidth: concurrent transfers sharing a link are not
-        modelled (neither does the HALoS simulator).
+        modelled (neither does the HALoS simulator). ``start`` (virtual s) applies the scenario's
+        ``link_windows`` (``node``: the node end of a node <-> server transfer, for node
+        selectors): the latency, plus the extra latency of the windows open at ``start``, is paid
+        first, then the bits flow at the bandwidth x the factors of the windows open at each
+        instant, piecewise across window boundaries. Without ``start`` (or windows) the static
+        formula, bit for bit.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         s, d = self.region_index(src_region), self.region_index(dst_region)
-        return self._lat[s][d] + nbytes * 8 / (self._bw[s][d] * 1e9)
+        windows = [] if start is None else [w for w in self._windows if w.matches(s, d, node)]
+        if not windows:
+            return self._lat[s][d] + nbytes * 8 / (self._bw[s][d] * 1e9)
+        assert start is not None
+        t = start + self._lat[s][d] + sum(w.extra_latency_s for w in windows if w.is_open(start))
+        bw = self._bw[s][d] * 1e9
+
+        def rate(x: float) -> float:
+            return bw * math.prod(w.factor for w in windows if w.is_open(x))
+
+        return _flow(t, nbytes * 8.0, rate, windows) - start
 
     def job_time(
-        self, node: int, steps: int, bytes_down: int, bytes_up: int, peer_region: str | int | None = None
+        self, node: int, steps: int, bytes_down: int, bytes_up: int, peer_region: str | int | None = None,
+        start: float | None = None,
     ) -> JobTime:
         """Download from the server, ``steps`` inner steps, upload back.
 
         ``peer_region`` is where the server this job talks to sits: the scenario's
         ``server_region`` by default; a HALoS local server lives in the node's own region.
+        ``start``: the job's dispatch time, so that ``link_windows`` slow its transfers (the
+        upload starts after the download and the compute).
         """
         peer = self.server_region if peer_region is None else peer_region
         region = self._node_region[self._check_node(node)]
-        return JobTime(
-            self.transfer_time(peer, region, bytes_down),
-            self.compute_time(node, steps),
-            self.transfer_time(region, peer, bytes_up),
-        )
+        down = self.transfer_time(peer, region, bytes_down, start=start, node=node)
+        compute = self.compute_time(node, steps)
+        up_start = None if start is None else start + down + compute
+        return JobTime(down, compute, self.transfer_time(region, peer, bytes_up, start=up_start, node=node))
 
     def modelled_params(self, fallback: int | None = None) -> int:
         """The modelled parameter count: ``model.num_params``, else ``fallback`` (the real model's)."""
@@ -394,11 +493,17 @@ class Scenario:
                 lat = max(lat, self._lat[reg][reg])
         return Ring(tuple(self._spec.regions[i] for i in order), bw, lat, exact)
 
-    def allreduce_time(self, nodes: list[int], nbytes: int) -> float:
+    def allreduce_time(self, nodes: list[int], nbytes: int, start: float | None = None) -> float:
         """Ring all-reduce: ``2(M-1)/M * bytes*8 / slowest link + 2(M-1) * latency`` (M = #nodes).
 
         The bandwidth term is Thakur et al.'s, as in the HALoS simulator; the ring's 2(M-1)
         steps each wait for the slowest link's latency (0 in the HALoS set-up).
+
+        ``start`` applies ``link_windows`` to the ring (chosen without them): a window acts on
+        the ring links it selects (a ``node`` window on the links at that node's region, when
+        the node is in the ring); the latency term uses each link's latency plus the extra
+        latency open at ``start``, then the bits flow at the slowest link's bandwidth at each
+        instant, piecewise.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -406,7 +511,32 @@ class Scenario:
         ring = self.best_ring(nodes)
         if m <= 1:
             return 0.0
-        return 2 * (m - 1) * ring.latency_s + 2 * (m - 1) / m * nbytes * 8 / (ring.bandwidth_gbps * 1e9)
+        static = 2 * (m - 1) * ring.latency_s + 2 * (m - 1) / m * nbytes * 8 / (ring.bandwidth_gbps * 1e9)
+        if start is None or not self._windows:
+            return static
+        links = self._ring_link_list(nodes, ring)
+        per_link = [(a, b, [w for w in self._windows if w.matches_ring_link(a, b, nodes, self._node_region)])
+                    for a, b in links]
+        windows = [w for _, _, ws in per_link for w in ws]
+        if not windows:
+            return static
+        lat = max(self._lat[a][b] + sum(w.extra_latency_s for w in ws if w.is_open(start)) for a, b, ws in per_link)
+
+        def rate(x: float) -> float:
+            return min(self._bw[a][b] * 1e9 * math.prod(w.factor for w in ws if w.is_open(x)) for a, b, ws in per_link)
+
+        t = start + 2 * (m - 1) * lat
+        return _flow(t, 2 * (m - 1) / m * nbytes * 8.0, rate, windows) - start
+
+    def _ring_link_list(self, nodes: list[int], ring: Ring) -> list[tuple[int, int]]:
+        """The region-index links the ring uses (inter-region hops, then intra-region links)."""
+        order = [self._region_index[r] for r in ring.regions]
+        links = [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))] if len(order) > 1 else []
+        counts: dict[int, int] = {}
+        for n in nodes:
+            counts[self._node_region[n]] = counts.get(self._node_region[n], 0) + 1
+        links += [(r, r) for r, c in sorted(counts.items()) if c >= 2 or len(order) == 1]
+        return links
 
     def sync_round_time(self, nodes: list[int], steps_per_node: list[int], nbytes: int) -> float:
         """A decentralised synchronous round (DiLoCo as the papers run it, DiLoCo+DynUpd in
@@ -580,6 +710,29 @@ def _validate(s: ScenarioSpec, where: str) -> None:
             f"{where}: failures[{i}].duration must be > 0 seconds (or null = for good), got {f.duration}",
         )
     _validate_process(s.failure_process, len(s.nodes), where)
+    for i, w in enumerate(s.link_windows):
+        _validate_window(w, i, s, where)
+
+
+def _validate_window(w: LinkWindowSpec, i: int, s: ScenarioSpec, where: str) -> None:
+    key = f"{where}: link_windows[{i}]"
+    regions = ", ".join(s.regions)
+    chosen = [w.node != -1, w.region != "", bool(w.link)]
+    _require(sum(chosen) == 1, f"{key} must set exactly one of 'node', 'region' and 'link' ([A, B]: two regions)")
+    if w.node != -1:
+        _require(0 <= w.node < len(s.nodes), f"{key}.node must be in 0..{len(s.nodes) - 1}, got {w.node}")
+    if w.region:
+        _require(w.region in s.regions, f"{key}.region '{w.region}' is not one of the regions ({regions})")
+    if w.link:
+        _require(len(w.link) == 2, f"{key}.link must name two regions [A, B], got {list(w.link)}")
+        bad = [r for r in w.link if r not in s.regions]
+        _require(not bad, f"{key}.link region '{bad[0] if bad else ''}' is not one of the regions ({regions})")
+    _require(0 <= w.at_time < math.inf, f"{key}.at_time must be a finite time >= 0 seconds, got {w.at_time}")
+    _require(w.until_time > w.at_time, f"{key}.until_time must be > at_time ({w.at_time}), got {w.until_time}")
+    _require(0 < w.bandwidth_factor < math.inf,
+             f"{key}.bandwidth_factor must be a finite number > 0 (< 1 slows the link), got {w.bandwidth_factor}")
+    _require(0 <= w.extra_latency_s < math.inf,
+             f"{key}.extra_latency_s must be a finite number >= 0 seconds, got {w.extra_latency_s}")
 
 
 def _validate_process(p: FailureProcessSpec, num_nodes: int, where: str) -> None:
@@ -645,5 +798,6 @@ def scenario_for_nodes(scenario: Scenario, num_nodes: int) -> Scenario:
         nodes=spec.nodes[:num_nodes],
         failures=[f for f in spec.failures if f.node < num_nodes],  # region outages (node -1) stay
         failure_process=_process_for_nodes(spec.failure_process, num_nodes),
+        link_windows=[w for w in spec.link_windows if w.node < num_nodes],  # node -1: not a node window
     )
     return Scenario(spec, f"{scenario.name} (first {num_nodes} nodes)")
