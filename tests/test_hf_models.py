@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("transformers")
 
@@ -27,7 +28,7 @@ from fl_geo.core.shards import ShardPlan  # noqa: E402
 from fl_geo.core.state import ParamSpec, flatten, load_flat_into  # noqa: E402
 from fl_geo.core.streaming import Fragments, fragment_spec  # noqa: E402
 from fl_geo.inner import hf  # noqa: E402
-from fl_geo.results import evaluate_run  # noqa: E402
+from fl_geo.results import evaluate_run, load_run_weights  # noqa: E402
 from fl_geo.runtime.builders import make_model  # noqa: E402
 from fl_geo.runtime.evaluation import GlobalEvaluator  # noqa: E402
 from fl_geo.runtime.inline import InlineGrid  # noqa: E402
@@ -176,17 +177,23 @@ DIPS = ["strategy.name=dips", "run.clock=virtual", "penalty.warmup=1"]
 
 
 @pytest.mark.parametrize("preset,strategy", [("pythia-tiny", "diloco"), ("smollm-tiny", "dips")])
-def test_fl_geo_run_trains_the_preset_and_its_loss_falls(tmp_path, preset, strategy, capsys):
+def test_fl_geo_run_trains_the_preset_on_bpe_tokens_and_its_loss_falls(tmp_path, preset, strategy, capsys):
     extra = DIPS if strategy == "dips" else []
-    code = cli_main(["run", "configs/quickstart_hf_pythia.yaml", *TINY, f"model.preset={preset}", "run.rounds=3",
-                     "strategy.inner_steps=6", "client.warmup_steps=2", "run.name=hf", *extra,
-                     "--out", str(tmp_path)])
+    code = cli_main(["run", "configs/quickstart_hf_pythia.yaml", *TINY, f"model.preset={preset}", "run.rounds=2",
+                     "strategy.inner_steps=4", "client.warmup_steps=2", "run.name=hf", *extra,
+                     "data.tokenizer=bpe", "data.bpe_vocab_size=512", "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     summary = json.loads((tmp_path / "hf" / "summary.json").read_text())
-    assert summary["strategy"] == strategy and summary["outer_steps"] >= 3
+    assert summary["strategy"] == strategy and summary["outer_steps"] >= 2
     losses = _val_losses(tmp_path / "hf")
     assert losses[-1] < losses[0] - 0.2, losses
+    # on BPE tokens: the model's vocabulary is the tokenizer's (model.vocab_size resolved from it)
+    config = yaml.safe_load((tmp_path / "hf" / "config.yaml").read_text())
+    assert config["model"]["vocab_size"] == 512
+    weights = load_run_weights(tmp_path / "hf")[0]
+    assert weights[MODULES[preset][0] + ".weight"].shape == (512, 64)
     # the saved final model (a tied head saved once) loads back and scores the run's last val/loss
+    assert "lm_head.weight" not in weights
     assert evaluate_run(tmp_path / "hf").loss == pytest.approx(summary["final_val_loss"], abs=1e-6)
 
 
@@ -196,12 +203,12 @@ def test_public_strategies_train_the_preset(cls, preset):
     kwargs = {"warmup": 1} if cls is DiPS else {}
     if cls is DiPS:
         options["run.clock"] = "virtual"
-    strategy = cls(inner_steps=6, options={**options, "model.preset": preset}, **kwargs)
+    strategy = cls(inner_steps=4, options={**options, "model.preset": preset}, **kwargs)
     evaluator = GlobalEvaluator(strategy.config, 3)
     initial = ArrayRecord(make_model(strategy.config.model, strategy.config.run.seed).state_dict())
     assert "lm_head.weight" not in initial
     before = evaluator.evaluate(flatten(initial.to_torch_state_dict()))
-    result = strategy.start(InlineGrid(client_app, 3, seed=0), initial, num_rounds=3)
+    result = strategy.start(InlineGrid(client_app, 3, seed=0), initial, num_rounds=2)
     assert list(result.arrays.keys()) == list(initial.keys())
     after = evaluator.evaluate(flatten(result.arrays.to_torch_state_dict()))
     assert after < before - 0.2, (before, after)
