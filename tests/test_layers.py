@@ -25,8 +25,12 @@ _LEAVES = ("fl_geo.errors",)
 RULES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "core": (("fl_geo.core", *_LEAVES), frozenset({"torch", "numpy"})),
     "timing": (("fl_geo.core", "fl_geo.timing", *_LEAVES), frozenset({"torch", "numpy"})),
-    "data": (("fl_geo.data", *_LEAVES), frozenset({"torch", "numpy"})),
-    "inner": (("fl_geo.core", "fl_geo.data", "fl_geo.inner", *_LEAVES), frozenset({"torch", "numpy"})),
+    # tokenizers, datasets: optional extras (fl-geo[hf], fl-geo[data]), imported inside the
+    # functions that train a BPE or read a local jsonl/parquet/arrow file only
+    "data": (("fl_geo.data", *_LEAVES), frozenset({"torch", "numpy", "tokenizers", "datasets"})),
+    # transformers: optional extra (fl-geo[hf]), imported only when a model.kind=hf model is built
+    "inner": (("fl_geo.core", "fl_geo.data", "fl_geo.inner", *_LEAVES),
+              frozenset({"torch", "numpy", "transformers"})),
     "ps": (("fl_geo.core", "fl_geo.ps", *_LEAVES), frozenset({"torch", "numpy", "grpc"})),
     "runtime": (
         ("fl_geo.core", "fl_geo.timing", "fl_geo.data", "fl_geo.inner", "fl_geo.runtime",

@@ -1,4 +1,7 @@
-"""Corpora, partitioning into datacenter shards, and stateless batch sampling."""
+"""Corpora (built-in and local jsonl/parquet/arrow files), tokenizers (byte, BPE, a local
+directory), the memory-mapped token store, partitioning into datacenter shards, and stateless
+batch sampling. ``tokenizers`` and ``datasets`` are optional extras, imported only where a BPE is
+trained or loaded and a local dataset file is read."""
 
 from fl_geo.data.corpus import (
     CORPUS_NAMES,
