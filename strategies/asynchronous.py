@@ -291,6 +291,7 @@ class AsyncOuterLoop(OuterLoop):
             metrics["outer/grace_s"] = self.grace()
         if self.penalty is not None:
             metrics["outer/max_z"] = t.max_z
+            metrics.update(self.clip_metrics())
         self.tally = Tally()
         self.waiting = []
         self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node

@@ -137,6 +137,7 @@ class OuterLoop:
         self._client_cfg = client_config_record(cfg)
         self.history: list[dict[str, Any]] = []
         self.penalty = penalty_from_config(cfg, spec)
+        self._clip_last: tuple[float, list[float]] | None = None  # the last outer step's clip (clip_metrics)
         self.checkpoints: CheckpointStore | None = None  # set by the server when checkpointing is on
         self._bound: float | None = None
         self._bound_version = -1
@@ -526,6 +527,28 @@ class OuterLoop:
         self.penalty.fold_(self.accumulator, update, verdict)
         return verdict
 
+    def record_clip(self, pre_norm: float, factors: Sequence[float]) -> None:
+        """Remember how hard this outer step's clip φ bound, for `clip_metrics`.
+
+        ``pre_norm`` is ‖Δ̄‖ over the whole model before the clip; ``factors`` the per-group
+        min(1, φ/(‖Δ̄_g‖+ε)) applied (one for a global clip). Why it is logged: whether φ binds
+        depends on the model's scale (docs/benchmarks.md, "Scale ladder"), and nothing else in
+        the log says so.
+        """
+        self._clip_last = (float(pre_norm), [float(f) for f in factors])
+
+    def clip_metrics(self) -> dict[str, float]:
+        """``outer/clip_norm`` (‖Δ̄‖ before the clip), ``outer/clip_scale`` (the mean factor over
+        groups: 1 = φ did not bind, 0.1 = the step was cut to a tenth) and ``outer/clip_bound``
+        (the share of groups whose factor was below 1) of the last clipped step, then forgotten;
+        empty when no clip ran since the last call (clip off, or no step taken)."""
+        last, self._clip_last = self._clip_last, None
+        if last is None:
+            return {}
+        pre, factors = last
+        return {"outer/clip_norm": pre, "outer/clip_scale": sum(factors) / len(factors),
+                "outer/clip_bound": sum(f < 1.0 for f in factors) / len(factors)}
+
     def penalised_step(self, buf: torch.Tensor | None = None) -> list[str]:
         """Clip, then the outer step; modules every worker failed on are not stepped (rollback:
         their parameters and outer momentum stay as they were). ``buf`` is the normalised mean
@@ -535,7 +558,9 @@ class OuterLoop:
         if buf is None:
             buf = self.accumulator.buffer
             self.penalty.normalise_(buf)
-        self.penalty.clip_(buf)
+        if self.penalty.clip is not None:
+            pre = float(torch.linalg.vector_norm(buf))  # one read of Δ̄: the clip's input, for the log
+            self.record_clip(pre, self.penalty.clip_(buf).tolist())
         rolled = self.penalty.rolled_back
         skip = self.penalty.ranges(rolled)
         live = [t for t in self.optimizer.state_dict().values() if torch.is_tensor(t) and t.numel() == self.spec.numel]

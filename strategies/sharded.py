@@ -436,6 +436,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             if not math.isfinite(norm):
                 raise FloatingPointError("the averaged update is not finite; refusing to step")
             factor = min(1.0, self.penalty.clip / (norm + self.penalty.eps))
+            self.record_clip(norm, [factor])
         versions = {f.step(factor, self.optimizer.lr) for f in self.followers}
         if versions != {self.version + 1}:
             raise RuntimeError(f"followers disagree on the model version after the step: {sorted(versions)}")

@@ -288,6 +288,7 @@ class SyncOuterLoop(OuterLoop):
             metrics["outer/rejected_modules"] = stats.rejected_groups
             metrics["outer/max_z"] = stats.max_z
             metrics["outer/rolled_back_modules"] = len(rolled)
+            metrics.update(self.clip_metrics())
         return metrics
 
     def _step(self, warm: bool) -> tuple[float, list[str]]:
