@@ -67,34 +67,25 @@ def inner_config(section: Any, total_steps: int) -> InnerConfig:
 def partitions(data_section: Any, num_partitions: int) -> tuple[list[Partition], torch.Tensor]:
     """All partitions plus the global held-out tokens (memoised per process by fl_geo.data)."""
     d = _as_dict(data_section)
-    return get_partitions(
-        d["corpus"],
-        num_partitions,
-        d["partition"],
-        d["val_fraction"],
-        d["seed"],
-        data_dir=d["data_dir"] or None,
-        files=tuple(d["files"]) or None,
-        text_key=d["text_key"],
-        tokenizer=d.get("tokenizer", "byte"),
-        bpe_vocab_size=d.get("bpe_vocab_size", 4096),
-        path=d.get("path", ""),
-        text_field=d.get("text_field", "text"),
-    )
+    return get_partitions(d["corpus"], num_partitions, d["partition"], d["val_fraction"], d["seed"], **_source(d))
 
 
 def tokenizer(data_section: Any) -> Tokenizer:
     """The run's tokenizer (``data.tokenizer``; a data section without the key means bytes),
     memoised per process; the one `partitions` encodes with."""
     d = _as_dict(data_section)
-    return get_tokenizer(
-        d["corpus"],
-        d["val_fraction"],
-        data_dir=d["data_dir"] or None,
-        files=tuple(d["files"]) or None,
-        text_key=d["text_key"],
-        tokenizer=d.get("tokenizer", "byte"),
-        bpe_vocab_size=d.get("bpe_vocab_size", 4096),
-        path=d.get("path", ""),
-        text_field=d.get("text_field", "text"),
-    )
+    return get_tokenizer(d["corpus"], d["val_fraction"], **_source(d))
+
+
+def _source(d: dict[str, Any]) -> dict[str, Any]:
+    """Where the text comes from and how it is tokenised: the keyword arguments `get_partitions` and
+    `get_tokenizer` share (a data section from before a key existed gets that key's default)."""
+    return {
+        "data_dir": d["data_dir"] or None,
+        "files": tuple(d["files"]) or None,
+        "text_key": d["text_key"],
+        "tokenizer": d.get("tokenizer", "byte"),
+        "bpe_vocab_size": d.get("bpe_vocab_size", 4096),
+        "path": d.get("path", ""),
+        "text_field": d.get("text_field", "text"),
+    }
