@@ -32,7 +32,7 @@ from fl_geo.runtime.builders import inner_config, make_model, partitions
 
 def main() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one core: a second thread spins when another process holds it
     args = sys.argv[1:]
     path = args.pop(0) if args and "=" not in args[0] else "configs/cocodc.yaml"
     cfg = load_config(path, ["data.corpus=bible", *args])

@@ -19,7 +19,7 @@ for s in "${sizes[@]}"; do
       ${SHAPE[$s]} run.progress=false --metric bpb --out "runs/ladder_$s"
   # shellcheck disable=SC2086
   .venv/bin/python examples/cocodc_compensation_magnitude.py configs/cocodc.yaml ${SHAPE[$s]} \
-      data.tokenizer=bpe data.bpe_vocab_size=2048 client.batch_size=6 client.seq_len=128 \
+      data.tokenizer=bpe data.bpe_vocab_size=2048 client.batch_size=6 client.seq_len=128 streaming.fragments=1 \
       | tee "runs/ladder_$s/cocodc_compensation.txt"
 done
 .venv/bin/python examples/scale_ladder_report.py runs/ladder_S runs/ladder_M runs/ladder_L --plot docs/img/scale_ladder.png
