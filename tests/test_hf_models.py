@@ -121,8 +121,13 @@ def test_modules_and_fragments_follow_the_models_own_layer_list(preset):
     frags = Fragments(spec, 2)
     assert frags.num_blocks == 2
     first, last = frags.names(0), frags.names(1)
-    assert all(n.startswith(f"{LAYERS[preset]}.0.") or not n.startswith(LAYERS[preset]) for n in first)
-    assert all(n.startswith(f"{LAYERS[preset]}.1.") or not n.startswith(LAYERS[preset]) for n in last)
+    def layer_names(names, i=None):
+        prefix = f"{LAYERS[preset]}." if i is None else f"{LAYERS[preset]}.{i}."
+        return {n for n in names if n.startswith(prefix)}
+
+    # each fragment holds all of its own layer's parameters and none of the other layer's
+    assert layer_names(first) == layer_names(spec.names, 0) != set()
+    assert layer_names(last) == layer_names(spec.names, 1) != set()
     assert MODULES[preset][0] + ".weight" in first and MODULES[preset][-1] + ".weight" in last
     assert sum(fragment_spec(frags, p).numel for p in range(2)) == spec.numel
     # the same fragments from the client API's block list (container path of the module tree)

@@ -87,7 +87,8 @@ def test_store_partitions_equal_the_in_memory_ones(tokenizer, tmp_path, monkeypa
     lazy = load_corpus("parquet", path=str(tmp_path / "d"), text_field="body")
     mem = _in_memory(("parquet", str(tmp_path / "d")))
     tok = ByteTokenizer() if tokenizer == "byte" else make_tokenizer("bpe", lazy, 0.1, 300, tmp_path / "tok")
-    assert tokenizer == "byte" or make_tokenizer("bpe", mem, 0.1, 300, tmp_path / "tok2").sha256 == tok.sha256
+    if tokenizer == "bpe":  # the lazy (streamed) corpus trains the very tokenizer the in-memory one does
+        assert make_tokenizer("bpe", mem, 0.1, 300, tmp_path / "tok2").sha256 == tok.sha256
     monkeypatch.setattr(store_mod, "ENCODE_BATCH", 4)  # the corpus is written to disk in chunks of 4 documents
     store = build_store(lazy, tok, 0.1, tmp_path / "stores")
     assert isinstance(store.train, np.memmap) and store.train.dtype == (np.uint8 if tokenizer == "byte" else np.uint16)
