@@ -155,3 +155,16 @@ def site_reply_hook(partition: int, *, tokens=None, scale: float | None = None):
 
     return hook
 
+
+
+@pytest.fixture
+def flower_task_identity(monkeypatch):
+    """A Flower task identity for tests that build Messages outside a running app.
+
+    ``Message(...)`` reads the process's ``TaskIdentity`` (run id), which only a running Flower app
+    (or the in-process grid) sets; a test that relied on an earlier test having set it would pass
+    or fail depending on the order the workers draw tests in."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_task_id", "_run_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)

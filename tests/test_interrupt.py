@@ -16,6 +16,9 @@ import pytest
 from fl_geo.runtime import interrupt
 from tests.conftest import TINY
 
+# Starts Ray (and checks that none of its processes outlive a run): one at a time across `make test`'s workers.
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture
 def default_sigint():

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Starts Ray (and checks that none of its processes outlive a run): one at a time across `make test`'s workers.
+pytestmark = pytest.mark.xdist_group("ray")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -27,6 +27,9 @@ from fl_geo.ray_cluster import backend_config, check_reachable, parse_host_port,
 from fl_geo.simulation import preflight, run_simulation
 from tests.conftest import tiny_config
 
+# Starts Ray (and checks that none of its processes outlive a run): one at a time across `make test`'s workers.
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.mark.parametrize("address, expected", [("10.0.0.5:6379", ("10.0.0.5", 6379)),
                                                ("head.example:1", ("head.example", 1)),

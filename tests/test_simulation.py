@@ -12,6 +12,9 @@ from fl_geo.cli import main as cli_main
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.simulation import run_simulation
 
+# Starts Ray (and checks that none of its processes outlive a run): one at a time across `make test`'s workers.
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 def _ray_processes() -> list[str]:
     """Ray daemons among this test process's descendants (other sessions' Ray runs don't count)."""

@@ -417,7 +417,7 @@ def test_worker_eval_scores_each_workers_own_model_and_changes_nothing_else(tiny
     assert all(abs(v - last["val/loss"]) > 1e-6 for v in own)
 
 
-def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path):
+def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path, flower_task_identity):
     """A node asked to score a model it does not hold answers with an error, which the server
     logs and skips (no figure rather than a wrong one)."""
     from flwr.app import Context, MessageType
