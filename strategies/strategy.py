@@ -426,6 +426,9 @@ class FlGeoStrategy(Strategy):
         dispatcher.wall_faults = make_wall_faults(cfg, spec.numel, self._scenario)
         if scenario is not None:  # partition id = scenario slot: a claim beyond them is refused
             dispatcher.membership.slots = scenario.num_nodes
+        # started before the nodes are profiled: under "auto" a plain node's first job runs then
+        progress = self.progress if isinstance(self.progress, Progress) else Progress(
+            cfg.run.name, cfg.run.rounds, enabled=bool(self.progress), max_tokens=cfg.run.max_tokens)
         profiles = self._profiles(dispatcher, cfg, nodes, spec, params, train_config)
         evaluator: Any = self._evaluator
         if evaluate_fn is not None:
@@ -456,8 +459,6 @@ class FlGeoStrategy(Strategy):
             log.info("fl-geo: resumed from %s (outer step %d, %d tokens)", self.resume_from.path, loop.version, loop.total_tokens)
         self.loop = loop
         first_version = loop.version
-        progress = self.progress if isinstance(self.progress, Progress) else Progress(
-            cfg.run.name, cfg.run.rounds, enabled=bool(self.progress), max_tokens=cfg.run.max_tokens)
         interrupted = False
         try:
             last = loop.run(progress)
