@@ -34,14 +34,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
-from fl_geo.runtime import interrupt
+from fl_geo.runtime import interrupt, profiling
 from fl_geo.runtime.goodput import GoodputMeter, JobCost
-from fl_geo.runtime.membership import Membership, NodeProfile, ProfileError, profile_from_record
-from fl_geo.runtime.profiling import HeldReplies
-from fl_geo.runtime.protocol import PROFILE_KEY, REQUEST_RECORD, ProfileQuery, is_profile_probe
+from fl_geo.runtime.membership import Membership, NodeProfile
+from fl_geo.runtime.protocol import REQUEST_RECORD, is_profile_probe
 from fl_geo.runtime.wall_faults import FAULT_RECORD, Fault, WallFaults, fault_record
 
 log = logging.getLogger("fl_geo")
@@ -158,7 +157,7 @@ class Dispatcher:
         self.lost_jobs = 0  # jobs lost to the failure trace
         self.wall_faults: WallFaults | None = None  # the trace as real faults (wall clock, run.wall_faults)
         self.goodput: GoodputMeter | None = self._goodput_meter()
-        self.held = HeldReplies()  # plain nodes' replies to the profile probe (fl_geo.runtime.profiling)
+        self.held = profiling.HeldReplies()  # plain nodes' replies to the profile probe (fl_geo.runtime.profiling)
         self._kept: list[Event] = []  # events of other jobs that resolved during a profile probe or query
 
     def _goodput_meter(self) -> GoodputMeter | None:
@@ -284,37 +283,8 @@ class Dispatcher:
 
     def query_profiles(self, node_ids: Iterable[int], timeout_s: float = 60.0,
                        known: Mapping[int, NodeProfile] | None = None) -> dict[int, NodeProfile]:
-        """Ask each node for its partition and device with a ``query`` message (``NodeInfo`` has
-        no ``node_config``): for nodes that run fl-geo's ClientApp. Where a node may run a plain
-        Flower ClientApp, which has no query handler, ask with `fl_geo.runtime.profiling.probe_profiles`.
-
-        Each answer is checked (fl_geo.runtime.membership): a malformed or out-of-range profile, a
-        partition count the run's nodes do not share, or a partition already held by a live node
-        in ``known`` is refused and logged, and the node is left out of the result (``membership``
-        remembers it: a bad profile is not asked again, a duplicate claim after a while). A node
-        that does not answer is logged and left out; busy nodes are not asked."""
-        busy = self.busy_nodes()
-        msgs = [Message(RecordDict({REQUEST_RECORD: ProfileQuery(ask=PROFILE_KEY).to_record()}), dst_node_id=nid,
-                        message_type=MessageType.QUERY)
-                for nid in node_ids if not self.membership.waiting(nid) and nid not in busy]
-        claims: dict[int, NodeProfile] = {}
-
-        def keep(batch: Sequence[tuple[int, Message]]) -> None:
-            for nid, reply in batch:
-                rec = reply.content.config_records.get(PROFILE_KEY)
-                try:
-                    if rec is None:
-                        raise ProfileError(f"the reply to the profile query has no '{PROFILE_KEY}' record")
-                    claims[nid] = profile_from_record(nid, rec)
-                except ProfileError as exc:
-                    self.membership.refuse(nid, str(exc))
-
-        if not msgs:
-            return {}
-        outcome = self.run_jobs(msgs, on_replies=keep, order=None, timeout_s=timeout_s, keep_foreign=True)
-        for nid, err in outcome.errors.items():
-            log.warning("node %s did not answer the profile query: %s", nid, err)
-        return self.membership.admit(claims, known or {}, self.live_nodes())
+        """Ask ``node_ids`` for their profiles with a ``query`` message (`profiling.query_profiles`)."""
+        return profiling.query_profiles(self, node_ids, timeout_s, known)
 
     # ---- jobs ---------------------------------------------------------------------------------
     def submit(self, messages: Sequence[Message], timings: Sequence[JobTiming] | None = None,

@@ -71,6 +71,42 @@ def default_profiles(nodes: list[int], known: Mapping[int, NodeProfile]) -> dict
             for nid in sorted(nodes)}
 
 
+def query_profiles(dispatcher: Dispatcher, node_ids: Iterable[int], timeout_s: float = 60.0,
+                   known: Mapping[int, NodeProfile] | None = None) -> dict[int, NodeProfile]:
+    """Ask each node for its partition and device with a ``query`` message (``NodeInfo`` has no
+    ``node_config``): for nodes that run fl-geo's ClientApp (where one may run a plain Flower
+    ClientApp, which has no query handler, `probe_profiles` asks instead).
+
+    Each answer is checked (fl_geo.runtime.membership): a malformed or out-of-range profile, a
+    partition count the run's nodes do not share, or a partition already held by a live node in
+    ``known`` is refused and logged, and the node is left out of the result (``membership``
+    remembers it: a bad profile is not asked again, a duplicate claim after a while). A node that
+    does not answer is logged and left out; refused, waiting and busy nodes are not asked."""
+    membership = dispatcher.membership
+    busy = dispatcher.busy_nodes()
+    msgs = [Message(RecordDict({REQUEST_RECORD: ProfileQuery(ask=PROFILE_KEY).to_record()}), dst_node_id=nid,
+                    message_type=MessageType.QUERY)
+            for nid in node_ids if not membership.waiting(nid) and nid not in busy]
+    if not msgs:
+        return {}
+    claims: dict[int, NodeProfile] = {}
+
+    def keep(batch: Sequence[tuple[int, Message]]) -> None:
+        for nid, reply in batch:
+            rec = reply.content.config_records.get(PROFILE_KEY)
+            try:
+                if rec is None:
+                    raise ProfileError(f"the reply to the profile query has no '{PROFILE_KEY}' record")
+                claims[nid] = profile_from_record(nid, rec)
+            except ProfileError as exc:
+                membership.refuse(nid, str(exc))
+
+    outcome = dispatcher.run_jobs(msgs, on_replies=keep, order=None, timeout_s=timeout_s, keep_foreign=True)
+    for nid, err in outcome.errors.items():
+        log.warning("node %s did not answer the profile query: %s", nid, err)
+    return membership.admit(claims, known or {}, dispatcher.live_nodes())
+
+
 def probe_timeout_s(round_timeout_s: float, wait_nodes_timeout_s: float) -> float:
     """How long a probe waits for its replies: a plain node trains a whole job to answer, so as
     long as a round may take, and at least the start-up wait; 0 (wait for every reply or error)
@@ -118,7 +154,7 @@ def probe_profiles(dispatcher: Dispatcher, nodes: Iterable[int], model: ArrayRec
     """Probe ``nodes`` (those refused, waiting or busy are skipped) with ``model`` (fp32) and the
     user's train config; blocks until each replied, failed or ``timeout_s`` passed (0: no limit).
 
-    fl-geo profiles are admitted as `Dispatcher.query_profiles` admits them (against ``known``);
+    fl-geo profiles are admitted as `query_profiles` admits them (against ``known``);
     a plain node's reply is held by the dispatcher for the node's first train job. Events of
     other jobs that resolve meanwhile are kept for the loop (`Dispatcher.run_jobs`)."""
     membership = dispatcher.membership
@@ -164,7 +200,7 @@ def profile_nodes(dispatcher: Dispatcher, nodes: list[int], clients: str, model:
     if clients == "flower":
         return default_profiles(nodes, known)
     if clients == "fl-geo":
-        return dispatcher.query_profiles(nodes, timeout_s=timeout_s, known=known)
+        return query_profiles(dispatcher, nodes, timeout_s, known)
     probe = probe_profiles(dispatcher, nodes, model(), user, timeout_s, known=known)
     if probe.plain:
         log.info("fl-geo: %d node(s) run a plain Flower ClientApp (no fl-geo profile): they get the fp32 "
