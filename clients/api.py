@@ -33,6 +33,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
+from fl_geo.clients.profile import first_device, partition_ids, profile_probe_mod, profile_reply
 from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
 from fl_geo.clients.site import Site, as_batch_source
 from fl_geo.core.state import ParamSpec, flatten, load_flat_into, pseudo_grad
@@ -54,7 +55,6 @@ from fl_geo.inner.training import (
 )
 from fl_geo.runtime import protocol
 from fl_geo.runtime.builders import inner_config
-from fl_geo.runtime.dispatch import PROFILE_KEY
 from fl_geo.runtime.wall_faults import wall_fault_mod
 from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
 
@@ -115,23 +115,6 @@ def declared(records: dict[str, Any], payload: str, precision: str) -> dict[str,
     precision): the server reads a declared reply as fl-geo's, an undeclared one as Flower's."""
     decl = protocol.ReplyDeclaration(payload=payload, precision=precision).to_record()
     return {**records, protocol.REQUEST_RECORD: decl}
-
-
-def partition_ids(context: Context) -> tuple[int, int]:
-    """``(partition-id, num-partitions)`` of the node; a KeyError that says how to set them."""
-    nc = context.node_config
-    if "partition-id" not in nc or "num-partitions" not in nc:
-        raise KeyError(
-            "node_config needs 'partition-id' and 'num-partitions' "
-            "(simulation sets them; a SuperNode takes --node-config 'partition-id=0 num-partitions=4')"
-        )
-    return int(nc["partition-id"]), int(nc["num-partitions"])
-
-
-def first_device(setting: str) -> str:
-    """A node's ``device`` may list the devices of a data-parallel site (``"cuda:0,cuda:2"``,
-    fl_geo.inner.distributed); a handler that uses one device takes the first."""
-    return setting.split(",", 1)[0].strip()
 
 
 def set_threads(cfg: ConfigRecord) -> None:
@@ -263,8 +246,9 @@ class DatacenterClient:
         self._models: OrderedDict[str, tuple[torch.nn.Module, ParamSpec]] = OrderedDict()
         self._fragments: OrderedDict[tuple[str, int], tuple[Fragments, tuple[ParamSpec, ...]]] = OrderedDict()
         self.pulled_version = -1  # the model version the last pull from the follower PSs returned
-        # run.wall_faults: a job the failure trace ends is answered with an error at the failure
-        self.app = ClientApp(mods=[wall_fault_mod])
+        # run.wall_faults: a job the failure trace ends is answered with an error at the failure;
+        # the profile probe (a train message, clients="auto") is answered before any handler
+        self.app = ClientApp(mods=[wall_fault_mod, profile_probe_mod])
         self.app.query()(self.query)
         self.app.train()(self.train)
         self.app.evaluate()(self.evaluate)
@@ -372,21 +356,8 @@ class DatacenterClient:
     # ---------------------------------------------------------------- handlers
 
     def query(self, msg: Message, context: Context) -> Message:
-        """Tell the server who we are: partition, device and site (NodeInfo carries no node_config)."""
-        request_of(msg)
-        pid, nparts = partition_ids(context)
-        device = str(context.node_config.get("device", "auto"))
-        profile = ConfigRecord(
-            {
-                "partition_id": pid,
-                "num_partitions": nparts,
-                "device": str(pick_device(first_device(device))),
-                "site": str(context.node_config.get("site", f"dc{pid}")),
-            }
-        )
-        if "devices" in context.node_config:  # a site's own device count overrides client.devices
-            profile["devices"] = int(context.node_config["devices"])
-        return Message(RecordDict(declared({PROFILE_KEY: profile}, "none", "fp32")), reply_to=msg)
+        """Tell the server who we are: partition, device and site (`profile_reply`)."""
+        return profile_reply(msg, context)
 
     def _single(self, msg: Message, cfg: ConfigRecord, site: Site) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:
         model, spec = self.model(site)

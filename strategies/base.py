@@ -23,9 +23,10 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import ParamSpec
-from fl_geo.runtime.dispatch import NODE_DOWN, Dispatcher, JobTiming, NodeProfile, default_profiles
+from fl_geo.runtime.dispatch import NODE_DOWN, Dispatcher, JobTiming, NodeProfile
 from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.metrics import MetricsLogger
+from fl_geo.runtime.profiling import probe_timeout_s, profile_nodes
 from fl_geo.runtime.protocol import (
     REQUEST_RECORD,
     USER_CONFIG_RECORD,
@@ -142,9 +143,9 @@ class OuterLoop:
         self._bound: float | None = None
         self._bound_version = -1
         self.resumed = False
-        # Set by the public strategy's start(): nodes that do not answer the profile query run a
-        # plain Flower ClientApp (accepted only outside the CLI path), and the user's Flower
-        # train_config / evaluate_config that every request carries for them.
+        # Set by the public strategy's start(): nodes may run a plain Flower ClientApp (they are
+        # probed, fl_geo.runtime.profiling; accepted only outside the CLI path), and the user's
+        # Flower train_config / evaluate_config that every request carries for them.
         self.accept_plain = False
         self.plain_only = False  # every node is a plain Flower ClientApp: joiners are not queried
         self.user_train_config: ConfigRecord | None = None
@@ -175,18 +176,19 @@ class OuterLoop:
 
     def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Live nodes with no job in flight, in rank order; nodes seen for the first time are
-        asked for their profile first (Flower's NodeInfo carries no node_config)."""
+        asked what they run first (`fl_geo.runtime.profiling.profile_nodes`; under ``"auto"`` the
+        profile probe carries the current model)."""
         live = self.dispatcher.live_nodes()
         membership = self.dispatcher.membership
-        unknown = [n for n in live if n not in self.profiles and not membership.waiting(n)]
+        busy = self.dispatcher.busy_nodes()
+        unknown = [n for n in live if n not in self.profiles and not membership.waiting(n) and n not in busy]
         if unknown:
-            if not self.plain_only:
-                self.profiles.update(self.dispatcher.query_profiles(unknown, plain_ok=self.accept_plain,
-                                                                    known=self.profiles))
-            # a node refused for its profile is not a plain ClientApp: it gets nothing
-            plain = [n for n in unknown if n not in self.profiles and not membership.waiting(n)]
-            if plain and self.accept_plain:
-                self.profiles.update(default_profiles(plain, self.profiles))
+            clients = "flower" if self.plain_only else "auto" if self.accept_plain else "fl-geo"
+            s, r = self.cfg.strategy, self.cfg.run
+            timeout_s = probe_timeout_s(s.round_timeout_s, r.wait_nodes_timeout_s) if clients == "auto" else 60.0
+            self.profiles.update(profile_nodes(self.dispatcher, unknown, clients,
+                                               lambda: encode(self.global_params, self.spec, "fp32"),
+                                               self.user_train_config, timeout_s, known=self.profiles))
         busy = self.dispatcher.busy_nodes() | set(exclude)
         nodes = [n for n in live if n in self.profiles and n not in busy]
         return sorted(nodes, key=lambda n: self.profiles[n].rank)

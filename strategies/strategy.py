@@ -17,11 +17,12 @@ reuses Flower's own pieces: the ``Grid``, ``Message`` and record types, node liv
 them says so.
 
 What ``start()`` does, for every method: read the model layout from ``initial_arrays``; wait for
-``min_nodes`` nodes; ask each for its profile (an fl-geo client answers; a plain Flower ClientApp
-has no query handler and gets a default profile, is sent the fp32 model, and its reply, the trained
-model plus ``num-examples``, is turned into a pseudo-gradient against the model its job was sent
-with); run the method's outer loop; return a Flower ``Result`` (final arrays, per-step train
-metrics, server-side evaluation per step).
+``min_nodes`` nodes; find out what each runs (``clients="auto"``: the profile probe, a ``train``
+message every ClientApp handles, fl_geo.runtime.profiling: an fl-geo client answers with its
+profile; a plain Flower ClientApp trains, gets a default profile, is sent the fp32 model, and its
+reply, the trained model plus ``num-examples``, is turned into a pseudo-gradient against the model
+its job was sent with); run the method's outer loop; return a Flower ``Result`` (final arrays,
+per-step train metrics, server-side evaluation per step).
 
 ``fl-geo run`` builds the same classes from a config (`build_strategy`), so the CLI and a Flower
 user's ServerApp run one code path.
@@ -46,10 +47,12 @@ from fl_geo.config import ConfigError, FlGeoConfig, load_config, validate
 from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.core.state import ParamSpec, flatten, unflatten
 from fl_geo.registry import Method, method
-from fl_geo.runtime.dispatch import Dispatcher, NodeProfile, default_profiles
+from fl_geo.runtime.dispatch import Dispatcher, NodeProfile
 from fl_geo.runtime.interrupt import RunInterrupted
 from fl_geo.runtime.metrics import MemoryLogger
+from fl_geo.runtime.profiling import probe_timeout_s, profile_nodes
 from fl_geo.runtime.progress import Progress
+from fl_geo.runtime.wire import encode
 from fl_geo.timing.scenario import Scenario
 
 log = logging.getLogger("fl_geo")
@@ -195,10 +198,13 @@ class FlGeoStrategy(Strategy):
     seed : int (default: 0)
         Seeds client sampling and what the fl-geo ClientApp seeds from.
     clients : str (default: "auto")
-        What runs on the nodes. ``"auto"``: ask each node (fl-geo's ClientApp answers a profile
-        query; a node that cannot is taken for a plain Flower ClientApp). ``"flower"``: every node
-        is a plain Flower ClientApp (no query is sent, so Flower logs no error for the missing
-        query handler). ``"fl-geo"``: every node must answer; one that does not is an error.
+        What runs on the nodes. ``"auto"``: probe each node with a ``train`` message that carries
+        the first job's model and config and fl-geo's profile query (fl-geo's ClientApp answers
+        with its profile; a plain Flower ClientApp trains, and that reply is its first update), so
+        a plain ClientApp never gets a message type it has no handler for. ``"flower"``: every
+        node is a plain Flower ClientApp (nothing is asked). ``"fl-geo"``: every node runs
+        fl-geo's ClientApp and is asked with a ``query`` message (the model is not sent twice);
+        one that does not answer gets no job, and none answering is an error.
     options : Mapping[str, Any], optional
         Any other fl-geo setting as dotted keys (``{"penalty.warmup": 5, "run.eval_every": 2}``);
         ``fl-geo config FILE`` lists them. Unknown keys are a one-line error.
@@ -381,24 +387,28 @@ class FlGeoStrategy(Strategy):
             validate(cfg)
         return cfg
 
-    def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig, nodes: list[int]) -> dict[int, NodeProfile]:
-        """Ask ``nodes`` for their profiles; outside the CLI path a node that does not answer runs
-        a plain Flower ClientApp and gets a default one (`default_profiles`)."""
-        if self.clients == "flower":
-            return default_profiles(nodes, {})
-        # The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
-        # process per message in deployment), which is slow on a loaded machine.
-        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s, plain_ok=self.clients == "auto")
-        if self.clients == "fl-geo":
-            if not profiles:
-                raise RuntimeError("no node answered the profile query")
-            return profiles
-        plain = [n for n in nodes if n not in profiles and not dispatcher.membership.waiting(n)]
-        if plain:
-            log.info("fl-geo: %d node(s) run a plain Flower ClientApp (no fl-geo profile): they get the fp32 "
-                     "model and reply the trained model", len(plain))
-            profiles.update(default_profiles(plain, profiles))
+    def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig, nodes: list[int], spec: ParamSpec,
+                  params: torch.Tensor, train_config: ConfigRecord | None) -> dict[int, NodeProfile]:
+        """Who runs on ``nodes`` (`profile_nodes`). Under ``"auto"`` the profile probe carries the
+        model the run starts from, so a plain node's reply to it answers its first train job.
+        The first message to a node also waits for its ClientApp to start (Ray actors, a fresh
+        process per message in deployment), which is slow on a loaded machine: the query waits
+        ``wait_nodes_timeout_s``, the probe a round's time at least (`probe_timeout_s`)."""
+        timeout_s = cfg.run.wait_nodes_timeout_s if self.clients == "fl-geo" else \
+            probe_timeout_s(cfg.strategy.round_timeout_s, cfg.run.wait_nodes_timeout_s)
+        profiles = profile_nodes(dispatcher, nodes, self.clients, lambda: encode(self._start_params(params), spec, "fp32"),
+                                 train_config, timeout_s)
+        if self.clients == "fl-geo" and not profiles:
+            raise RuntimeError("no node answered the profile query")
         return profiles
+
+    def _start_params(self, params: torch.Tensor) -> torch.Tensor:
+        """The model the first jobs carry: a resumed run's checkpoint model (when it is one this
+        run can load; `load_state_dict` checks it fully later), else ``params``."""
+        saved = self.resume_from.state.get("params") if self.resume_from is not None else None
+        if torch.is_tensor(saved) and saved.shape == params.shape and saved.dtype == params.dtype:
+            return saved
+        return params
 
     def _run(self, grid: Grid, cfg: FlGeoConfig, spec: ParamSpec, params: torch.Tensor,
              train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
@@ -416,7 +426,10 @@ class FlGeoStrategy(Strategy):
         dispatcher.wall_faults = make_wall_faults(cfg, spec.numel, self._scenario)
         if scenario is not None:  # partition id = scenario slot: a claim beyond them is refused
             dispatcher.membership.slots = scenario.num_nodes
-        profiles = self._profiles(dispatcher, cfg, nodes)
+        # started before the nodes are profiled: under "auto" a plain node's first job runs then
+        progress = self.progress if isinstance(self.progress, Progress) else Progress(
+            cfg.run.name, cfg.run.rounds, enabled=bool(self.progress), max_tokens=cfg.run.max_tokens)
+        profiles = self._profiles(dispatcher, cfg, nodes, spec, params, train_config)
         evaluator: Any = self._evaluator
         if evaluate_fn is not None:
             evaluator = FlowerEvaluateFn(evaluate_fn, spec)
@@ -430,7 +443,7 @@ class FlGeoStrategy(Strategy):
             raise ConfigError(
                 f"{type(self).__name__} needs fl-geo's ClientApp on every node (fl_geo.clients): its workers keep "
                 f"their own model between messages or use fl-geo's data path; nodes {plain} run a plain Flower "
-                "ClientApp (they did not answer the profile query)")
+                "ClientApp (they did not answer the profile probe with an fl-geo profile)")
         logger = self.logger if self.logger is not None else MemoryLogger()
         loop = loop_cls(cfg, spec, params, dispatcher, profiles, logger, evaluator, scenario)
         loop.accept_plain = self.clients != "fl-geo" and loop_cls.supports_plain_clients
@@ -446,8 +459,6 @@ class FlGeoStrategy(Strategy):
             log.info("fl-geo: resumed from %s (outer step %d, %d tokens)", self.resume_from.path, loop.version, loop.total_tokens)
         self.loop = loop
         first_version = loop.version
-        progress = self.progress if isinstance(self.progress, Progress) else Progress(
-            cfg.run.name, cfg.run.rounds, enabled=bool(self.progress), max_tokens=cfg.run.max_tokens)
         interrupted = False
         try:
             last = loop.run(progress)

@@ -9,7 +9,6 @@ import torch
 from flwr.app import ConfigRecord, Message
 
 from fl_geo.clients.datacenter import app as client_app
-from fl_geo.runtime.dispatch import PROFILE_KEY
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.membership import (
     MAX_PARTITIONS,
@@ -18,6 +17,7 @@ from fl_geo.runtime.membership import (
     ProfileError,
     profile_from_record,
 )
+from fl_geo.runtime.protocol import PROFILE_KEY
 from fl_geo.server_app import run_server
 from tests.conftest import keep_declaration
 

@@ -78,7 +78,8 @@ def test_a_misspelled_or_missing_field_fails_on_the_server_before_sending(job):
     ({"keep_prev": 1}, r"TrainRequest.keep_prev must be bool, got int"),
     ({"inner_steps": -1}, r"inner_steps must be >= 0"),
     ({"client": "{not json"}, r"TrainRequest.client is not valid JSON"),
-    ({PROTOCOL_KEY: 2}, r"protocol version 2 from the server, this client speaks 1"),
+    ({PROTOCOL_KEY: PROTOCOL_VERSION + 1},
+     rf"protocol version {PROTOCOL_VERSION + 1} from the server, this client speaks {PROTOCOL_VERSION}"),
     ({PROTOCOL_KEY: None}, r"protocol version None"),
 ])
 def test_a_client_refuses_a_malformed_request_naming_the_field(job, change, match):
@@ -102,7 +103,8 @@ def test_the_client_app_answers_a_bad_request_with_an_error_and_changes_nothing(
     ids = grid.push_messages([Message(RecordDict({REQUEST_RECORD: record}), dst_node_id=node,
                                       message_type=MessageType.TRAIN)])
     (reply,) = grid.pull_messages(ids)
-    assert reply.has_error() and "protocol version 2 from the server, this client speaks 1" in reply.error.reason
+    expected = f"protocol version {PROTOCOL_VERSION + 1} from the server, this client speaks {PROTOCOL_VERSION}"
+    assert reply.has_error() and expected in reply.error.reason
     assert len(grid.contexts[node].state) == 0
     ids = grid.push_messages([Message(RecordDict({"config": ConfigRecord({"inner_steps": 3})}), dst_node_id=node,
                                       message_type=MessageType.TRAIN)])
@@ -119,7 +121,7 @@ def test_reply_declarations_are_read_not_guessed():
     assert declaration_of(_declared_reply(None)) is None
     ok = ReplyDeclaration(payload="params", precision="fp32").to_record()
     assert declaration_of(_declared_reply(ok)) == ReplyDeclaration(payload="params", precision="fp32")
-    with pytest.raises(ProtocolError, match="reply speaks fl-geo protocol version 9, this server 1"):
+    with pytest.raises(ProtocolError, match=f"reply speaks fl-geo protocol version 9, this server {PROTOCOL_VERSION}"):
         declaration_of(_declared_reply(ConfigRecord({**ok, PROTOCOL_KEY: 9})))
     with pytest.raises(ProtocolError, match="payload 'gradients' is unknown"):
         declaration_of(_declared_reply(ConfigRecord({**ok, "payload": "gradients"})))
@@ -135,7 +137,7 @@ def test_reply_declarations_are_read_not_guessed():
 
 @pytest.mark.parametrize("tamper", ["version", "undeclared-async"])
 def test_a_reply_of_another_version_is_rejected_end_to_end(tiny, tmp_path, tamper, caplog):
-    """One node's replies claim protocol version 2 (or, under an asynchronous strategy whose server
+    """One node's replies claim another protocol version (or, under an asynchronous strategy whose server
     keeps no copy for fl-geo nodes, drop their declaration): rejected and counted, the run ends
     and its model is the one the honest nodes trained."""
     caplog.set_level("WARNING", logger="fl_geo")
@@ -149,7 +151,8 @@ def test_a_reply_of_another_version_is_rejected_end_to_end(tiny, tmp_path, tampe
             return reply
         records = {k: v for k, v in reply.content.items() if k != REQUEST_RECORD}
         if tamper == "version":
-            records[REQUEST_RECORD] = ConfigRecord({**reply.content.config_records[REQUEST_RECORD], PROTOCOL_KEY: 2})
+            records[REQUEST_RECORD] = ConfigRecord({**reply.content.config_records[REQUEST_RECORD],
+                                                    PROTOCOL_KEY: PROTOCOL_VERSION + 1})
         return Message(RecordDict(records), reply_to=msg)
 
     grid.reply_hook = hook
@@ -157,5 +160,5 @@ def test_a_reply_of_another_version_is_rejected_end_to_end(tiny, tmp_path, tampe
     assert summary["rejected"] >= 2 and summary["outer_steps"] == 2
     final = torch.load(tmp_path / "run" / "final_model.pt")["params"]
     assert torch.isfinite(final).all()
-    expected = "protocol version 2" if tamper == "version" else "declares no fl-geo protocol"
+    expected = f"protocol version {PROTOCOL_VERSION + 1}" if tamper == "version" else "declares no fl-geo protocol"
     assert expected in caplog.text

@@ -355,7 +355,7 @@ def test_a_site_with_more_devices_may_claim_more_tokens(tiny, tmp_path):
         if msg.metadata.message_type == "query" and not reply.has_error():
             from flwr.app import ConfigRecord
 
-            from fl_geo.runtime.dispatch import PROFILE_KEY
+            from fl_geo.runtime.protocol import PROFILE_KEY
             profile = dict(reply.content.config_records[PROFILE_KEY])
             if profile["partition_id"] == 0:
                 profile["devices"] = 2

@@ -6,7 +6,8 @@ and strategy). This client keeps the datacenter client's reply contract, so the 
 (`Dispatcher`, `AsyncOuterLoop`/`SyncOuterLoop`, reply validation, decoding, folding, the outer
 step) runs unchanged on its replies:
 
-- ``query``: the datacenter client's own handler (partition, device, site);
+- ``query``: the datacenter client's own handler (partition, device, site), which also answers
+  the profile probe (a ``train`` message, fl_geo.clients.profile);
 - ``train``: replies at once, without decoding the received model, with the update of a worker
   that took no step: a zero pseudo-gradient in the configured ``wire_up`` precision (built once
   per process from the model spec), or, when the server asks for parameters (``send=params``),
@@ -30,11 +31,12 @@ from flwr.clientapp import ClientApp
 
 from fl_geo.clients.api import declared, partition_ids, request_of
 from fl_geo.clients.datacenter import query
+from fl_geo.clients.profile import profile_probe_mod
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.builders import make_model
 from fl_geo.runtime.wire import decode_into, encode
 
-app = ClientApp()
+app = ClientApp(mods=[profile_probe_mod])  # the profile probe (clients="auto") is answered like a query
 app.query()(query)  # the same handler as the datacenter client: one profile contract
 
 

@@ -23,8 +23,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.halos.ipc import exchange
-from fl_geo.runtime.dispatch import PROFILE_KEY
-from fl_geo.runtime.protocol import BridgeRequest
+from fl_geo.runtime.protocol import PROFILE_KEY, BridgeRequest
 
 app = ClientApp()
 

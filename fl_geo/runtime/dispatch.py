@@ -34,18 +34,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
-from fl_geo.runtime import interrupt
+from fl_geo.runtime import interrupt, profiling
 from fl_geo.runtime.goodput import GoodputMeter, JobCost
-from fl_geo.runtime.membership import Membership, NodeProfile, ProfileError, profile_from_record
-from fl_geo.runtime.protocol import REQUEST_RECORD, ProfileQuery
+from fl_geo.runtime.membership import Membership, NodeProfile
+from fl_geo.runtime.protocol import REQUEST_RECORD, is_profile_probe
 from fl_geo.runtime.wall_faults import FAULT_RECORD, Fault, WallFaults, fault_record
 
 log = logging.getLogger("fl_geo")
 
-PROFILE_KEY = "profile"
 # The error of a job lost because its node failed under the scenario's failure trace.
 NODE_DOWN = "node down (failure trace)"
 
@@ -65,20 +64,6 @@ class Clock(Protocol):
     def cancel(self, job_id: str) -> None: ...
     def advance_to(self, t: float) -> None: ...
     def lost(self, job_id: str) -> bool: ...
-
-
-def default_profiles(nodes: list[int], known: Mapping[int, NodeProfile]) -> dict[int, NodeProfile]:
-    """Profiles for nodes that did not answer fl-geo's profile query (plain Flower ClientApps).
-
-    Each gets the next partition id not used by a known node, in node-id order, and is marked
-    ``fl_geo_client=False``: it is sent the fp32 model and its reply is read as a trained model.
-    """
-    used = {p.partition_id for p in known.values()}
-    free = (pid for pid in range(len(known) + len(nodes) + len(used)) if pid not in used)
-    total = len(known) + len(nodes)
-    return {nid: NodeProfile(node_id=nid, partition_id=next(free), num_partitions=total, device="unknown",
-                             fl_geo_client=False)
-            for nid in sorted(nodes)}
 
 
 @dataclass(frozen=True)
@@ -172,6 +157,8 @@ class Dispatcher:
         self.lost_jobs = 0  # jobs lost to the failure trace
         self.wall_faults: WallFaults | None = None  # the trace as real faults (wall clock, run.wall_faults)
         self.goodput: GoodputMeter | None = self._goodput_meter()
+        self.held = profiling.HeldReplies()  # plain nodes' replies to the profile probe (fl_geo.runtime.profiling)
+        self._kept: list[Event] = []  # events of other jobs that resolved during a profile probe or query
 
     def _goodput_meter(self) -> GoodputMeter | None:
         """A meter on a virtual clock with a scenario: provisioned = each node's up time."""
@@ -270,10 +257,12 @@ class Dispatcher:
         return nodes
 
     def busy_nodes(self) -> set[int]:
-        return {j.node for j in self._jobs.values()} | set(self._abandoned.values())
+        """Nodes with a job in flight, abandoned, or whose event is not handed over yet."""
+        return {j.node for j in self._jobs.values()} | set(self._abandoned.values()) | {e.job.node for e in self._kept}
 
     def in_flight(self) -> list[Job]:
-        return list(self._jobs.values())
+        """Jobs whose event `next_event` has not handed over yet."""
+        return list(self._jobs.values()) + [e.job for e in self._kept]
 
     def wait_for_nodes(self, minimum: int, timeout_s: float) -> list[int]:
         """Block until ``minimum`` nodes are connected; a clear error if they never come."""
@@ -292,41 +281,10 @@ class Dispatcher:
             nodes = self.live_nodes()
         return nodes
 
-    def query_profiles(self, node_ids: Iterable[int], timeout_s: float = 60.0, plain_ok: bool = False,
+    def query_profiles(self, node_ids: Iterable[int], timeout_s: float = 60.0,
                        known: Mapping[int, NodeProfile] | None = None) -> dict[int, NodeProfile]:
-        """Ask each node for its partition and device (``NodeInfo`` has no ``node_config``).
-
-        Each answer is checked (fl_geo.runtime.membership): a malformed or out-of-range profile, a
-        partition count the run's nodes do not share, or a partition already held by a live node
-        in ``known`` is refused and logged, and the node is left out of the result (``membership``
-        remembers it: a bad profile is not asked again, a duplicate claim after a while). ``plain_ok``: a node that cannot
-        answer (a plain Flower ClientApp has no query handler) is expected, not a fault: its
-        error reply is logged at debug level only."""
-        msgs = []
-        for nid in node_ids:
-            if self.membership.waiting(nid):
-                continue
-            content = RecordDict({REQUEST_RECORD: ProfileQuery(ask=PROFILE_KEY).to_record()})
-            msgs.append(Message(content, dst_node_id=nid, message_type=MessageType.QUERY))
-        claims: dict[int, NodeProfile] = {}
-
-        def keep(batch: Sequence[tuple[int, Message]]) -> None:
-            for nid, reply in batch:
-                rec = reply.content.config_records.get(PROFILE_KEY)
-                try:
-                    if rec is None:
-                        raise ProfileError(f"the reply to the profile query has no '{PROFILE_KEY}' record")
-                    claims[nid] = profile_from_record(nid, rec)
-                except ProfileError as exc:
-                    self.membership.refuse(nid, str(exc))
-
-        if not msgs:
-            return {}
-        meta = [{"quiet_errors": True}] * len(msgs) if plain_ok else None
-        outcome = self.run_jobs(msgs, on_replies=keep, order=None, timeout_s=timeout_s, meta=meta)
-        for nid, err in outcome.errors.items():
-            log.log(logging.DEBUG if plain_ok else logging.WARNING, "node %s did not answer the profile query: %s", nid, err)
-        return self.membership.admit(claims, known or {}, self.live_nodes())
+        """Ask ``node_ids`` for their profiles with a ``query`` message (`profiling.query_profiles`)."""
+        return profiling.query_profiles(self, node_ids, timeout_s, known)
 
     # ---- jobs ---------------------------------------------------------------------------------
     def submit(self, messages: Sequence[Message], timings: Sequence[JobTiming] | None = None,
@@ -334,7 +292,10 @@ class Dispatcher:
         """Push one message per node; with a virtual clock each job's finish time is fixed now.
 
         A node that already has a job in flight is refused (ValueError): the caller must wait for
-        its event first. A node unknown to the grid yields an immediate "vanished" event.
+        its event first. A node unknown to the grid yields an immediate "vanished" event. A plain
+        node's first train job that its reply to the profile probe answers (`HeldReplies`) is not
+        sent: that reply is its outcome. A profile probe is a ``query`` job for the clock and
+        goodput (control, not modelled work), whatever message type it travels as.
         """
         dst = [m.metadata.dst_node_id for m in messages]
         if len(set(dst)) != len(dst):
@@ -344,13 +305,17 @@ class Dispatcher:
             raise ValueError(f"nodes {sorted(busy)} still have a job in flight")
         if timings is not None and len(timings) != len(messages):
             raise ValueError("one JobTiming per message")
-        faults = [self._plan_fault(m) for m in messages]
-        ids = list(self.grid.push_messages(messages))
+        kinds = [MessageType.QUERY if is_profile_probe(m) else m.metadata.message_type for m in messages]
+        faults = [self._plan_fault(m) if k == MessageType.TRAIN else None for m, k in zip(messages, kinds, strict=True)]
+        held = [None if f is not None else h for h, f in zip(map(self.held.take, messages), faults, strict=True)]
+        send = [m for m, h in zip(messages, held, strict=True) if h is None]
+        pushed = iter(list(self.grid.push_messages(send)) if send else [])
+        ids = [next(pushed) if h is None else f"held-{next(self._seq)}" for h in held]
         jobs = []
         now = self.clock.now()
-        for i, (msg, mid, nid) in enumerate(zip(messages, ids, dst, strict=True)):
+        for i, (mid, nid) in enumerate(zip(ids, dst, strict=True)):
             job_id = mid or f"unsent-{nid}-{next(self._seq)}"
-            job = Job(job_id, nid, msg.metadata.message_type, next(self._seq), now, dict(meta[i]) if meta else {})
+            job = Job(job_id, nid, kinds[i], next(self._seq), now, dict(meta[i]) if meta else {})
             timing = timings[i] if timings is not None else JobTiming(slot=0)
             job.slot = timing.slot
             job.fault = faults[i]
@@ -364,15 +329,17 @@ class Dispatcher:
                                     bytes_up=timing.bytes_up, peer_region=timing.peer_region,
                                     traced=job.kind == MessageType.TRAIN)
             self._jobs[job_id] = job
-            if not mid:  # Flower returns an empty id for a node it does not know
+            if held[i] is not None:
+                self._arrived[job_id] = held[i]
+            elif not mid:  # Flower returns an empty id for a node it does not know
                 self._arrived[job_id] = _VANISHED
             jobs.append(job)
         return jobs
 
     def _plan_fault(self, msg: Message) -> Fault | None:
         """Under ``run.wall_faults``: whether the failure trace ends this train job, and if so tell
-        its ClientApp (a record it acts on; see fl_geo.runtime.wall_faults)."""
-        if self.wall_faults is None or msg.metadata.message_type != MessageType.TRAIN:
+        its ClientApp (a record it acts on; see fl_geo.runtime.wall_faults). Train jobs only."""
+        if self.wall_faults is None:
             return None
         slot = self._slot(msg.metadata.dst_node_id)
         rec = msg.content.config_records.get(REQUEST_RECORD)
@@ -478,8 +445,11 @@ class Dispatcher:
         None means: nothing is in flight, or ``deadline`` (clock time) came first (a virtual clock
         then stands at the deadline), or ``block`` is False and nothing can be handed over yet, or
         (with ``wake_on_rejoin``) a node repaired under the failure trace is back: `take_rejoined`
-        is then True. Without ``wake_on_rejoin`` a repair just moves virtual time on.
+        is then True. Without ``wake_on_rejoin`` a repair just moves virtual time on. Events kept
+        back while a profile probe or query ran (``run_jobs(keep_foreign=True)``) come first.
         """
+        if self._kept:
+            return self._kept.pop(0)
         virtual = self.clock.is_virtual
         while True:
             if self.wall_faults is not None and self.wake_on_rejoin and self.wall_faults.take_repaired():
@@ -525,6 +495,7 @@ class Dispatcher:
         meta: Sequence[dict[str, Any]] | None = None,
         quorum: int = 0,
         on_late: Callable[[Event], None] | None = None,
+        keep_foreign: bool = False,
     ) -> RoundOutcome:
         """A synchronous round: push one message per node, hand good replies over in groups.
 
@@ -538,6 +509,9 @@ class Dispatcher:
         virtual clock, at the quorum-th modelled finish time); the other jobs stay in flight,
         their nodes busy, and are listed in ``outcome.pending``. Their events come in a later
         round and go to ``on_late`` (dropped when None), as do those of any job not of this round.
+        ``keep_foreign``: events of jobs not of this round are kept instead, in order, and handed
+        over by the next `next_event` calls (a profile probe or query in the middle of an
+        asynchronous run must not lose the replies that come meanwhile).
         """
         jobs = self.submit(messages, timings, meta)
         outcome = RoundOutcome()
@@ -558,10 +532,13 @@ class Dispatcher:
             if group:
                 on_replies(group)
 
+        foreign: list[Event] = []
         while remaining and not (quorum and replies >= quorum):
             ev = self.next_event(block=False)
             if ev is not None and ev.job.id not in remaining:  # a job of an earlier round
-                if on_late is not None:
+                if keep_foreign:
+                    foreign.append(ev)
+                elif on_late is not None:
                     on_late(ev)
                 continue
             if ev is None:
@@ -591,4 +568,5 @@ class Dispatcher:
             outcome.pending = sorted(pending)
             queue[:] = [n for n in queue if n not in pending]
         hand_over()
+        self._kept[:0] = foreign
         return outcome

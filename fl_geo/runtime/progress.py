@@ -27,6 +27,9 @@ def format_duration(seconds: float) -> str:
 class Progress:
     """Prints ``[name] round r/R | train x | val y | virtual t | s/round | elapsed | ETA`` per round.
 
+    ``train x`` is shown only when the step's replies reported a training loss (a plain Flower
+    ClientApp need not: its step's ``train/loss`` is NaN, and the field is left out).
+
     The ETA follows whichever budget ends the run first: ``total_rounds`` outer rounds or
     ``max_tokens`` tokens (``run.max_tokens``; 0 = no token budget). A run on a virtual clock also
     shows how much modelled time has passed.
@@ -59,7 +62,7 @@ class Progress:
         if by_tokens and by_tokens * self.total >= rnd:  # the token budget is the one that ends the run
             head += f" ({100 * min(by_tokens, 1.0):.0f}% of {self.max_tokens:,} tokens)"
         parts = [head]
-        if train_loss is not None:
+        if train_loss is not None and math.isfinite(train_loss):  # NaN: no reply of the step carried a loss
             parts.append(f"train {train_loss:.3f}")
         if val_loss is not None:
             parts.append(f"val {val_loss:.3f}")

@@ -32,9 +32,12 @@ from typing import Any, ClassVar, TypeVar
 
 from flwr.app import ConfigRecord, Message
 
-PROTOCOL_VERSION = 1
+# 2: the profile query may travel as a ``train`` message (`is_profile_probe`), which fl-geo's
+# ClientApp answers with its profile and a plain Flower ClientApp with a trained model.
+PROTOCOL_VERSION = 2
 PROTOCOL_KEY = "protocol"
 REQUEST_RECORD = "fl-geo"  # the fl-geo request in a message; the reply's declaration in a reply
+PROFILE_KEY = "profile"  # the ConfigRecord of a profile reply (`ProfileQuery`)
 USER_CONFIG_RECORD = "config"  # the user's Flower train_config / evaluate_config
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 # Fields that hold JSON text (checked to parse on both sides).
@@ -243,10 +246,22 @@ class EvaluateRequest(JobRequest):
 @dataclass(frozen=True, kw_only=True)
 class ProfileQuery(Request):
     """``query``: ask a node for its profile (partition, device, site); Flower's ``NodeInfo``
-    carries no node config."""
+    carries no node config.
 
-    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("query",)
+    It also travels as a ``train`` message, the *profile probe* (`is_profile_probe`), when the
+    server does not know whether a node runs fl-geo's ClientApp: a plain Flower ClientApp has no
+    ``query`` handler (Flower would log a traceback on the node), but it trains, so the probe
+    carries a first train job's model and config too (fl_geo.runtime.profiling)."""
+
+    MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("query", "train")
     ask: str
+
+
+def is_profile_probe(msg: Message) -> bool:
+    """Whether ``msg`` is the profile query sent as a ``train`` message: its ``"fl-geo"`` record
+    holds a `ProfileQuery` (the ``ask`` field, which no `TrainRequest` has)."""
+    record = msg.content.config_records.get(REQUEST_RECORD)
+    return msg.metadata.message_type == "train" and record is not None and "ask" in record
 
 
 @dataclass(frozen=True, kw_only=True)
