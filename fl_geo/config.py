@@ -32,10 +32,10 @@ WEIGHTINGS = ("uniform", "tokens")
 
 # The strategy tables, derived from the one registry entry per method (fl_geo.registry): which
 # outer optimizers a strategy may use (first = default), the outer lr / momentum it gets when the
-# config leaves them unset, EDiT's penalty defaults, and which loops checkpoints cover.
+# config leaves them unset, and which loops checkpoints cover. The rest of a method's defaults
+# (`Method.defaults`) is merged under the user's keys by `load_config`.
 STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {m.name: m.optimizers for m in METHODS.values()}
 STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {m.name: (m.outer_lr, m.outer_momentum) for m in METHODS.values()}
-EDIT_STRATEGIES = tuple(m.name for m in METHODS.values() if m.penalty)
 NO_CHECKPOINT_STRATEGIES = tuple(m.name for m in METHODS.values() if not m.checkpoints)
 ASYNC_STRATEGIES = tuple(m.name for m in METHODS.values() if m.is_async)
 STREAMING_STRATEGIES = tuple(m.name for m in METHODS.values() if m.family == "streaming")
@@ -114,14 +114,21 @@ class StrategySection:
     tau: float = 1e-3
     delay_buffer: int = 1  # delayed_nesterov N
     delay_activation: float = 0.0  # delayed_nesterov c
-    # asynchronous strategies (docs/algorithms.md §5)
-    buffer_size: int = 0  # accepted updates per outer step (FedBuff K); 0 = strategy default
-    staleness_weighting: bool = False  # FedBuff s(tau) = 1/sqrt(1 + tau)
+    # asynchronous strategies (docs/algorithms.md §5). A method's own values (FedBuff's K = 2 and
+    # staleness weights, FedAsync's mixing, Di-PS's grace window) are its registry defaults.
+    buffer_size: int = 1  # accepted updates per outer step (FedBuff K; Di-PS 1_000_000 = no cap)
+    staleness_weighting: bool = False  # weight each update by s(tau) = 1/sqrt(1 + tau) (FedBuff)
+    # FedAsync: scale each one-update step by alpha_t = mixing (1 + tau)^-staleness_exponent
+    staleness_mixing: bool = False
     mixing: float = 0.6  # FedAsync alpha
     staleness_exponent: float = 0.5  # FedAsync a: alpha_t = alpha (1 + tau)^-a
-    grace_s: float = -1.0  # Di-PS grace window; -1 = ski-rental estimate, >= 0 fixed
+    # close a step once grace_s has passed since the last arrival (Di-PS); grace_s >= 0 turns it on
+    grace: bool = False
+    grace_s: float = -1.0  # grace window; -1 = ski-rental estimate, >= 0 fixed
     grace_max_s: float = 60.0
-    pseudo_grad_base: str = "dispatch"  # dispatch | current (Di-PS line 10: workers send parameters)
+    # dispatch: workers send Δ against the model they started from; current: they send parameters
+    # and g = θ_current − θ_worker (Di-PS line 10; FedAsync's mixing)
+    pseudo_grad_base: str = "dispatch"
     schedule_clock: str = ""  # local | global; "" = local for synchronous, global for asynchronous
     dynupd: bool = False  # H_i = ceil(H * speed_i / max speed) (DyLU / DynUpd)
     # none: every outer step uses outer_lr. share: lr x (accepted updates / live workers), so that
@@ -202,10 +209,15 @@ class HalosSection:
 class StreamingSection:
     """Streaming DiLoCo and CoCoDC (docs/algorithms.md §7); H is ``strategy.inner_steps``."""
 
-    fragments: int = 4  # P: strided fragments of the transformer blocks (1 <= P <= model.n_layers)
+    # P: strided fragments of the transformer blocks (1 <= P <= the model's blocks; the built-in
+    # model has 2 by default, the papers use 4 on deeper models: configs/streaming_diloco.yaml)
+    fragments: int = 2
     overlap: int = 5  # tau: inner steps between a fragment's sync start and its merge (0 <= tau < H/P)
-    alpha: float = 0.5  # streaming_diloco merge: weight of the global fragment (1 = overwrite)
-    compensation: float = 0.5  # cocodc lambda (0 = new global fragment + local progress)
+    # how a worker merges a new global fragment: blend = (1 - alpha) local + alpha global (Streaming
+    # DiLoCo); compensate = CoCoDC's delay compensation with lambda = compensation
+    rule: str = "blend"
+    alpha: float = 0.5  # blend: weight of the global fragment (1 = overwrite)
+    compensation: float = 0.5  # compensate: lambda (0 = new global fragment + local progress)
     adaptive: bool = False  # CoCoDC Algorithm 2: N = max(P, floor(gamma H T_c / T_s)) syncs per H steps
     gamma: float = 0.4  # adaptive: share of the network capacity to use, in (0, 1]
     # also score every worker's own model θ^m whenever val/loss is taken (val/worker_loss): the
@@ -426,21 +438,25 @@ def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[st
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                values: Mapping[str, Any] | None = None) -> FlGeoConfig:
+                values: Mapping[str, Any] | None = None, *, own_model: bool = False) -> FlGeoConfig:
     """Merge schema defaults, an optional YAML file and ``key=value`` overrides, then validate.
 
-    A strategy with its own penalty defaults (EDiT, A-EDiT: `Method.penalty` in fl_geo.registry) gets them as the
-    base the file and overrides are merged onto, so ``strategy.name=edit`` alone is full EDiT and
-    any penalty key the user sets still wins. ``values``: nested plain values (``{"strategy":
-    {"outer_lr": 0.5}}``) merged after the file and before the overrides; how the public strategy
-    classes build their config from keyword arguments.
+    The strategy's own defaults (`Method.defaults` in fl_geo.registry: EDiT's and Di-PS's penalty,
+    FedBuff's staleness weights, CoCoDC's merge rule, ...) are the base the file and overrides are
+    merged onto, so ``strategy.name=edit`` alone is full EDiT and any key the user sets still wins.
+    ``values``: nested plain values (``{"strategy": {"outer_lr": 0.5}}``) merged after the file and
+    before the overrides; how the public strategy classes build their config from keyword
+    arguments. ``own_model``: see `validate`.
     """
     cfg = _merge_sources(_schema(), path, overrides, values)
-    if cfg.strategy.name in METHODS and METHODS[cfg.strategy.name].penalty:
-        base = OmegaConf.merge(_schema(), {"penalty": METHODS[cfg.strategy.name].penalty})
+    if cfg.strategy.name in METHODS and METHODS[cfg.strategy.name].defaults:
+        try:
+            base = OmegaConf.merge(_schema(), dict(METHODS[cfg.strategy.name].defaults))
+        except OmegaConfBaseException as exc:  # a registry entry naming a key the schema lacks
+            raise _wrap(exc, f"fl_geo.registry defaults of '{cfg.strategy.name}'") from None
         cfg = _merge_sources(base, path, overrides, values)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    validate(out)
+    validate(out, own_model=own_model)
     return out
 
 
@@ -522,8 +538,14 @@ def _require_finite(cfg: FlGeoConfig) -> None:
                 raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
 
 
-def validate(cfg: FlGeoConfig) -> None:
-    """Cross-field checks that a schema of types cannot express."""
+def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
+    """Cross-field checks that a schema of types cannot express.
+
+    ``own_model``: the model that runs is the caller's (a public strategy class is handed it in
+    ``start(grid, initial_arrays)``), not the one the ``model`` section describes, so the checks
+    of other settings against that section's shape (streaming fragments against its blocks) are
+    left to where the real model is known (the streaming loop checks its fragments there).
+    """
     _require_finite(cfg)
     r, s, w, d, c, m = cfg.run, cfg.strategy, cfg.wire, cfg.data, cfg.client, cfg.model
     _require(r.rounds >= 1, f"run.rounds must be >= 1, got {r.rounds}")
@@ -563,12 +585,14 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(s.outer_lr > 0, f"strategy.outer_lr must be > 0, got {s.outer_lr}")
     _require(0 <= s.outer_momentum < 1, f"strategy.outer_momentum must be in [0, 1), got {s.outer_momentum}")
     _require(s.delay_buffer >= 1, "strategy.delay_buffer must be >= 1")
-    _require(s.buffer_size >= 0, "strategy.buffer_size must be >= 0")
+    _require(s.buffer_size >= 1, f"strategy.buffer_size must be >= 1 (leave it out for the strategy's default), "
+                                 f"got {s.buffer_size}")
     is_async = s.name in ASYNC_STRATEGIES
-    if not s.buffer_size:
-        # FedBuff K = 2 (of 4 datacenters); Di-PS has no cap (the grace window or a full house decides); else one.
-        s.buffer_size = {"fedbuff": 2, "dips": 1_000_000}.get(s.name, 1)
-    _require(not (s.name == "fedasync" and s.buffer_size != 1), "fedasync mixes one update at a time (strategy.buffer_size=1)")
+    buffered = METHODS[s.name].family == "async"  # the asynchronous buffered loop (not HALoS)
+    _require(not s.staleness_mixing or (buffered and s.buffer_size == 1),
+             "strategy.staleness_mixing (FedAsync) mixes one update at a time: it needs an asynchronous "
+             f"buffered strategy and strategy.buffer_size=1, got '{s.name}' with buffer_size={s.buffer_size}")
+    s.grace = s.grace or s.grace_s >= 0  # a fixed window turns the grace window on (resolved explicitly)
     _require(s.pseudo_grad_base in ("dispatch", "current"), "strategy.pseudo_grad_base must be dispatch or current")
     _require(not (s.pseudo_grad_base == "current" and not is_async), "strategy.pseudo_grad_base=current is for asynchronous strategies")
     s.schedule_clock = s.schedule_clock or ("global" if is_async else "local")
@@ -593,6 +617,8 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(p.threshold > 0 and p.warmup >= 0 and p.clip >= 0 and p.temperature >= 0, "penalty: threshold > 0, warmup, clip, temperature >= 0")
     for part in p.weighting.split("*"):
         _require(part in ("tokens", "norm_softmax", "uniform", "staleness"), f"penalty.weighting part '{part}' is unknown")
+    if buffered and p.enabled:
+        _check_penalised_weights(s, p)
     _require(s.time_budget_s >= 0, f"strategy.time_budget_s must be >= 0, got {s.time_budget_s}")
     _require(not (s.time_budget_s > 0 and is_async), "strategy.time_budget_s is for synchronous strategies (A-EDiT)")
     _require(s.name != "a_edit" or s.time_budget_s > 0, "strategy a_edit needs strategy.time_budget_s > 0 (seconds of inner training per round)")
@@ -609,7 +635,7 @@ def validate(cfg: FlGeoConfig) -> None:
     _require(h.local_lr > 0 and 0 <= h.local_momentum < 1 and h.local_buffer >= 1,
              "halos: local_lr > 0, local_momentum in [0, 1), local_buffer >= 1")
     _require(not (s.name == "halos" and p.enabled), "penalty at the HALoS global server is not supported yet (penalty.enabled=false)")
-    _validate_streaming(cfg)
+    _validate_streaming(cfg, own_model)
     _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
     _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
     _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
@@ -706,6 +732,19 @@ def validate(cfg: FlGeoConfig) -> None:
         raise ConfigError(f"model: {exc}") from None
 
 
+def _check_penalised_weights(s: StrategySection, p: PenaltySection) -> None:
+    """The asynchronous buffered loop with the penalty on weights updates by ``penalty.weighting``
+    alone (docs/algorithms.md §4, step 4), so a ``strategy.weighting`` or
+    ``strategy.staleness_weighting`` that says otherwise would be ignored: a one-line error."""
+    parts = p.weighting.split("*")
+    _require((s.weighting == "tokens") == ("tokens" in parts),
+             f"strategy.weighting={s.weighting} disagrees with penalty.weighting={p.weighting}: with the penalty on, "
+             "updates are weighted by penalty.weighting; set both to the weighting you mean (Di-PS: tokens)")
+    _require(not s.staleness_weighting or "staleness" in parts,
+             f"strategy.staleness_weighting=true has no effect with the penalty on; add it to the penalty's weights "
+             f"(penalty.weighting={p.weighting}*staleness) or set strategy.staleness_weighting=false")
+
+
 def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
     """``model.vocab_size`` from ``data.tokenizer`` when it is not ``byte``: ``bpe`` gives
     ``data.bpe_vocab_size`` (the trainer may stop short of it on a tiny corpus; the unused rows are
@@ -755,11 +794,14 @@ def _validate_hf(m: ModelConfig, seq_len: int) -> None:
              f"client.seq_len ({seq_len}) exceeds the {shape.max_positions} positions of the model ({shape.source})")
 
 
-def _validate_streaming(cfg: FlGeoConfig) -> None:
+def _validate_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
     """The ``streaming`` section: ranges always (the defaults pass); the schedule and the
-    strategy knobs the streaming loop does not implement only for streaming_diloco / cocodc."""
+    strategy knobs the streaming loop does not implement only for streaming_diloco / cocodc.
+    P against the model's blocks only when the ``model`` section is the model that runs (not
+    ``own_model``: the streaming loop checks the real model at start)."""
     st, s = cfg.streaming, cfg.strategy
     _require(st.fragments >= 1, f"streaming.fragments (P) must be >= 1, got {st.fragments}")
+    _require(st.rule in ("blend", "compensate"), f"streaming.rule must be blend or compensate, got {st.rule!r}")
     _require(st.overlap >= 0, f"streaming.overlap (tau) must be >= 0, got {st.overlap}")
     _require(0 <= st.alpha <= 1, f"streaming.alpha must be in [0, 1], got {st.alpha}")
     _require(st.compensation >= 0, f"streaming.compensation (lambda) must be >= 0, got {st.compensation}")
@@ -773,10 +815,11 @@ def _validate_streaming(cfg: FlGeoConfig) -> None:
              f"streaming.quantize={st.quantize} replaces wire.up for the fragment updates; leave "
              f"wire.up at fp32 (got {cfg.wire.up})")
     P, H = st.fragments, s.inner_steps
-    layers, where = _model_layers(cfg.model)
-    _require(layers >= P,
-             f"streaming.fragments (P={P}) must be <= {where} ({layers}): "
-             "every fragment needs at least one transformer block")
+    if not own_model:
+        layers, where = _model_layers(cfg.model)
+        _require(layers >= P,
+                 f"streaming.fragments (P={P}) must be <= {where} ({layers}): "
+                 "every fragment needs at least one transformer block")
     _require(st.adaptive or H % P == 0,
              f"streaming.fragments (P={P}) must divide strategy.inner_steps (H={H}) for the fixed "
              "schedule (or set streaming.adaptive=true)")

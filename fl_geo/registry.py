@@ -2,10 +2,12 @@
 
 Adding a method is one `Method` entry here plus its public class (``fl_geo.strategies``): the
 config schema (`fl_geo.config`) derives its tables from `METHODS` (which outer optimizers a method
-may use and which it defaults to, its outer lr and momentum, its penalty defaults, whether server
-checkpoints cover it), and ``fl-geo run`` / ``flwr run .`` build the public class named by
+may use and which it defaults to, its outer lr and momentum, whether server checkpoints cover it)
+and merges the entry's ``defaults`` (the settings that make the method what it is: FedBuff's
+staleness weights, Di-PS's grace window and penalty, CoCoDC's merge rule, ...) under every
+config that names it, and ``fl-geo run`` / ``flwr run .`` build the public class named by
 ``class_name`` from a config through `fl_geo.strategies.build_strategy`. So the CLI and a Flower user's
-own ServerApp run one code path.
+own ServerApp run one code path, and the loops read settings, never the method's name.
 
 This module is plain data: it imports nothing from fl-geo or Flower, so the lowest layers (the
 config schema) can read it.
@@ -27,7 +29,10 @@ class Method:
 
     ``optimizers``: the outer optimizers it may use, the first being its default.
     ``outer_lr`` / ``outer_momentum``: the paper's defaults, used when a config leaves them unset.
-    ``penalty``: penalty-section defaults the method implies (EDiT), merged under the user's keys.
+    ``defaults``: ``{section: {key: value}}``, the settings the method implies where they differ
+    from the schema's (`fl_geo.config`), merged under the user's keys by ``load_config``; so a
+    config naming only ``strategy.name`` and the public class built without arguments resolve to
+    the same settings (tests/test_method_defaults.py pins it, docs/algorithms.md "Defaults").
     ``checkpoints``: whether server checkpoints (run.checkpoint_every / run.resume) cover it.
     ``section``: the config section of its own knobs besides ``strategy`` (or None).
     """
@@ -39,9 +44,14 @@ class Method:
     outer_lr: float
     outer_momentum: float
     checkpoints: bool = True
-    penalty: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     section: str | None = None
     summary: str = ""
+
+    @property
+    def penalty(self) -> dict[str, Any]:
+        """The penalty-section defaults the method implies (EDiT's, Di-PS's; empty: none)."""
+        return dict(self.defaults.get("penalty", {}))
 
     @property
     def is_async(self) -> bool:
@@ -56,6 +66,13 @@ EDIT_PENALTY: dict[str, Any] = {
     "keying": "node", "weighting": "norm_softmax", "temperature": 1.0, "clip": 10.0,
 }
 
+# Di-PS's penalty (Di-PS §4.2, docs/algorithms.md §4-5): one global norm, the relative-max rule
+# on pooled statistics, token weights, clip φ = 1; warm-up 5 (short runs; configs/dips.yaml).
+DIPS_PENALTY: dict[str, Any] = {
+    "enabled": True, "granularity": "global", "rule": "relative_max", "threshold": 3.0, "warmup": 5,
+    "keying": "pooled", "weighting": "tokens", "clip": 1.0,
+}
+
 _ENTRIES = (
     Method("diloco", "DiLoCo", "sync", ("nesterov", "delayed_nesterov"), 0.7, 0.9,
            summary="synchronous DiLoCo: H inner steps, Nesterov outer step on the mean pseudo-gradient"),
@@ -63,25 +80,39 @@ _ENTRIES = (
     Method("fedavgm", "FedAvgM", "sync", ("sgdm",), 1.0, 0.9, summary="FedAvg with server momentum"),
     Method("fedadam", "FedAdam", "sync", ("fedadam",), 0.1, 0.0, summary="FedOpt with Adam at the server"),
     Method("fedyogi", "FedYogi", "sync", ("fedyogi",), 0.01, 0.0, summary="FedOpt with Yogi at the server"),
-    Method("edit", "EDiT", "sync", ("nesterov",), 0.8, 0.85, penalty=EDIT_PENALTY,
+    Method("edit", "EDiT", "sync", ("nesterov",), 0.8, 0.85, defaults={"penalty": EDIT_PENALTY},
            summary="EDiT: DiLoCo with the per-module pseudo-gradient penalty"),
-    Method("a_edit", "AEDiT", "sync", ("nesterov",), 0.8, 0.85, penalty=EDIT_PENALTY,
+    Method("a_edit", "AEDiT", "sync", ("nesterov",), 0.8, 0.85, defaults={"penalty": EDIT_PENALTY},
            summary="A-EDiT: EDiT with a time budget per inner loop instead of H steps"),
+    # FedBuff (Nguyen et al. 2022): K = 2 of 4 datacenters, staleness weights s(τ) = 1/sqrt(1 + τ).
     Method("fedbuff", "FedBuff", "async", ("avg",), 1.0, 0.0,
+           defaults={"strategy": {"buffer_size": 2, "staleness_weighting": True}},
            summary="FedBuff: step after K buffered asynchronous updates"),
+    # FedAsync (Xie et al. 2019): workers send parameters, each one mixed in at α·(1 + τ)^−a.
     Method("fedasync", "FedAsync", "async", ("avg",), 1.0, 0.0,
+           defaults={"strategy": {"pseudo_grad_base": "current", "staleness_mixing": True}},
            summary="FedAsync: mix each update in with a staleness-decayed weight"),
     Method("async_diloco", "AsyncDiLoCo", "async", ("nesterov",), 0.7, 0.9,
            summary="naive asynchronous DiLoCo: a Nesterov step per update"),
+    # Async-Local-SGD (Liu et al. 2024) as the HALoS harness runs it: delayed Nesterov, lr 0.05 × N,
+    # β 0.9, N = 32 (the lr is written lr × N, so it only means 0.05 per update with N = 32).
     Method("async_local_sgd", "AsyncLocalSGD", "async", ("delayed_nesterov",), 0.05 * 32, 0.9,
+           defaults={"strategy": {"delay_buffer": 32}},
            summary="Async-Local-SGD: delayed Nesterov, one update per step"),
+    # Di-PS: no buffer cap (the grace window or a full house closes a step), token weights, penalty.
     Method("dips", "DiPS", "async", ("nesterov", "delayed_nesterov"), 0.7, 0.8,
+           defaults={"strategy": {"buffer_size": 1_000_000, "grace": True, "weighting": "tokens"},
+                     "penalty": DIPS_PENALTY},
            summary="Di-PS: buffered asynchronous steps closed by a grace window, z-score outlier rejection"),
+    # HALoS's global server: delayed Nesterov lr 0.15 × N, β 0.5, N = 2 (run_halos.sh).
     Method("halos", "HALoS", "halos", ("delayed_nesterov",), 0.15 * 2, 0.5, checkpoints=False, section="halos",
+           defaults={"strategy": {"delay_buffer": 2}},
            summary="HALoS: local parameter servers per region under one global server"),
     Method("streaming_diloco", "StreamingDiLoCo", "streaming", ("nesterov",), 0.7, 0.9, checkpoints=False,
            section="streaming", summary="Streaming DiLoCo: fragments synced in turn, overlapped with training"),
+    # CoCoDC: the delay-compensated merge and the adaptive schedule (Algorithms 1 and 2).
     Method("cocodc", "CoCoDC", "streaming", ("nesterov",), 0.7, 0.9, checkpoints=False, section="streaming",
+           defaults={"streaming": {"rule": "compensate", "adaptive": True}},
            summary="CoCoDC: Streaming DiLoCo with delay compensation and adaptive transmission"),
 )
 

@@ -56,13 +56,13 @@ class AsyncOuterLoop(OuterLoop):
         self.waiting: list[int] = []  # pushers of this step: they get the new model after it
         self.tally = Tally()
         self.last_arrival: float | None = None
-        self._send = "params" if s.pseudo_grad_base == "current" or s.name == "fedasync" else "pseudo_grad"
+        self._send = "params" if s.pseudo_grad_base == "current" else "pseudo_grad"
         self._fedasync_scale = 1.0
-        # Di-PS grace window (ski rental on running estimates) unless strategy.grace_s fixes it.
-        self.grace_timer = GraceTimer(tau_max=s.grace_max_s) if s.name == "dips" and s.grace_s < 0 else None
-        # A grace window closes steps for Di-PS, or for any strategy given strategy.grace_s >= 0;
-        # the others step on a full buffer or a full house only.
-        self.uses_grace = s.name == "dips" or s.grace_s >= 0
+        # strategy.grace (Di-PS's default; on whenever strategy.grace_s >= 0): a grace window closes
+        # steps, estimated by ski rental on running estimates unless strategy.grace_s fixes it.
+        # Without it a step waits for a full buffer or a full house only.
+        self.uses_grace = s.grace
+        self.grace_timer = GraceTimer(tau_max=s.grace_max_s) if s.grace and s.grace_s < 0 else None
         self._last_step_wall = 0.0
         self._job_seq = 0  # names jobs (the sharded loop keys pushed shards by it)
 
@@ -172,7 +172,7 @@ class AsyncOuterLoop(OuterLoop):
         norm = self.fold_update(ev, r, staleness)
         if norm is None:
             return
-        if self.cfg.strategy.name == "fedasync":
+        if self.cfg.strategy.staleness_mixing:  # FedAsync: α_t of this (only) update
             s = self.cfg.strategy
             self._fedasync_scale = fedasync_alpha(s.mixing, s.staleness_exponent, staleness)
         self.tally.accept(r, norm, staleness)
@@ -304,7 +304,7 @@ class AsyncOuterLoop(OuterLoop):
             self.penalised_step()
             return True
         mean = self.accumulator.mean()
-        if self.cfg.strategy.name == "fedasync":
+        if self.cfg.strategy.staleness_mixing:
             mean.mul_(self._fedasync_scale)
         self.optimizer.step(self.global_params, mean)
         return True

@@ -20,12 +20,14 @@ from fl_geo.strategies.strategy import FlGeoStrategy
 class FedBuff(FlGeoStrategy):
     """FedBuff: step after ``buffer_size`` buffered asynchronous updates.
 
+    Every default here is also what a config naming ``fedbuff`` gets (fl_geo.registry).
+
     Parameters
     ----------
     buffer_size : int (default: 2)
         K, accepted updates per outer step.
     staleness_weighting : bool (default: True)
-        Weight each update by s(τ) = 1/sqrt(1 + τ).
+        Weight each update by s(τ) = 1/sqrt(1 + τ) (the FedBuff paper's rule).
     outer_lr : float (default: 1.0)
     **common
         See `FlGeoStrategy`.
@@ -41,6 +43,9 @@ class FedBuff(FlGeoStrategy):
 
 class FedAsync(FlGeoStrategy):
     """FedAsync: mix every update in at once, θ ← (1 − α_t)·θ + α_t·θ_i, α_t = α·(1 + τ)^−a.
+
+    Workers send their parameters (``strategy.pseudo_grad_base=current``) and each step is scaled
+    by α_t (``strategy.staleness_mixing``): the method's registry defaults.
 
     Parameters
     ----------
@@ -80,11 +85,12 @@ class AsyncLocalSGD(FlGeoStrategy):
 
     Parameters
     ----------
-    outer_lr : float (default: 1.4)
-        The delayed-Nesterov lr (lr × N in the HALoS harness's terms); 1.4 with N = 4 is what
-        ``configs/async_local_sgd.yaml`` measures best on fl-geo's benchmarks.
+    outer_lr : float (default: 1.6)
+        The delayed-Nesterov lr, written lr × N as in the HALoS harness: 0.05 × 32
+        (docs/algorithms.md, "Defaults"). ``configs/async_local_sgd.yaml`` sets 1.4 with N = 4,
+        which measures better on fl-geo's 4-datacenter benchmarks.
     outer_momentum : float (default: 0.9)
-    delay_buffer : int (default: 4)
+    delay_buffer : int (default: 32)
         N, updates between momentum applications.
     **common
         See `FlGeoStrategy`.
@@ -92,7 +98,7 @@ class AsyncLocalSGD(FlGeoStrategy):
 
     method = "async_local_sgd"
 
-    def __init__(self, *, outer_lr: float = 1.4, outer_momentum: float = 0.9, delay_buffer: int = 4,
+    def __init__(self, *, outer_lr: float = 1.6, outer_momentum: float = 0.9, delay_buffer: int = 32,
                  **common: Any) -> None:
         super().__init__(_strategy={"outer_lr": outer_lr, "outer_momentum": outer_momentum,
                                     "delay_buffer": delay_buffer}, **common)
@@ -111,6 +117,8 @@ class DiPS(FlGeoStrategy):
     grace_max_s : float (default: 60.0)
         Upper bound of the estimated window.
     weighting : str (default: "tokens")
+        ``"tokens"`` or ``"uniform"``: the weights of the mean pseudo-gradient. With the penalty on
+        they are the penalty's weights (``penalty.weighting``, set to the same value).
     threshold : float (default: 3.0)
         β of the relative-max outlier rule.
     warmup : int (default: 5)
@@ -118,7 +126,8 @@ class DiPS(FlGeoStrategy):
     clip : float (default: 1.0)
         φ, the clip on the mean pseudo-gradient norm (0: none).
     penalty : bool (default: True)
-        False: plain buffered aggregation with the grace window (no outlier test, no clip).
+        False: plain buffered aggregation with the grace window (no outlier test, no clip,
+        ``weighting`` as for any method).
     followers : int (default: 0)
         Shard the parameter server over this many followers (0: one server).
     transport : str (default: "local")
@@ -134,11 +143,13 @@ class DiPS(FlGeoStrategy):
                  grace_max_s: float = 60.0, weighting: str = "tokens", threshold: float = 3.0, warmup: int = 5,
                  clip: float = 1.0, penalty: bool = True, followers: int = 0, transport: str = "local",
                  **common: Any) -> None:
-        sections: dict[str, dict[str, Any]] = {"ps": {"followers": followers, "transport": transport}}
-        if penalty:
-            sections["penalty"] = {"enabled": True, "granularity": "global", "rule": "relative_max",
-                                   "threshold": threshold, "warmup": warmup, "keying": "pooled",
-                                   "weighting": "tokens", "clip": clip}
+        # The rest of Di-PS (no buffer cap, the grace window, the penalty's rule, granularity and
+        # keying) is its registry entry's, shared with a config naming dips.
+        sections: dict[str, dict[str, Any]] = {
+            "ps": {"followers": followers, "transport": transport},
+            "penalty": {"enabled": penalty, "threshold": threshold, "warmup": warmup, "clip": clip,
+                        "weighting": weighting},
+        }
         super().__init__(_strategy={"outer_lr": outer_lr, "outer_momentum": outer_momentum, "grace_s": grace_s,
-                                    "grace_max_s": grace_max_s, "pseudo_grad_base": "dispatch"},
+                                    "grace_max_s": grace_max_s},
                          weighting=weighting, _sections=sections, **common)

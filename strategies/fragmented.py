@@ -16,10 +16,15 @@ from fl_geo.strategies.strategy import FlGeoStrategy
 class StreamingDiLoCo(FlGeoStrategy):
     """Streaming DiLoCo.
 
+    Every default here is also what a config naming ``streaming_diloco`` gets. The fragments are
+    cut from the model ``start()`` is handed: P larger than its number of blocks is a one-line
+    ConfigError there.
+
     Parameters
     ----------
-    fragments : int (default: 4)
-        P, strided fragments of the transformer blocks.
+    fragments : int (default: 2)
+        P, strided fragments of the transformer blocks (at most the model's blocks; the papers
+        use 4 on deeper models, as ``configs/streaming_diloco.yaml`` does).
     overlap : int (default: 5)
         τ, inner steps between a fragment's sync start and its merge (τ < H/P).
     alpha : float (default: 0.5)
@@ -29,12 +34,13 @@ class StreamingDiLoCo(FlGeoStrategy):
     outer_lr : float (default: 0.7)
     outer_momentum : float (default: 0.9)
     **common
-        See `FlGeoStrategy` (``inner_steps`` = H, default 50: P must divide it).
+        See `FlGeoStrategy` (``inner_steps`` = H, default 50: P must divide it unless the
+        schedule is adaptive).
     """
 
     method = "streaming_diloco"
 
-    def __init__(self, *, fragments: int = 4, overlap: int = 5, alpha: float = 0.5, quantize: str = "none",
+    def __init__(self, *, fragments: int = 2, overlap: int = 5, alpha: float = 0.5, quantize: str = "none",
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, _streaming: dict[str, Any] | None = None,
                  **common: Any) -> None:
         streaming = {"fragments": fragments, "overlap": overlap, "alpha": alpha, "quantize": quantize,
@@ -44,8 +50,8 @@ class StreamingDiLoCo(FlGeoStrategy):
 
 
 class CoCoDC(StreamingDiLoCo):
-    """CoCoDC: Streaming DiLoCo whose merge compensates the delay of a fragment's sync and whose
-    schedule adapts the number of syncs to the link.
+    """CoCoDC: Streaming DiLoCo whose merge compensates the delay of a fragment's sync
+    (``streaming.rule=compensate``) and whose schedule adapts the number of syncs to the link.
 
     Parameters
     ----------

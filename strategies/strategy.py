@@ -270,7 +270,8 @@ class FlGeoStrategy(Strategy):
             if not dot or not name:
                 raise ConfigError(f"option {key!r} is not a dotted key such as 'penalty.warmup'")
             values.setdefault(section, {})[name] = value
-        config = load_config(None, None, values)
+        # own_model: the model is the one start() is handed, not the config's model section
+        config = load_config(None, None, values, own_model=True)
         self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
                    from_kwargs=True)
         self.clients = clients
@@ -384,7 +385,7 @@ class FlGeoStrategy(Strategy):
             cfg.run.max_tokens = int(max_tokens)
         if self._from_kwargs:  # (a config from fl-geo run was validated when it was loaded)
             cfg.strategy.round_timeout_s = float(timeout or 0)
-            validate(cfg)
+            validate(cfg, own_model=True)
         return cfg
 
     def _profiles(self, dispatcher: Dispatcher, cfg: FlGeoConfig, nodes: list[int], spec: ParamSpec,
@@ -420,7 +421,7 @@ class FlGeoStrategy(Strategy):
         nodes = Dispatcher(grid, WallClock()).wait_for_nodes(minimum, cfg.run.wait_nodes_timeout_s)
         if self._from_kwargs:  # the schedule length and the scenario's node slots follow the grid
             cfg.run.num_clients = len(nodes)
-            validate(cfg)
+            validate(cfg, own_model=True)
         clock, scenario = make_clock(cfg, spec.numel, self._scenario)
         dispatcher = Dispatcher(grid, clock)
         dispatcher.wall_faults = make_wall_faults(cfg, spec.numel, self._scenario)

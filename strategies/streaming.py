@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
-from fl_geo.config import FlGeoConfig
+from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.quantize import quantized_nbytes
 from fl_geo.core.state import ParamSpec
@@ -77,6 +77,9 @@ log = logging.getLogger("fl_geo")
 
 STREAM_MESSAGE_TYPE = f"{MessageType.TRAIN}.stream"  # -> @app.train("stream")
 WORKER_EVAL_MESSAGE_TYPE = f"{MessageType.EVALUATE}.stream"  # -> @app.evaluate("stream")
+# streaming.rule -> the ``stream_rule`` a train.stream message carries (docs/protocol.md; the wire
+# names predate the setting and deployed ClientApps read them).
+WIRE_RULES = {"blend": "streaming", "compensate": "cocodc"}
 
 
 @dataclass
@@ -185,13 +188,13 @@ class StreamingLoop(OuterLoop):
         super().__init__(*args, **kwargs)
         s, st = self.cfg.strategy, self.cfg.streaming
         self.H, self.P, self.tau = s.inner_steps, st.fragments, st.overlap
-        self.rule = "cocodc" if s.name == "cocodc" else "streaming"
-        try:
+        self.rule = WIRE_RULES[st.rule]  # what the ClientApp's train.stream handler calls the merge
+        try:  # where the real model is first known (a public class's own model was not validated)
             self.fragments = Fragments(self.spec, self.P)
         except ValueError as exc:
-            raise ValueError(f"streaming.fragments (P={self.P}) does not fit the model: {exc}") from None
+            raise ConfigError(f"streaming.fragments (P={self.P}) does not fit the model: {exc}") from None
         if s.outer_optimizer != "nesterov":
-            raise ValueError(f"strategy {s.name} uses outer_optimizer nesterov, got {s.outer_optimizer!r}")
+            raise ConfigError(f"strategy {s.name} uses outer_optimizer nesterov, got {s.outer_optimizer!r}")
         self.frag_specs = [fragment_spec(self.fragments, p) for p in range(self.P)]
         self.outer = FragmentOuterOptimizers(self.fragments, s.outer_optimizer, lr=s.outer_lr,
                                              momentum=s.outer_momentum)

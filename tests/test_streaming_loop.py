@@ -30,6 +30,8 @@ from fl_geo.server_app import run_server
 from tests.conftest import keep_declaration
 
 STREAM = ["run.sim_cpus=1", "model.n_layers=2"]
+# CoCoDC on the fixed schedule (its default is the adaptive one, CoCoDC Algorithm 2)
+COCODC_FIXED = ("strategy.name=cocodc", "streaming.adaptive=false")
 
 
 def _cfg(tiny, *overrides):
@@ -116,7 +118,7 @@ def test_cocodc_with_tau0_is_streaming_with_overwrite(tiny, tmp_path):
     Streaming DiLoCo with α = 1 does, for any P."""
     common = ["strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=0"]
     _, a, _, _ = _run(_cfg(tiny, *common, "strategy.name=streaming_diloco", "streaming.alpha=1.0"), tmp_path, "s")
-    _, b, _, _ = _run(_cfg(tiny, *common, "strategy.name=cocodc", "streaming.compensation=0.5"), tmp_path, "c")
+    _, b, _, _ = _run(_cfg(tiny, *common, *COCODC_FIXED, "streaming.compensation=0.5"), tmp_path, "c")
     assert torch.equal(a, b)
 
 
@@ -150,8 +152,8 @@ def test_merge_helper_rules():
 @pytest.mark.parametrize("name", ["streaming_diloco", "cocodc"])
 def test_fragments_apply_tau_steps_after_their_sync(tiny, tmp_path, name):
     H, P, tau = 8, 2, 2
-    cfg = _cfg(tiny, f"strategy.name={name}", f"strategy.inner_steps={H}", f"streaming.fragments={P}",
-               f"streaming.overlap={tau}", "run.rounds=2")
+    cfg = _cfg(tiny, f"strategy.name={name}", "streaming.adaptive=false", f"strategy.inner_steps={H}",
+               f"streaming.fragments={P}", f"streaming.overlap={tau}", "run.rounds=2")
     rec = Recorder()
     summary, final, grid, rows = _run(cfg, tmp_path, hook=rec)
     assert torch.isfinite(final).all() and summary["outer_steps"] == 2 * P
@@ -266,7 +268,7 @@ def _tamper(kind, victims):
 @pytest.mark.parametrize("kind", ["nan", "missing", "shape"])
 def test_a_bad_fragment_reply_is_rejected_and_the_run_goes_on(tiny, tmp_path, kind, caplog):
     caplog.set_level("WARNING", logger="fl_geo")
-    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+    cfg = _cfg(tiny, *COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2",
                "streaming.overlap=1")
     grid = InlineGrid(client_app, 3, seed=0)
     victim = sorted(grid.contexts)[1]
@@ -289,7 +291,7 @@ def test_when_every_reply_is_bad_the_global_model_is_untouched(tiny, tmp_path, c
 
 
 def test_a_vanished_worker_does_not_stall_the_run(tiny, tmp_path):
-    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+    cfg = _cfg(tiny, *COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2",
                "streaming.overlap=1", "run.rounds=3")
     grid = InlineGrid(client_app, 3, seed=0)
     victim = sorted(grid.contexts)[2]
@@ -331,7 +333,7 @@ def test_peak_bytes_per_sync_shrinks_with_p(tiny, tmp_path):
 
 
 def test_same_seed_same_bits(tiny, tmp_path):
-    common = ["strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=1"]
+    common = [*COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=1"]
     _, a, _, _ = _run(_cfg(tiny, *common), tmp_path, "a")
     _, b, _, _ = _run(_cfg(tiny, *common), tmp_path, "b")
     _, c, _, _ = _run(_cfg(tiny, *common, "run.seed=1"), tmp_path, "c")
@@ -360,7 +362,7 @@ def test_same_seed_same_bits(tiny, tmp_path):
 )
 def test_bad_streaming_config_is_a_clear_error(tiny, overrides, needle):
     with pytest.raises(ConfigError) as exc:
-        tiny(*STREAM, "strategy.name=cocodc", "strategy.inner_steps=8", "streaming.fragments=2",
+        tiny(*STREAM, *COCODC_FIXED, "strategy.inner_steps=8", "streaming.fragments=2",
              "streaming.overlap=1", *overrides)
     assert needle in str(exc.value)
 
@@ -371,7 +373,10 @@ def test_streaming_defaults_and_presets(tiny):
     s = cfg.strategy
     assert (s.outer_optimizer, s.outer_lr, s.outer_momentum) == ("nesterov", 0.7, 0.9)
     st = tiny().streaming  # other strategies do not look at the section
-    assert (st.fragments, st.overlap, st.alpha, st.compensation, st.adaptive, st.gamma) == (4, 5, 0.5, 0.5, False, 0.4)
+    assert (st.fragments, st.rule, st.overlap, st.alpha, st.compensation, st.adaptive, st.gamma) == (
+        2, "blend", 5, 0.5, 0.5, False, 0.4)
+    st = tiny(*STREAM, "strategy.name=cocodc", "strategy.inner_steps=8", "streaming.overlap=1").streaming  # CoCoDC (registry)
+    assert (st.fragments, st.rule, st.adaptive) == (2, "compensate", True)
 
 
 def test_too_many_fragments_for_the_model_fails_at_loop_start(tiny, tmp_path):
@@ -391,10 +396,10 @@ def test_worker_eval_scores_each_workers_own_model_and_changes_nothing_else(tiny
     from fl_geo.clients.datacenter import STREAM_LOCAL_KEY
     from fl_geo.runtime.evaluation import GlobalEvaluator
 
-    cfg0 = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+    cfg0 = _cfg(tiny, *COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2",
                 "streaming.overlap=1", "run.rounds=2")
     flat = _initial(cfg0)
-    common = ["strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=1",
+    common = [*COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=1",
               "run.rounds=2", "run.clock=virtual", f"run.scenario={_scenario(tmp_path, flat.numel())}",
               "run.num_clients=3"]
     _, plain, _, m_plain = _run(_cfg(tiny, *common), tmp_path, "plain")
@@ -427,7 +432,7 @@ def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path,
     from fl_geo.runtime.protocol import EvaluateRequest
     from fl_geo.strategies.base import client_config_record
 
-    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+    cfg = _cfg(tiny, *COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2",
                "streaming.overlap=1")
     request = EvaluateRequest(**client_config_record(cfg), round=1, base_version=0, eval_batches=2)
     msg = Message(RD({"fl-geo": request.to_record()}), dst_node_id=1, message_type=f"{MessageType.EVALUATE}.stream")
@@ -485,7 +490,7 @@ def test_quantised_syncs_are_cheaper_on_the_virtual_clock_so_the_adaptive_schedu
 
 def test_a_quantised_update_with_a_bad_scale_is_rejected(tiny, tmp_path, caplog):
     caplog.set_level("WARNING", logger="fl_geo")
-    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=4", "streaming.fragments=2",
+    cfg = _cfg(tiny, *COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2",
                "streaming.overlap=1", "streaming.quantize=int8")
     grid = InlineGrid(client_app, 3, seed=0)
     victim = sorted(grid.contexts)[1]

@@ -134,7 +134,7 @@ def bench_config(strategy: str, updates: int, clients: int, backend: str,
 def _send_mode(cfg: FlGeoConfig) -> str:
     """What the strategy asks workers to send (mirrors `AsyncOuterLoop`): same reply work."""
     s = cfg.strategy
-    if s.name in ASYNC_STRATEGIES and (s.pseudo_grad_base == "current" or s.name == "fedasync"):
+    if s.name in ASYNC_STRATEGIES and s.pseudo_grad_base == "current":
         return "params"
     return "pseudo_grad"
 
