@@ -33,14 +33,38 @@ TINY = [
 ]
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped where torch sees no CUDA device (CI, this laptop)."""
+    """Tests marked ``gpu`` are skipped where torch sees no CUDA device (CI, this laptop); under
+    ``--dist loadgroup`` each test's ``xdist_group`` reaches the scheduler (`_tag_xdist_groups`)."""
+    _tag_xdist_groups(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check on a GPU machine)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _tag_xdist_groups(config, items) -> None:
+    """Append ``@<group>`` to the node id of every test marked ``xdist_group``, as pytest-xdist does.
+
+    Why here: pytest-xdist 3.8 tags a test by assigning ``item._nodeid``, but pytest 9 derives
+    ``item.nodeid`` from ``item._id``, so the tag never reaches the scheduler and the SuperLink and
+    Ray tests ran on both workers at once (measured: each 2-3x slower, and two of them timed out
+    under load). Setting ``_id`` makes ``--dist loadgroup`` keep each group on one worker.
+    """
+    if not getattr(config.option, "loadgroup", False) and getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # an older pytest, where pytest-xdist's own tagging works
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture(autouse=True)
