@@ -28,6 +28,9 @@ from fl_geo.deploy import certificates, flower_config, launch, lifecycle, proces
 from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import down_and_assert_clean, free_ports, tiny_overrides
 
+# Starts SuperLink/SuperNode processes: `make test`'s workers run these one at a time (xdist group).
+pytestmark = pytest.mark.xdist_group("superlink")
+
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ROOT / "configs" / "deploy" / "loopback.yaml"
 LOOPBACK_TLS = ROOT / "configs" / "deploy" / "loopback_tls.yaml"

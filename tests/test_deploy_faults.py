@@ -32,6 +32,9 @@ from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import down_and_assert_clean, free_ports
 from tests.test_deploy import TINY_RUN, TOKENS_PER_UPDATE, _base, _metrics, _received
 
+# Starts SuperLink/SuperNode processes: `make test`'s workers run these one at a time (xdist group).
+pytestmark = pytest.mark.xdist_group("superlink")
+
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10  # flwr.common.constant.HEARTBEAT_MIN_INTERVAL: the SuperLink refuses less
 

@@ -16,6 +16,9 @@ import pytest
 from fl_geo.bench import flower_path
 from fl_geo.deploy import processes
 
+# Starts SuperLink/SuperNode processes: `make test`'s workers run these one at a time (xdist group).
+pytestmark = pytest.mark.xdist_group("superlink")
+
 MIB = 1 << 20
 
 
