@@ -286,6 +286,69 @@ def test_down_stops_groups_and_detached_descendants_and_is_idempotent(tmp_path):
     assert lifecycle.down(topo).signalled == []  # twice is fine
 
 
+class _FakeFlower:
+    """Stands in for `flwr ls`: counts the status checks and reports the run finished after ``after_s``."""
+
+    def __init__(self, monkeypatch, after_s: float, state: str = "finished:completed"):
+        self.calls: list[float] = []
+        self.t0 = time.monotonic()
+        self.after_s, self.state = after_s, state
+        monkeypatch.setattr(launch, "run_status", self)
+
+    def __call__(self, topo, run_id):
+        self.calls.append(time.monotonic() - self.t0)
+        return (self.state, "") if self.calls[-1] >= self.after_s else ("running", "")
+
+
+def test_wait_for_run_asks_flower_rarely_and_at_once_when_the_summary_appears(tmp_path, monkeypatch):
+    """Each status check is a `flwr ls` process (~1.5 s of CPU): without a sign from the run it is
+    asked every status_every_s; once the hint is true, about every second until it reports the end."""
+    topo = _topo(_base(), tmp_path)
+    flower = _FakeFlower(monkeypatch, after_s=1.2)
+    state, _ = launch.wait_for_run(topo, 7, timeout_s=10, status_every_s=0.5, tick_s=0.05)
+    assert state == "finished:completed" and 2 <= len(flower.calls) <= 3, flower.calls  # ~0.5, 1.0, 1.5 s
+    assert all(b - a >= 0.45 for a, b in zip([0.0, *flower.calls], flower.calls, strict=False)), flower.calls
+
+    flower = _FakeFlower(monkeypatch, after_s=0.4)
+    hint_at = time.monotonic() + 0.3
+    state, _ = launch.wait_for_run(topo, 7, lambda: time.monotonic() >= hint_at, timeout_s=10,
+                                   status_every_s=60, tick_s=0.05)
+    assert state == "finished:completed"
+    assert 0.25 < flower.calls[0] < 0.6 and len(flower.calls) == 2, flower.calls  # hinted, then ~1 s later
+    assert flower.calls[1] - flower.calls[0] >= 0.9, flower.calls
+
+    flower = _FakeFlower(monkeypatch, after_s=99)
+    t0 = time.monotonic()
+    state, details = launch.wait_for_run(topo, 7, timeout_s=0.3, status_every_s=60, tick_s=0.05)
+    assert state == "timeout" and "0 s" in details and flower.calls == [] and time.monotonic() - t0 < 1.0
+
+
+def test_summary_written_sees_only_a_new_run_directory_with_a_summary(tmp_path):
+    old = tmp_path / "e2e-1"
+    (old).mkdir()
+    (old / "summary.json").write_text("{}")
+    check = launch.summary_written(tmp_path, "e2e", {old.resolve()})
+    assert not check()  # the summary of an earlier run does not count
+    new = tmp_path / "e2e-2"
+    new.mkdir()
+    assert not check()
+    (new / "summary.json").write_text("{}")
+    assert check()
+    assert not launch.summary_written(tmp_path, "other", set())()
+
+
+def test_up_reads_activation_only_from_the_nodes_latest_start(tmp_path):
+    """`up` asks the SuperLink for its node list once every SuperNode has logged its activation
+    since it was (re)started: a line from an earlier start in the same log does not count."""
+    log = tmp_path / "supernode-dc0.log"
+    assert not lifecycle._logged_since_start(log, lifecycle.NODE_ACTIVATED)  # no log yet
+    log.write_text(f"\n==== 10:00 flower-supernode\nINFO: {lifecycle.NODE_ACTIVATED} 42\n"
+                   "\n==== 10:05 flower-supernode\nINFO: Starting Flower SuperNode\n")
+    assert not lifecycle._logged_since_start(log, lifecycle.NODE_ACTIVATED)
+    log.write_text(log.read_text() + f"INFO: {lifecycle.NODE_ACTIVATED} 43\n")
+    assert lifecycle._logged_since_start(log, lifecycle.NODE_ACTIVATED)
+
+
 def test_down_ignores_a_recorded_pid_that_was_reused(tmp_path):
     data = _base()
     data.update(flwr_home=str(tmp_path / "home"))

@@ -92,12 +92,10 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _wait_run(topo: topology.Topology, run_id: int, timeout_s: float) -> str:
-    def done() -> str | None:
-        state, details = launch.run_status(topo, run_id)
-        return f"{state} {details}".strip() if state.startswith("finished") else None
-
-    return _wait_for(f"run {run_id} to finish", done, timeout_s, poll_s=1.0)
+def _wait_run(topo: topology.Topology, run_id: int, run_dir: Path, timeout_s: float) -> str:
+    state, details = launch.wait_for_run(topo, run_id, (run_dir / "summary.json").is_file, timeout_s=timeout_s)
+    assert state != "timeout", f"run {run_id}: {details}"
+    return f"{state} {details}".strip()
 
 
 @pytest.fixture
@@ -184,7 +182,7 @@ def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     again = topology.NodeSpec("dc2-again", free_ports(1)[0], dict(spec.node_config))
     _, rejoined = processes.start_process(topo, "supernode", again.name, processes.supernode_command(topo, again))
 
-    final = _wait_run(topo, res.run_id, 240)
+    final = _wait_run(topo, res.run_id, run_dir, 240)
     wall = time.monotonic() - t0
     assert final.startswith("finished:completed"), final
     summary = json.loads((run_dir / "summary.json").read_text())

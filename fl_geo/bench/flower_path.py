@@ -191,16 +191,14 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
         run_id = int(res["run-id"])
         say(f"run {run_id} submitted: {payload_mib} MiB x {repeats}")
 
-        state, details = "unknown", ""
-        while True:
-            state, details = launch.run_status(topo, run_id)
-            if state.startswith("finished"):
-                break
-            if time.monotonic() > deadline:
-                processes.flwr_cli(topo, ["stop", str(run_id), topo.name])
-                raise DeployError(f"probe run {run_id} did not finish within {timeout_s:.0f} s (stopped); "
-                                  f"workdir {work}\n{_diagnostics(topo, run_id)}")
-            time.sleep(0.5)
+        # The probe's result file is the cheap local sign that the run is done (each status check
+        # is a `flwr ls` process, whose CPU and memory would also disturb the measurement).
+        state, details = launch.wait_for_run(topo, run_id, out.is_file,
+                                             timeout_s=max(1.0, deadline - time.monotonic()))
+        if state == "timeout":
+            processes.flwr_cli(topo, ["stop", str(run_id), topo.name])
+            raise DeployError(f"probe run {run_id} did not finish within {timeout_s:.0f} s (stopped); "
+                              f"workdir {work}\n{_diagnostics(topo, run_id)}")
         run_s = time.monotonic() - t_run
         if state != "finished:completed" or not out.is_file():
             raise DeployError(f"probe run {run_id} ended {state}"

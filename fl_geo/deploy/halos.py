@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
-from fl_geo.deploy.launch import run_status
+from fl_geo.deploy.launch import STATUS_EVERY_S, run_status, summary_written
 from fl_geo.deploy.lifecycle import down, up
 from fl_geo.deploy.processes import _json_out, flwr_cli
 from fl_geo.deploy.topology import (
@@ -215,7 +215,7 @@ def _submit(tier: Topology, app: Path, run_config: dict[str, Any], state_name: s
 
 def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tuple[str, ...] = (),
               out_dir: str | Path | None = None, timeout_s: float = 0.0, ipc_timeout_s: float = 600.0,
-              poll_s: float = 2.0, echo: bool = True) -> HalosRunResult:
+              status_every_s: float = STATUS_EVERY_S, echo: bool = True) -> HalosRunResult:
     """Submit the regional runs, then the global run, and wait until all have finished.
 
     ``config`` + ``overrides`` is one fl-geo config for both tiers (validated here first);
@@ -275,10 +275,17 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
         raise
     tiers = {t.name: t for t, _, _, _ in plans}
     statuses = dict.fromkeys(run_ids, "unknown")
+    # As in `wait_for_run`: each status check is a `flwr ls` process, so a tier is asked every
+    # `status_every_s`, and every second once its run has written its summary.
+    hints = {t.name: summary_written(out, run_name, before) for t, _, _, run_name in plans}
+    asked = dict.fromkeys(run_ids, time.monotonic())
     while True:
         for tname, rid in run_ids.items():
-            if not statuses[tname].startswith("finished"):
+            since = time.monotonic() - asked[tname]
+            due = since >= status_every_s or (since >= 1.0 and hints[tname]())
+            if not statuses[tname].startswith("finished") and due:
                 statuses[tname] = run_status(tiers[tname], rid)[0]
+                asked[tname] = time.monotonic()
         if all(s.startswith("finished") for s in statuses.values()):
             break
         failed = [t for t, s in statuses.items() if s.startswith("finished") and s != "finished:completed"]
@@ -290,7 +297,7 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
                     flwr_cli(tiers[tname], ["stop", str(rid), tname])
                     statuses[tname] = "timeout" if late else "stopped:after-failure"
             break
-        time.sleep(poll_s)
+        time.sleep(0.25)
     wall = time.monotonic() - t0
     new = {p.resolve() for p in out.glob(f"{name}-*")} - before
     run_dirs: dict[str, Path | None] = {}

@@ -18,7 +18,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,10 @@ from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
 from fl_geo.deploy.processes import _json_out, flower_env, flower_exe, flwr_cli
 from fl_geo.deploy.topology import DeployError, Topology
 
-__all__ = ["RunResult", "run_experiment", "run_status"]
+__all__ = ["RunResult", "run_experiment", "run_status", "summary_written", "wait_for_run"]
+
+# Each status check is one `flwr ls` process: about 1.5 s of CPU to start Python and Flower.
+STATUS_EVERY_S = 10.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,16 +81,54 @@ def run_status(topo: Topology, run_id: int) -> tuple[str, str]:
     return str(runs[0].get("status", "unknown")), str(runs[0].get("status-details", ""))
 
 
+def wait_for_run(topo: Topology, run_id: int, finished_hint: Callable[[], bool] | None = None,
+                 timeout_s: float = 0.0, status_every_s: float = STATUS_EVERY_S,
+                 tick_s: float = 0.25) -> tuple[str, str]:
+    """Wait until Flower reports ``run_id`` finished; return its (status, details).
+
+    Returns ``("timeout", ...)`` once ``timeout_s`` (0 = no limit) has passed; stopping the run is
+    the caller's choice. Asking Flower costs a ``flwr ls`` process (about 1.5 s of CPU), so asking
+    every second or two keeps most of a core busy for the whole run, on the host that runs the
+    ServerApp. Flower is asked every ``status_every_s`` (which bounds how late a failed run is
+    noticed) and, once ``finished_hint()`` (a cheap local check, such as "the run wrote its
+    summary") is true, every second until it reports the end: a run that completes is seen
+    within about a second.
+    """
+    t0 = time.monotonic()
+    last_asked = t0
+    while True:
+        hinted = finished_hint is not None and finished_hint()
+        now = time.monotonic()
+        if hinted or now - last_asked >= status_every_s:
+            state, details = run_status(topo, run_id)
+            last_asked = time.monotonic()
+            if state.startswith("finished"):
+                return state, details
+        if timeout_s and time.monotonic() - t0 > timeout_s:
+            return "timeout", f"run did not finish within {timeout_s:.0f} s"
+        time.sleep(max(tick_s, 1.0 - (time.monotonic() - last_asked)) if hinted else tick_s)
+
+
+def summary_written(out: Path, name: str, before: set[Path]) -> Callable[[], bool]:
+    """A check for a run directory ``<out>/<name>-*`` that is new since ``before`` and holds the
+    ``summary.json`` a ServerApp writes last (visible only on the SuperLink's host)."""
+    def check() -> bool:
+        return any(p.resolve() not in before and (p / "summary.json").is_file() for p in out.glob(f"{name}-*"))
+
+    return check
+
+
 def run_experiment(topo: Topology, config: str | Path, overrides: Sequence[str] = (), out_dir: str | Path | None = None,
                    stream: bool = False, wait: bool = True, timeout_s: float = 0.0,
-                   poll_s: float = 2.0, echo: bool = True) -> RunResult:
+                   status_every_s: float = STATUS_EVERY_S, echo: bool = True) -> RunResult:
     """Submit ``config`` (+ ``overrides``) with ``flwr run`` and, unless ``wait=False``, wait for it.
 
     ``run.out_dir`` is set to an absolute folder (``out_dir``, default ``<app>/runs``; the run
     directory is created on the SuperLink's host) so the caller can find the run's directory:
     the one folder ``<out_dir>/<run.name>-*`` that appeared during the run. ``stream`` prints
     Flower's log stream while waiting. A run still going after ``timeout_s`` (0 = no limit) is
-    stopped with ``flwr stop``.
+    stopped with ``flwr stop``. Waiting asks Flower for the run's status every ``status_every_s``
+    and sooner once the run's summary appears (see :func:`wait_for_run`).
     """
     from fl_geo.config import load_config
 
@@ -131,17 +172,13 @@ def run_experiment(topo: Topology, config: str | Path, overrides: Sequence[str] 
     if stream:
         streamer = subprocess.Popen([flower_exe("flwr"), "log", str(run_id), topo.name, "--stream"],
                                     env=flower_env(topo), cwd=topo.app_dir, stdin=subprocess.DEVNULL)
-    state, details = "unknown", ""
     try:
-        while True:
-            state, details = run_status(topo, run_id)
-            if state.startswith("finished"):
-                break
-            if timeout_s and time.monotonic() - t0 > timeout_s:
-                flwr_cli(topo, ["stop", str(run_id), topo.name])
-                state, details = "timeout", f"run did not finish within {timeout_s:.0f} s (stopped)"
-                break
-            time.sleep(poll_s)
+        left = max(1.0, timeout_s - (time.monotonic() - t0)) if timeout_s else 0.0
+        state, details = wait_for_run(topo, run_id, summary_written(out, name, before), timeout_s=left,
+                                      status_every_s=status_every_s)
+        if state == "timeout":
+            flwr_cli(topo, ["stop", str(run_id), topo.name])
+            details += " (stopped)"
     finally:
         if streamer is not None:
             try:

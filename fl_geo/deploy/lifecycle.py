@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fl_geo.deploy.certificates import ensure_certs
@@ -55,6 +56,21 @@ def _fail_if_exited(procs: Sequence[tuple[subprocess.Popen[bytes], ProcRecord]])
         if code is not None:
             raise DeployError(f"{rec.role} {rec.name} exited with code {code} while starting; "
                               f"see {rec.log}:\n{_tail(rec.log)}")
+
+
+# What a SuperNode logs once the SuperLink has accepted it (Flower 1.41 and 1.42).
+NODE_ACTIVATED = "SuperNode ID:"
+NODE_LIST_EVERY_S = 3.0
+
+
+def _logged_since_start(log: str | Path, needle: str) -> bool:
+    """Has the process logged ``needle`` since its last start (``start_process`` appends a
+    ``==== <time> <command>`` header to the log at every start)?"""
+    try:
+        text = Path(log).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return needle in text[max(0, text.rfind("\n==== ")):]
 
 
 def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult:
@@ -109,16 +125,23 @@ def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult
 
         want = len(topo.nodes)
         online: list[dict[str, Any]] = []
+        asked = time.monotonic()
         while True:
             _fail_if_exited(started)
-            online = [n for n in list_nodes(topo) if n.get("status") == "online"]
-            if len(online) >= want:
-                break
+            # Asking the SuperLink is a `flwr supernode ls` process (~1.5 s of CPU, competing with
+            # the SuperNodes starting): ask once every node has logged its activation, and
+            # otherwise every NODE_LIST_EVERY_S in case a Flower version words its log differently.
+            activated = all(_logged_since_start(r.log, NODE_ACTIVATED) for _, r in started[1:])
+            if activated or time.monotonic() - asked >= NODE_LIST_EVERY_S:
+                online = [n for n in list_nodes(topo) if n.get("status") == "online"]
+                asked = time.monotonic()
+                if len(online) >= want:
+                    break
             if time.monotonic() > deadline:
                 logs = ", ".join(r.log for _, r in started[1:])
                 raise DeployError(f"only {len(online)} of {want} SuperNodes online after {timeout_s:.0f} s; "
                                   f"see the node logs: {logs}")
-            time.sleep(0.5)
+            time.sleep(0.1 if not activated else 0.5)
         nodes_s = time.monotonic() - t0
         say(f"{want} SuperNodes online after {nodes_s:.1f} s")
         return UpResult(records=[r for _, r in started], healthy_s=healthy_s, nodes_online_s=nodes_s,
