@@ -29,10 +29,12 @@ setup: $(STAMP) $(DATA_STAMP)
 quickstart: setup
 	$(BIN)/fl-geo compare configs/quickstart_edit.yaml configs/quickstart_a_edit.yaml --out runs/quickstart
 
-# Two pytest-xdist workers (both cores of a small machine); tests that start SuperLinks, Ray or
-# other processes share an xdist group and so run one after another on one worker. The 25
-# slowest tests are printed at the end of every run. TEST_WORKERS=0 runs in this one process.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers on a 2-core machine: the loopback deployment tests mostly wait (on
+# SuperNode polls and process start-ups), so a third worker fills the cores they leave idle. The
+# tests that start Ray or Flower's local SuperLink share the xdist group `ray` (one at a time, on
+# one worker); the `slow` tests are handed out first (tests/conftest.py). The 25 slowest tests are
+# printed at the end of every run. TEST_WORKERS=0 runs in this one process.
+TEST_WORKERS ?= 3
 PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: setup

@@ -36,8 +36,10 @@ TINY = [
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped where torch sees no CUDA device (CI, this laptop); under
-    ``--dist loadgroup`` each test's ``xdist_group`` reaches the scheduler (`_tag_xdist_groups`)."""
+    ``--dist loadgroup`` each test's ``xdist_group`` reaches the scheduler (`_tag_xdist_groups`)
+    and the tests marked ``slow`` are handed out first (`_slow_first`)."""
     _tag_xdist_groups(config, items)
+    _slow_first(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check on a GPU machine)")
@@ -65,6 +67,16 @@ def _tag_xdist_groups(config, items) -> None:
                          for m in item.iter_markers("xdist_group")})
         if groups and "@" not in item.nodeid:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
+def _slow_first(config, items) -> None:
+    """Under ``-n``, move the tests marked ``slow`` (the deployments, Ray, killed processes: each
+    30-100 s) to the front, keeping the order otherwise. The scheduler hands tests out in
+    collection order, so a long test collected late was started when the other worker had little
+    left and ran on alone at the end; longest first keeps both workers busy to the end."""
+    if not hasattr(config, "workerinput"):  # only a pytest-xdist worker's collection is scheduled
+        return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: False (slow) first
 
 
 @pytest.fixture(autouse=True)

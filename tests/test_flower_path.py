@@ -16,8 +16,7 @@ import pytest
 from fl_geo.bench import flower_path
 from fl_geo.deploy import processes
 
-# Starts SuperLink/SuperNode processes: `make test`'s workers run these one at a time (xdist group).
-pytestmark = pytest.mark.xdist_group("superlink")
+# SuperLink/SuperNode processes on free ports, each test its own: safe on both of `make test`'s workers.
 
 MIB = 1 << 20
 

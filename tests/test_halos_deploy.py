@@ -37,8 +37,7 @@ from fl_geo.halos.ipc import IpcError, exchange, recv_frame, send_frame, unix_pa
 from fl_geo.runtime.wire import encode
 from tests.conftest import free_ports, tiny_overrides
 
-# Starts SuperLink/SuperNode processes: `make test`'s workers run these one at a time (xdist group).
-pytestmark = pytest.mark.xdist_group("superlink")
+# SuperLink/SuperNode processes on free ports, each test its own: safe on both of `make test`'s workers.
 
 ROOT = Path(__file__).resolve().parents[1]
 HALOS_LOOPBACK = ROOT / "configs" / "deploy" / "halos_loopback.yaml"
