@@ -72,8 +72,8 @@ def _tag_xdist_groups(config, items) -> None:
 def _slow_first(config, items) -> None:
     """Under ``-n``, move the tests marked ``slow`` (the deployments, Ray, killed processes: each
     30-100 s) to the front, keeping the order otherwise. The scheduler hands tests out in
-    collection order, so a long test collected late was started when the other worker had little
-    left and ran on alone at the end; longest first keeps both workers busy to the end."""
+    collection order, so a long test collected late was started when the other workers had little
+    left and ran on alone at the end; slow first keeps every worker busy to the end."""
     if not hasattr(config, "workerinput"):  # only a pytest-xdist worker's collection is scheduled
         return
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: False (slow) first

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
-from fl_geo.deploy.launch import STATUS_EVERY_S, run_status, summary_written
+from fl_geo.deploy.launch import STATUS_EVERY_S, StatusPacer, run_status, summary_written
 from fl_geo.deploy.lifecycle import down, up
 from fl_geo.deploy.processes import _json_out, flwr_cli
 from fl_geo.deploy.topology import (
@@ -275,17 +275,13 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
         raise
     tiers = {t.name: t for t, _, _, _ in plans}
     statuses = dict.fromkeys(run_ids, "unknown")
-    # As in `wait_for_run`: each status check is a `flwr ls` process, so a tier is asked every
-    # `status_every_s`, and every second once its run has written its summary.
-    hints = {t.name: summary_written(out, run_name, before) for t, _, _, run_name in plans}
-    asked = dict.fromkeys(run_ids, time.monotonic())
+    pacers = {t.name: StatusPacer(summary_written(out, run_name, before), status_every_s)
+              for t, _, _, run_name in plans}
     while True:
         for tname, rid in run_ids.items():
-            since = time.monotonic() - asked[tname]
-            due = since >= status_every_s or (since >= 1.0 and hints[tname]())
-            if not statuses[tname].startswith("finished") and due:
+            if not statuses[tname].startswith("finished") and pacers[tname].due():
                 statuses[tname] = run_status(tiers[tname], rid)[0]
-                asked[tname] = time.monotonic()
+                pacers[tname].asked()
         if all(s.startswith("finished") for s in statuses.values()):
             break
         failed = [t for t, s in statuses.items() if s.startswith("finished") and s != "finished:completed"]

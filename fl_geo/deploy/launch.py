@@ -27,7 +27,7 @@ from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
 from fl_geo.deploy.processes import _json_out, flower_env, flower_exe, flwr_cli
 from fl_geo.deploy.topology import DeployError, Topology
 
-__all__ = ["RunResult", "run_experiment", "run_status", "summary_written", "wait_for_run"]
+__all__ = ["RunResult", "StatusPacer", "run_experiment", "run_status", "summary_written", "wait_for_run"]
 
 # Each status check is one `flwr ls` process: about 1.5 s of CPU to start Python and Flower.
 STATUS_EVERY_S = 10.0
@@ -81,32 +81,47 @@ def run_status(topo: Topology, run_id: int) -> tuple[str, str]:
     return str(runs[0].get("status", "unknown")), str(runs[0].get("status-details", ""))
 
 
+class StatusPacer:
+    """When to ask Flower about one run: every ``every_s``, and every second once ``hint()`` (a
+    cheap local check, such as "the run wrote its summary") is true.
+
+    Asking costs a ``flwr ls`` process (about 1.5 s of CPU), so asking every second or two keeps
+    most of a core busy for the whole run, on the host that runs the ServerApp. ``every_s``
+    bounds how late a failed run is noticed; the hint makes a completed run seen within about a
+    second. Shared by :func:`wait_for_run` and the HALoS launcher (one pacer per tier).
+    """
+
+    def __init__(self, hint: Callable[[], bool] | None = None, every_s: float = STATUS_EVERY_S) -> None:
+        self.hint, self.every_s = hint, every_s
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        since = time.monotonic() - self.last
+        return since >= self.every_s or (since >= 1.0 and self.hint is not None and self.hint())
+
+    def asked(self) -> None:
+        self.last = time.monotonic()
+
+
 def wait_for_run(topo: Topology, run_id: int, finished_hint: Callable[[], bool] | None = None,
                  timeout_s: float = 0.0, status_every_s: float = STATUS_EVERY_S,
                  tick_s: float = 0.25) -> tuple[str, str]:
     """Wait until Flower reports ``run_id`` finished; return its (status, details).
 
-    Returns ``("timeout", ...)`` once ``timeout_s`` (0 = no limit) has passed; stopping the run is
-    the caller's choice. Asking Flower costs a ``flwr ls`` process (about 1.5 s of CPU), so asking
-    every second or two keeps most of a core busy for the whole run, on the host that runs the
-    ServerApp. Flower is asked every ``status_every_s`` (which bounds how late a failed run is
-    noticed) and, once ``finished_hint()`` (a cheap local check, such as "the run wrote its
-    summary") is true, every second until it reports the end: a run that completes is seen
-    within about a second.
+    Flower is asked as :class:`StatusPacer` says. Returns ``("timeout", ...)`` once ``timeout_s``
+    (0 = no limit) has passed; stopping the run is the caller's choice.
     """
     t0 = time.monotonic()
-    last_asked = t0
+    pacer = StatusPacer(finished_hint, status_every_s)
     while True:
-        hinted = finished_hint is not None and finished_hint()
-        now = time.monotonic()
-        if hinted or now - last_asked >= status_every_s:
+        if pacer.due():
             state, details = run_status(topo, run_id)
-            last_asked = time.monotonic()
+            pacer.asked()
             if state.startswith("finished"):
                 return state, details
         if timeout_s and time.monotonic() - t0 > timeout_s:
             return "timeout", f"run did not finish within {timeout_s:.0f} s"
-        time.sleep(max(tick_s, 1.0 - (time.monotonic() - last_asked)) if hinted else tick_s)
+        time.sleep(tick_s)
 
 
 def summary_written(out: Path, name: str, before: set[Path]) -> Callable[[], bool]:
