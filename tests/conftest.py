@@ -33,11 +33,41 @@ TINY = [
 ]
 
 
+def pytest_sessionstart(session):
+    """On pytest-xdist workers: while a Ray test runs, the sessions the other workers' tests
+    started (deployments, followers) yield the CPU to it (`tests.cpu_share`)."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.cpu_share import CpuShare
+
+    run = getattr(session.config, "workerinput", {}).get("testrunuid")
+    if run and CpuShare.available():
+        session.config.stash[CPU_SHARE] = CpuShare(Path(tempfile.gettempdir()) / f"fl-geo-cpu-share-{run}").start()
+
+
+def pytest_sessionfinish(session):
+    if (share := session.config.stash.get(CPU_SHARE, None)) is not None:
+        share.stop()
+
+
+@pytest.fixture(autouse=True)
+def _ray_holds_the_cpu_share(request):
+    """A test of the ``ray`` xdist group holds the share: other workers' sessions yield meanwhile."""
+    share = request.config.stash.get(CPU_SHARE, None)
+    if share is None or not any(m.args[:1] == ("ray",) for m in request.node.iter_markers("xdist_group")):
+        yield
+        return
+    with share.hold():
+        yield
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped where torch sees no CUDA device (CI, this laptop); under
     ``--dist loadgroup`` each test's ``xdist_group`` reaches the scheduler (`_tag_xdist_groups`)
     and the tests marked ``slow`` are handed out first (`_slow_first`)."""
+    _assign_lanes(config, items)
     _tag_xdist_groups(config, items)
     _slow_first(config, items)
     if torch.cuda.is_available():
@@ -46,6 +76,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+CPU_SHARE = pytest.StashKey[object]()
+DEFAULT_SLOW_SECONDS = 30.0  # a ``slow`` test that does not say how long it takes
+LANE = pytest.StashKey[str]()  # the xdist group `_assign_lanes` chose, replacing the test's own
+
+
+def _assign_lanes(config, items) -> None:
+    """Under ``-n N`` (N >= 3), put every ``slow`` test and every ``xdist_group`` into one of N - 1
+    lanes (xdist groups ``lane-1``, ...), balanced by the idle seconds each ``slow`` marker states
+    (``@pytest.mark.slow(seconds=...)``, else 30; a grouped test that is not slow counts 1 s),
+    longest first onto the least loaded lane.
+
+    Why: the slow tests start Flower federations, Ray and killed processes, a dozen processes each.
+    Three of them at once on a 2-core machine overloaded it so far that a Ray simulation's actors
+    did not answer within the run's 120 s node wait (CI, 2026-11-28: two Ray tests at 183 s and
+    186 s, 13 s idle). Lanes keep at most N - 1 of them running at once and one worker on the
+    light tests; a group stays whole (the Ray tests one at a time), so a group is moved as a unit.
+    """
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 0))
+    if workers < 3:
+        return
+    units: dict[str, list] = {}
+    for item in items:
+        group = next((str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                      for m in item.iter_markers("xdist_group")), None)
+        if group is not None or item.get_closest_marker("slow") is not None:
+            units.setdefault(group or item.nodeid, []).append(item)
+
+    def cost(unit: list) -> float:
+        return sum(float(m.kwargs.get("seconds", DEFAULT_SLOW_SECONDS)) if (m := i.get_closest_marker("slow")) else 1.0
+                   for i in unit)
+
+    load = {f"lane-{k + 1}": 0.0 for k in range(workers - 1)}
+    for unit in sorted(units.values(), key=cost, reverse=True):
+        lane = min(load, key=load.__getitem__)
+        load[lane] += cost(unit)
+        for item in unit:
+            item.stash[LANE] = lane
 
 
 def _tag_xdist_groups(config, items) -> None:
@@ -63,8 +132,8 @@ def _tag_xdist_groups(config, items) -> None:
     except ImportError:  # an older pytest, where pytest-xdist's own tagging works
         return
     for item in items:
-        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                         for m in item.iter_markers("xdist_group")})
+        groups = [item.stash[LANE]] if LANE in item.stash else \
+            sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
         if groups and "@" not in item.nodeid:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 

@@ -404,9 +404,9 @@ def federation(tmp_path):
         topo = load_topology(path)
         started.append(topo)
         if via_cli:
-            assert cli.main(["deploy", "up", str(path), "--timeout", "90"]) == 0
+            assert cli.main(["deploy", "up", str(path), "--timeout", "180"]) == 0
         else:
-            lifecycle.up(topo, timeout_s=90)
+            lifecycle.up(topo, timeout_s=180)
         return topo, path
 
     yield start
@@ -423,7 +423,7 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=41)
 def test_e2e_diloco_on_insecure_supernodes(federation, tmp_path, capsys):
     """Synchronous DiLoCo across a SuperLink and two SuperNodes, all through the fl-geo CLI."""
     topo, path = federation(tls=False, via_cli=True)
@@ -434,7 +434,7 @@ def test_e2e_diloco_on_insecure_supernodes(federation, tmp_path, capsys):
     out = tmp_path / "runs"
     t0 = time.monotonic()
     rc = cli.main(["deploy", "run", str(path), "configs/diloco.yaml", *TINY_RUN, "run.rounds=2",
-                   "run.name=e2e-diloco", "--out", str(out), "--timeout", "150"])
+                   "run.name=e2e-diloco", "--out", str(out), "--timeout", "300"])
     wall = time.monotonic() - t0
     assert rc == 0, capsys.readouterr().err
     (run_dir,) = out.glob("e2e-diloco-*")
@@ -451,14 +451,14 @@ def test_e2e_diloco_on_insecure_supernodes(federation, tmp_path, capsys):
     print(f"\n[e2e diloco] deploy run {wall:.1f} s, ServerApp {summary['wall_s']:.1f} s", file=sys.stderr)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=49)
 def test_e2e_sharded_dips_data_path_beside_flower(federation, tmp_path, capsys):
     """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
     SuperNodes: the ServerApp leads, clients pull and push shards on the data path."""
     _, path = federation(tls=False)
     out = tmp_path / "runs"
     rc = cli.main(["deploy", "run", str(path), "configs/dips_sharded.yaml", *TINY_RUN, "run.rounds=2", "run.clock=wall",
-                   "strategy.grace_s=2", "run.name=e2e-sharded", "--out", str(out), "--timeout", "150"])
+                   "strategy.grace_s=2", "run.name=e2e-sharded", "--out", str(out), "--timeout", "300"])
     assert rc == 0, capsys.readouterr().err
     (run_dir,) = out.glob("e2e-sharded-*")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -471,7 +471,7 @@ def test_e2e_sharded_dips_data_path_beside_flower(federation, tmp_path, capsys):
         assert "launching follower" in (run_dir / "ps" / f"follower-{i}.log").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=53)
 def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     """Asynchronous FedBuff with TLS and SuperNode authentication; an unregistered node is refused."""
     topo, _ = federation(tls=True)
@@ -492,7 +492,7 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     assert len([n for n in processes.list_nodes(topo) if n.get("status") == "online"]) == SITES
 
     res = launch.run_experiment(topo, "configs/fedbuff.yaml", [*TINY_RUN, "run.rounds=2", "run.name=e2e-fedbuff"],
-                                out_dir=tmp_path / "runs", timeout_s=150, echo=False)
+                                out_dir=tmp_path / "runs", timeout_s=300, echo=False)
     assert res.ok, (res.status, res.details)
     assert res.run_dir is not None and res.run_dir.parent == tmp_path / "runs"
     s = res.summary

@@ -130,7 +130,7 @@ def fault_federation(tmp_path, monkeypatch):
         path.write_text(yaml.safe_dump(data), encoding="utf-8")
         topo = load_topology(path)
         started.append(topo)
-        lifecycle.up(topo, timeout_s=90)
+        lifecycle.up(topo, timeout_s=180)
         return topo
 
     start.killed = killed  # type: ignore[attr-defined]
@@ -154,7 +154,7 @@ def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
             parse_topology(data, tmp_path, "t.yaml")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=77)
 def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     """SIGKILL one SuperNode after the first outer step: the run neither stalls nor crashes; the
     rounds after run on the other until a SuperNode with the same node config (partition)
@@ -221,7 +221,7 @@ def _server_apps(topo: topology.Topology) -> list[int]:
     return sorted(p for p in processes._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=86)
 def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     """SIGKILL the ServerApp after checkpoint 2, submit the same run with ``run.resume=true``: it
     resumes from the checkpoint (a new Flower run: the nodes reload their inner state from their

@@ -257,11 +257,11 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=112)
 def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
     topo, path = halos_federation
     t0 = time.monotonic()
-    assert cli.main(["deploy", "halos-up", str(path), "--timeout", "120"]) == 0
+    assert cli.main(["deploy", "halos-up", str(path), "--timeout", "240"]) == 0
     up_s = time.monotonic() - t0
     res = run_halos(topo, "configs/halos.yaml", [*TINY_RUN, "run.rounds=4", "halos.accumulate=2",
                                                  "run.name=halos-e2e"],

@@ -39,6 +39,8 @@ from fl_geo.deploy.topology import DEFAULT_GRACE_S, DeployError, Topology
 
 __all__ = ["DownResult", "UpResult", "down", "status", "up"]
 
+KILL_EXIT_S = 10.0  # how long a SIGKILLed process may take to exit before down calls it a survivor
+
 
 @dataclass
 class UpResult:
@@ -191,7 +193,12 @@ def down(topo: Topology, grace_s: float = DEFAULT_GRACE_S) -> DownResult:
             killed.append(pid)
         for r in mine:
             _signal(r.pgid, signal.SIGKILL, group=True)  # anything left in the group
-        time.sleep(0.05)
+        # A killed process still has to exit: unmapping a few GiB of a torch process runs at that
+        # process's priority and took over 50 ms on a loaded 2-core machine, which down once
+        # reported as a survivor. Only what outlives KILL_EXIT_S is one.
+        end = time.monotonic() + KILL_EXIT_S
+        while any(_alive(p) for p in pids) and time.monotonic() < end:
+            time.sleep(0.05)
         for pid in pids:
             _reap(pid)
 
