@@ -265,7 +265,7 @@ def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
     up_s = time.monotonic() - t0
     res = run_halos(topo, "configs/halos.yaml", [*TINY_RUN, "run.rounds=4", "halos.accumulate=2",
                                                  "run.name=halos-e2e"],
-                    out_dir=tmp_path / "runs", timeout_s=240, ipc_timeout_s=180, echo=False)
+                    out_dir=tmp_path / "runs", timeout_s=400, ipc_timeout_s=300, echo=False)
     g = res.summaries[topo.global_tier.name]
     print(f"\n[e2e halos] up {up_s:.1f} s, runs {res.wall_s:.1f} s (GPS {g and g['wall_s']} s, LPS "
           f"{[(res.summaries[t.name] or {}).get('wall_s') for _, t in topo.regions]} s)", file=sys.stderr)
