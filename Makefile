@@ -31,9 +31,11 @@ quickstart: setup
 
 # Three pytest-xdist workers on a 2-core machine: the loopback deployment tests mostly wait (on
 # SuperNode polls and process start-ups), so a third worker fills the cores they leave idle. The
-# tests that start Ray or Flower's local SuperLink share the xdist group `ray` (one at a time, on
-# one worker); the `slow` tests are handed out first (tests/conftest.py). The 25 slowest tests are
-# printed at the end of every run. TEST_WORKERS=0 runs in this one process.
+# tests that start Ray or Flower's local SuperLink share the xdist group `ray` (one at a time); the
+# `slow` tests and that group go to two balanced lanes (at most two at once, the third worker on the
+# light tests) and are handed out first (tests/conftest.py); while a Ray test runs, the sessions the
+# other tests started yield the CPU (tests/cpu_share.py). The 25 slowest tests are printed at the
+# end of every run. TEST_WORKERS=0 runs in this one process.
 TEST_WORKERS ?= 3
 PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
