@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.data.corpus import CORPUS_NAMES  # data.corpus
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
@@ -171,25 +172,6 @@ class StrategySection:
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
-
-
-@dataclass
-class PenaltySection:
-    """Pseudo-gradient penalty (docs/algorithms.md §4): Di-PS, EDiT and HALoS share it."""
-
-    enabled: bool = False
-    granularity: str = "global"  # global | module
-    rule: str = "zscore"  # zscore (EDiT) | relative_max (Di-PS)
-    threshold: float = 3.0  # delta (zscore) or beta (relative_max)
-    warmup: int = 20
-    keying: str = "node"  # node | pooled
-    weighting: str = "tokens"  # tokens | norm_softmax | uniform | staleness (or "a*b" products)
-    temperature: float = 1.0  # norm_softmax T; 0 = auto (mean accepted norm of the previous step)
-    clip: float = 0.0  # phi; 0 = no clipping
-    adaptive_threshold: bool = False
-    # Ablation switch (EDiT Fig. 7a "w/o AE"): false = never reject (statistics still kept).
-    # "w/o WA" is weighting=uniform, "w/o GC" is clip=0.
-    outlier: bool = True
 
 
 @dataclass
@@ -611,12 +593,7 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     _require(not unknown, f"run.loggers {unknown} unknown; valid: wandb, mlflow (metrics.jsonl is always "
                           "written; TensorBoard is run.tensorboard)")
     p = cfg.penalty
-    _require(p.granularity in ("global", "module"), "penalty.granularity must be global or module")
-    _require(p.rule in ("zscore", "relative_max"), "penalty.rule must be zscore or relative_max")
-    _require(p.keying in ("node", "pooled"), "penalty.keying must be node or pooled")
-    _require(p.threshold > 0 and p.warmup >= 0 and p.clip >= 0 and p.temperature >= 0, "penalty: threshold > 0, warmup, clip, temperature >= 0")
-    for part in p.weighting.split("*"):
-        _require(part in ("tokens", "norm_softmax", "uniform", "staleness"), f"penalty.weighting part '{part}' is unknown")
+    p.check()
     if buffered and p.enabled:
         _check_penalised_weights(s, p)
     _require(s.time_budget_s >= 0, f"strategy.time_budget_s must be >= 0, got {s.time_budget_s}")

@@ -8,7 +8,7 @@ They live in this leaf module so that the framework-free layers (``fl_geo.core``
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PayloadError"]
+__all__ = ["ConfigError", "PayloadError", "require"]
 
 
 class ConfigError(ValueError):
@@ -17,3 +17,10 @@ class ConfigError(ValueError):
 
 class PayloadError(ValueError):
     """A payload that must not be used: wrong layout, wrong precision, truncated or non-finite."""
+
+
+def require(cond: bool, msg: str) -> None:
+    """Raise `ConfigError` with ``msg`` unless ``cond`` holds: the one-line form of every config
+    check, shared by `fl_geo.config` and the section modules that check their own keys."""
+    if not cond:
+        raise ConfigError(msg)
