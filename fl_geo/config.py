@@ -23,6 +23,7 @@ from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.data.corpus import CORPUS_NAMES  # data.corpus
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
+from fl_geo.halos.settings import HalosSection
 from fl_geo.inner.model import ModelConfig
 from fl_geo.ray_cluster import check_ray_section  # run.ray_address, client_cpus, client_gpus
 from fl_geo.registry import METHODS
@@ -172,19 +173,6 @@ class StrategySection:
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
-
-
-@dataclass
-class HalosSection:
-    """HALoS local parameter servers (docs/algorithms.md §6); the global server is ``strategy.*``."""
-
-    accumulate: int = 32  # K: local updates per global update
-    alpha: float = 0.25  # weight of the global model when a local server merges
-    group_size: int = 0  # workers per local server ("consistent grouping"); 0 = one per region
-    local_lr: float = 0.2 * 16  # delayed Nesterov of the local servers: lr x N
-    local_momentum: float = 0.9
-    local_buffer: int = 16  # N
-    local_activation: float = 0.0  # c
 
 
 @dataclass
@@ -606,11 +594,7 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     _require(s.sync_warmup_steps == 0 or not is_async, "strategy.sync_warmup_steps (EDiT warm-up) is for synchronous strategies")
     _require(not s.dynupd or r.clock == "virtual", "strategy.dynupd needs run.clock=virtual (worker speeds come from the scenario)")
     h = cfg.halos
-    _require(h.accumulate >= 1, f"halos.accumulate (K) must be >= 1, got {h.accumulate}")
-    _require(0 <= h.alpha <= 1, f"halos.alpha must be in [0, 1], got {h.alpha}")
-    _require(h.group_size >= 0, f"halos.group_size must be >= 0, got {h.group_size}")
-    _require(h.local_lr > 0 and 0 <= h.local_momentum < 1 and h.local_buffer >= 1,
-             "halos: local_lr > 0, local_momentum in [0, 1), local_buffer >= 1")
+    h.check()
     _require(not (s.name == "halos" and p.enabled), "penalty at the HALoS global server is not supported yet (penalty.enabled=false)")
     _validate_streaming(cfg, own_model)
     _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
@@ -642,7 +626,6 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     _require(s.delay_activation >= 0 and s.staleness_exponent >= 0 and s.grace_max_s >= 0,
              "strategy.delay_activation, staleness_exponent and grace_max_s must be >= 0, got "
              f"{s.delay_activation}, {s.staleness_exponent}, {s.grace_max_s}")
-    _require(cfg.halos.local_activation >= 0, f"halos.local_activation must be >= 0, got {cfg.halos.local_activation}")
     ps = cfg.ps
     _require(ps.followers >= 0, f"ps.followers must be >= 0, got {ps.followers}")
     _require(ps.transport in ("local", "grpc"), f"ps.transport must be local or grpc, got '{ps.transport}'")
