@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.core.penalty_settings import PenaltySection
+from fl_geo.core.streaming_settings import StreamingSection
 from fl_geo.data.corpus import CORPUS_NAMES  # data.corpus
 from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
@@ -173,32 +174,6 @@ class StrategySection:
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
-
-
-@dataclass
-class StreamingSection:
-    """Streaming DiLoCo and CoCoDC (docs/algorithms.md §7); H is ``strategy.inner_steps``."""
-
-    # P: strided fragments of the transformer blocks (1 <= P <= the model's blocks; the built-in
-    # model has 2 by default, the papers use 4 on deeper models: configs/streaming_diloco.yaml)
-    fragments: int = 2
-    overlap: int = 5  # tau: inner steps between a fragment's sync start and its merge (0 <= tau < H/P)
-    # how a worker merges a new global fragment: blend = (1 - alpha) local + alpha global (Streaming
-    # DiLoCo); compensate = CoCoDC's delay compensation with lambda = compensation
-    rule: str = "blend"
-    alpha: float = 0.5  # blend: weight of the global fragment (1 = overwrite)
-    compensation: float = 0.5  # compensate: lambda (0 = new global fragment + local progress)
-    adaptive: bool = False  # CoCoDC Algorithm 2: N = max(P, floor(gamma H T_c / T_s)) syncs per H steps
-    gamma: float = 0.4  # adaptive: share of the network capacity to use, in (0, 1]
-    # also score every worker's own model θ^m whenever val/loss is taken (val/worker_loss): the
-    # server's global model is a patchwork of fragments stepped at different times, which no
-    # worker holds. Streaming strategies only (DiLoCo's workers hold the global model after a sync).
-    eval_workers: bool = False
-    # the workers' Δ_p payloads: none (wire.up's precision), int8 or int4 (blockwise absmax, one
-    # fp32 scale per quantize_block elements; fl_geo.core.quantize). The new global fragment travels
-    # back at wire.down: it is a model, not an update to be averaged.
-    quantize: str = "none"
-    quantize_block: int = 128
 
 
 @dataclass
@@ -760,15 +735,7 @@ def _validate_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
     P against the model's blocks only when the ``model`` section is the model that runs (not
     ``own_model``: the streaming loop checks the real model at start)."""
     st, s = cfg.streaming, cfg.strategy
-    _require(st.fragments >= 1, f"streaming.fragments (P) must be >= 1, got {st.fragments}")
-    _require(st.rule in ("blend", "compensate"), f"streaming.rule must be blend or compensate, got {st.rule!r}")
-    _require(st.overlap >= 0, f"streaming.overlap (tau) must be >= 0, got {st.overlap}")
-    _require(0 <= st.alpha <= 1, f"streaming.alpha must be in [0, 1], got {st.alpha}")
-    _require(st.compensation >= 0, f"streaming.compensation (lambda) must be >= 0, got {st.compensation}")
-    _require(0 < st.gamma <= 1, f"streaming.gamma must be in (0, 1], got {st.gamma}")
-    _require(st.quantize in ("none", "int8", "int4"),
-             f"streaming.quantize must be none, int8 or int4, got {st.quantize!r}")
-    _require(st.quantize_block >= 1, f"streaming.quantize_block must be >= 1, got {st.quantize_block}")
+    st.check()
     if s.name not in STREAMING_STRATEGIES:
         return
     _require(st.quantize == "none" or cfg.wire.up == "fp32",
