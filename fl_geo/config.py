@@ -28,9 +28,9 @@ from fl_geo.halos.settings import HalosSection
 from fl_geo.inner.model import ModelConfig
 from fl_geo.ray_cluster import check_ray_section  # run.ray_address, client_cpus, client_gpus
 from fl_geo.registry import METHODS
+from fl_geo.runtime.wire_settings import WireSection
 from fl_geo.yaml_safe import load_yaml
 
-WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 WEIGHTINGS = ("uniform", "tokens")
 
 # The strategy tables, derived from the one registry entry per method (fl_geo.registry): which
@@ -211,14 +211,6 @@ class PsSection:
     # Clients never get the key, only a per-job token that expires token_ttl_s after dispatch.
     key_file: str = ""
     token_ttl_s: float = 86400.0
-
-
-@dataclass
-class WireSection:
-    """Precision of model-sized payloads on the wire (the outer state is always fp32)."""
-
-    up: str = "fp32"  # client -> server pseudo-gradients
-    down: str = "fp32"  # server -> client model
 
 
 @dataclass
@@ -621,9 +613,7 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
                  f"ps.host={ps.host}: give ps.tls_certs_dir (ca.crt, server.crt, server.key) to serve model shards "
                  "over TLS, or set ps.allow_insecure_remote=true for plaintext inside a trusted network")
     _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
-    for side in ("up", "down"):
-        val = getattr(w, side)
-        _require(val in WIRE_PRECISIONS, f"wire.{side} must be one of {WIRE_PRECISIONS}, got '{val}'")
+    w.check()
     _require(d.partition in ("by_group", "iid", "by_document"), f"data.partition '{d.partition}' is unknown; valid: by_group, iid, by_document")
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
     _require(d.corpus in CORPUS_NAMES, f"data.corpus '{d.corpus}' is unknown; valid: {', '.join(CORPUS_NAMES)}")
