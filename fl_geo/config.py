@@ -26,6 +26,7 @@ from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
 from fl_geo.errors import ConfigError
 from fl_geo.halos.settings import HalosSection
 from fl_geo.inner.model import ModelConfig
+from fl_geo.ps.settings import PsSection
 from fl_geo.ray_cluster import check_ray_section  # run.ray_address, client_cpus, client_gpus
 from fl_geo.registry import METHODS
 from fl_geo.runtime.wire_settings import WireSection
@@ -174,43 +175,6 @@ class StrategySection:
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
-
-
-@dataclass
-class PsSection:
-    """Sharded parameter server (Di-PS §4.1; docs/sharded_ps.md): followers own contiguous layers.
-
-    followers = 0 keeps the whole model in the ServerApp (the default). F >= 1 splits θ, the fp32
-    outer state and the running sum over F followers; the ServerApp stays the leader (grace window,
-    membership, versions, tokens, the penalty decision). Strategy dips only.
-    """
-
-    followers: int = 0
-    # local: the followers live in the ServerApp's process and clients' updates come in Flower
-    # replies (the single-server case, and the virtual-clock tests); grpc: follower processes the
-    # leader starts, and clients push/pull shards on the gRPC data path (fl_geo.ps) while
-    # Flower messages carry only control.
-    transport: str = "local"
-    norm: str = "global"  # global: ||update||_2 (F-independent) | sum_of_shards: Di-PS's sum of shard norms
-    workdir: str = ""  # follower plan, checkpoints, logs ("" = <run dir>/ps)
-    checkpoint_keep: int = 3  # follower checkpoints kept (one after every outer step)
-    heartbeat_s: float = 1.0  # followers' heartbeat period; dead after 3 missed beats
-    chunk_mib: int = 4  # data-path frame size
-    retry_s: float = 120.0  # how long clients and the leader retry a transfer to a follower
-    max_pending: int = 64  # unhandled pushes a follower holds before it refuses more
-    # Address the follower processes bind and clients reach them at (grpc).
-    host: str = "127.0.0.1"
-    # TLS on the data path: a directory with ca.crt, server.crt, server.key (`fl-geo deploy certs`
-    # makes them; the certificate must name ps.host). Clients get the CA certificate with each job.
-    # Without it an address other than loopback needs allow_insecure_remote=true, said out loud.
-    tls_certs_dir: str = ""
-    allow_insecure_remote: bool = False
-    # Authentication of the data path (grpc; fl_geo.ps.auth): the leader/follower shared key.
-    # "" = a fresh random key per run, handed to the followers the leader starts. A path: a file
-    # of hex (mode 0600), the same one followers started separately read with --key-file.
-    # Clients never get the key, only a per-job token that expires token_ttl_s after dispatch.
-    key_file: str = ""
-    token_ttl_s: float = 86400.0
 
 
 @dataclass
@@ -594,12 +558,7 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
              "strategy.delay_activation, staleness_exponent and grace_max_s must be >= 0, got "
              f"{s.delay_activation}, {s.staleness_exponent}, {s.grace_max_s}")
     ps = cfg.ps
-    _require(ps.followers >= 0, f"ps.followers must be >= 0, got {ps.followers}")
-    _require(ps.transport in ("local", "grpc"), f"ps.transport must be local or grpc, got '{ps.transport}'")
-    _require(ps.norm in ("global", "sum_of_shards"), f"ps.norm must be global or sum_of_shards, got '{ps.norm}'")
-    _require(ps.checkpoint_keep >= 1 and ps.heartbeat_s > 0 and ps.chunk_mib >= 1 and ps.retry_s >= 0 and ps.max_pending >= 1,
-             "ps: checkpoint_keep >= 1, heartbeat_s > 0, chunk_mib >= 1, retry_s >= 0, max_pending >= 1")
-    _require(ps.token_ttl_s > 0, f"ps.token_ttl_s must be > 0, got {ps.token_ttl_s}")
+    ps.check()
     if ps.followers:
         _require(s.name == "dips", f"ps.followers (the sharded parameter server) is for strategy dips, not '{s.name}'")
         _require(not p.enabled or p.granularity == "global",
@@ -608,10 +567,6 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
                  f"ps.checkpoint_keep={ps.checkpoint_keep} must exceed run.checkpoint_every={r.checkpoint_every}: a "
                  "resumed leader needs every follower's checkpoint of the leader's last checkpointed step")
         _require(s.outer_optimizer in ("nesterov", "delayed_nesterov"), "ps.followers supports the nesterov outer optimizers")
-        _require(ps.transport != "grpc" or ps.host in ("127.0.0.1", "localhost", "::1") or ps.tls_certs_dir
-                 or ps.allow_insecure_remote,
-                 f"ps.host={ps.host}: give ps.tls_certs_dir (ca.crt, server.crt, server.key) to serve model shards "
-                 "over TLS, or set ps.allow_insecure_remote=true for plaintext inside a trusted network")
     _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
     w.check()
     _require(d.partition in ("by_group", "iid", "by_document"), f"data.partition '{d.partition}' is unknown; valid: by_group, iid, by_document")
