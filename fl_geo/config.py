@@ -21,8 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.core.streaming_settings import StreamingSection
-from fl_geo.data.corpus import CORPUS_NAMES  # data.corpus
-from fl_geo.data.loader import NOISE_KINDS  # data.noise_kind
+from fl_geo.data.settings import DataSection
 from fl_geo.errors import ConfigError
 from fl_geo.halos.settings import HalosSection
 from fl_geo.inner.model import ModelConfig
@@ -175,32 +174,6 @@ class StrategySection:
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
-
-
-@dataclass
-class DataSection:
-    """Corpus, partitioning and batch shape (fl_geo.data)."""
-
-    corpus: str = "auto"  # auto | bible | shakespeare | stdlib | pydoc | files | jsonl | parquet | arrow
-    data_dir: str = ""  # "" = $FL_GEO_DATA_DIR or ~/.cache/fl-geo/corpora
-    files: list[str] = field(default_factory=list)
-    text_key: str = "text"
-    partition: str = "by_group"  # by_group (natural non-IID) | iid | by_document
-    val_fraction: float = 0.05
-    seed: int = 0
-    # Low-quality training batches in bursts (EDiT-style loss spikes); validation data stays clean.
-    noise_partitions: list[int] = field(default_factory=list)  # partition ids whose batches are corrupted
-    noise_fraction: float = 0.0  # probability that a block of batches is corrupted
-    noise_kind: str = "random"  # random (uniform token ids) | shuffle (real windows, tokens permuted)
-    noise_block: int = 1  # consecutive inner steps sharing one corrupt/clean decision
-    noise_shared: bool = False  # true: every noisy partition is corrupted in the same blocks
-    # byte (UTF-8 bytes, vocabulary 256) | bpe (byte-level BPE trained on the training text, cached) |
-    # a directory holding tokenizer.json; model.vocab_size follows the tokenizer (docs/data.md)
-    tokenizer: str = "byte"
-    bpe_vocab_size: int = 4096
-    # data.corpus=jsonl|parquet|arrow: local files read through `datasets` (a file, glob or directory)
-    path: str = ""
-    text_field: str = "text"
 
 
 @dataclass
@@ -569,19 +542,9 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
         _require(s.outer_optimizer in ("nesterov", "delayed_nesterov"), "ps.followers supports the nesterov outer optimizers")
     _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
     w.check()
-    _require(d.partition in ("by_group", "iid", "by_document"), f"data.partition '{d.partition}' is unknown; valid: by_group, iid, by_document")
-    _require(0 < d.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
-    _require(d.corpus in CORPUS_NAMES, f"data.corpus '{d.corpus}' is unknown; valid: {', '.join(CORPUS_NAMES)}")
-    _require(d.corpus != "files" or bool(d.files), "data.corpus=files needs data.files (paths or globs of .txt/.jsonl)")
-    _require(d.corpus not in ("jsonl", "parquet", "arrow") or bool(d.path),
-             f"data.corpus={d.corpus} needs data.path (a local file, glob or directory)")
-    _require(bool(d.text_field), "data.text_field must name the column that holds the text")
-    _require(0 <= d.noise_fraction <= 1, f"data.noise_fraction must be in [0, 1], got {d.noise_fraction}")
-    _require(d.noise_kind in NOISE_KINDS, f"data.noise_kind must be one of {NOISE_KINDS}, got '{d.noise_kind}'")
-    _require(d.noise_block >= 1, f"data.noise_block must be >= 1, got {d.noise_block}")
+    d.check()
     out_of_range = [p for p in d.noise_partitions if not 0 <= p < r.num_clients]
     _require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
-    _require(len(set(d.noise_partitions)) == len(d.noise_partitions), f"data.noise_partitions has duplicates: {d.noise_partitions}")
     _resolve_vocab(d, m)
     _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
     _require(0 <= c.min_lr_ratio <= 1, f"client.min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}")
