@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fl_geo.clients.settings import ClientSection
 from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.core.streaming_settings import StreamingSection
 from fl_geo.data.settings import DataSection
@@ -174,31 +175,6 @@ class StrategySection:
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
-
-
-@dataclass
-class ClientSection:
-    """Inner loop of every datacenter client (fl_geo.inner.training.InnerConfig)."""
-
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    total_steps: int = 0  # schedule length; 0 = rounds * inner_steps
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    batch_size: int = 16  # per process: with devices = N a site trains on N x batch_size sequences a step
-    seq_len: int = 128
-    device: str = "auto"  # auto | cuda | npu | mps | cpu
-    precision: str = "auto"  # auto (bf16 autocast on accelerators) | bf16 | fp32
-    eval_batches: int = 8
-    # Data-parallel inner loop over a site's devices (fl_geo.inner.distributed, docs/multidevice.md):
-    # 1 = one process (the default path); N > 1 = N DDP processes started per train message. A
-    # SuperNode may override it (--node-config 'devices=8'); its hardware is checked there.
-    devices: int = 1
-    dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
 
 
 @dataclass
@@ -546,29 +522,11 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     out_of_range = [p for p in d.noise_partitions if not 0 <= p < r.num_clients]
     _require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
     _resolve_vocab(d, m)
-    _require(c.lr > 0 and c.batch_size >= 1 and c.seq_len >= 2, "client.lr, batch_size and seq_len must be positive")
-    _require(0 <= c.min_lr_ratio <= 1, f"client.min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}")
-    _require(c.warmup_steps >= 0 and c.total_steps >= 0,
-             f"client.warmup_steps and client.total_steps must be >= 0, got {c.warmup_steps} and {c.total_steps}")
-    _require(0 <= c.beta1 < 1 and 0 <= c.beta2 < 1, f"client.beta1 and client.beta2 must be in [0, 1), got {c.beta1} and {c.beta2}")
-    _require(c.eps > 0, f"client.eps must be > 0, got {c.eps}")
-    _require(c.weight_decay >= 0 and c.grad_clip >= 0,
-             f"client.weight_decay and client.grad_clip must be >= 0 (0 = off), got {c.weight_decay} and {c.grad_clip}")
-    _require(c.eval_batches >= 1, f"client.eval_batches must be >= 1, got {c.eval_batches}")
+    c.check()
     if m.kind == "hf":
         _validate_hf(m, c.seq_len)
     else:
         _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    kind, _, index = c.device.partition(":")
-    _require(kind in ("auto", "cuda", "npu", "mps", "cpu") and (not index or (index.isdigit() and kind in ("cuda", "npu"))),
-             f"client.device '{c.device}' is unknown; valid: auto, cuda, cuda:N, npu, npu:N, mps, cpu")
-    _require(c.precision in ("auto", "bf16", "fp32"), f"client.precision '{c.precision}' is unknown")
-    _require(c.devices >= 1, f"client.devices must be >= 1, got {c.devices}")
-    _require(c.dist_backend in ("auto", "gloo", "nccl"), f"client.dist_backend must be auto, gloo or nccl, got '{c.dist_backend}'")
-    _require(c.dist_backend != "nccl" or kind in ("auto", "cuda"),
-             f"client.dist_backend=nccl needs CUDA devices, but client.device is '{c.device}'")
-    _require(c.devices == 1 or c.device in ("auto", "cuda", "cpu"),
-             f"client.devices > 1 runs on cuda or cpu, not on client.device '{c.device}'")
     try:
         m.validate()
     except ValueError as exc:
