@@ -27,8 +27,8 @@ from fl_geo.errors import ConfigError
 from fl_geo.halos.settings import HalosSection
 from fl_geo.inner.model import ModelConfig
 from fl_geo.ps.settings import PsSection
-from fl_geo.ray_cluster import check_ray_section  # run.ray_address, client_cpus, client_gpus
 from fl_geo.registry import METHODS
+from fl_geo.run_settings import RunSection
 from fl_geo.runtime.wire_settings import WireSection
 from fl_geo.yaml_safe import load_yaml
 
@@ -43,66 +43,6 @@ STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {m.name: (m.outer_lr, m.oute
 NO_CHECKPOINT_STRATEGIES = tuple(m.name for m in METHODS.values() if not m.checkpoints)
 ASYNC_STRATEGIES = tuple(m.name for m in METHODS.values() if m.is_async)
 STREAMING_STRATEGIES = tuple(m.name for m in METHODS.values() if m.family == "streaming")
-
-
-@dataclass
-class RunSection:
-    """What to run and where to write it."""
-
-    name: str = "run"
-    seed: int = 0
-    rounds: int = 10
-    num_clients: int = 4  # simulated datacenters (Flower virtual SuperNodes)
-    max_tokens: int = 0  # stop once this many tokens were consumed (0 = only run.rounds limits)
-    # wall: replies in arrival order; virtual: modelled finish times from run.scenario decide the
-    # order and every metric carries time/virtual_s (deterministic for a seed).
-    clock: str = "wall"
-    scenario: str = "lan_uniform"  # a name under configs/scenarios/ or a YAML path
-    # ray: Flower's simulation runtime (one Ray actor per sim_cpus, ClientApps in parallel);
-    # inline: ClientApps run in this process one after another (no Ray start-up; deterministic).
-    backend: str = "ray"
-    out_dir: str = "runs"
-    eval_every: int = 1  # server-side validation every k outer steps (0 = only at the end)
-    eval_batches: int = 16
-    client_eval_every: int = 0  # ask clients for validation on their partition every k steps (0 = never)
-    threads_per_client: int = 1  # torch threads per client process (docs/data.md: never oversubscribe)
-    # The server's folds and outer steps are many small memory-bound ops: one thread avoids waiting
-    # on descheduled workers while clients share the cores (10-60x slower at 2 under load).
-    server_threads: int = 1
-    sim_cpus: int = 2  # Ray CPUs; one actor per CPU since each client asks for one
-    # backend=ray: "" = Flower starts (and stops) its own local Ray with sim_cpus CPUs; "auto" = the
-    # cluster this machine joined with `ray start`; HOST:PORT = a running cluster's head (GCS)
-    # address (docs/deploy.md, "A Ray cluster"). With a cluster, its CPUs replace sim_cpus.
-    ray_address: str = ""
-    client_cpus: float = 1.0  # Ray CPUs each ClientApp actor reserves (actors = CPUs / client_cpus)
-    client_gpus: float = 0.0  # Ray GPUs each actor reserves (0.25 = four actors share one GPU)
-    min_nodes: int = 0  # nodes to wait for before round 1 (0 = num_clients)
-    wait_nodes_timeout_s: float = 120.0
-    progress: bool = True
-    tensorboard: bool = True
-    # Experiment trackers besides metrics.jsonl (always) and TensorBoard: wandb, mlflow (optional
-    # packages; settings from their environment variables, fl_geo/runtime/loggers.py).
-    loggers: list[str] = field(default_factory=list)
-    # Server checkpoints (fl_geo/core/checkpoint.py): every k outer steps (0 = off), newest `keep` kept,
-    # in checkpoint_dir ("" = <run dir>/checkpoints). resume=true continues from the newest valid
-    # checkpoint there (a corrupt one is skipped) and starts fresh when there is none and nothing
-    # to replace (fl_geo.server_app.open_checkpoints lists what it refuses instead).
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 3
-    checkpoint_dir: str = ""
-    resume: bool = False
-    # Where simulated clients keep their inner state on disk so a resumed run finds it ("" = off;
-    # `fl-geo run` fills in <run dir>/client_state when checkpoints are on). Deployed SuperNodes
-    # use their own node config `state-dir` instead.
-    client_state_dir: str = ""
-    # Live nodes below which the server pauses instead of stepping on too little (0 = off).
-    min_live_nodes: int = 0
-    min_live_wait_s: float = 600.0  # how long to wait for enough live nodes before giving up
-    # With clock=wall: replay run.scenario's failure trace as real faults (a failing node's ClientApp
-    # answers its job with an error; the node gets nothing until its repair), jobs laid on each
-    # node's modelled time line in dispatch order; wall seconds per modelled second (fl_geo/runtime/wall_faults.py).
-    wall_faults: bool = False
-    wall_fault_scale: float = 0.0
 
 
 @dataclass
@@ -398,24 +338,10 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     """
     _require_finite(cfg)
     r, s, w, d, c, m = cfg.run, cfg.strategy, cfg.wire, cfg.data, cfg.client, cfg.model
-    _require(r.rounds >= 1, f"run.rounds must be >= 1, got {r.rounds}")
-    _require(r.num_clients >= 1, f"run.num_clients must be >= 1, got {r.num_clients}")
-    _require(r.backend in ("ray", "inline"), f"run.backend must be ray or inline, got '{r.backend}'")
-    _require(r.threads_per_client >= 1, "run.threads_per_client must be >= 1")
-    _require(r.server_threads >= 1, "run.server_threads must be >= 1")
-    _require(r.sim_cpus >= 1, "run.sim_cpus must be >= 1")
-    check_ray_section(r)
-    _require(r.eval_every >= 0 and r.client_eval_every >= 0, "run.eval_every / client_eval_every must be >= 0")
-    _require(r.eval_batches >= 1, "run.eval_batches must be >= 1")
-    _require(r.checkpoint_every >= 0, f"run.checkpoint_every must be >= 0, got {r.checkpoint_every}")
-    _require(r.checkpoint_keep >= 1, f"run.checkpoint_keep must be >= 1, got {r.checkpoint_keep}")
+    r.check()
     _require(not (r.checkpoint_every or r.resume) or s.name not in NO_CHECKPOINT_STRATEGIES,
              f"run.checkpoint_every / run.resume are not supported for strategy '{s.name}' yet: HALoS and the "
              "streaming loops keep in-flight transfers and fragment syncs that checkpoints do not hold")
-    _require(r.min_live_nodes >= 0, f"run.min_live_nodes must be >= 0, got {r.min_live_nodes}")
-    _require(r.min_live_wait_s >= 0, f"run.min_live_wait_s must be >= 0, got {r.min_live_wait_s}")
-    _require(r.wait_nodes_timeout_s >= 0, f"run.wait_nodes_timeout_s must be >= 0, got {r.wait_nodes_timeout_s}")
-    _require(r.min_nodes >= 0, f"run.min_nodes must be >= 0, got {r.min_nodes}")
     _require(
         s.name in STRATEGY_OPTIMIZERS,
         f"strategy.name '{s.name}' is unknown; valid: {', '.join(STRATEGY_OPTIMIZERS)}",
@@ -451,15 +377,6 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     _require(0 < s.mixing <= 1, "strategy.mixing must be in (0, 1]")
     _require(s.outer_lr_scaling in ("none", "share"), "strategy.outer_lr_scaling must be none or share")
     _require(s.outer_lr_scaling == "none" or is_async, "strategy.outer_lr_scaling=share is for asynchronous strategies")
-    _require(r.clock in ("wall", "virtual"), f"run.clock must be wall or virtual, got '{r.clock}'")
-    _require(not r.wall_faults or r.clock == "wall",
-             "run.wall_faults=true needs run.clock=wall (a virtual clock replays the failure trace itself)")
-    _require(r.wall_fault_scale >= 0, f"run.wall_fault_scale must be >= 0 wall seconds per modelled second, "
-                                      f"got {r.wall_fault_scale}")
-    _require(r.max_tokens >= 0, "run.max_tokens must be >= 0")
-    unknown = [name for name in r.loggers if name not in ("wandb", "mlflow")]
-    _require(not unknown, f"run.loggers {unknown} unknown; valid: wandb, mlflow (metrics.jsonl is always "
-                          "written; TensorBoard is run.tensorboard)")
     p = cfg.penalty
     p.check()
     if buffered and p.enabled:
