@@ -1,10 +1,17 @@
 """One configuration schema for a whole fl-geo run.
 
-Every knob lives in one omegaconf structured config (dataclasses below) so that YAML files in
-``configs/``, dotted command-line overrides (``strategy.outer_lr=0.5``) and the Flower run config
-all resolve to the same validated object. Unknown keys and wrong types are rejected here, before
-any process starts, with a message that names the offending key and the valid ones: a typo in a
-long experiment sweep must not silently fall back to a default.
+Every knob lives in one omegaconf structured config (`FlGeoConfig`, one dataclass per section) so
+that YAML files in ``configs/``, dotted command-line overrides (``strategy.outer_lr=0.5``) and the
+Flower run config all resolve to the same validated object. Unknown keys and wrong types are
+rejected here, before any process starts, with a message that names the offending key and the
+valid ones: a typo in a long experiment sweep must not silently fall back to a default.
+
+Each section's dataclass lives beside the code that reads it and checks its own keys
+(``check()``): ``run_settings``, ``strategy_settings``, ``core/penalty_settings``, ``halos/settings``,
+``core/streaming_settings``, ``runtime/wire_settings``, ``ps/settings``, ``data/settings``,
+``clients/settings`` (``fl_geo.clients.settings``) and ``inner/model`` (``ModelConfig``). This
+module composes them, loads and merges YAML and overrides, and holds the checks that read more
+than one section (`validate`).
 """
 
 from __future__ import annotations
@@ -23,98 +30,34 @@ from fl_geo.clients.settings import ClientSection
 from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.core.streaming_settings import StreamingSection
 from fl_geo.data.settings import DataSection
-from fl_geo.errors import ConfigError
+from fl_geo.errors import ConfigError, require
 from fl_geo.halos.settings import HalosSection
 from fl_geo.inner.model import ModelConfig
 from fl_geo.ps.settings import PsSection
 from fl_geo.registry import METHODS
 from fl_geo.run_settings import RunSection
-from fl_geo.runtime.wire_settings import WireSection
+from fl_geo.runtime.wire_settings import WIRE_PRECISIONS, WireSection
+from fl_geo.strategy_settings import (
+    ASYNC_STRATEGIES,
+    NO_CHECKPOINT_STRATEGIES,
+    STRATEGY_DEFAULTS,
+    STRATEGY_OPTIMIZERS,
+    STREAMING_STRATEGIES,
+    WEIGHTINGS,
+    StrategySection,
+)
 from fl_geo.yaml_safe import load_yaml
 
-WEIGHTINGS = ("uniform", "tokens")
-
-# The strategy tables, derived from the one registry entry per method (fl_geo.registry): which
-# outer optimizers a strategy may use (first = default), the outer lr / momentum it gets when the
-# config leaves them unset, and which loops checkpoints cover. The rest of a method's defaults
-# (`Method.defaults`) is merged under the user's keys by `load_config`.
-STRATEGY_OPTIMIZERS: dict[str, tuple[str, ...]] = {m.name: m.optimizers for m in METHODS.values()}
-STRATEGY_DEFAULTS: dict[str, tuple[float, float]] = {m.name: (m.outer_lr, m.outer_momentum) for m in METHODS.values()}
-NO_CHECKPOINT_STRATEGIES = tuple(m.name for m in METHODS.values() if not m.checkpoints)
-ASYNC_STRATEGIES = tuple(m.name for m in METHODS.values() if m.is_async)
-STREAMING_STRATEGIES = tuple(m.name for m in METHODS.values() if m.family == "streaming")
-
-
-@dataclass
-class StrategySection:
-    """Server side: which synchronous outer loop and its outer optimizer."""
-
-    name: str = "diloco"  # a key of STRATEGY_OPTIMIZERS (diloco, fedavg, ..., dips, edit, a_edit)
-    outer_optimizer: str = ""  # "" = the strategy's default (STRATEGY_OPTIMIZERS)
-    outer_lr: float | None = None  # None = the strategy's default (STRATEGY_DEFAULTS)
-    outer_momentum: float | None = None
-    beta1: float = 0.9  # fedadam / fedyogi
-    beta2: float = 0.99
-    tau: float = 1e-3
-    delay_buffer: int = 1  # delayed_nesterov N
-    delay_activation: float = 0.0  # delayed_nesterov c
-    # asynchronous strategies (docs/algorithms.md §5). A method's own values (FedBuff's K = 2 and
-    # staleness weights, FedAsync's mixing, Di-PS's grace window) are its registry defaults.
-    buffer_size: int = 1  # accepted updates per outer step (FedBuff K; Di-PS 1_000_000 = no cap)
-    staleness_weighting: bool = False  # weight each update by s(tau) = 1/sqrt(1 + tau) (FedBuff)
-    # FedAsync: scale each one-update step by alpha_t = mixing (1 + tau)^-staleness_exponent
-    staleness_mixing: bool = False
-    mixing: float = 0.6  # FedAsync alpha
-    staleness_exponent: float = 0.5  # FedAsync a: alpha_t = alpha (1 + tau)^-a
-    # close a step once grace_s has passed since the last arrival (Di-PS); grace_s >= 0 turns it on
-    grace: bool = False
-    grace_s: float = -1.0  # grace window; -1 = ski-rental estimate, >= 0 fixed
-    grace_max_s: float = 60.0
-    # dispatch: workers send Δ against the model they started from; current: they send parameters
-    # and g = θ_current − θ_worker (Di-PS line 10; FedAsync's mixing)
-    pseudo_grad_base: str = "dispatch"
-    schedule_clock: str = ""  # local | global; "" = local for synchronous, global for asynchronous
-    dynupd: bool = False  # H_i = ceil(H * speed_i / max speed) (DyLU / DynUpd)
-    # none: every outer step uses outer_lr. share: lr x (accepted updates / live workers), so that
-    # N single-update asynchronous steps add up to one synchronous step over N updates (as
-    # delayed Nesterov's g/N does); not in the Di-PS paper: an fl-geo option.
-    outer_lr_scaling: str = "none"
-    weighting: str = "uniform"  # uniform | tokens
-    inner_steps: int = 50  # H
-    # A-EDiT: each inner loop runs for this long instead of H steps (0 = off). Wall clock: the
-    # client trains until the elapsed time reaches it, finishing the step that crosses it, with H
-    # as a cap; virtual clock: max(1, ceil(budget / step_time_i)) steps from the scenario.
-    time_budget_s: float = 0.0
-    # A-EDiT (atorch use_step_weight): w_i = (1 - r) * penalty weight_i + r * steps_i / sum steps
-    step_weight_ratio: float = 0.0
-    # EDiT warm-up (Algorithm 1, lines 7 and 19-20): the first t_warm inner steps are averaged
-    # every step (rounds of one inner step, plain model averaging, no penalty) before the
-    # periodic syncs start. Counted in inner steps; these rounds come on top of run.rounds.
-    sync_warmup_steps: int = 0
-    clients_per_round: int = 0  # 0 = every live node
-    min_replies: int = 1  # fewer accepted updates than this: skip the outer step
-    round_timeout_s: float = 0.0  # 0 = wait for every selected node (or its error reply)
-    # Quorum rounds (synchronous): the round steps once ceil(quorum x selected) nodes replied
-    # (0 = wait for all). The others keep training, their nodes busy; their replies come in a
-    # later round and are dropped, or folded there with FedBuff's staleness weight 1/sqrt(1 + tau).
-    quorum: float = 0.0
-    late_replies: str = "drop"  # drop | fold
-    # Reject an update whose L2 norm exceeds this multiple of the global model's (at least 1):
-    # a broken or hostile update scaled x1e6 is finite and well-shaped. 0 = no bound.
-    max_update_ratio: float = 10.0
-    # job: a reply may claim at most steps x client.batch_size x client.seq_len x the site's
-    # devices tokens (what its job could produce); none: trust the claim (a user's ClientApp
-    # whose batches do not follow client.batch_size / seq_len).
-    token_cap: str = "job"
-    # Bounded influence (fl_geo.core.robust): median_norm rejects an update whose norm is more
-    # than robust_factor x the median norm of the round's updates (synchronous; the round's
-    # replies are held until it completes) or of the last robust_window updates (asynchronous).
-    robust: str = "none"  # none | median_norm
-    robust_factor: float = 3.0
-    robust_window: int = 16
-    # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
-    # memory for the ones before it); arrival: fold on arrival (never holds a reply).
-    fold_order: str = "rank"
+# The section classes and strategy tables are defined beside the code that owns them and
+# re-exported here, so ``from fl_geo.config import StrategySection`` keeps working.
+__all__ = [
+    "ASYNC_STRATEGIES", "NO_CHECKPOINT_STRATEGIES", "RESUME_MAY_CHANGE", "STRATEGY_DEFAULTS",
+    "STRATEGY_OPTIMIZERS", "STREAMING_STRATEGIES", "WEIGHTINGS", "WIRE_PRECISIONS",
+    "ClientSection", "ConfigError", "DataSection", "FlGeoConfig", "HalosSection", "ModelConfig",
+    "PenaltySection", "PsSection", "RunSection", "StrategySection", "StreamingSection",
+    "WireSection", "config_from_yaml_string", "load_config", "run_identity", "schedule_length",
+    "section_to_json", "to_dict", "to_yaml", "validate", "warmup_length"
+]
 
 
 @dataclass
@@ -308,11 +251,6 @@ def section_to_json(section: Any) -> str:
     return json.dumps(to_dict(section), sort_keys=True)
 
 
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
 def _require_finite(cfg: FlGeoConfig) -> None:
     """Every float of every section is a finite number: no key of the schema means anything by
     ``.inf`` or ``.nan`` (0 is the "off" / "no bound" value where there is one), and a NaN would
@@ -331,123 +269,67 @@ def _require_finite(cfg: FlGeoConfig) -> None:
 def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     """Cross-field checks that a schema of types cannot express.
 
+    Each section checks its own keys (``cfg.<section>.check()``, in the module that owns the
+    section); the checks that read two sections are the ``_check_*`` functions here. Defaults that
+    depend on the strategy (outer optimizer, lr and momentum, grace window, schedule clock) and
+    the model's vocabulary are filled in place before the checks that read them.
+
     ``own_model``: the model that runs is the caller's (a public strategy class is handed it in
     ``start(grid, initial_arrays)``), not the one the ``model`` section describes, so the checks
     of other settings against that section's shape (streaming fragments against its blocks) are
     left to where the real model is known (the streaming loop checks its fragments there).
     """
     _require_finite(cfg)
-    r, s, w, d, c, m = cfg.run, cfg.strategy, cfg.wire, cfg.data, cfg.client, cfg.model
-    r.check()
-    _require(not (r.checkpoint_every or r.resume) or s.name not in NO_CHECKPOINT_STRATEGIES,
-             f"run.checkpoint_every / run.resume are not supported for strategy '{s.name}' yet: HALoS and the "
-             "streaming loops keep in-flight transfers and fragment syncs that checkpoints do not hold")
-    _require(
-        s.name in STRATEGY_OPTIMIZERS,
-        f"strategy.name '{s.name}' is unknown; valid: {', '.join(STRATEGY_OPTIMIZERS)}",
-    )
-    allowed = STRATEGY_OPTIMIZERS[s.name]
-    # Fill strategy defaults in place so the resolved config written with the run is explicit.
-    s.outer_optimizer = s.outer_optimizer or allowed[0]
-    default_lr, default_mom = STRATEGY_DEFAULTS[s.name]
-    s.outer_lr = default_lr if s.outer_lr is None else s.outer_lr
-    s.outer_momentum = default_mom if s.outer_momentum is None else s.outer_momentum
-    _require(
-        s.outer_optimizer in allowed,
-        f"strategy '{s.name}' uses outer_optimizer {' or '.join(allowed)}, got '{s.outer_optimizer}'",
-    )
-    _require(s.weighting in WEIGHTINGS, f"strategy.weighting must be one of {WEIGHTINGS}, got '{s.weighting}'")
-    _require(s.inner_steps >= 1, f"strategy.inner_steps must be >= 1, got {s.inner_steps}")
-    _require(s.outer_lr > 0, f"strategy.outer_lr must be > 0, got {s.outer_lr}")
-    _require(0 <= s.outer_momentum < 1, f"strategy.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-    _require(s.delay_buffer >= 1, "strategy.delay_buffer must be >= 1")
-    _require(s.buffer_size >= 1, f"strategy.buffer_size must be >= 1 (leave it out for the strategy's default), "
-                                 f"got {s.buffer_size}")
+    cfg.run.check()
+    _check_checkpoints(cfg)
+    cfg.strategy.check()
+    cfg.penalty.check()
+    _check_strategy(cfg)
+    cfg.halos.check()
+    _check_halos(cfg)
+    cfg.streaming.check()
+    _check_streaming(cfg, own_model)
+    cfg.ps.check()
+    _check_sharded_ps(cfg)
+    cfg.wire.check()
+    cfg.data.check()
+    _check_data(cfg)
+    cfg.client.check()
+    _check_model(cfg)
+
+
+def _check_checkpoints(cfg: FlGeoConfig) -> None:
+    """Checkpoints and resume only for the loops whose state a checkpoint holds."""
+    r, s = cfg.run, cfg.strategy
+    require(not (r.checkpoint_every or r.resume) or s.name not in NO_CHECKPOINT_STRATEGIES,
+            f"run.checkpoint_every / run.resume are not supported for strategy '{s.name}' yet: HALoS and the "
+            "streaming loops keep in-flight transfers and fragment syncs that checkpoints do not hold")
+
+
+def _check_strategy(cfg: FlGeoConfig) -> None:
+    """The strategy's settings that depend on the penalty, the clock, checkpoints or the sharded
+    parameter server (after `StrategySection.check` has filled its defaults)."""
+    r, s, p = cfg.run, cfg.strategy, cfg.penalty
     is_async = s.name in ASYNC_STRATEGIES
-    buffered = METHODS[s.name].family == "async"  # the asynchronous buffered loop (not HALoS)
-    _require(not s.staleness_mixing or (buffered and s.buffer_size == 1),
-             "strategy.staleness_mixing (FedAsync) mixes one update at a time: it needs an asynchronous "
-             f"buffered strategy and strategy.buffer_size=1, got '{s.name}' with buffer_size={s.buffer_size}")
-    s.grace = s.grace or s.grace_s >= 0  # a fixed window turns the grace window on (resolved explicitly)
-    _require(s.pseudo_grad_base in ("dispatch", "current"), "strategy.pseudo_grad_base must be dispatch or current")
-    _require(not (s.pseudo_grad_base == "current" and not is_async), "strategy.pseudo_grad_base=current is for asynchronous strategies")
-    s.schedule_clock = s.schedule_clock or ("global" if is_async else "local")
-    _require(s.schedule_clock in ("local", "global"), "strategy.schedule_clock must be local or global")
-    _require(s.grace_s >= 0 or s.grace_s == -1, "strategy.grace_s must be >= 0 or -1 (auto)")
-    _require(0 < s.mixing <= 1, "strategy.mixing must be in (0, 1]")
-    _require(s.outer_lr_scaling in ("none", "share"), "strategy.outer_lr_scaling must be none or share")
-    _require(s.outer_lr_scaling == "none" or is_async, "strategy.outer_lr_scaling=share is for asynchronous strategies")
-    p = cfg.penalty
-    p.check()
-    if buffered and p.enabled:
+    if METHODS[s.name].family == "async" and p.enabled:  # the asynchronous buffered loop (not HALoS)
         _check_penalised_weights(s, p)
-    _require(s.time_budget_s >= 0, f"strategy.time_budget_s must be >= 0, got {s.time_budget_s}")
-    _require(not (s.time_budget_s > 0 and is_async), "strategy.time_budget_s is for synchronous strategies (A-EDiT)")
-    _require(s.name != "a_edit" or s.time_budget_s > 0, "strategy a_edit needs strategy.time_budget_s > 0 (seconds of inner training per round)")
-    _require(0 <= s.step_weight_ratio <= 1, f"strategy.step_weight_ratio must be in [0, 1], got {s.step_weight_ratio}")
-    _require(s.step_weight_ratio == 0 or (p.enabled and not is_async),
-             "strategy.step_weight_ratio mixes step weights into the penalty's weights: it needs penalty.enabled and a synchronous strategy")
-    _require(s.sync_warmup_steps >= 0, f"strategy.sync_warmup_steps must be >= 0, got {s.sync_warmup_steps}")
-    _require(s.sync_warmup_steps == 0 or not is_async, "strategy.sync_warmup_steps (EDiT warm-up) is for synchronous strategies")
-    _require(not s.dynupd or r.clock == "virtual", "strategy.dynupd needs run.clock=virtual (worker speeds come from the scenario)")
-    h = cfg.halos
-    h.check()
-    _require(not (s.name == "halos" and p.enabled), "penalty at the HALoS global server is not supported yet (penalty.enabled=false)")
-    _validate_streaming(cfg, own_model)
-    _require(s.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
-    _require(s.min_replies >= 1, "strategy.min_replies must be >= 1")
-    _require(s.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
-    _require(s.max_update_ratio >= 0, f"strategy.max_update_ratio must be >= 0, got {s.max_update_ratio}")
-    _require(0 <= s.quorum <= 1, f"strategy.quorum must be in [0, 1] (a share of the selected nodes; 0 = all), got {s.quorum}")
-    _require(s.quorum == 0 or not is_async, "strategy.quorum is for synchronous strategies (asynchronous ones never wait)")
-    _require(s.quorum == 0 or (s.name not in STREAMING_STRATEGIES and s.name != "halos"),
-             f"strategy.quorum is for the synchronous DiLoCo-style loop, not for strategy '{s.name}'")
-    _require(s.late_replies in ("drop", "fold"), f"strategy.late_replies must be drop or fold, got '{s.late_replies}'")
-    _require(s.late_replies == "drop" or s.robust == "none",
-             "strategy.late_replies=fold with strategy.robust=median_norm is not supported: a late reply is folded "
-             "outside the round whose median it would be judged against; use late_replies=drop")
-    _require(s.late_replies == "drop" or not p.enabled,
-             "strategy.late_replies=fold with the penalty (EDiT) is not supported; use late_replies=drop")
-    _require(s.quorum == 0 or not r.checkpoint_every,
-             "strategy.quorum with run.checkpoint_every is not supported yet: a checkpoint between rounds "
-             "would miss the late jobs still in flight")
-    _require(s.token_cap in ("job", "none"), f"strategy.token_cap must be job or none, got '{s.token_cap}'")
-    _require(s.robust in ("none", "median_norm"), f"strategy.robust must be none or median_norm, got '{s.robust}'")
-    _require(s.robust_factor >= 1, f"strategy.robust_factor must be >= 1, got {s.robust_factor}")
-    _require(s.robust_window >= 3, f"strategy.robust_window must be >= 3, got {s.robust_window}")
-    _require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
-             f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "
-             f"not for strategy '{s.name}'{' with ps.followers' if cfg.ps.followers else ''}")
-    _require(0 <= s.beta1 < 1 and 0 <= s.beta2 < 1 and s.tau > 0,
-             f"strategy.beta1 and beta2 must be in [0, 1) and strategy.tau > 0, got {s.beta1}, {s.beta2}, {s.tau}")
-    _require(s.delay_activation >= 0 and s.staleness_exponent >= 0 and s.grace_max_s >= 0,
-             "strategy.delay_activation, staleness_exponent and grace_max_s must be >= 0, got "
-             f"{s.delay_activation}, {s.staleness_exponent}, {s.grace_max_s}")
-    ps = cfg.ps
-    ps.check()
-    if ps.followers:
-        _require(s.name == "dips", f"ps.followers (the sharded parameter server) is for strategy dips, not '{s.name}'")
-        _require(not p.enabled or p.granularity == "global",
-                 "ps.followers needs penalty.granularity=global (the leader decides on whole updates, Di-PS)")
-        _require(ps.transport == "local" or not r.checkpoint_every or ps.checkpoint_keep > r.checkpoint_every,
-                 f"ps.checkpoint_keep={ps.checkpoint_keep} must exceed run.checkpoint_every={r.checkpoint_every}: a "
-                 "resumed leader needs every follower's checkpoint of the leader's last checkpointed step")
-        _require(s.outer_optimizer in ("nesterov", "delayed_nesterov"), "ps.followers supports the nesterov outer optimizers")
-    _require(s.fold_order in ("rank", "arrival"), f"strategy.fold_order must be rank or arrival, got '{s.fold_order}'")
-    w.check()
-    d.check()
-    out_of_range = [p for p in d.noise_partitions if not 0 <= p < r.num_clients]
-    _require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
-    _resolve_vocab(d, m)
-    c.check()
-    if m.kind == "hf":
-        _validate_hf(m, c.seq_len)
-    else:
-        _require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    try:
-        m.validate()
-    except ValueError as exc:
-        raise ConfigError(f"model: {exc}") from None
+    require(s.step_weight_ratio == 0 or (p.enabled and not is_async),
+            "strategy.step_weight_ratio mixes step weights into the penalty's weights: it needs penalty.enabled and a synchronous strategy")
+    require(not s.dynupd or r.clock == "virtual", "strategy.dynupd needs run.clock=virtual (worker speeds come from the scenario)")
+    require(s.late_replies == "drop" or not p.enabled,
+            "strategy.late_replies=fold with the penalty (EDiT) is not supported; use late_replies=drop")
+    require(s.quorum == 0 or not r.checkpoint_every,
+            "strategy.quorum with run.checkpoint_every is not supported yet: a checkpoint between rounds "
+            "would miss the late jobs still in flight")
+    require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
+            f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "
+            f"not for strategy '{s.name}'{' with ps.followers' if cfg.ps.followers else ''}")
+
+
+def _check_halos(cfg: FlGeoConfig) -> None:
+    """The HALoS global server takes no penalty yet."""
+    require(not (cfg.strategy.name == "halos" and cfg.penalty.enabled),
+            "penalty at the HALoS global server is not supported yet (penalty.enabled=false)")
 
 
 def _check_penalised_weights(s: StrategySection, p: PenaltySection) -> None:
@@ -455,12 +337,48 @@ def _check_penalised_weights(s: StrategySection, p: PenaltySection) -> None:
     alone (docs/algorithms.md §4, step 4), so a ``strategy.weighting`` or
     ``strategy.staleness_weighting`` that says otherwise would be ignored: a one-line error."""
     parts = p.weighting.split("*")
-    _require((s.weighting == "tokens") == ("tokens" in parts),
-             f"strategy.weighting={s.weighting} disagrees with penalty.weighting={p.weighting}: with the penalty on, "
-             "updates are weighted by penalty.weighting; set both to the weighting you mean (Di-PS: tokens)")
-    _require(not s.staleness_weighting or "staleness" in parts,
-             f"strategy.staleness_weighting=true has no effect with the penalty on; add it to the penalty's weights "
-             f"(penalty.weighting={p.weighting}*staleness) or set strategy.staleness_weighting=false")
+    require((s.weighting == "tokens") == ("tokens" in parts),
+            f"strategy.weighting={s.weighting} disagrees with penalty.weighting={p.weighting}: with the penalty on, "
+            "updates are weighted by penalty.weighting; set both to the weighting you mean (Di-PS: tokens)")
+    require(not s.staleness_weighting or "staleness" in parts,
+            f"strategy.staleness_weighting=true has no effect with the penalty on; add it to the penalty's weights "
+            f"(penalty.weighting={p.weighting}*staleness) or set strategy.staleness_weighting=false")
+
+
+def _check_sharded_ps(cfg: FlGeoConfig) -> None:
+    """With ``ps.followers`` > 0: what the sharded parameter server needs of the strategy, the penalty
+    and the run's checkpoints."""
+    r, s, p, ps = cfg.run, cfg.strategy, cfg.penalty, cfg.ps
+    if not ps.followers:
+        return
+    require(s.name == "dips", f"ps.followers (the sharded parameter server) is for strategy dips, not '{s.name}'")
+    require(not p.enabled or p.granularity == "global",
+            "ps.followers needs penalty.granularity=global (the leader decides on whole updates, Di-PS)")
+    require(ps.transport == "local" or not r.checkpoint_every or ps.checkpoint_keep > r.checkpoint_every,
+            f"ps.checkpoint_keep={ps.checkpoint_keep} must exceed run.checkpoint_every={r.checkpoint_every}: a "
+            "resumed leader needs every follower's checkpoint of the leader's last checkpointed step")
+    require(s.outer_optimizer in ("nesterov", "delayed_nesterov"), "ps.followers supports the nesterov outer optimizers")
+
+
+def _check_data(cfg: FlGeoConfig) -> None:
+    """The noisy partitions exist, and ``model.vocab_size`` follows the tokenizer (filled in place)."""
+    d, r = cfg.data, cfg.run
+    out_of_range = [p for p in d.noise_partitions if not 0 <= p < r.num_clients]
+    require(not out_of_range, f"data.noise_partitions {out_of_range} out of range [0, run.num_clients={r.num_clients})")
+    _resolve_vocab(d, cfg.model)
+
+
+def _check_model(cfg: FlGeoConfig) -> None:
+    """``client.seq_len`` fits the model's positions, then the ``model`` section's own checks."""
+    c, m = cfg.client, cfg.model
+    if m.kind == "hf":
+        _validate_hf(m, c.seq_len)
+    else:
+        require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    try:
+        m.validate()
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
 
 
 def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
@@ -474,9 +392,9 @@ def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
         from fl_geo.data.bpe import MIN_BPE_VOCAB, require_tokenizers
 
         require_tokenizers()  # a missing optional extra is one line now, not a failure in every ClientApp
-        _require(MIN_BPE_VOCAB <= d.bpe_vocab_size <= 1 << 24,
-                 f"data.bpe_vocab_size must be in [{MIN_BPE_VOCAB}, {1 << 24}] (256 byte symbols, the "
-                 f"end-of-text token and at least one merge), got {d.bpe_vocab_size}")
+        require(MIN_BPE_VOCAB <= d.bpe_vocab_size <= 1 << 24,
+                f"data.bpe_vocab_size must be in [{MIN_BPE_VOCAB}, {1 << 24}] (256 byte symbols, the "
+                f"end-of-text token and at least one merge), got {d.bpe_vocab_size}")
         size = d.bpe_vocab_size
     else:
         from fl_geo.data.partition import make_tokenizer
@@ -485,8 +403,8 @@ def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
     vocab = getattr(m, "vocab_size", None)
     if vocab is None:
         return
-    _require(vocab in (256, size), f"model.vocab_size={vocab} does not match data.tokenizer={d.tokenizer} "
-                                   f"(vocabulary {size}); leave model.vocab_size unset")
+    require(vocab in (256, size), f"model.vocab_size={vocab} does not match data.tokenizer={d.tokenizer} "
+                                  f"(vocabulary {size}); leave model.vocab_size unset")
     m.vocab_size = size
 
 
@@ -506,41 +424,41 @@ def _validate_hf(m: ModelConfig, seq_len: int) -> None:
     without importing ``transformers``; fl_geo.inner.hf)."""
     from fl_geo.inner.hf import HF_EXTRA_HINT, hf_shape, transformers_available
 
-    _require(transformers_available(), HF_EXTRA_HINT)
+    require(transformers_available(), HF_EXTRA_HINT)
     shape = hf_shape(m)
-    _require(shape.max_positions is None or seq_len <= shape.max_positions,
-             f"client.seq_len ({seq_len}) exceeds the {shape.max_positions} positions of the model ({shape.source})")
+    require(shape.max_positions is None or seq_len <= shape.max_positions,
+            f"client.seq_len ({seq_len}) exceeds the {shape.max_positions} positions of the model ({shape.source})")
 
 
-def _validate_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
-    """The ``streaming`` section: ranges always (the defaults pass); the schedule and the
-    strategy knobs the streaming loop does not implement only for streaming_diloco / cocodc.
-    P against the model's blocks only when the ``model`` section is the model that runs (not
-    ``own_model``: the streaming loop checks the real model at start)."""
+def _check_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
+    """The ``streaming`` section against the others, for streaming_diloco / cocodc only (its
+    ranges are `StreamingSection.check`): the schedule against H, the strategy knobs the
+    streaming loop does not implement, and P against the model's blocks only when the ``model``
+    section is the model that runs (not ``own_model``: the streaming loop checks the real model
+    at start)."""
     st, s = cfg.streaming, cfg.strategy
-    st.check()
     if s.name not in STREAMING_STRATEGIES:
         return
-    _require(st.quantize == "none" or cfg.wire.up == "fp32",
-             f"streaming.quantize={st.quantize} replaces wire.up for the fragment updates; leave "
-             f"wire.up at fp32 (got {cfg.wire.up})")
+    require(st.quantize == "none" or cfg.wire.up == "fp32",
+            f"streaming.quantize={st.quantize} replaces wire.up for the fragment updates; leave "
+            f"wire.up at fp32 (got {cfg.wire.up})")
     P, H = st.fragments, s.inner_steps
     if not own_model:
         layers, where = _model_layers(cfg.model)
-        _require(layers >= P,
-                 f"streaming.fragments (P={P}) must be <= {where} ({layers}): "
-                 "every fragment needs at least one transformer block")
-    _require(st.adaptive or H % P == 0,
-             f"streaming.fragments (P={P}) must divide strategy.inner_steps (H={H}) for the fixed "
-             "schedule (or set streaming.adaptive=true)")
-    _require(st.overlap * P < H,
-             f"streaming.overlap (tau={st.overlap}) must be < strategy.inner_steps / streaming.fragments "
-             f"(H/P = {H / P:g}) so that a fragment's sync ends before the next one starts")
+        require(layers >= P,
+                f"streaming.fragments (P={P}) must be <= {where} ({layers}): "
+                "every fragment needs at least one transformer block")
+    require(st.adaptive or H % P == 0,
+            f"streaming.fragments (P={P}) must divide strategy.inner_steps (H={H}) for the fixed "
+            "schedule (or set streaming.adaptive=true)")
+    require(st.overlap * P < H,
+            f"streaming.overlap (tau={st.overlap}) must be < strategy.inner_steps / streaming.fragments "
+            f"(H/P = {H / P:g}) so that a fragment's sync ends before the next one starts")
     for key, bad in (("penalty.enabled", cfg.penalty.enabled), ("strategy.time_budget_s", s.time_budget_s > 0),
                      ("strategy.dynupd", s.dynupd), ("strategy.sync_warmup_steps", s.sync_warmup_steps > 0),
                      ("strategy.clients_per_round", s.clients_per_round > 0)):
-        _require(not bad, f"{key} is not supported by strategy {s.name} (every worker trains every "
-                          "message and keeps its own model between them)")
+        require(not bad, f"{key} is not supported by strategy {s.name} (every worker trains every "
+                         "message and keeps its own model between them)")
 
 
 def schedule_length(cfg: FlGeoConfig) -> int:
