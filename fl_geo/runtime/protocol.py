@@ -32,6 +32,8 @@ from typing import Any, ClassVar, TypeVar
 
 from flwr.app import ConfigRecord, Message
 
+from fl_geo.runtime.wire_settings import WIRE_PRECISIONS  # the one list the config checks too
+
 # 2: the profile query may travel as a ``train`` message (`is_profile_probe`), which fl-geo's
 # ClientApp answers with its profile and a plain Flower ClientApp with a trained model.
 PROTOCOL_VERSION = 2
@@ -39,7 +41,6 @@ PROTOCOL_KEY = "protocol"
 REQUEST_RECORD = "fl-geo"  # the fl-geo request in a message; the reply's declaration in a reply
 PROFILE_KEY = "profile"  # the ConfigRecord of a profile reply (`ProfileQuery`)
 USER_CONFIG_RECORD = "config"  # the user's Flower train_config / evaluate_config
-WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 # Fields that hold JSON text (checked to parse on both sides).
 JSON_FIELDS = frozenset({"client", "model", "data", "stream_apply", "stream_sync", "ps_addresses", "ps_shards",
                          "ps_push_order"})
