@@ -85,7 +85,7 @@ LANE = pytest.StashKey[str]()  # the xdist group `_assign_lanes` chose, replacin
 
 def _assign_lanes(config, items) -> None:
     """Under ``-n N`` (N >= 3), put every ``slow`` test and every ``xdist_group`` into one of N - 1
-    lanes (xdist groups ``lane-1``, ...), balanced by the idle seconds each ``slow`` marker states
+    lanes (xdist groups ``lane-1``, ...), balanced by the seconds each ``slow`` marker states
     (``@pytest.mark.slow(seconds=...)``, else 30; a grouped test that is not slow counts 1 s),
     longest first onto the least loaded lane.
 

@@ -423,7 +423,7 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow(seconds=41)
+@pytest.mark.slow(seconds=91)
 def test_e2e_diloco_on_insecure_supernodes(federation, tmp_path, capsys):
     """Synchronous DiLoCo across a SuperLink and two SuperNodes, all through the fl-geo CLI."""
     topo, path = federation(tls=False, via_cli=True)
@@ -451,7 +451,7 @@ def test_e2e_diloco_on_insecure_supernodes(federation, tmp_path, capsys):
     print(f"\n[e2e diloco] deploy run {wall:.1f} s, ServerApp {summary['wall_s']:.1f} s", file=sys.stderr)
 
 
-@pytest.mark.slow(seconds=49)
+@pytest.mark.slow(seconds=90)
 def test_e2e_sharded_dips_data_path_beside_flower(federation, tmp_path, capsys):
     """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
     SuperNodes: the ServerApp leads, clients pull and push shards on the data path."""
@@ -471,7 +471,7 @@ def test_e2e_sharded_dips_data_path_beside_flower(federation, tmp_path, capsys):
         assert "launching follower" in (run_dir / "ps" / f"follower-{i}.log").read_text()
 
 
-@pytest.mark.slow(seconds=53)
+@pytest.mark.slow(seconds=125)
 def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     """Asynchronous FedBuff with TLS and SuperNode authentication; an unregistered node is refused."""
     topo, _ = federation(tls=True)

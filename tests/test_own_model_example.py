@@ -17,7 +17,7 @@ pytestmark = pytest.mark.xdist_group("ray")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow(seconds=26)
+@pytest.mark.slow(seconds=41)
 def test_own_model_example_runs_under_flwr_run(tmp_path):
     env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"), FLWR_APP_DIR="examples/own-model")
     proc = subprocess.run(

@@ -175,7 +175,7 @@ def ray_head():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.slow(seconds=18)
+@pytest.mark.slow(seconds=24)
 def test_tiny_run_on_a_local_ray_cluster(ray_head, tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = tiny_config("run.backend=ray", f"run.ray_address={ray_head}", "run.num_clients=2", "run.rounds=1",

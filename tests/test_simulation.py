@@ -34,7 +34,7 @@ def _ray_processes() -> list[str]:
     return found
 
 
-@pytest.mark.slow(seconds=12)
+@pytest.mark.slow(seconds=25)
 def test_ray_simulation_matches_inline_and_cleans_up(tiny, tmp_path):
     before = _ray_processes()
     cfg = tiny("run.backend=ray", "run.num_clients=2", "run.rounds=2")
@@ -75,7 +75,7 @@ def test_cli_reports_config_errors(capsys):
     assert "rounds: 5" in capsys.readouterr().out
 
 
-@pytest.mark.slow(seconds=29)
+@pytest.mark.slow(seconds=60)
 def test_flwr_run_dot_runs_the_same_app_and_stops_its_superlink(tmp_path):
     """`fl-geo flwr-run` (the README's command: Flower's own `flwr run . --stream` on a local
     simulation SuperLink sized for the config) runs the shipped config and leaves nothing running."""
