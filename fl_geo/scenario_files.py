@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.paths import SCENARIOS_DIR as _REPO_SCENARIOS
-from fl_geo.timing.scenario import Scenario, ScenarioError, ScenarioSpec
+from fl_geo.timing.scenario import Scenario
+from fl_geo.timing.scenario_spec import ScenarioError, ScenarioSpec
 from fl_geo.yaml_safe import load_yaml
 
 __all__ = [

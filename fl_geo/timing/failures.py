@@ -19,7 +19,8 @@ import math
 import random
 from collections.abc import Iterable
 
-from fl_geo.timing.scenario import FailureProcessSpec, Scenario
+from fl_geo.timing.scenario import Scenario
+from fl_geo.timing.scenario_spec import FailureProcessSpec
 
 __all__ = ["FailureTimeline", "merge_intervals"]
 
