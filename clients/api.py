@@ -37,7 +37,7 @@ from fl_geo.clients.profile import first_device, partition_ids, profile_probe_mo
 from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
 from fl_geo.clients.site import Site, as_batch_source
 from fl_geo.core.state import ParamSpec, flatten, load_flat_into, pseudo_grad
-from fl_geo.core.streaming import Fragments, fragment_spec
+from fl_geo.core.streaming_fragments import Fragments, fragment_spec
 from fl_geo.inner.device import pick_device
 from fl_geo.inner.distributed import DataParallelTrainer, resolve_devices, spec_of
 from fl_geo.inner.hf import tied_aliases
