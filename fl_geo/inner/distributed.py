@@ -15,39 +15,42 @@ mean losses, which is the gradient of the mean loss over the whole batch, so cli
 schedule and AdamW see what one process with batch ``world_size·b`` would see (up to float
 summation order). Loss metrics are averaged over ranks and tokens summed.
 
-This module must stay importable without Flower: the rank processes import it.
+This module is the parent side: device and backend checks, starting and joining the ranks, and
+:class:`DataParallelTrainer`. The shared-memory buffers live in `fl_geo.inner.distributed_state`
+and the rank processes' code in `fl_geo.inner.distributed_rank`; the public names of both are
+re-exported here. This module must stay importable without Flower.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
-import inspect
 import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
-from torch.nn.parallel import DistributedDataParallel
 
-from fl_geo.core.state import ParamSpec, flatten, load_flat_into, unflatten
+from fl_geo.core.state import ParamSpec
 from fl_geo.data.loader import BatchSampler
 from fl_geo.errors import ConfigError
 from fl_geo.inner.device import pick_device
-from fl_geo.inner.model import Decoder, ModelConfig
+from fl_geo.inner.distributed_rank import _Job, _rank_main
+from fl_geo.inner.distributed_state import (
+    ModelFactory,
+    SharedTrainState,
+    as_factory,
+    config_model,
+    model_spec,
+    spec_of,
+)
+from fl_geo.inner.model import ModelConfig
 from fl_geo.inner.training import (
-    STATE_KEYS,
     BatchSource,
     InnerConfig,
-    InnerTrainer,
     LossFn,
     ScheduleFn,
     TokensFn,
@@ -56,15 +59,14 @@ from fl_geo.inner.training import (
     lr_at,
 )
 
-# Builds the site's model (its initial values are overwritten by the shared parameters). Must be
-# picklable (a module-level function or a functools.partial of one): the ranks are spawned.
-ModelFactory = Callable[[], torch.nn.Module]
-
 __all__ = [
     "DIST_BACKENDS",
     "DataParallelTrainer",
     "DistributedTrainingError",
+    "ModelFactory",
     "SharedTrainState",
+    "as_factory",
+    "config_model",
     "model_spec",
     "resolve_devices",
     "spec_of",
@@ -81,8 +83,6 @@ DEFAULT_TIMEOUT_S = 600.0
 # again before SIGKILL. Short: a survivor is normally blocked in a collective and never exits
 # by itself, and SIGTERM ends a rank at once (no Python handler is installed in it).
 _GRACE_S = 1.0
-# Result slots rank 0 writes for the parent: steps, tokens, mean loss, step time, final loss.
-_RESULT_FIELDS = 5
 
 
 class DistributedTrainingError(RuntimeError):
@@ -159,312 +159,6 @@ def resolve_devices(device: str, count: int, backend: str = "auto") -> tuple[lis
         raise ConfigError("client.dist_backend=nccl but this torch build has no NCCL; use gloo")
     return devices, chosen
 
-
-# ---------------------------------------------------------------- shared buffers
-
-
-def model_spec(model_cfg: ModelConfig) -> ParamSpec:
-    """The flat layout of the model, from a parameter-less (``meta``) instance.
-
-    The parent of a data-parallel job needs the layout, not a model: building a real one there
-    would allocate and initialise a model-sized copy that nobody trains.
-    """
-    return spec_of(functools.partial(config_model, model_cfg))
-
-
-def spec_of(factory: ModelFactory) -> ParamSpec:
-    """The flat layout of ``factory()``'s model, built on the ``meta`` device when it allows it
-    (no memory, no random draws), else for real with the global RNG state preserved."""
-    with torch.random.fork_rng(devices=[]):
-        try:
-            with torch.device("meta"):
-                model = factory()
-        except Exception:  # noqa: BLE001 - a model that cannot be built on meta: build it for real
-            model = factory()
-    return ParamSpec.from_state_dict(model.state_dict())
-
-
-def config_model(model_cfg: ModelConfig) -> torch.nn.Module:
-    """The model of a ``model`` section, initial values unspecified (the job's shared buffer
-    overwrites them): fl-geo's decoder, or a Hugging Face model for ``kind: hf``."""
-    if model_cfg.kind == "hf":
-        from fl_geo.inner.hf import build_hf_model
-
-        return build_hf_model(model_cfg, 0)
-    return Decoder(model_cfg)
-
-
-def as_factory(model: ModelConfig | ModelFactory) -> ModelFactory:
-    """A ModelFactory for a ``model`` section (`config_model`) or a user's factory (returned as is)."""
-    return functools.partial(config_model, model) if isinstance(model, ModelConfig) else model
-
-
-
-@dataclass
-class SharedTrainState:
-    """Model and AdamW state in shared memory: written by the parent, trained by rank 0.
-
-    ``params`` holds θ in the flat ``spec`` layout (the global model on the way in, the trained
-    local model on the way out). The moments use the same layout, so an entry's optimizer state
-    sits at its parameter's offset; ``steps`` holds one AdamW step count per ``spec`` entry.
-    ``has_moments`` is 0 until the first step (an empty state, as ``InnerTrainer`` exports it).
-    """
-
-    spec: ParamSpec
-    params: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    steps: torch.Tensor
-    has_moments: torch.Tensor
-    result: torch.Tensor
-
-    @classmethod
-    def allocate(cls, spec: ParamSpec) -> SharedTrainState:
-        """Fresh (uninitialised) shared buffers; ``params`` must be filled by the caller."""
-
-        def shared(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.empty(n, dtype=dtype).share_memory_()
-
-        return cls(
-            spec=spec,
-            params=shared(spec.numel),
-            exp_avg=shared(spec.numel),
-            exp_avg_sq=shared(spec.numel),
-            steps=shared(len(spec.names)),
-            has_moments=shared(1, torch.uint8).zero_(),
-            result=shared(_RESULT_FIELDS, torch.float64).zero_(),
-        )
-
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """``InnerTrainer.optimizer_state`` layout, as *views* of the shared buffers (no copy).
-
-        Empty before the first step. Callers that keep the dict beyond the buffers' next use
-        must copy (a Flower ``Array`` built from it does).
-        """
-        if not int(self.has_moments[0]):
-            return {}
-        flat: dict[str, torch.Tensor] = {}
-        avg, avg_sq = unflatten(self.exp_avg, self.spec), unflatten(self.exp_avg_sq, self.spec)
-        for index, name in enumerate(self.spec.names):
-            flat[f"{name}.exp_avg"] = avg[name]
-            flat[f"{name}.exp_avg_sq"] = avg_sq[name]
-            flat[f"{name}.step"] = self.steps[index]
-        return flat
-
-    def load_optimizer_state(self, flat: Mapping[str, torch.Tensor]) -> None:
-        """Copy an ``InnerTrainer.optimizer_state()`` dict in; empty means no state yet.
-
-        Validated like ``InnerTrainer.load_optimizer_state`` so that a stale state from another
-        model fails here, in the parent, rather than in every rank.
-        """
-        if not flat:
-            self.has_moments.zero_()
-            return
-        expected = {f"{name}.{key}" for name in self.spec.names for key in STATE_KEYS}
-        if set(flat) != expected:
-            missing = sorted(expected - set(flat))[:5]
-            extra = sorted(set(flat) - expected)[:5]
-            raise ValueError(
-                f"optimizer state does not match the model: missing {missing}, unexpected {extra}"
-            )
-        for name, shape in zip(self.spec.names, self.spec.shapes, strict=True):
-            for key in ("exp_avg", "exp_avg_sq"):
-                if tuple(flat[f"{name}.{key}"].shape) != shape:
-                    raise ValueError(
-                        f"optimizer state {name}.{key} has shape "
-                        f"{tuple(flat[f'{name}.{key}'].shape)}, parameter has {shape}"
-                    )
-        avg, avg_sq = unflatten(self.exp_avg, self.spec), unflatten(self.exp_avg_sq, self.spec)
-        with torch.no_grad():
-            for index, name in enumerate(self.spec.names):
-                avg[name].copy_(flat[f"{name}.exp_avg"])
-                avg_sq[name].copy_(flat[f"{name}.exp_avg_sq"])
-                self.steps[index] = float(torch.as_tensor(flat[f"{name}.step"]).reshape(()))
-        self.has_moments.fill_(1)
-
-    def _store_from(self, trainer: InnerTrainer) -> None:
-        """Rank 0: copy the trained parameters and AdamW state into the buffers (device → host)."""
-        flatten(trainer.model.state_dict(), self.spec, out=self.params)
-        views = {
-            "exp_avg": unflatten(self.exp_avg, self.spec),
-            "exp_avg_sq": unflatten(self.exp_avg_sq, self.spec),
-        }
-        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-        with torch.no_grad():
-            for name, param in zip(trainer.param_names, params, strict=True):
-                state = trainer.optimizer.state[param]
-                for key, view in views.items():
-                    view[name].copy_(state[key])
-                self.steps[self.spec.index(name)] = float(torch.as_tensor(state["step"]))
-        self.has_moments.fill_(1)
-
-
-# ---------------------------------------------------------------- the rank processes
-
-
-def _rows(obj: Any, lo: int, hi: int) -> Any:
-    """Rows ``[lo, hi)`` of a batch part: a tensor, or tuples / lists / dicts of tensors."""
-    if isinstance(obj, torch.Tensor):
-        return obj[lo:hi]
-    if isinstance(obj, tuple | list):
-        return type(obj)(_rows(o, lo, hi) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: _rows(v, lo, hi) for k, v in obj.items()}
-    raise TypeError(f"cannot split a batch part of type {type(obj).__name__} across ranks")
-
-
-def _num_rows(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return int(obj.shape[0])
-    if isinstance(obj, tuple | list) and obj:
-        return _num_rows(obj[0])
-    if isinstance(obj, Mapping) and obj:
-        return _num_rows(next(iter(obj.values())))
-    raise TypeError(f"cannot split a batch part of type {type(obj).__name__} across ranks")
-
-
-class _RankBatches:
-    """Rank ``rank``'s rows ``[rank·b, (rank+1)·b)`` of the global batch of ``world·b`` rows.
-
-    Every rank draws the whole global batch (a gather of window indices, negligible next to a
-    step) so the data is exactly what one process with batch ``world·b`` would see, noise
-    included, and stays a pure function of ``(seed, stream, step)``. A user's batch source
-    yields the global batch itself, whose rows must divide evenly among the ranks.
-    """
-
-    def __init__(self, sampler: BatchSource, rank: int, world: int) -> None:
-        self.sampler = sampler
-        self.rank = rank
-        self.world = world
-
-    def batch(self, step: int) -> tuple[Any, Any]:
-        x, y = self.sampler.batch(step)
-        rows = _num_rows(y)
-        if rows % self.world:
-            raise ValueError(f"a batch of {rows} rows cannot be split evenly across {self.world} ranks")
-        b = rows // self.world
-        lo = self.rank * b
-        return _rows(x, lo, lo + b), _rows(y, lo, lo + b)
-
-
-def _ddp_options() -> dict[str, bool]:
-    """DDP flags that skip work this job never needs, spelled for the installed torch.
-
-    No buffer broadcasts: the only buffers are the RoPE tables, derived from the config. No init
-    sync: every rank loaded the same shared parameters. Gradients as bucket views: the gradient
-    all-reduce works on the gradients themselves instead of a second model-sized copy per step.
-    """
-    names = inspect.signature(DistributedDataParallel.__init__).parameters
-    options = {"gradient_as_bucket_view": True}
-    if "forward_sync_buffers" in names:  # torch >= 2.13 (broadcast_buffers is deprecated there)
-        options["forward_sync_buffers"] = False
-    else:
-        options["broadcast_buffers"] = False
-    if "init_sync" in names:
-        options["init_sync"] = False
-    return options
-
-
-class _RankTrainer(InnerTrainer):
-    """``InnerTrainer`` whose forward/backward go through DDP and whose time budget is collective.
-
-    Gradients stay allocated between steps (zeroed, not freed): with ``gradient_as_bucket_view``
-    they are the all-reduce buckets, and freeing them would bring back a copy per step.
-    """
-
-    zero_grad_to_none = False
-
-    def __init__(self, model: torch.nn.Module, cfg: InnerConfig, **options: Any) -> None:
-        super().__init__(model, cfg, **options)
-        device_ids = [self.device] if self.device.type == "cuda" else None
-        self.replica = DistributedDataParallel(self.model, device_ids=device_ids, **_ddp_options())
-        self.forward_module = self.replica  # forward (and so backward) through DDP
-        self._flag = torch.zeros(1, device=self.device)
-
-    def _stop(self, budget_reached: bool) -> bool:
-        # Stop when any rank's clock crossed the budget: every rank then leaves after this step.
-        self._flag.fill_(1.0 if budget_reached else 0.0)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        return bool(self._flag.item() > 0)
-
-
-@dataclass
-class _Job:
-    """Everything a rank needs; pickled once per rank (shared tensors travel as handles)."""
-
-    model_factory: ModelFactory
-    inner: InnerConfig
-    shared: SharedTrainState
-    sampler: BatchSource  # the global batch: world · b rows
-    steps: int
-    start_step: int
-    time_budget_s: float
-    devices: list[str]
-    backend: str
-    store_path: str
-    timeout_s: float
-    threads: int
-    rank_setup: Callable[[int, int], None] | None
-    loss_fn: LossFn | None = None
-    lr_schedule: ScheduleFn | None = lr_at
-    tokens_fn: TokensFn | None = None
-
-
-def _rank_main(rank: int, job: _Job) -> None:
-    """Body of one rank process (``torch.multiprocessing`` calls it with the rank first)."""
-    world = len(job.devices)
-    torch.set_num_threads(job.threads)
-    device = torch.device(job.devices[rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        job.backend,
-        init_method=f"file://{job.store_path}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=job.timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
-    if job.rank_setup is not None:
-        job.rank_setup(rank, world)
-    _train_rank(rank, world, device, job)
-    # The DDP reducer must be gone before its process group: one that outlives it leaves a gloo
-    # thread behind that aborts the interpreter at exit (SIGABRT, "terminate called without an
-    # active exception"; about one run in five with torch 2.13 before this collect).
-    gc.collect()
-    dist.destroy_process_group()
-
-
-def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> None:
-    """Train this rank's replica; rank 0 then writes the results into the shared buffers."""
-    shared = job.shared
-    with torch.device(device):  # built on its device: no host copy to move there
-        model = job.model_factory()  # its random init is overwritten by the shared parameters
-    load_flat_into(model, shared.params, shared.spec)
-    trainer = _RankTrainer(model, replace(job.inner, device=str(device)), loss_fn=job.loss_fn,
-                           lr_schedule=job.lr_schedule, tokens_fn=job.tokens_fn)
-    if set(trainer.param_names) != set(shared.spec.names):
-        raise RuntimeError("the model's parameters and its state dict differ; cannot share state")
-    if int(shared.has_moments[0]):
-        trainer.load_optimizer_state(shared.optimizer_state())
-    result = trainer.train(
-        _RankBatches(job.sampler, rank, world), job.steps, job.start_step, job.time_budget_s
-    )
-    totals = torch.tensor(
-        [result.steps, result.tokens, result.mean_loss, result.step_time_s, result.final_loss],
-        dtype=torch.float64,
-        device=trainer._flag.device,
-    )
-    dist.all_reduce(totals)  # sums; steps and losses are averaged below
-    totals = totals.cpu()
-    if totals[0] != result.steps * world:
-        raise RuntimeError(f"ranks took different numbers of steps (rank {rank}: {result.steps})")
-    if rank == 0:
-        shared._store_from(trainer)
-        shared.result.copy_(
-            torch.stack([totals[0] / world, totals[1], totals[2] / world, totals[3] / world,
-                         totals[4] / world])
-        )
 
 
 # ---------------------------------------------------------------- the parent side
