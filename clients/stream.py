@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -36,6 +37,8 @@ from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
 
 if TYPE_CHECKING:
     from fl_geo.clients.api import DatacenterClient
+    from fl_geo.core.state import ParamSpec
+    from fl_geo.core.streaming import Fragments
 
 __all__ = [
     "STREAM_GLOBAL_KEY",
@@ -83,27 +86,29 @@ def _flat_array(t: torch.Tensor) -> Array:
     return Array(t.detach().to("cpu", torch.float32).contiguous().numpy())
 
 
-def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Message:
-    """One tick of Streaming DiLoCo / CoCoDC on this worker (message type ``train.stream``).
+# A worker's snapshots of the syncs in flight: fragment p -> (θ^m_p at the sync start, local step)
+_Snapshots = dict[int, tuple[torch.Tensor, int]]
 
-    Always one process: ``client.devices`` applies to the plain ``train`` handler only.
+
+class _MergeParams(NamedTuple):
+    """How an arriving global fragment is merged into the worker's model (see `merge_fragment`)."""
+
+    rule: str
+    H: int
+    alpha: float
+    lam: float
+
+
+def _restore_stream_state(
+    arrays: Mapping[str, ArrayRecord], state: RecordDict, spec: ParamSpec, fragments: Fragments, wire_down: str
+) -> tuple[torch.Tensor, torch.Tensor, _Snapshots]:
+    """The worker's model θ^m, its copy of θ^g and the snapshots of the syncs in flight.
+
+    A message carrying ``arrays`` (the first one, or a re-initialisation) sets both models to the
+    full global model and drops every snapshot; otherwise all three come back from
+    ``context.state``, which must hold state for the same fragments and parameter count.
     """
-    cfg = request_of(msg)
-    set_threads(cfg)
-    site = client.site(cfg, context, msg)
-    device = client.device(site)
-    model, spec = client.model(site)
-    fragments, frag_specs = client.fragments(site, int(cfg["fragments"]))
-    rule, H = str(cfg["stream_rule"]), int(cfg["H"])
-    alpha, lam = float(cfg["alpha"]), float(cfg["lambda"])
-    wire_down, wire_up = str(cfg["wire_down"]), str(cfg["wire_up"])
-    state = context.state
-    progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
-    local_step = int(progress["step"])
-
-    # The worker's model, its copies of the global fragments and the snapshots of syncs in flight
-    arrays = msg.content.array_records
-    snapshots: dict[int, tuple[torch.Tensor, int]] = {}
+    snapshots: _Snapshots = {}
     if "arrays" in arrays:  # the first message (or a re-initialisation): the full global model
         local = decode_into(arrays["arrays"], spec, wire_down)
         check_finite_and_norm([(0, local)], spec)
@@ -122,8 +127,27 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
         steps_at = {int(k): int(v) for k, v in json.loads(str(meta["snapshot_steps"])).items()}
         for key, array in state.array_records[STREAM_SNAPSHOT_KEY].items():
             snapshots[int(key)] = (torch.from_numpy(array.numpy()), steps_at[int(key)])
+    return local, global_copy, snapshots
 
-    # (1) apply the new global fragments
+
+def _apply_global_fragments(
+    cfg: ConfigRecord,
+    arrays: Mapping[str, ArrayRecord],
+    fragments: Fragments,
+    frag_specs: tuple[ParamSpec, ...],
+    merge: _MergeParams,
+    wire_down: str,
+    local: torch.Tensor,
+    global_copy: torch.Tensor,
+    snapshots: _Snapshots,
+    local_step: int,
+) -> list[int]:
+    """Step (1): merge each fragment in ``stream_apply`` into ``local`` and record it in ``global_copy``.
+
+    Both tensors are updated in place and the snapshot of each applied fragment is taken out of
+    ``snapshots``. Returns the measured overlaps τ (local steps since the sync started) of the
+    fragments that had a snapshot.
+    """
     overlaps: list[int] = []
     for p in json.loads(str(cfg["stream_apply"])):
         name = fragment_record(p)
@@ -135,10 +159,85 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
         overlap = local_step - snapshot[1] if snapshot is not None else 0
         if snapshot is not None:
             overlaps.append(overlap)
-        merged = merge_fragment(rule, fragments.gather(local, p), global_new,
-                                snapshot[0] if snapshot is not None else None, overlap, H, alpha, lam)
+        merged = merge_fragment(merge.rule, fragments.gather(local, p), global_new,
+                                snapshot[0] if snapshot is not None else None, overlap,
+                                merge.H, merge.alpha, merge.lam)
         fragments.scatter_(local, p, merged)
         fragments.scatter_(global_copy, p, global_new)
+    return overlaps
+
+
+def _start_syncs(
+    cfg: ConfigRecord,
+    fragments: Fragments,
+    frag_specs: tuple[ParamSpec, ...],
+    wire_up: str,
+    local: torch.Tensor,
+    global_copy: torch.Tensor,
+    snapshots: _Snapshots,
+    step_after: int,
+) -> dict[str, Any]:
+    """Step (3): the reply records Δ_p = θ^g_p − θ^m_p for each fragment in ``stream_sync``.
+
+    Each Δ_p is encoded in ``wire_up`` precision, or quantized when ``stream_quantize`` asks for
+    it; θ^m_p and ``step_after`` are kept in ``snapshots`` for the merge when θ^g_p returns.
+    """
+    content: dict[str, Any] = {}
+    quantize = str(cfg.get("stream_quantize", "none"))
+    for p in json.loads(str(cfg["stream_sync"])):
+        local_p = fragments.gather(local, p)
+        delta = torch.sub(fragments.gather(global_copy, p), local_p)
+        if quantize == "none":
+            content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
+        else:
+            content[fragment_record(p)] = quantize_record(delta, quantize, int(cfg["stream_quantize_block"]))
+        snapshots[p] = (local_p, step_after)
+    return content
+
+
+def _store_stream_state(
+    state: RecordDict,
+    local: torch.Tensor,
+    global_copy: torch.Tensor,
+    snapshots: _Snapshots,
+    num_fragments: int,
+    numel: int,
+) -> None:
+    """Write θ^m, θ^g, the in-flight snapshots and their metadata into ``context.state``."""
+    state[STREAM_LOCAL_KEY] = ArrayRecord({"flat": _flat_array(local)})
+    state[STREAM_GLOBAL_KEY] = ArrayRecord({"flat": _flat_array(global_copy)})
+    state[STREAM_SNAPSHOT_KEY] = ArrayRecord({str(p): _flat_array(t) for p, (t, _) in sorted(snapshots.items())})
+    state[STREAM_META_KEY] = ConfigRecord({
+        "fragments": num_fragments,
+        "numel": numel,
+        "snapshot_steps": json.dumps({str(p): s for p, (_, s) in sorted(snapshots.items())}),
+    })
+
+
+def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Message:
+    """One tick of Streaming DiLoCo / CoCoDC on this worker (message type ``train.stream``).
+
+    Always one process: ``client.devices`` applies to the plain ``train`` handler only.
+    """
+    cfg = request_of(msg)
+    set_threads(cfg)
+    site = client.site(cfg, context, msg)
+    device = client.device(site)
+    model, spec = client.model(site)
+    fragments, frag_specs = client.fragments(site, int(cfg["fragments"]))
+    merge = _MergeParams(str(cfg["stream_rule"]), int(cfg["H"]), float(cfg["alpha"]), float(cfg["lambda"]))
+    wire_down, wire_up = str(cfg["wire_down"]), str(cfg["wire_up"])
+    state = context.state
+    progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
+    local_step = int(progress["step"])
+
+    # The worker's model, its copies of the global fragments and the snapshots of syncs in flight
+    arrays = msg.content.array_records
+    local, global_copy, snapshots = _restore_stream_state(arrays, state, spec, fragments, wire_down)
+
+    # (1) apply the new global fragments
+    overlaps = _apply_global_fragments(cfg, arrays, fragments, frag_specs, merge, wire_down,
+                                       local, global_copy, snapshots, local_step)
 
     # (2) train
     load_flat_into(model, local, spec)
@@ -155,25 +254,9 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     step_after = local_step + result.steps
 
     # (3) start the requested syncs: Δ_p = θ^g_p − θ^m_p against our copy of the global fragment
-    content: dict[str, Any] = {}
-    quantize = str(cfg.get("stream_quantize", "none"))
-    for p in json.loads(str(cfg["stream_sync"])):
-        local_p = fragments.gather(local, p)
-        delta = torch.sub(fragments.gather(global_copy, p), local_p)
-        if quantize == "none":
-            content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
-        else:
-            content[fragment_record(p)] = quantize_record(delta, quantize, int(cfg["stream_quantize_block"]))
-        snapshots[p] = (local_p, step_after)
+    content = _start_syncs(cfg, fragments, frag_specs, wire_up, local, global_copy, snapshots, step_after)
 
-    state[STREAM_LOCAL_KEY] = ArrayRecord({"flat": _flat_array(local)})
-    state[STREAM_GLOBAL_KEY] = ArrayRecord({"flat": _flat_array(global_copy)})
-    state[STREAM_SNAPSHOT_KEY] = ArrayRecord({str(p): _flat_array(t) for p, (t, _) in sorted(snapshots.items())})
-    state[STREAM_META_KEY] = ConfigRecord({
-        "fragments": fragments.num_fragments,
-        "numel": spec.numel,
-        "snapshot_steps": json.dumps({str(p): s for p, (_, s) in sorted(snapshots.items())}),
-    })
+    _store_stream_state(state, local, global_copy, snapshots, fragments.num_fragments, spec.numel)
     state[OPT_STATE_KEY] = opt_record(trainer)
     state[PROGRESS_KEY] = ConfigRecord({"step": step_after, "rounds": int(progress["rounds"]) + 1})
 
