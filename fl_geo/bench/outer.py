@@ -422,6 +422,101 @@ def _call(isolate: bool, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[
         return pool.submit(fn, *args).result()
 
 
+def _measure(
+    num_params: int,
+    num_updates: int,
+    precision: str,
+    repeats: int,
+    threads: int | None,
+    memory_counts: Sequence[int],
+    isolate: bool,
+    with_flower: bool,
+    copy_elems: int,
+) -> tuple[dict[str, Any], dict[int, dict[str, int | None]], dict[str, Any] | None]:
+    """All the runs of `run_outer_bench`: our timed run, the peak-memory runs, Flower's runs.
+
+    Returns our main run's raw result, the cold / warm peak extra bytes per update count, and
+    Flower's raw result (None without ``with_flower``).
+    """
+    # Timing runs and memory runs are separate processes when isolated: memory runs change the
+    # allocator's policy (see _return_freed_memory_to_os), which must not touch the timings.
+    main = _call(isolate, _ours, num_params, num_updates, precision, repeats, threads,
+                 copy_elems, False)
+    memory: dict[int, dict[str, int | None]] = {}
+    for k in sorted(set(memory_counts)):
+        run = main if (k == num_updates and not isolate) else _call(
+            isolate, _ours, num_params, k, precision, 1, threads, 0, isolate)
+        memory[k] = {"cold": run["cold_extra_bytes"], "warm": run["warm_extra_bytes"]}
+    flower = None
+    if with_flower:
+        flower = _call(isolate, _flower, num_params, num_updates, precision, repeats, threads,
+                       False)
+        if isolate:
+            mem = _call(isolate, _flower, num_params, num_updates, precision, 1, threads, True)
+            flower.update(cold_extra_bytes=mem["cold_extra_bytes"],
+                          warm_extra_bytes=mem["warm_extra_bytes"])
+    return main, memory, flower
+
+
+def _path_summaries(main: dict[str, Any], fp32_bytes: int) -> dict[str, dict[str, Any]]:
+    """Best / median step time, aggregation time, rates and phases of each path in ``PATHS``."""
+    paths: dict[str, dict[str, Any]] = {}
+    for path in PATHS:
+        times = main[path]["times"]
+        best_s = min(times)
+        paths[path] = {"best_s": best_s, "median_s": statistics.median(times),
+                       "aggregation_s": min(main[path]["aggregation_times"]),
+                       "wire_gbps": main["wire_bytes"] / best_s / 1e9,
+                       "fp32_gbps": fp32_bytes / best_s / 1e9,
+                       "phases": main[path]["phases"]}
+    return paths
+
+
+def _throughput_check(paths: dict[str, dict[str, Any]], bw: dict[str, Any]) -> dict[str, Any]:
+    """The throughput target: the batched path's fp32-equivalent rate against a torch copy."""
+    # Throughput target. Compared quantity: fp32-equivalent update bytes per second (4 bytes per
+    # parameter per update, whatever the wire precision) against the bytes-copied/s of a large
+    # torch copy. Why that pairing: a copy moves each byte twice (read src, write dst); folding
+    # an update reads it and reads and writes the accumulator, i.e. three fp32-sized streams
+    # per fp32-equivalent byte (2.5 with bf16 on the wire), before the norm pass and the
+    # amortised outer step. At equal memory efficiency a fold therefore runs at 2/3–4/5 of
+    # bytes-copied/s, and 0.5 leaves room for the check and the step. Comparing wire bytes with
+    # read+write bytes/s would charge bf16 for being compact. All raw rates are reported.
+    ours = paths["batched"]
+    throughput_ratio = ours["fp32_gbps"] / bw["copy_gbps"]
+    return {"ratio": throughput_ratio, "target": THROUGHPUT_TARGET,
+            "pass": throughput_ratio >= THROUGHPUT_TARGET,
+            "ratio_vs_lowest": ours["fp32_gbps"] / min(bw["copy_gbps_each"]),
+            "one_at_a_time_ratio":
+                paths["one_at_a_time"]["fp32_gbps"] / bw["copy_gbps"]}
+
+
+def _flower_summary(flower: dict[str, Any], fp32_bytes: int) -> dict[str, Any]:
+    """The ``flower`` entry of the result: Flower's best / median time, rate and memory."""
+    fbest = min(flower["times"])
+    return {"best_s": fbest, "median_s": statistics.median(flower["times"]),
+            "fp32_gbps": fp32_bytes / fbest / 1e9,
+            "cold_extra_bytes": flower["cold_extra_bytes"],
+            "warm_extra_bytes": flower["warm_extra_bytes"],
+            "max_abs_diff_vs_ours": flower["max_abs_diff_vs_ours"],
+            "wire_bytes": flower["wire_bytes"]}
+
+
+def _speedup_check(fbest: float, paths: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The speed-up target against Flower's best aggregation time ``fbest``."""
+    # Strict reading, judged: our whole step (Nesterov included) vs Flower's aggregation
+    # alone. Beside it, like for like: aggregation (decode + check + weighted mean) vs
+    # aggregation.
+    ours = paths["batched"]
+    speedup = fbest / ours["best_s"]
+    one = paths["one_at_a_time"]
+    return {"ratio": speedup, "target": SPEEDUP_TARGET,
+            "pass": speedup >= SPEEDUP_TARGET,
+            "aggregation_ratio": fbest / ours["aggregation_s"],
+            "one_at_a_time_ratio": fbest / one["best_s"],
+            "one_at_a_time_aggregation_ratio": fbest / one["aggregation_s"]}
+
+
 # ---------------------------------------------------------------------------------------------
 # Public entry points
 
@@ -449,36 +544,13 @@ def run_outer_bench(
     if num_updates < 1 or repeats < 1:
         raise ValueError("num_updates and repeats must be >= 1")
     busy_before = _cpu_busy()
-    # Timing runs and memory runs are separate processes when isolated: memory runs change the
-    # allocator's policy (see _return_freed_memory_to_os), which must not touch the timings.
-    main = _call(isolate, _ours, num_params, num_updates, precision, repeats, threads,
-                 copy_elems, False)
-    memory: dict[int, dict[str, int | None]] = {}
-    for k in sorted(set(memory_counts)):
-        run = main if (k == num_updates and not isolate) else _call(
-            isolate, _ours, num_params, k, precision, 1, threads, 0, isolate)
-        memory[k] = {"cold": run["cold_extra_bytes"], "warm": run["warm_extra_bytes"]}
-    flower = None
-    if with_flower:
-        flower = _call(isolate, _flower, num_params, num_updates, precision, repeats, threads,
-                       False)
-        if isolate:
-            mem = _call(isolate, _flower, num_params, num_updates, precision, 1, threads, True)
-            flower.update(cold_extra_bytes=mem["cold_extra_bytes"],
-                          warm_extra_bytes=mem["warm_extra_bytes"])
+    main, memory, flower = _measure(num_params, num_updates, precision, repeats, threads,
+                                    memory_counts, isolate, with_flower, copy_elems)
 
     numel = main["numel"]
     fp32_bytes = 4 * numel * num_updates
     bw = main["bandwidth"]
-    paths: dict[str, dict[str, Any]] = {}
-    for path in PATHS:
-        times = main[path]["times"]
-        best_s = min(times)
-        paths[path] = {"best_s": best_s, "median_s": statistics.median(times),
-                       "aggregation_s": min(main[path]["aggregation_times"]),
-                       "wire_gbps": main["wire_bytes"] / best_s / 1e9,
-                       "fp32_gbps": fp32_bytes / best_s / 1e9,
-                       "phases": main[path]["phases"]}
+    paths = _path_summaries(main, fp32_bytes)
     ours = paths["batched"]
     result: dict[str, Any] = {
         "config": {"num_params": numel, "num_tensors": main["num_tensors"],
@@ -491,39 +563,10 @@ def run_outer_bench(
         "ours_one_at_a_time": paths["one_at_a_time"],
         "memory": memory,
     }
-    # Throughput target. Compared quantity: fp32-equivalent update bytes per second (4 bytes per
-    # parameter per update, whatever the wire precision) against the bytes-copied/s of a large
-    # torch copy. Why that pairing: a copy moves each byte twice (read src, write dst); folding
-    # an update reads it and reads and writes the accumulator, i.e. three fp32-sized streams
-    # per fp32-equivalent byte (2.5 with bf16 on the wire), before the norm pass and the
-    # amortised outer step. At equal memory efficiency a fold therefore runs at 2/3–4/5 of
-    # bytes-copied/s, and 0.5 leaves room for the check and the step. Comparing wire bytes with
-    # read+write bytes/s would charge bf16 for being compact. All raw rates are reported.
-    throughput_ratio = ours["fp32_gbps"] / bw["copy_gbps"]
-    checks: dict[str, dict[str, Any]] = {
-        "throughput": {"ratio": throughput_ratio, "target": THROUGHPUT_TARGET,
-                       "pass": throughput_ratio >= THROUGHPUT_TARGET,
-                       "ratio_vs_lowest": ours["fp32_gbps"] / min(bw["copy_gbps_each"]),
-                       "one_at_a_time_ratio":
-                           paths["one_at_a_time"]["fp32_gbps"] / bw["copy_gbps"]}}
+    checks: dict[str, dict[str, Any]] = {"throughput": _throughput_check(paths, bw)}
     if flower is not None:
-        fbest = min(flower["times"])
-        result["flower"] = {"best_s": fbest, "median_s": statistics.median(flower["times"]),
-                            "fp32_gbps": fp32_bytes / fbest / 1e9,
-                            "cold_extra_bytes": flower["cold_extra_bytes"],
-                            "warm_extra_bytes": flower["warm_extra_bytes"],
-                            "max_abs_diff_vs_ours": flower["max_abs_diff_vs_ours"],
-                            "wire_bytes": flower["wire_bytes"]}
-        # Strict reading, judged: our whole step (Nesterov included) vs Flower's aggregation
-        # alone. Beside it, like for like: aggregation (decode + check + weighted mean) vs
-        # aggregation.
-        speedup = fbest / ours["best_s"]
-        one = paths["one_at_a_time"]
-        checks["speedup"] = {"ratio": speedup, "target": SPEEDUP_TARGET,
-                             "pass": speedup >= SPEEDUP_TARGET,
-                             "aggregation_ratio": fbest / ours["aggregation_s"],
-                             "one_at_a_time_ratio": fbest / one["best_s"],
-                             "one_at_a_time_aggregation_ratio": fbest / one["aggregation_s"]}
+        result["flower"] = _flower_summary(flower, fp32_bytes)
+        checks["speedup"] = _speedup_check(result["flower"]["best_s"], paths)
     checks["memory"] = _memory_check(memory, main["wire_bytes"] / num_updates)
     result["checks"] = checks
     return result
@@ -553,13 +596,11 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
-def format_outer_bench(result: dict[str, Any]) -> str:
-    """Human-readable table of a `run_outer_bench` result, with PASS/FAIL per target."""
-    cfg, bw, ours = result["config"], result["bandwidth"], result["ours"]
-    checks, flower, k = result["checks"], result.get("flower"), cfg["num_updates"]
+def _format_setup(cfg: dict[str, Any], bw: dict[str, Any]) -> list[str]:
+    """Lines on what was run (size, precision, threads, machine load) and the copy bandwidth."""
     lines = [
         f"outer step bench: {cfg['num_params']:,} params in {cfg['num_tensors']} tensors "
-        f"(Llama-style), {k} token-weighted updates, wire {cfg['precision']}, "
+        f"(Llama-style), {cfg['num_updates']} token-weighted updates, wire {cfg['precision']}, "
         f"{cfg['threads']} torch threads on {cfg['cpus']} CPUs, best of {cfg['repeats']}"
         + ("" if cfg["isolated"] else " (in-process)"),
     ]
@@ -568,7 +609,6 @@ def format_outer_bench(result: dict[str, Any]) -> str:
         lines.append(f"CPU busy in the second before the run: {busy:.0%}"
                      + (" -- shared machine under load, timings are pessimistic"
                         if busy > 0.2 else ""))
-    row = "{:<48}{:>8.3f}s{:>12.3f}s{:>10.2f}{:>14.2f}"
     lines += [
         "",
         f"memory bandwidth: torch dst.copy_(src), fp32, {bw['copy_bytes'] / 1e9:.2f} GB, best of 5 "
@@ -577,11 +617,19 @@ def format_outer_bench(result: dict[str, Any]) -> str:
         "the highest is the reference",
         f"  bytes copied/s          {bw['copy_gbps']:8.2f} GB/s   (size of src / time)",
         f"  bytes read+written/s    {bw['rw_gbps']:8.2f} GB/s   (2 x bytes copied)",
+    ]
+    return lines
+
+
+def _format_paths(ours: dict[str, Any], one: dict[str, Any], flower: dict[str, Any] | None,
+                  k: int) -> list[str]:
+    """The timing table (our two paths and Flower's), its legend and the per-phase split."""
+    row = "{:<48}{:>8.3f}s{:>12.3f}s{:>10.2f}{:>14.2f}"
+    lines = [
         "",
         f"{'path (one outer step)':<48}{'step':>9}{'aggregation':>13}{'wire GB/s':>10}"
         f"{'fp32-eq GB/s':>14}",
     ]
-    one = result["ours_one_at_a_time"]
     for path, res in (("batched", ours), ("one_at_a_time", one)):
         lines.append(row.format(_path_label(path, k), res["best_s"], res["aggregation_s"],
                                 res["wire_gbps"], res["fp32_gbps"]))
@@ -602,12 +650,18 @@ def format_outer_bench(result: dict[str, Any]) -> str:
             f"{name} {v * 1e3:.0f} ms" for name, v in res["phases"].items()))
     lines.append("  sum of the replies, grouped all at once vs one at a time: "
                  + ("bit-identical" if ours["bit_identical"] else "DIFFERENT (bug)"))
-    lines += [
+    return lines
+
+
+def _format_memory(memory: dict[int, dict[str, int | None]], ours: dict[str, Any],
+                   flower: dict[str, Any] | None, k: int) -> list[str]:
+    """The peak-extra-memory table, then the cross-check against Flower's mean when it ran."""
+    lines = [
         "",
         "peak extra memory (VmHWM - VmRSS; the replies themselves are excluded):",
         f"  {'':<22}{'first 2 steps (cold)':>22}{'later steps':>14}",
     ]
-    for count, v in sorted(result["memory"].items()):
+    for count, v in sorted(memory.items()):
         lines.append(f"  {f'ours, {count} updates':<22}{_fmt_bytes(v['cold']):>22}"
                      f"{_fmt_bytes(v['warm']):>14}")
     if flower is not None:
@@ -619,19 +673,25 @@ def format_outer_bench(result: dict[str, Any]) -> str:
     if flower is not None:
         lines.append(f"check: max |our token-weighted mean - Flower's| on the same fp32 replies = "
                      f"{flower['max_abs_diff_vs_ours']:.3g}")
-    lines += ["", f"targets (judged on the server path with the {k} replies in one group):"]
+    return lines
 
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
 
+def _verdict(ok: bool) -> str:
+    """PASS or FAIL."""
+    return "PASS" if ok else "FAIL"
+
+
+def _format_targets(checks: dict[str, Any]) -> list[str]:
+    """One verdict line per target (throughput, speed-up when Flower ran, memory) with figures."""
+    lines: list[str] = []
     t = checks["throughput"]
-    lines.append(f"  [{verdict(t['pass'])}] throughput: fp32-eq GB/s / bytes-copied GB/s = "
+    lines.append(f"  [{_verdict(t['pass'])}] throughput: fp32-eq GB/s / bytes-copied GB/s = "
                  f"{t['ratio']:.3f} (target >= {t['target']}; vs the lowest copy sample "
                  f"{t['ratio_vs_lowest']:.3f}; one at a time {t['one_at_a_time_ratio']:.3f})")
     if "speedup" in checks:
         s = checks["speedup"]
         lines += [
-            f"  [{verdict(s['pass'])}] speed-up vs Flower FedAvg, strict (our whole step incl. "
+            f"  [{_verdict(s['pass'])}] speed-up vs Flower FedAvg, strict (our whole step incl. "
             f"Nesterov vs Flower's aggregation): {s['ratio']:.2f}x (target >= "
             f"{s['target']:.0f}x)",
             f"         aggregation vs aggregation (decode + check + weighted mean): "
@@ -641,7 +701,19 @@ def format_outer_bench(result: dict[str, Any]) -> str:
         ]
     m = checks["memory"]
     slopes = ", ".join(f"{kind} {v:+.3f}" for kind, v in m["slopes"].items()) or "n/a"
-    lines.append(f"  [{verdict(m['pass'])}] peak extra memory independent of update count: "
+    lines.append(f"  [{_verdict(m['pass'])}] peak extra memory independent of update count: "
                  f"growth per extra update = {slopes} x one update's wire size "
                  f"(target <= {m['target']})")
+    return lines
+
+
+def format_outer_bench(result: dict[str, Any]) -> str:
+    """Human-readable table of a `run_outer_bench` result, with PASS/FAIL per target."""
+    cfg, bw, ours = result["config"], result["bandwidth"], result["ours"]
+    checks, flower, k = result["checks"], result.get("flower"), cfg["num_updates"]
+    lines = _format_setup(cfg, bw)
+    lines += _format_paths(ours, result["ours_one_at_a_time"], flower, k)
+    lines += _format_memory(result["memory"], ours, flower, k)
+    lines += ["", f"targets (judged on the server path with the {k} replies in one group):"]
+    lines += _format_targets(checks)
     return "\n".join(lines)
