@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +136,71 @@ def _diagnostics(topo: topology.Topology, run_id: int | None) -> str:
     return "\n".join(parts)
 
 
+def _prepare_workdir(payload_mib: int, workdir: Path | None) -> tuple[Path, topology.Topology, Path]:
+    """The probe's working folder (a new temporary one without ``workdir``), its loopback
+    topology, and the path of the probe's result file (any earlier file there removed)."""
+    work = Path(tempfile.mkdtemp(prefix="fl-geo-flower-path-")) if workdir is None else Path(workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    topo = _topology(work, APP_DIR)
+    out = work / f"probe-{payload_mib}mib-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.unlink(missing_ok=True)
+    return work, topo, out
+
+
+def _run_probe(topo: topology.Topology, work: Path, out: Path, payload_mib: int, repeats: int,
+               timeout_s: float, deadline: float, say: Callable[[str], None]) -> tuple[int, float]:
+    """Submit the probe app with ``flwr run`` and wait until its result file is written.
+
+    Returns the run id and the seconds from submission until the run finished. Raises
+    `DeployError` (with diagnostics) when the submission fails, when the run outlasts
+    ``deadline`` (it is stopped first) or when it ends without completing or without a result.
+    """
+    run_config = work / "run-config.toml"
+    run_config.write_text(flower_config.dumps_toml({
+        "payload_mib": int(payload_mib), "repeats": int(repeats), "out": str(out),
+        "reply-timeout-s": float(max(60.0, timeout_s)),
+    }), encoding="utf-8")
+    t_run = time.monotonic()
+    submit = processes.flwr_cli(topo, ["run", str(APP_DIR), topo.name, "--run-config", str(run_config),
+                                    "--format", "json"], timeout_s=max(60.0, deadline - time.monotonic()))
+    res = processes._json_out(submit)
+    if not res.get("success") or not res.get("run-id"):
+        raise DeployError("flwr run of the probe failed: "
+                          f"{res.get('error-message') or submit.stderr.strip() or submit.stdout.strip()}\n"
+                          f"{_diagnostics(topo, None)}")
+    run_id = int(res["run-id"])
+    say(f"run {run_id} submitted: {payload_mib} MiB x {repeats}")
+
+    # The probe's result file is the cheap local sign that the run is done (each status check
+    # is a `flwr ls` process, whose CPU and memory would also disturb the measurement).
+    state, details = launch.wait_for_run(topo, run_id, out.is_file,
+                                         timeout_s=max(1.0, deadline - time.monotonic()))
+    if state == "timeout":
+        processes.flwr_cli(topo, ["stop", str(run_id), topo.name])
+        raise DeployError(f"probe run {run_id} did not finish within {timeout_s:.0f} s (stopped); "
+                          f"workdir {work}\n{_diagnostics(topo, run_id)}")
+    run_s = time.monotonic() - t_run
+    if state != "finished:completed" or not out.is_file():
+        raise DeployError(f"probe run {run_id} ended {state}"
+                          f"{f' ({details})' if details and details != 'N/A' else ''}"
+                          f"{'' if out.is_file() else f', no result at {out}'}; workdir {work}\n"
+                          f"{_diagnostics(topo, run_id)}")
+    return run_id, run_s
+
+
+def _peak_memory(sampler: _MemorySampler, records: Sequence[processes.ProcRecord]) -> dict[str, float]:
+    """Stop the sampler and report its peaks (MiB, per process tree and in total) together with
+    the VmHWM of each long-lived process still alive."""
+    sampler.stop()
+    sampler.sample()
+    peaks = {k: round(v, 1) for k, v in sampler.peak.items()}
+    peaks["total"] = round(sampler.peak_total, 1)
+    for rec in records:  # exact high-water marks of the long-lived processes
+        if rec.alive():
+            peaks[f"{rec.role}_vmhwm"] = round(_status_kib(rec.pid, "VmHWM") / 1024, 1)
+    return peaks
+
+
 def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None = None,
                         timeout_s: float = 900, echo: bool = False) -> dict[str, Any]:
     """Round-trip ``payload_mib`` MiB ``repeats`` times through a loopback SuperLink + SuperNode.
@@ -157,15 +222,10 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
         raise DeployError(f"probe app not found at {APP_DIR} (needs an fl-geo checkout, not an installed wheel)")
     say = (lambda msg: print(msg, file=sys.stderr)) if echo else (lambda msg: None)
     own_workdir = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="fl-geo-flower-path-")) if workdir is None else Path(workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    topo = _topology(work, APP_DIR)
-    out = work / f"probe-{payload_mib}mib-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.unlink(missing_ok=True)
+    work, topo, out = _prepare_workdir(payload_mib, workdir)
 
     t_start = time.monotonic()
     deadline = t_start + timeout_s
-    run_id: int | None = None
     sampler: _MemorySampler | None = None
     ok = False
     try:
@@ -175,44 +235,9 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
         sampler = _MemorySampler(started.records)
         sampler.start()
 
-        run_config = work / "run-config.toml"
-        run_config.write_text(flower_config.dumps_toml({
-            "payload_mib": int(payload_mib), "repeats": int(repeats), "out": str(out),
-            "reply-timeout-s": float(max(60.0, timeout_s)),
-        }), encoding="utf-8")
-        t_run = time.monotonic()
-        submit = processes.flwr_cli(topo, ["run", str(APP_DIR), topo.name, "--run-config", str(run_config),
-                                        "--format", "json"], timeout_s=max(60.0, deadline - time.monotonic()))
-        res = processes._json_out(submit)
-        if not res.get("success") or not res.get("run-id"):
-            raise DeployError("flwr run of the probe failed: "
-                              f"{res.get('error-message') or submit.stderr.strip() or submit.stdout.strip()}\n"
-                              f"{_diagnostics(topo, None)}")
-        run_id = int(res["run-id"])
-        say(f"run {run_id} submitted: {payload_mib} MiB x {repeats}")
-
-        # The probe's result file is the cheap local sign that the run is done (each status check
-        # is a `flwr ls` process, whose CPU and memory would also disturb the measurement).
-        state, details = launch.wait_for_run(topo, run_id, out.is_file,
-                                             timeout_s=max(1.0, deadline - time.monotonic()))
-        if state == "timeout":
-            processes.flwr_cli(topo, ["stop", str(run_id), topo.name])
-            raise DeployError(f"probe run {run_id} did not finish within {timeout_s:.0f} s (stopped); "
-                              f"workdir {work}\n{_diagnostics(topo, run_id)}")
-        run_s = time.monotonic() - t_run
-        if state != "finished:completed" or not out.is_file():
-            raise DeployError(f"probe run {run_id} ended {state}"
-                              f"{f' ({details})' if details and details != 'N/A' else ''}"
-                              f"{'' if out.is_file() else f', no result at {out}'}; workdir {work}\n"
-                              f"{_diagnostics(topo, run_id)}")
+        run_id, run_s = _run_probe(topo, work, out, payload_mib, repeats, timeout_s, deadline, say)
         result: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
-        sampler.stop()
-        sampler.sample()
-        peaks = {k: round(v, 1) for k, v in sampler.peak.items()}
-        peaks["total"] = round(sampler.peak_total, 1)
-        for rec in started.records:  # exact high-water marks of the long-lived processes
-            if rec.alive():
-                peaks[f"{rec.role}_vmhwm"] = round(_status_kib(rec.pid, "VmHWM") / 1024, 1)
+        peaks = _peak_memory(sampler, started.records)
         fixed = result["median_round_trip_s"] - result["small_round_trip_s"]
         result["mb_per_s_each_way_excl_small"] = 2 * result["payload_bytes"] / 1e6 / fixed if fixed > 0 else None
         result.update(setup_s=setup_s, run_s=run_s, run_id=run_id, peak_rss_mib=peaks, workdir=str(work),
