@@ -21,6 +21,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +214,101 @@ def _submit(tier: Topology, app: Path, run_config: dict[str, Any], state_name: s
     return int(res["run-id"])
 
 
+# One run to submit: the tier it runs on, its app, its run config and its run name
+_RunPlan = tuple[Topology, Path, dict[str, Any], str]
+
+
+def _plan_runs(topo: HalosTopology, cfg_path: Path, base: list[str], name: str,
+               ipc_timeout_s: float) -> list[_RunPlan]:
+    """One regional run per region, then the global run, each with its tier's overrides."""
+    plans: list[_RunPlan] = []
+    for region, tier in topo.regions:
+        ov = [*base, f"run.name={name}-{region}", f"run.num_clients={len(tier.nodes)}"]
+        plans.append((tier, topo.app_dir / REGIONAL_APP, {
+            "config": str(cfg_path), "overrides": shlex.join(ov), "lps-address": topo.lps_address(region),
+            "region": region, "ipc-timeout-s": float(ipc_timeout_s)}, f"{name}-{region}"))
+    ov = [*base, f"run.name={name}-global", f"run.num_clients={topo.num_workers}"]
+    plans.append((topo.global_tier, topo.app_dir / GLOBAL_APP, {
+        "config": str(cfg_path), "overrides": shlex.join(ov), "regions": len(topo.regions),
+        "exchange-timeout-s": float(ipc_timeout_s), "connect-timeout-s": 120.0}, f"{name}-global"))
+    return plans
+
+
+def _submit_all(plans: list[_RunPlan], say: Callable[[str], None]) -> dict[str, int]:
+    """Submit every planned run at once; tier name -> run id.
+
+    When any submission fails (or anything else interrupts), the runs already submitted are
+    stopped and the error is raised (the failed submissions' messages joined by ``; ``).
+    """
+    run_ids: dict[str, int] = {}
+    try:
+        # All at once: the bridges retry connecting to their LPS (connect-timeout-s), so the
+        # order does not matter, and each `flwr run` spends seconds starting Python and Flower.
+        with ThreadPoolExecutor(max_workers=len(plans)) as pool:
+            futures = {tier.name: (app, pool.submit(_submit, tier, app, rc, run_name))
+                       for tier, app, rc, run_name in plans}
+            errors = []
+            for tname, (app, fut) in futures.items():
+                try:
+                    run_ids[tname] = fut.result()
+                    say(f"run {run_ids[tname]} ({app.name}) submitted to {tname}")
+                except DeployError as exc:
+                    errors.append(str(exc))
+            if errors:
+                raise DeployError("; ".join(errors))
+    except BaseException:
+        for tier, _, _, _ in plans:
+            if tier.name in run_ids:
+                flwr_cli(tier, ["stop", str(run_ids[tier.name]), tier.name])
+        raise
+    return run_ids
+
+
+def _wait_for_runs(plans: list[_RunPlan], run_ids: dict[str, int], out: Path, before: set[Path],
+                   t0: float, timeout_s: float, status_every_s: float) -> dict[str, str]:
+    """Poll the runs until all have finished; tier name -> final status.
+
+    When one run ends without completing, or ``timeout_s`` (counted from ``t0``; 0 = none) is
+    up, the runs still going are stopped and marked ``stopped:after-failure`` or ``timeout``.
+    """
+    tiers = {t.name: t for t, _, _, _ in plans}
+    statuses = dict.fromkeys(run_ids, "unknown")
+    pacers = {t.name: StatusPacer(summary_written(out, run_name, before), status_every_s)
+              for t, _, _, run_name in plans}
+    while True:
+        for tname, rid in run_ids.items():
+            if not statuses[tname].startswith("finished") and pacers[tname].due():
+                statuses[tname] = run_status(tiers[tname], rid)[0]
+                pacers[tname].asked()
+        if all(s.startswith("finished") for s in statuses.values()):
+            break
+        failed = [t for t, s in statuses.items() if s.startswith("finished") and s != "finished:completed"]
+        late = timeout_s and time.monotonic() - t0 > timeout_s
+        if failed or late:
+            # One tier failed (or time is up): the others would wait for it until their IPC timeout.
+            for tname, rid in run_ids.items():
+                if not statuses[tname].startswith("finished"):
+                    flwr_cli(tiers[tname], ["stop", str(rid), tname])
+                    statuses[tname] = "timeout" if late else "stopped:after-failure"
+            break
+        time.sleep(0.25)
+    return statuses
+
+
+def _collect_outputs(plans: list[_RunPlan], out: Path, name: str, before: set[Path]
+                     ) -> tuple[dict[str, Path | None], dict[str, dict[str, Any] | None]]:
+    """Each tier's newest new run folder under ``out`` and its ``summary.json`` (None if absent)."""
+    new = {p.resolve() for p in out.glob(f"{name}-*")} - before
+    run_dirs: dict[str, Path | None] = {}
+    summaries: dict[str, dict[str, Any] | None] = {}
+    for tier, _, _, run_name in plans:
+        mine = sorted((p for p in new if p.name.startswith(f"{run_name}-")), key=lambda p: p.stat().st_mtime)
+        run_dirs[tier.name] = mine[-1] if mine else None
+        sfile = mine[-1] / "summary.json" if mine else None
+        summaries[tier.name] = json.loads(sfile.read_text(encoding="utf-8")) if sfile and sfile.is_file() else None
+    return run_dirs, summaries
+
+
 def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tuple[str, ...] = (),
               out_dir: str | Path | None = None, timeout_s: float = 0.0, ipc_timeout_s: float = 600.0,
               status_every_s: float = STATUS_EVERY_S, echo: bool = True) -> HalosRunResult:
@@ -239,69 +335,13 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
     base.append("run.clock=wall")
     name = cfg.run.name
     topo.ipc_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    plans: list[tuple[Topology, Path, dict[str, Any], str]] = []
-    for region, tier in topo.regions:
-        ov = [*base, f"run.name={name}-{region}", f"run.num_clients={len(tier.nodes)}"]
-        plans.append((tier, topo.app_dir / REGIONAL_APP, {
-            "config": str(cfg_path), "overrides": shlex.join(ov), "lps-address": topo.lps_address(region),
-            "region": region, "ipc-timeout-s": float(ipc_timeout_s)}, f"{name}-{region}"))
-    ov = [*base, f"run.name={name}-global", f"run.num_clients={topo.num_workers}"]
-    plans.append((topo.global_tier, topo.app_dir / GLOBAL_APP, {
-        "config": str(cfg_path), "overrides": shlex.join(ov), "regions": len(topo.regions),
-        "exchange-timeout-s": float(ipc_timeout_s), "connect-timeout-s": 120.0}, f"{name}-global"))
+    plans = _plan_runs(topo, cfg_path, base, name, ipc_timeout_s)
 
     before = {p.resolve() for p in out.glob(f"{name}-*")}
     t0 = time.monotonic()
-    run_ids: dict[str, int] = {}
-    try:
-        # All at once: the bridges retry connecting to their LPS (connect-timeout-s), so the
-        # order does not matter, and each `flwr run` spends seconds starting Python and Flower.
-        with ThreadPoolExecutor(max_workers=len(plans)) as pool:
-            futures = {tier.name: (app, pool.submit(_submit, tier, app, rc, run_name))
-                       for tier, app, rc, run_name in plans}
-            errors = []
-            for tname, (app, fut) in futures.items():
-                try:
-                    run_ids[tname] = fut.result()
-                    say(f"run {run_ids[tname]} ({app.name}) submitted to {tname}")
-                except DeployError as exc:
-                    errors.append(str(exc))
-            if errors:
-                raise DeployError("; ".join(errors))
-    except BaseException:
-        for tier, _, _, _ in plans:
-            if tier.name in run_ids:
-                flwr_cli(tier, ["stop", str(run_ids[tier.name]), tier.name])
-        raise
-    tiers = {t.name: t for t, _, _, _ in plans}
-    statuses = dict.fromkeys(run_ids, "unknown")
-    pacers = {t.name: StatusPacer(summary_written(out, run_name, before), status_every_s)
-              for t, _, _, run_name in plans}
-    while True:
-        for tname, rid in run_ids.items():
-            if not statuses[tname].startswith("finished") and pacers[tname].due():
-                statuses[tname] = run_status(tiers[tname], rid)[0]
-                pacers[tname].asked()
-        if all(s.startswith("finished") for s in statuses.values()):
-            break
-        failed = [t for t, s in statuses.items() if s.startswith("finished") and s != "finished:completed"]
-        late = timeout_s and time.monotonic() - t0 > timeout_s
-        if failed or late:
-            # One tier failed (or time is up): the others would wait for it until their IPC timeout.
-            for tname, rid in run_ids.items():
-                if not statuses[tname].startswith("finished"):
-                    flwr_cli(tiers[tname], ["stop", str(rid), tname])
-                    statuses[tname] = "timeout" if late else "stopped:after-failure"
-            break
-        time.sleep(0.25)
+    run_ids = _submit_all(plans, say)
+    statuses = _wait_for_runs(plans, run_ids, out, before, t0, timeout_s, status_every_s)
     wall = time.monotonic() - t0
-    new = {p.resolve() for p in out.glob(f"{name}-*")} - before
-    run_dirs: dict[str, Path | None] = {}
-    summaries: dict[str, dict[str, Any] | None] = {}
-    for tier, _, _, run_name in plans:
-        mine = sorted((p for p in new if p.name.startswith(f"{run_name}-")), key=lambda p: p.stat().st_mtime)
-        run_dirs[tier.name] = mine[-1] if mine else None
-        sfile = mine[-1] / "summary.json" if mine else None
-        summaries[tier.name] = json.loads(sfile.read_text(encoding="utf-8")) if sfile and sfile.is_file() else None
+    run_dirs, summaries = _collect_outputs(plans, out, name, before)
     say(f"HALoS runs {statuses} after {wall:.1f} s")
     return HalosRunResult(run_ids, statuses, run_dirs, summaries, wall)
