@@ -32,7 +32,7 @@ from flwr.app import Message, MessageType, RecordDict
 from fl_geo.core.penalty import StepWeightMix
 from fl_geo.core.robust import median_norm_outliers
 from fl_geo.core.weights import staleness_weight
-from fl_geo.runtime.dispatch import NODE_DOWN, Event, JobTiming
+from fl_geo.runtime.dispatch import NODE_DOWN, Event, JobTiming, RoundOutcome
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
@@ -200,15 +200,22 @@ class SyncOuterLoop(OuterLoop):
         stats.late_folded += stats.accepted - accepted
 
     # ---- the loop -----------------------------------------------------------------------------
-    def train_round(self, rnd: int) -> dict[str, float]:
-        s = self.cfg.strategy
-        warm = self.warmup_left > 0
-        self.wait_for_quorum()
+    def _round_nodes(self) -> list[int]:
+        """The nodes this round trains on; waits for repairs while every node is down.
+
+        Raises `NoLiveNode` when none is left.
+        """
         nodes = self.select(self.refresh_nodes())
         while not nodes and self.dispatcher.wait_for_repair():  # every node down: on to the next repair
             nodes = self.select(self.refresh_nodes())
         if not nodes:
             raise NoLiveNode("no live node to train on (all vanished or failed)")
+        return nodes
+
+    def _train_messages(self, rnd: int, nodes: list[int], warm: bool
+                        ) -> tuple[list[Message], dict[int, int], int]:
+        """The round's train messages, each node's inner steps, and the bytes sent down in all."""
+        s = self.cfg.strategy
         arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
         down = payload_nbytes(arrays) * len(nodes)
         steps = {n: self._inner_steps(n, warm) for n in nodes}
@@ -216,10 +223,17 @@ class SyncOuterLoop(OuterLoop):
         budget = s.time_budget_s if (s.time_budget_s > 0 and self.scenario is None and not warm) else 0.0
         msgs = [self._message(n, self.arrays_for(n, arrays, self.global_params), rnd, MessageType.TRAIN,
                               inner_steps=steps[n], time_budget_s=budget) for n in nodes]
-        stats = Tally()
-        self.accumulator.reset()
-        if self.step_mix is not None:
-            self.step_mix.reset()
+        return msgs, steps, down
+
+    def _run_train_jobs(self, nodes: list[int], msgs: list[Message], steps: dict[int, int],
+                        stats: Tally, warm: bool) -> RoundOutcome:
+        """Send the train messages and fold the replies into ``stats`` as they arrive.
+
+        With a quorum (``strategy.quorum``) each job carries the model version, steps and base it
+        was sent with, so a late reply can still be checked and folded. Returns the dispatcher's
+        outcome.
+        """
+        s = self.cfg.strategy
         order = nodes if s.fold_order == "rank" else None
         slots = [self.profiles[n].partition_id for n in nodes]
         timings = None
@@ -230,7 +244,7 @@ class SyncOuterLoop(OuterLoop):
         quorum = math.ceil(s.quorum * len(nodes)) if s.quorum > 0 else 0
         meta = [{"version": self.version, "steps": steps[n], "base": self.base_snapshot(n, self.global_params)}
                 for n in nodes] if quorum else None
-        outcome = self.dispatcher.run_jobs(
+        return self.dispatcher.run_jobs(
             msgs,
             on_replies=lambda group: self.fold_replies(stats, group, warm),
             order=order,
@@ -240,8 +254,9 @@ class SyncOuterLoop(OuterLoop):
             quorum=quorum,
             on_late=lambda ev: self.fold_late(stats, ev),
         )
-        if s.robust == "median_norm":
-            self.fold_held(stats, warm)
+
+    def _model_allreduce(self, nodes: list[int], outcome: RoundOutcome) -> None:
+        """Scenario clock only: advance it by one ring all-reduce among the nodes that replied."""
         clock = self.dispatcher.clock
         # nodes lost to the failure trace, and those still training when the quorum came, take
         # no part in the all-reduce
@@ -251,7 +266,14 @@ class SyncOuterLoop(OuterLoop):
         if self.scenario is not None and reduced:
             nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))
             clock.advance_to(clock.now() + self.scenario.allreduce_time(reduced, nbytes, start=clock.now()))
-        failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
+
+    def _step_if_enough(self, rnd: int, stats: Tally, warm: bool) -> tuple[float, list[str]]:
+        """The outer step when at least ``strategy.min_replies`` updates were accepted.
+
+        Returns ‖Δ̄‖ and the rolled-back modules, or NaN and none when the step is skipped (a
+        warning is logged and the round's updates count as unused goodput).
+        """
+        s = self.cfg.strategy
         stepped = stats.accepted >= s.min_replies
         pg_norm = float("nan")
         rolled: list[str] = []
@@ -265,12 +287,12 @@ class SyncOuterLoop(OuterLoop):
             )
             if self.dispatcher.goodput is not None:
                 self.dispatcher.goodput.settle(accepted=False)  # the round's updates were not used
-        if self.penalty is not None and not warm:
-            self.penalty.commit()  # statistics learn from the accepted updates only
-        if warm:
-            self.warmup_left -= 1
-        self.total_bytes_down += down
-        stats.errors = failed  # error replies, vanished and timed-out nodes
+        return pg_norm, rolled
+
+    def _train_round_metrics(self, stats: Tally, outcome: RoundOutcome, warm: bool, pg_norm: float,
+                             rolled: list[str], down: int) -> dict[str, float]:
+        """The metrics a synchronous round reports (quorum and penalty figures when enabled)."""
+        s = self.cfg.strategy
         metrics = {
             **self.tally_metrics(stats),
             "outer/pseudo_grad_norm": pg_norm,
@@ -290,6 +312,30 @@ class SyncOuterLoop(OuterLoop):
             metrics["outer/rolled_back_modules"] = len(rolled)
             metrics.update(self.clip_metrics())
         return metrics
+
+    def train_round(self, rnd: int) -> dict[str, float]:
+        s = self.cfg.strategy
+        warm = self.warmup_left > 0
+        self.wait_for_quorum()
+        nodes = self._round_nodes()
+        msgs, steps, down = self._train_messages(rnd, nodes, warm)
+        stats = Tally()
+        self.accumulator.reset()
+        if self.step_mix is not None:
+            self.step_mix.reset()
+        outcome = self._run_train_jobs(nodes, msgs, steps, stats, warm)
+        if s.robust == "median_norm":
+            self.fold_held(stats, warm)
+        self._model_allreduce(nodes, outcome)
+        failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
+        pg_norm, rolled = self._step_if_enough(rnd, stats, warm)
+        if self.penalty is not None and not warm:
+            self.penalty.commit()  # statistics learn from the accepted updates only
+        if warm:
+            self.warmup_left -= 1
+        self.total_bytes_down += down
+        stats.errors = failed  # error replies, vanished and timed-out nodes
+        return self._train_round_metrics(stats, outcome, warm, pg_norm, rolled, down)
 
     def _step(self, warm: bool) -> tuple[float, list[str]]:
         """One outer step on the folded replies; returns ‖Δ̄‖ and the rolled-back modules.
