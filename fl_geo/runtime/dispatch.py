@@ -120,6 +120,36 @@ class RoundOutcome:
     pending: list[int] = field(default_factory=list)  # still in flight when the quorum came
 
 
+def _hand_over(queue: list[int], resolved: dict[int, Message | None], outcome: RoundOutcome,
+               on_replies: Callable[[Sequence[tuple[int, Message]]], None]) -> None:
+    """Pass on, as one group, the good replies of the resolved nodes at the head of ``queue``.
+
+    Stops at the first node in ``queue`` that has not resolved yet; the nodes passed are taken
+    off ``queue`` and ``resolved``, and those with a reply are added to ``outcome.replied``.
+    """
+    group: list[tuple[int, Message]] = []
+    while queue and queue[0] in resolved:
+        nid = queue.pop(0)
+        reply = resolved.pop(nid)
+        if reply is not None:
+            group.append((nid, reply))
+            outcome.replied.append(nid)
+    if group:
+        on_replies(group)
+
+
+def _record_event(ev: Event, remaining: set[str], resolved: dict[int, Message | None],
+                  outcome: RoundOutcome) -> None:
+    """Note a resolved job of this round: no longer remaining, its fault (if any) in ``outcome``,
+    and its reply (None unless it succeeded) in ``resolved``."""
+    remaining.discard(ev.job.id)
+    if ev.error == "vanished":
+        outcome.vanished.append(ev.job.node)
+    elif ev.error is not None:
+        outcome.errors[ev.job.node] = ev.error
+    resolved[ev.job.node] = ev.reply if ev.ok else None
+
+
 _VANISHED = object()
 
 
@@ -520,18 +550,6 @@ class Dispatcher:
         remaining = {j.id for j in jobs}
         deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         replies = 0
-
-        def hand_over() -> None:
-            group: list[tuple[int, Message]] = []
-            while queue and queue[0] in resolved:
-                nid = queue.pop(0)
-                reply = resolved.pop(nid)
-                if reply is not None:
-                    group.append((nid, reply))
-                    outcome.replied.append(nid)
-            if group:
-                on_replies(group)
-
         foreign: list[Event] = []
         while remaining and not (quorum and replies >= quorum):
             ev = self.next_event(block=False)
@@ -543,23 +561,13 @@ class Dispatcher:
                 continue
             if ev is None:
                 if deadline is not None and time.monotonic() > deadline:
-                    for job in [j for j in jobs if j.id in remaining]:
-                        log.warning("node %s exceeded the round timeout; its job is abandoned", job.node)
-                        self.abandon(job)
-                        outcome.timed_out.append(job.node)
-                        resolved[job.node] = None
-                        remaining.discard(job.id)
+                    self._abandon_remaining(jobs, remaining, resolved, outcome)
                     break
-                hand_over()
+                _hand_over(queue, resolved, outcome, on_replies)
                 self._check_liveness()
                 self._wait()
                 continue
-            remaining.discard(ev.job.id)
-            if ev.error == "vanished":
-                outcome.vanished.append(ev.job.node)
-            elif ev.error is not None:
-                outcome.errors[ev.job.node] = ev.error
-            resolved[ev.job.node] = ev.reply if ev.ok else None
+            _record_event(ev, remaining, resolved, outcome)
             replies += int(ev.ok)
             if order is None:
                 queue.sort(key=lambda n: n not in resolved)  # clock order (stable sort)
@@ -567,6 +575,16 @@ class Dispatcher:
             pending = {j.node for j in jobs if j.id in remaining}
             outcome.pending = sorted(pending)
             queue[:] = [n for n in queue if n not in pending]
-        hand_over()
+        _hand_over(queue, resolved, outcome, on_replies)
         self._kept[:0] = foreign
         return outcome
+
+    def _abandon_remaining(self, jobs: Sequence[Job], remaining: set[str],
+                           resolved: dict[int, Message | None], outcome: RoundOutcome) -> None:
+        """Round timeout: abandon each job still running; its node counts as timed out."""
+        for job in [j for j in jobs if j.id in remaining]:
+            log.warning("node %s exceeded the round timeout; its job is abandoned", job.node)
+            self.abandon(job)
+            outcome.timed_out.append(job.node)
+            resolved[job.node] = None
+            remaining.discard(job.id)
