@@ -26,33 +26,17 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from fl_geo.deploy.processes import _descendants, _proc_stat
+
 PROC = Path("/proc")
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, session id) of a live process, or None when it is gone or unreadable."""
-    try:
-        text = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
-    return int(fields[1]), int(fields[3])
-
-
 def descendants(root: int) -> dict[int, int]:
-    """Every live descendant of ``root``: pid -> session id (one pass over ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    session: dict[int, int] = {}
-    for entry in PROC.iterdir():
-        if entry.name.isdigit() and (info := _stat(int(entry.name))) is not None:
-            children.setdefault(info[0], []).append(int(entry.name))
-            session[int(entry.name)] = info[1]
+    """Every live descendant of ``root``: pid -> session id (the deployment code's /proc walk)."""
     found: dict[int, int] = {}
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found[pid] = session[pid]
-        todo.extend(children.get(pid, []))
+    for pid in _descendants([root]):
+        if (stat := _proc_stat(pid)) is not None:  # gone since the walk otherwise
+            found[pid] = int(stat[3])
     return found
 
 
