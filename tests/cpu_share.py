@@ -31,6 +31,20 @@ from fl_geo.deploy.processes import _descendants, _proc_stat
 PROC = Path("/proc")
 
 
+def autogroup_nice(pid: int) -> int | None:
+    """The nice of ``pid``'s session group, or None where it has none.
+
+    The kernel prints nothing for a process of the default group (a session the kernel did not
+    group, as in some containers), "/autogroup-<id> nice <n>" otherwise.
+    """
+    try:
+        text = (PROC / str(pid) / "autogroup").read_text()
+    except OSError:
+        return None
+    _, found, nice = text.partition(" nice ")
+    return int(nice) if found else None
+
+
 def descendants(root: int) -> dict[int, int]:
     """Every live descendant of ``root``: pid -> session id (the deployment code's /proc walk)."""
     found: dict[int, int] = {}

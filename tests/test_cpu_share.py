@@ -9,22 +9,17 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import CPU_SHARE
-from tests.cpu_share import CpuShare, descendants
-
-
-def _autogroup_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
+from tests.cpu_share import CpuShare, autogroup_nice, descendants
 
 
 @pytest.mark.skipif(not CpuShare.available(), reason="this kernel does not group CPU time by session")
 def test_sessions_yield_only_while_another_worker_holds_the_share(tmp_path, request):
     suite_share = request.config.stash.get(CPU_SHARE, None)
-    own = _autogroup_nice(os.getpid())
+    own = autogroup_nice(os.getpid())
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
     leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # stays in our session
@@ -36,23 +31,25 @@ def test_sessions_yield_only_while_another_worker_holds_the_share(tmp_path, requ
                     break
                 time.sleep(0.1)
             assert found[leader.pid] == leader.pid and found[same.pid] == os.getsid(0)
+            if autogroup_nice(leader.pid) is None:  # CI's containers: sessions get no group of their own
+                pytest.skip("new sessions get no autogroup here (the kernel leaves them in the default one)")
 
             share = CpuShare(tmp_path)
             share.folder.mkdir(exist_ok=True)
             share.sweep()
-            assert _autogroup_nice(leader.pid) == 0 and share.set_to == {leader.pid: 0}  # nobody holds it
+            assert autogroup_nice(leader.pid) == 0 and share.set_to == {leader.pid: 0}  # nobody holds it
 
             other = tmp_path / "holder-1"  # another worker's Ray test
             other.touch()
             share.sweep()
-            assert _autogroup_nice(leader.pid) == share.nice and _autogroup_nice(os.getpid()) == own
+            assert autogroup_nice(leader.pid) == share.nice and autogroup_nice(os.getpid()) == own
             with share.hold():  # this worker's own Ray test: what it starts never yields
-                assert _autogroup_nice(leader.pid) == 0
+                assert autogroup_nice(leader.pid) == 0
             share.sweep()
-            assert _autogroup_nice(leader.pid) == share.nice
+            assert autogroup_nice(leader.pid) == share.nice
             other.unlink()
             share.sweep()
-            assert _autogroup_nice(leader.pid) == 0 and _autogroup_nice(os.getpid()) == own
+            assert autogroup_nice(leader.pid) == 0 and autogroup_nice(os.getpid()) == own
     finally:
         for proc in (leader, same):
             proc.kill()
