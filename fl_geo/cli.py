@@ -1,9 +1,9 @@
 """``fl-geo``: run experiments, fetch the offline corpora, benchmark the server path.
 
     fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
-    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--target LOSS] [--loss global|workers] [--metric loss|bpb] [--out DIR]
-                                                     table + plots of several runs
-    fl-geo sweep CONFIG key=a,b,c [key=value ...] [--out DIR]   every combination, one table + plots
+    fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--seeds N] [--target LOSS] [--loss global|workers] [--metric loss|bpb] [--out DIR]
+                                                     table + plots of several runs (N seeds: mean ± 95 % t interval)
+    fl-geo sweep CONFIG key=a,b,c [key=value ...] [--seeds N] [--out DIR]   every combination, one table + plots
     fl-geo flwr-run [CONFIG] [key=value ...]         the same through Flower's CLI: flwr run . --stream
     fl-geo config CONFIG [key=value ...]             print the resolved configuration
     fl-geo eval RUN_DIR [--batches N] [--json]       a finished run's final model on its held-out text
@@ -101,19 +101,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``fl-geo compare``: run the configs (``--seeds N`` times each), read ``--runs``, compare all."""
     from fl_geo.compare import compare, load_run
-    from fl_geo.simulation import run_simulation
+    from fl_geo.seed_groups import group_by_seed_suffix, run_seeds, seeded_configs
 
     configs, overrides = _split(args.items)
+    if args.seeds != 1 and not configs:
+        raise ConfigError("--seeds runs each config N times; it needs config files (finished --runs named "
+                          "<name>-seed=<k> are grouped by that suffix on their own)")
     resolved = [load_config(c, overrides) for c in configs]
+    plans = [(cfg.run.name, seeded_configs(cfg, args.seeds)) for cfg in resolved]  # all checked before any run
     out = Path(args.out)
     runs = [load_run(p, args.loss, args.metric) for p in args.runs]
-    for cfg in resolved:
-        summary = run_simulation(cfg, out / "runs" / cfg.run.name)
-        runs.append(load_run(summary["run_dir"], args.loss, args.metric))
+    groups = group_by_seed_suffix(runs)
+    for name, cfgs in plans:
+        group, _ = run_seeds(cfgs, out / "runs", name, args.loss, args.metric)
+        groups.append(group)
+        runs += group.runs
     if not runs:
         raise ConfigError("fl-geo compare needs config files to run and/or --runs DIR ...")
-    result = compare(runs, out, args.target)
+    result = compare(runs, out, args.target, groups)
     print(result["table"])
     for kind, path in result["plots"].items():
         print(f"plot ({kind}): {path}", file=sys.stderr)
@@ -130,7 +137,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     configs, overrides = _split(args.items)
     if len(configs) > 1:
         raise ConfigError("fl-geo sweep takes one config file (plus key=value and key=a,b,c overrides)")
-    result = run_sweep(configs[0] if configs else None, overrides, args.out, args.target, args.loss)
+    result = run_sweep(configs[0] if configs else None, overrides, args.out, args.target, args.loss, args.seeds)
     print(result["table"])
     print(f"table: {Path(args.out) / 'compare.md'}", file=sys.stderr)
     for kind, path in result["plots"].items():
@@ -404,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--metric", choices=("loss", "bpb"), default="loss",
                       help="tabulate and plot the validation loss (nats/token) or bits per byte (val/bpb: fair "
                            "across tokenizers; --target is then in bits per byte)")
+    cmp_.add_argument("--seeds", type=int, default=1, metavar="N",
+                      help="run every config N times, run.seed = its own seed + 0, 1, ..., N-1 (runs named "
+                           "<run.name>-seed=<seed>); each row then shows the mean and the half-width of the "
+                           "95 %% Student-t interval over the seeds, a difference counts only where the "
+                           "intervals are disjoint, and the plots draw the mean with a min-max band "
+                           "(default 1: one run, no interval)")
     cmp_.set_defaults(func=cmd_compare)
 
     sw = sub.add_parser("sweep", help="run every combination of key=a,b,c values; one table and plots")
@@ -411,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", default="runs/sweep", help="where compare.md, the plots and runs/<name> go")
     sw.add_argument("--target", type=float, default=None, help="target val loss (default: the worst final loss)")
     sw.add_argument("--loss", choices=("global", "workers"), default="global", help="as for fl-geo compare")
+    sw.add_argument("--seeds", type=int, default=1, metavar="N",
+                    help="run every point of the grid N times (run.seed + 0..N-1): mean ± 95 %% Student-t "
+                         "interval per point, as for fl-geo compare")
     sw.set_defaults(func=cmd_sweep)
 
     fr = sub.add_parser("flwr-run", help="the same run through Flower's CLI (flwr run . --stream) on a local "

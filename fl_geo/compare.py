@@ -16,6 +16,11 @@ synchronous loops' workers start every period from the global model, so it is wh
 Which unit (``metric``): ``loss`` (the default) is nats per token; ``bpb`` is bits per byte
 (``val/bpb``), the figure that compares runs with different tokenizers (docs/data.md). Runs
 written before ``val/bpb`` existed were all byte-level, so their bpb is read as loss / ln 2.
+
+Seeds: runs of one config that differ only in ``run.seed`` form a group (`fl_geo.seed_groups`);
+a group of several is tabulated as mean ± 95 % Student-t interval (`fl_geo.seed_report`) and
+plotted as its mean with a min-max band. ``summary.json`` in the output directory keeps every
+run's figures and each group's aggregate.
 """
 
 from __future__ import annotations
@@ -199,8 +204,27 @@ def loss_range(series: list[list[float]]) -> tuple[float, float] | None:
     return low - margin, high + margin
 
 
-def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: float | None = None) -> Path | None:
-    """Validation loss against ``x_key`` for every run that logged it; None if none did."""
+def _draw_band(ax: Any, name: str, runs: list[RunRecord], x_key: str) -> list[list[float]] | None:
+    """One seed group on ``ax``: the mean curve and a min-max band over its seeds (the band shows
+    the seeds' actual spread; a pointwise t interval of 2-3 curves would mostly show noise).
+    Returns the band's lower and upper curves, or None when the seeds share no x range."""
+    from fl_geo.seed_groups import mean_band
+
+    band = mean_band([r.series(x_key) for r in runs])
+    if band is None:
+        return None
+    xs, mean, low, high = band
+    (line,) = ax.plot(xs, mean, linewidth=1.4, label=f"{name} (mean of {len(runs)} seeds; band: min-max)")
+    ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    return [[float(y) for y in low], [float(y) for y in high]]
+
+
+def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: float | None = None,
+         groups: list[Any] | None = None) -> Path | None:
+    """Validation loss against ``x_key`` for every run that logged it; None if none did.
+
+    ``groups`` (`fl_geo.seed_groups.SeedGroup`, covering ``runs``): a group of several seeds is
+    drawn as its mean with a min-max band; a group of one run as the run itself."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
@@ -211,8 +235,24 @@ def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: flo
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for name, xs, ys in series:
-        ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.4, label=name)
+    drawn = [ys for _, _, ys in series]  # the y values that set the plot's range (loss_range)
+    count = f"{len(series)} run(s)"
+    if groups is not None and any(g.n > 1 for g in groups):
+        drawn = []
+        for g in groups:
+            band = _draw_band(ax, g.name, g.runs, x_key) if g.n > 1 else None
+            if band is not None:
+                drawn += band
+                continue
+            for r in g.runs:  # one run, or seeds without a common x range: each on its own
+                xs, ys = r.series(x_key)
+                if xs:
+                    ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.4, label=r.name)
+                    drawn.append(ys)
+        count = f"{len(groups)} config(s), {len(series)} run(s)"
+    else:
+        for name, xs, ys in series:
+            ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.4, label=name)
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
     ax.set_xlabel(xlabel)
@@ -222,8 +262,8 @@ def plot(runs: list[RunRecord], x_key: str, xlabel: str, path: Path, target: flo
         # fl-geo's default tokenizer is byte-level: one token is one byte of UTF-8 text
         ax.set_ylabel("validation loss (nats/token = nats/byte)")
     what = "bits per byte" if runs[0].metric == "bpb" else "loss"
-    ax.set_title(f"Validation {what} against {xlabel.split(' (')[0]}, {len(series)} run(s)", fontsize=10)
-    limits = loss_range([ys for _, _, ys in series])
+    ax.set_title(f"Validation {what} against {xlabel.split(' (')[0]}, {count}", fontsize=10)
+    limits = loss_range(drawn)
     if limits is not None:
         ax.set_ylim(*limits)
     ax.grid(True, alpha=0.3)
@@ -265,23 +305,50 @@ def plot_goodput(runs: list[RunRecord], path: Path) -> Path | None:
     return path
 
 
-def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = None) -> dict[str, Any]:
-    """Write ``compare.md`` and the plots into ``out_dir``; return what was written."""
+def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = None,
+            groups: list[Any] | None = None) -> dict[str, Any]:
+    """Write ``compare.md``, the plots and the group ``summary.json`` into ``out_dir``; return what
+    was written.
+
+    ``groups`` (`fl_geo.seed_groups.SeedGroup`, covering ``runs`` in order) say which runs are
+    seeds of one config; None makes every run a group of its own. With one run per group the
+    table is the per-run table alone; once a group has several seeds the table gains one row per
+    group (mean ± 95 % t interval, `fl_geo.seed_report`), the verdicts on which differences are
+    real, and the per-seed table below them, and the loss plots draw each group's mean and
+    min-max band. ``summary.json`` keeps every seed's figures and each group's aggregate.
+    """
+    from fl_geo.seed_groups import SeedGroup, group_summary
+    from fl_geo.seed_report import seeds_table, verdicts
+
     if not runs:
         raise ValueError("nothing to compare")
     if len({r.metric for r in runs}) > 1:
         raise ValueError("runs compared together must use one metric (loss or bpb)")
+    groups = [SeedGroup(r.name, [r]) for r in runs] if groups is None else groups
+    if sorted(id(r) for g in groups for r in g.runs) != sorted(id(r) for r in runs):
+        raise ValueError("the seed groups must hold every run once")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = default_target(runs) if target is None else target
     table = markdown_table(runs, target)
+    lines = verdicts(groups, target)
+    if any(g.n > 1 for g in groups):
+        parts = [seeds_table(groups, target)]
+        if lines:
+            parts.append("Differences (a winner only where the 95 % intervals are disjoint):\n\n"
+                         + "\n".join(f"- {line}" for line in lines))
+        table = "\n\n".join([*parts, "Per seed:\n\n" + table])
     (out / "compare.md").write_text(table + "\n", encoding="utf-8")
+    summary_path = out / "summary.json"
+    summary_path.write_text(json.dumps(group_summary(groups, target, lines), indent=2) + "\n", encoding="utf-8")
     stem = "val_bpb" if runs[0].metric == "bpb" else "val_loss"
     plots = {
-        "virtual": plot(runs, VIRTUAL, "virtual time (s, modelled WAN + accelerators)", out / f"{stem}_vs_virtual_time.png", target),
-        "wall": plot(runs, WALL, "wall time (s)", out / f"{stem}_vs_wall_time.png", target),
-        "tokens": plot(runs, TOKENS, "tokens consumed", out / f"{stem}_vs_tokens.png", target),
-        "steps": plot(runs, "steps", "inner steps per worker", out / f"{stem}_vs_steps.png", target),
+        "virtual": plot(runs, VIRTUAL, "virtual time (s, modelled WAN + accelerators)", out / f"{stem}_vs_virtual_time.png",
+                        target, groups),
+        "wall": plot(runs, WALL, "wall time (s)", out / f"{stem}_vs_wall_time.png", target, groups),
+        "tokens": plot(runs, TOKENS, "tokens consumed", out / f"{stem}_vs_tokens.png", target, groups),
+        "steps": plot(runs, "steps", "inner steps per worker", out / f"{stem}_vs_steps.png", target, groups),
         "goodput": plot_goodput(runs, out / "goodput.png"),
     }
-    return {"table": table, "target": target, "plots": {k: str(v) for k, v in plots.items() if v is not None}}
+    return {"table": table, "target": target, "summary": str(summary_path), "verdicts": lines,
+            "plots": {k: str(v) for k, v in plots.items() if v is not None}}

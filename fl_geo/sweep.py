@@ -6,6 +6,8 @@ plain ``key=value`` overrides apply to all of them. Commas inside brackets or qu
 value (``data.files=[a.txt,b.txt]`` is not swept). Each run is named ``<run.name>-<key>=<value>...``
 and written to ``OUT/runs/<name>``; the table and plots of `fl_geo.compare` go to ``OUT``. The grid
 is resolved and validated before the first run starts, so a typo in the last value costs nothing.
+``--seeds N`` runs every point N times (``<name>-seed=<seed>``) and tabulates each point's mean and
+95 % Student-t interval (`fl_geo.seed_groups`).
 """
 
 from __future__ import annotations
@@ -109,21 +111,29 @@ def sweep_points(config: str | None, overrides: list[str]) -> list[SweepPoint]:
 
 
 def run_sweep(config: str | None, overrides: list[str], out: str | Path, target: float | None = None,
-              loss: str = "global") -> dict[str, Any]:
-    """Run every point of the grid one after another, then compare them all (table + plots).
+              loss: str = "global", seeds: int = 1) -> dict[str, Any]:
+    """Run every point of the grid one after another (``seeds`` runs each, `fl_geo.seed_groups`),
+    then compare them all (table + plots; with seeds > 1, one row per point: mean ± 95 % t interval).
 
-    Returns `fl_geo.compare.compare`'s result plus ``summaries``, one per run, in grid order.
+    Returns `fl_geo.compare.compare`'s result plus ``summaries``, one per run, in grid order
+    (each point's seeds together). ``run.seed`` cannot be both swept and given ``seeds`` > 1:
+    the two would run the same seeds twice under different names.
     """
-    from fl_geo.compare import compare, load_run
-    from fl_geo.simulation import run_simulation
+    from fl_geo.compare import compare
+    from fl_geo.seed_groups import run_seeds, seeded_configs
 
+    if seeds != 1 and any(o.partition("=")[0].strip() == "run.seed" and len(split_values(o.partition("=")[2])) > 1
+                          for o in overrides):
+        raise ConfigError("sweep: run.seed is swept and --seeds is given; use one of them")
     points = sweep_points(config, overrides)
+    plans = [(point, seeded_configs(point.cfg, seeds)) for point in points]
     out = Path(out)
-    summaries, runs = [], []
-    for i, point in enumerate(points, start=1):
+    summaries, runs, groups = [], [], []
+    for i, (point, cfgs) in enumerate(plans, start=1):
         print(f"sweep {i}/{len(points)}: {point.cfg.run.name} ({' '.join(point.swept)})", file=sys.stderr, flush=True)
-        summary = run_simulation(point.cfg, out / "runs" / point.cfg.run.name)
-        summaries.append(summary)
-        runs.append(load_run(summary["run_dir"], loss))
-    result = compare(runs, out, target)
+        group, point_summaries = run_seeds(cfgs, out / "runs", point.cfg.run.name, loss)
+        summaries += point_summaries
+        runs += group.runs
+        groups.append(group)
+    result = compare(runs, out, target, groups)
     return {**result, "summaries": summaries}
