@@ -13,7 +13,8 @@ from fl_geo.compare import compare, load_run, markdown_table
 from fl_geo.config import load_config
 from fl_geo.errors import ConfigError
 from fl_geo.intervals import student_t_cdf, t_interval, t_quantile
-from fl_geo.seed_groups import group_by_seed_suffix, mean_band, seeded_configs
+from fl_geo.seed_groups import group_by_seed_suffix, group_summary, mean_band, seeded_configs
+from fl_geo.seed_report import seeds_table, verdicts
 from tests.conftest import TINY
 from tests.test_compare import _fake_run
 
@@ -80,28 +81,30 @@ def test_seeded_table_shows_mean_and_half_width_and_n1_alone(tmp_path):
     assert "| D | diloco | global | n=1 | 3.5000 | 100.0 | 10.0 |" in table  # one run: no interval
     assert "Per seed:" in table and "| A-seed=2 | diloco | global | 3.0000 |" in table
     assert (tmp_path / "out" / "compare.md").read_text() == table + "\n"
+    assert [g["n"] for g in json.loads((tmp_path / "out" / "summary.json").read_text())["groups"]] == [3, 3, 1]
     for kind in ("virtual", "wall", "tokens", "steps"):  # mean + band plots
         assert (tmp_path / "out" / result["plots"][kind].split("/")[-1]).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_overlapping_intervals_name_no_winner_and_disjoint_ones_do(tmp_path):
     runs = _seeded_fakes(tmp_path, [("A", [1.0, 2.0, 3.0]), ("B", [2.9, 3.0, 3.1]), ("D", [3.5])])
-    lines = compare(runs, tmp_path / "o1", None, group_by_seed_suffix(runs))["verdicts"]
+    lines = verdicts(group_by_seed_suffix(runs), 3.5)  # (compare() passes its target; here the worst final)
     assert "final val loss: A and B: intervals overlap, no winner (2.0000 ± 2.4841 vs 3.0000 ± 0.2484)" in lines
     assert "final val loss: A and D: n=1 for D, no interval, no winner (2.0000 ± 2.4841 vs 3.5000)" in lines
     assert not any("than" in line for line in lines)  # every figure overlaps here: no winner at all
     close = _seeded_fakes(tmp_path / "2", [("C", [4.0, 4.1, 4.2]), ("B", [2.9, 3.0, 3.1])])
-    lines = compare(close, tmp_path / "o2", 4.2, group_by_seed_suffix(close))["verdicts"]
+    lines = verdicts(group_by_seed_suffix(close), 4.2)
     assert "final val loss: B lower than C, intervals disjoint (3.0000 ± 0.2484 vs 4.1000 ± 0.2484)" in lines
     assert "wall s to 4.200: C and B: intervals overlap, no winner (10.0 ± 0.0 vs 10.0 ± 0.0)" in lines  # a tie: the first group leads
 
 
 def test_a_seed_that_misses_the_target_leaves_the_group_without_a_mean(tmp_path):
     runs = _seeded_fakes(tmp_path, [("A", [1.0, 2.0, 3.0]), ("B", [2.9, 3.0, 3.1])])
-    result = compare(runs, tmp_path / "out", 2.5, group_by_seed_suffix(runs))
-    assert "| A | diloco | global | n=3 | 2.0000 ± 2.4841 | — (2/3 seeds) | — (2/3 seeds) |" in result["table"]
-    assert "wall s to 2.500: A not compared (only 2/3 seeds have it)" in result["verdicts"]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    groups = group_by_seed_suffix(runs)
+    assert "| A | diloco | global | n=3 | 2.0000 ± 2.4841 | — (2/3 seeds) | — (2/3 seeds) |" in seeds_table(groups, 2.5)
+    lines = verdicts(groups, 2.5)
+    assert "wall s to 2.500: A not compared (only 2/3 seeds have it)" in lines
+    summary = group_summary(groups, 2.5, lines)
     assert summary["groups"][0]["aggregate"]["wall_s_to_target"] is None
     assert [r["figures"]["wall_s_to_target"] for r in summary["groups"][0]["runs"]] == [10.0, 10.0, None]
 
@@ -109,22 +112,20 @@ def test_a_seed_that_misses_the_target_leaves_the_group_without_a_mean(tmp_path)
 def test_summary_keeps_every_seed_and_the_aggregate(tmp_path):
     runs = _seeded_fakes(tmp_path, [("A", [1.0, 2.0, 3.0])])
     (runs[1].path / "config.yaml").write_text("run:\n  seed: 8\n")
-    compare(runs, tmp_path / "out", None, group_by_seed_suffix(runs))
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    summary = json.loads(json.dumps(group_summary(group_by_seed_suffix(runs), 3.0, [])))  # JSON-ready
     (group,) = summary["groups"]
     assert group["n"] == 3 and group["seeds"] == [None, 8, None]
     assert [r["figures"]["final"] for r in group["runs"]] == [1.0, 2.0, 3.0]
     agg = group["aggregate"]["final"]
     assert agg["mean"] == 2.0 and agg["half_width"] == pytest.approx(T_975_2 / math.sqrt(3), rel=1e-6)
     assert (agg["min"], agg["max"], agg["n"]) == (1.0, 3.0, 3)
-    assert "Student-t" in summary["interval"]
+    assert "Student-t" in summary["interval"] and summary["target"] == 3.0
 
 
 def test_one_seed_per_config_keeps_the_per_run_table(tmp_path):
     runs = [load_run(_fake_run(tmp_path, n, [5.0, f])) for n, f in (("a", 2.0), ("b-seed=3", 2.5))]
     result = compare(runs, tmp_path / "out", None, group_by_seed_suffix(runs))
     assert result["table"] == markdown_table(runs, 2.5) and result["verdicts"] == []
-    assert result["table"] == compare(runs, tmp_path / "out2")["table"]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["groups"][1]["n"] == 1
 
 
@@ -176,3 +177,17 @@ def test_cli_compare_with_two_seeds_runs_both_and_keeps_both(tmp_path, capsys):
         t_quantile(0.975, 1) * abs(finals[0] - finals[1]) / 2, rel=1e-9)  # n = 2: s / √2 = |a - b| / 2
     assert "| quickstart-diloco | diloco (nesterov) | global | n=2 | " in captured.out
     assert "seed 2/2 of quickstart-diloco" in captured.err
+
+
+def test_sweep_with_two_seeds_gives_one_row_per_point(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert cli_main(["sweep", *TINY, "run.rounds=1", "run.name=lr", "strategy.outer_lr=0.3,0.9",
+                     "--seeds", "2", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "lr-outer_lr=0.3-seed=0", "lr-outer_lr=0.3-seed=1", "lr-outer_lr=0.9-seed=0", "lr-outer_lr=0.9-seed=1"]
+    groups = json.loads((out / "summary.json").read_text())["groups"]
+    assert [(g["name"], g["n"], g["seeds"]) for g in groups] == [("lr-outer_lr=0.3", 2, [0, 1]),
+                                                                 ("lr-outer_lr=0.9", 2, [0, 1])]
+    rows = [line for line in captured.out.splitlines() if line.startswith("| lr-outer_lr=") and "| n=2 |" in line]
+    assert len(rows) == 2 and all(" ± " in row for row in rows)
