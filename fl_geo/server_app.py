@@ -201,6 +201,9 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "failure": stats.failure,  # one line when the run must not count as a success, else null
             "interrupted": stats.interrupted,
             "late_replies": stats.late_replies,
+            # nodes whose jobs were given up at their reply deadline (strategy.round_timeout_s /
+            # reply_deadline_*): node id, partition, site, jobs given up, the deadline, late replies
+            "late_nodes": stats.late_nodes,
             "wall_s": stats.wall_s,
             "virtual_s": stats.virtual_s,
             "scenario": stats.scenario,

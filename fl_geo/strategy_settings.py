@@ -76,7 +76,15 @@ class StrategySection:
     sync_warmup_steps: int = 0
     clients_per_round: int = 0  # 0 = every live node
     min_replies: int = 1  # fewer accepted updates than this: skip the outer step
-    round_timeout_s: float = 0.0  # 0 = wait for every selected node (or its error reply)
+    # Wall seconds a job may go without a reply before it is given up and its node counted as late
+    # (it gets no new work until it replies; that reply is discarded). > 0: this bound for every
+    # job. 0: the bound derived from the run (fl_geo.core.deadline): max(reply_deadline_floor_s,
+    # reply_deadline_factor x the median time comparable jobs took to reply; comparable = the same
+    # message type and inner steps), and reply_deadline_first_s until one of them has replied.
+    round_timeout_s: float = 0.0
+    reply_deadline_factor: float = 10.0  # k; 0 = no derived bound (with round_timeout_s 0: wait for every reply)
+    reply_deadline_floor_s: float = 300.0  # the derived bound is never shorter
+    reply_deadline_first_s: float = 3600.0  # before any comparable job replied; 0 = no bound until one has
     # Quorum rounds (synchronous): the round steps once ceil(quorum x selected) nodes replied
     # (0 = wait for all). The others keep training, their nodes busy; their replies come in a
     # later round and are dropped, or folded there with FedBuff's staleness weight 1/sqrt(1 + tau).
@@ -162,10 +170,17 @@ class StrategySection:
         require(self.sync_warmup_steps == 0 or not is_async, "strategy.sync_warmup_steps (EDiT warm-up) is for synchronous strategies")
 
     def _check_rounds(self) -> None:
-        """Selection, replies, time-outs, quorum and late replies, the bounds on one update."""
+        """Selection, replies, reply deadlines, quorum and late replies, the bounds on one update."""
         require(self.clients_per_round >= 0, "strategy.clients_per_round must be >= 0")
         require(self.min_replies >= 1, "strategy.min_replies must be >= 1")
         require(self.round_timeout_s >= 0, "strategy.round_timeout_s must be >= 0")
+        require(self.reply_deadline_factor == 0 or self.reply_deadline_factor >= 1,
+                "strategy.reply_deadline_factor must be 0 (off) or >= 1 (a multiple of the median reply time), "
+                f"got {self.reply_deadline_factor}")
+        require(self.reply_deadline_floor_s >= 0, f"strategy.reply_deadline_floor_s must be >= 0, got {self.reply_deadline_floor_s}")
+        require(self.reply_deadline_first_s == 0 or self.reply_deadline_first_s >= self.reply_deadline_floor_s,
+                "strategy.reply_deadline_first_s must be 0 (no bound before the first reply) or >= "
+                f"strategy.reply_deadline_floor_s ({self.reply_deadline_floor_s}), got {self.reply_deadline_first_s}")
         require(self.max_update_ratio >= 0, f"strategy.max_update_ratio must be >= 0, got {self.max_update_ratio}")
         require(0 <= self.quorum <= 1,
                 f"strategy.quorum must be in [0, 1] (a share of the selected nodes; 0 = all), got {self.quorum}")

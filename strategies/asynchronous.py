@@ -27,7 +27,7 @@ from flwr.app import Message, MessageType, RecordDict
 from fl_geo.core.grace import GraceTimer
 from fl_geo.core.robust import NormWindow
 from fl_geo.core.weights import staleness_weight
-from fl_geo.runtime.dispatch import Event, JobTiming
+from fl_geo.runtime.dispatch import TIMED_OUT, Event, JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
@@ -154,9 +154,10 @@ class AsyncOuterLoop(OuterLoop):
     # ---- replies --------------------------------------------------------------------------------
     def handle(self, ev: Event) -> None:
         node = ev.job.node
-        self.last_arrival = ev.time
-        if self.grace_timer is not None:
-            self.grace_timer.observe_arrival(ev.time)
+        if ev.error != TIMED_OUT:  # a job given up at its deadline is no arrival for the grace window
+            self.last_arrival = ev.time
+            if self.grace_timer is not None:
+                self.grace_timer.observe_arrival(ev.time)
         if self.job_failed(self.tally, node, ev.ok, ev.error):
             return  # error reply or vanished node: nothing to fold; it is re-dispatched if alive
         self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
@@ -244,8 +245,9 @@ class AsyncOuterLoop(OuterLoop):
             return False
         if self.tally.accepted >= self.cfg.strategy.buffer_size:
             return True
-        busy = self.dispatcher.busy_nodes()
-        return not (busy & set(self.dispatcher.live_nodes()))  # every live worker has reported
+        # every live worker has reported (a late node, whose job was given up, will not)
+        training = {j.node for j in self.dispatcher.in_flight()}
+        return not (training & set(self.dispatcher.live_nodes()))
 
     def grace(self) -> float:
         """Di-PS grace window: fixed, or the ski-rental estimate (``fl_geo.core.grace``)."""
@@ -358,7 +360,8 @@ class AsyncOuterLoop(OuterLoop):
                 self._log_step(self.step(), progress)
             elif not ev.ok:
                 self.dispatch([n for n in self.idle_nodes() if n == ev.job.node])
-        # Clean drain: let in-flight jobs finish (nothing is folded) so no node is left mid-message.
+        # Clean drain: let in-flight jobs finish (nothing is folded) so no node is left mid-message;
+        # a job still without a reply at its deadline is given up (its node named as late).
         while self.dispatcher.in_flight():
             self.dispatcher.next_event()
         return self.history[-1] if self.history else {}

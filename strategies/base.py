@@ -177,7 +177,9 @@ class OuterLoop:
     def free_nodes(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Live nodes with no job in flight, in rank order; nodes seen for the first time are
         asked what they run first (`fl_geo.runtime.profiling.profile_nodes`; under ``"auto"`` the
-        profile probe carries the current model)."""
+        profile probe carries the current model). A late node (its job given up at its deadline)
+        is busy until its reply comes; a reply that has come frees it here."""
+        self.dispatcher.collect_late()
         live = self.dispatcher.live_nodes()
         membership = self.dispatcher.membership
         busy = self.dispatcher.busy_nodes()
@@ -315,6 +317,24 @@ class OuterLoop:
         timings = [JobTiming(self.profiles[n].partition_id if n in self.profiles else 0, free=True) for n in nodes]
         self.dispatcher.run_jobs(msgs, on_replies=keep, order=nodes, timeout_s=self.cfg.strategy.round_timeout_s,
                                  timings=timings)
+        return out
+
+    def late_nodes(self) -> list[dict[str, Any]]:
+        """Who was late this run, first-late first: each node whose jobs were given up at their
+        reply deadline (`fl_geo.runtime.dispatch.Dispatcher.late`), with its partition, the site
+        it reported, how many of its jobs were given up, the longest deadline it was given and how
+        many late replies it sent (discarded). summary.json reports this list as ``late_nodes``."""
+        out = []
+        for rec in self.dispatcher.late.nodes():
+            profile = self.profiles.get(rec.node)
+            out.append({
+                "node": rec.node,
+                "partition": profile.partition_id if profile is not None else -1,
+                "site": profile.site if profile is not None else "",
+                "late_jobs": rec.late_jobs,
+                "deadline_s": round(max(rec.waited_s), 3) if rec.waited_s else None,
+                "late_replies": rec.late_replies,
+            })
         return out
 
     def failed_jobs(self) -> int:

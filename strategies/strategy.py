@@ -45,6 +45,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fl_geo.config import ConfigError, FlGeoConfig, load_config, validate
 from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
+from fl_geo.core.deadline import ReplyDeadline
 from fl_geo.core.state import ParamSpec, flatten, unflatten
 from fl_geo.registry import Method, method
 from fl_geo.runtime.dispatch import Dispatcher, NodeProfile
@@ -118,6 +119,15 @@ def spec_and_params(initial_arrays: ArrayRecord) -> tuple[ParamSpec, torch.Tenso
     return spec, params
 
 
+def reply_deadline(cfg: FlGeoConfig) -> ReplyDeadline:
+    """The wall-clock reply deadline of every job of a run (`fl_geo.core.deadline`): the explicit
+    ``strategy.round_timeout_s`` when > 0, else the one derived from the jobs' reply times with
+    ``strategy.reply_deadline_factor`` / ``_floor_s`` / ``_first_s``."""
+    s = cfg.strategy
+    return ReplyDeadline(s.reply_deadline_factor, s.reply_deadline_floor_s, s.reply_deadline_first_s,
+                         explicit_s=s.round_timeout_s)
+
+
 @dataclass
 class RunStats:
     """What a finished ``start()`` measured (the CLI writes it into summary.json)."""
@@ -139,6 +149,7 @@ class RunStats:
     stop_reason: str | None = None  # why the loop ended before its budget
     interrupted: bool = False  # the user stopped it (Ctrl-C)
     lost_jobs: int = 0  # jobs lost to the scenario's failure trace (virtual clock)
+    late_nodes: list[dict[str, Any]] = field(default_factory=list)  # `OuterLoop.late_nodes`: given up at a deadline
 
     @property
     def failure(self) -> str | None:
@@ -356,8 +367,9 @@ class FlGeoStrategy(Strategy):
         """Run the method on ``grid`` from ``initial_arrays`` and return Flower's `Result`.
 
         ``num_rounds`` counts outer steps (for asynchronous methods too); ``max_tokens`` ends the
-        run earlier once that many accepted tokens were folded. ``timeout``: seconds a
-        synchronous round waits for its replies (0: wait for every node or its error reply).
+        run earlier once that many accepted tokens were folded. ``timeout``: wall seconds any job
+        waits for its reply before it is given up and its node counted as late (0 or None: the
+        deadline derived from the run's reply times, ``strategy.reply_deadline_*`` in ``options``).
         ``train_config`` / ``evaluate_config`` reach every ClientApp in the message's ``"config"``
         record, as with Flower's own strategies. ``evaluate_fn(step, arrays)`` is Flower's
         centralised evaluation: called before the first step and every ``run.eval_every`` steps;
@@ -424,6 +436,7 @@ class FlGeoStrategy(Strategy):
             validate(cfg, own_model=True)
         clock, scenario = make_clock(cfg, spec.numel, self._scenario)
         dispatcher = Dispatcher(grid, clock)
+        dispatcher.deadline = reply_deadline(cfg)
         dispatcher.wall_faults = make_wall_faults(cfg, spec.numel, self._scenario)
         if scenario is not None:  # partition id = scenario slot: a claim beyond them is refused
             dispatcher.membership.slots = scenario.num_nodes
@@ -474,7 +487,12 @@ class FlGeoStrategy(Strategy):
             scenario=scenario.name if scenario is not None else None, num_params=spec.numel, last=dict(last),
             accepted=loop.total_accepted, failed=loop.failed_jobs(), steps_this_run=loop.version - first_version,
             stop_reason=loop.stop_reason, interrupted=interrupted, lost_jobs=dispatcher.lost_jobs,
+            late_nodes=loop.late_nodes(),
         )
+        if self.stats.late_nodes:
+            log.warning("late nodes (no reply within the deadline; given no new work until they replied): %s",
+                        ", ".join(f"node {n['node']} (partition {n['partition']}{', site ' + n['site'] if n['site'] else ''}: "
+                                  f"{n['late_jobs']} job(s) given up after {n['deadline_s']} s)" for n in self.stats.late_nodes))
         if self.stats.failure and not interrupted:
             log.error("run failed: %s", self.stats.failure)
         return self._result(loop, spec, evaluator)

@@ -236,11 +236,10 @@ class SyncOuterLoop(OuterLoop):
         s = self.cfg.strategy
         order = nodes if s.fold_order == "rank" else None
         slots = [self.profiles[n].partition_id for n in nodes]
-        timings = None
-        if self.scenario is not None:
-            # Compute only: the exchange of a synchronous round is modelled as one ring
-            # all-reduce over the slowest link of the best ring (docs/algorithms.md §8).
-            timings = [JobTiming(slot, steps[n]) for slot, n in zip(slots, nodes, strict=True)]
+        # Compute only: the exchange of a synchronous round is modelled as one ring all-reduce over
+        # the slowest link of the best ring (docs/algorithms.md §8). A wall clock ignores the
+        # timings; the steps also key the reply deadline (jobs of other lengths are not compared).
+        timings = [JobTiming(slot, steps[n]) for slot, n in zip(slots, nodes, strict=True)]
         quorum = math.ceil(s.quorum * len(nodes)) if s.quorum > 0 else 0
         meta = [{"version": self.version, "steps": steps[n], "base": self.base_snapshot(n, self.global_params)}
                 for n in nodes] if quorum else None
@@ -387,7 +386,7 @@ class SyncOuterLoop(OuterLoop):
             if last:
                 break
         # Quorum rounds leave jobs in flight: let them finish (nothing is folded) so no node is
-        # left mid-message when the run ends.
+        # left mid-message when the run ends; each waits at most until its reply deadline.
         while self.dispatcher.in_flight():
             self.dispatcher.next_event()
         return self.history[-1] if self.history else {}

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
+from fl_geo.core.deadline import LateLog, ReplyDeadline
 from fl_geo.runtime import interrupt, profiling
 from fl_geo.runtime.goodput import GoodputMeter, JobCost
 from fl_geo.runtime.membership import Membership, NodeProfile
@@ -47,6 +48,8 @@ log = logging.getLogger("fl_geo")
 
 # The error of a job lost because its node failed under the scenario's failure trace.
 NODE_DOWN = "node down (failure trace)"
+# The error of a job given up at its deadline (no reply in time; the node is alive but late).
+TIMED_OUT = "no reply within the deadline"
 
 
 class Clock(Protocol):
@@ -93,6 +96,9 @@ class Job:
     slot: int = -1  # the scenario node it runs on (JobTiming.slot)
     compute_s: float = 0.0  # its modelled compute time (virtual clock; for goodput)
     fault: Fault | None = None  # a wall fault ends it (run.wall_faults)
+    steps: int = 0  # inner steps (JobTiming.steps): jobs are compared with those of the same kind and steps
+    sent_wall: float = 0.0  # time.monotonic() when it was pushed: its deadline runs from here
+    timeout_s: float | None = None  # its own wall deadline (run_jobs(timeout_s=...)); None: the dispatcher's rule
 
 
 @dataclass
@@ -145,6 +151,8 @@ def _record_event(ev: Event, remaining: set[str], resolved: dict[int, Message | 
     remaining.discard(ev.job.id)
     if ev.error == "vanished":
         outcome.vanished.append(ev.job.node)
+    elif ev.error == TIMED_OUT:
+        outcome.timed_out.append(ev.job.node)
     elif ev.error is not None:
         outcome.errors[ev.job.node] = ev.error
     resolved[ev.job.node] = ev.reply if ev.ok else None
@@ -189,6 +197,10 @@ class Dispatcher:
         self.goodput: GoodputMeter | None = self._goodput_meter()
         self.held = profiling.HeldReplies()  # plain nodes' replies to the profile probe (fl_geo.runtime.profiling)
         self._kept: list[Event] = []  # events of other jobs that resolved during a profile probe or query
+        # How long a job may go without a reply (fl_geo.core.deadline); None: as long as it takes.
+        # The strategy sets it from strategy.round_timeout_s / reply_deadline_*.
+        self.deadline: ReplyDeadline | None = None
+        self.late = LateLog()  # nodes whose jobs were given up at their deadline
 
     def _goodput_meter(self) -> GoodputMeter | None:
         """A meter on a virtual clock with a scenario: provisioned = each node's up time."""
@@ -318,7 +330,7 @@ class Dispatcher:
 
     # ---- jobs ---------------------------------------------------------------------------------
     def submit(self, messages: Sequence[Message], timings: Sequence[JobTiming] | None = None,
-               meta: Sequence[dict[str, Any]] | None = None) -> list[Job]:
+               meta: Sequence[dict[str, Any]] | None = None, timeout_s: float = 0.0) -> list[Job]:
         """Push one message per node; with a virtual clock each job's finish time is fixed now.
 
         A node that already has a job in flight is refused (ValueError): the caller must wait for
@@ -343,12 +355,15 @@ class Dispatcher:
         ids = [next(pushed) if h is None else f"held-{next(self._seq)}" for h in held]
         jobs = []
         now = self.clock.now()
+        sent_wall = time.monotonic()
         for i, (mid, nid) in enumerate(zip(ids, dst, strict=True)):
             job_id = mid or f"unsent-{nid}-{next(self._seq)}"
             job = Job(job_id, nid, kinds[i], next(self._seq), now, dict(meta[i]) if meta else {})
             timing = timings[i] if timings is not None else JobTiming(slot=0)
             job.slot = timing.slot
             job.fault = faults[i]
+            job.steps, job.sent_wall = timing.steps, sent_wall
+            job.timeout_s = timeout_s if timeout_s > 0 else None
             if timing.free and self.clock.is_virtual:
                 self.clock.schedule_at(job_id, now, node=timing.slot)
             else:
@@ -400,20 +415,37 @@ class Dispatcher:
         self._check_liveness()
         return got
 
-    def _pull(self) -> bool:
+    def collect_late(self) -> None:
+        """Pull the replies of given-up jobs only, so that a late node that has answered since is
+        free again before the loop picks its next nodes. Nothing else is pulled: when and in
+        which order other replies are handed over stays as it was."""
+        if self._abandoned:
+            self._pull(list(self._abandoned))
+
+    def _pull(self, ids: list[str] | None = None) -> bool:
         interrupt.check()  # every wait of every loop passes here: Ctrl-C ends the run at its next poll
-        ids = [j for j in self._jobs if j not in self._arrived] + list(self._abandoned)
+        if ids is None:
+            ids = [j for j in self._jobs if j not in self._arrived] + list(self._abandoned)
         if not ids:
             return False
         got = False
         for reply in self.grid.pull_messages(ids):
             mid = reply.metadata.reply_to_message_id
             if mid in self._abandoned:
-                self._abandoned.pop(mid)
+                node = self._abandoned.pop(mid)
                 self.late_replies += 1
+                if node in self.late:
+                    self.late.replied_late(node)
+                    log.warning("node %s (slot %s) replied after its job was given up; the reply is discarded and "
+                                "the node gets work again", node, self._slot(node))
             elif mid in self._jobs and mid not in self._arrived:
                 self._arrived[mid] = reply
                 got = True
+                job = self._jobs[mid]
+                # a profile query or probe is not timed: a plain ClientApp trains a whole job to
+                # answer the probe, an fl-geo one answers at once, so their median means nothing
+                if self.deadline is not None and job.kind != MessageType.QUERY and not reply.has_error():
+                    self.deadline.observe((job.kind, job.steps), time.monotonic() - job.sent_wall)
         if got:
             self._poll = 0.001
         return got
@@ -431,6 +463,39 @@ class Dispatcher:
         for jid, node in list(self._abandoned.items()):
             if node not in live:
                 self._abandoned.pop(jid)
+
+    def deadline_s(self, job: Job) -> float:
+        """The wall seconds ``job`` may go without a reply: its own ``timeout_s``, else the rule's
+        current bound for its kind and steps (asked anew each time, so the first jobs' generous
+        bound tightens as soon as comparable jobs have replied; profile queries and probes are
+        never timed, so without their own bound they get the rule's first-jobs bound);
+        ``math.inf`` for none."""
+        if job.timeout_s is not None:
+            return job.timeout_s
+        if self.deadline is None:
+            return math.inf
+        return self.deadline.seconds((job.kind, job.steps))
+
+    def _expire(self) -> Event | None:
+        """Give up the oldest job still without a reply whose deadline has passed, if any.
+
+        Called only right after a pull that brought nothing, so a reply that came while the
+        server was busy elsewhere is never mistaken for a missing one. The job is abandoned (its
+        node stays busy until its late reply is pulled, then that reply is discarded) and its
+        node is recorded in `late`."""
+        now = time.monotonic()
+        for jid, job in self._jobs.items():  # in submission order
+            if jid in self._arrived:
+                continue
+            limit = self.deadline_s(job)
+            if now - job.sent_wall <= limit:
+                continue
+            self.abandon(job)
+            self.late.gave_up(job.node, limit)
+            log.warning("node %s (slot %s) sent no reply to its %s job within %.1f s; the job is given up and the node "
+                        "gets no new work until it replies", job.node, job.slot, job.kind, limit)
+            return Event(job, None, TIMED_OUT, self.clock.now())
+        return None
 
     def _resolve(self, job_id: str) -> Event:
         job = self._jobs.pop(job_id)
@@ -476,7 +541,9 @@ class Dispatcher:
         then stands at the deadline), or ``block`` is False and nothing can be handed over yet, or
         (with ``wake_on_rejoin``) a node repaired under the failure trace is back: `take_rejoined`
         is then True. Without ``wake_on_rejoin`` a repair just moves virtual time on. Events kept
-        back while a profile probe or query ran (``run_jobs(keep_foreign=True)``) come first.
+        back while a profile probe or query ran (``run_jobs(keep_foreign=True)``) come first. A job
+        whose wall deadline (`deadline_s`) passed without a reply comes as a failed event (error
+        `TIMED_OUT`), so no wait, the final drain of a run included, outlasts the deadline.
         """
         if self._kept:
             return self._kept.pop(0)
@@ -511,6 +578,9 @@ class Dispatcher:
             got = self._pull()
             self._check_liveness()
             if not got:
+                late = self._expire()
+                if late is not None:
+                    return late
                 if not block:
                     return None
                 self._wait()
@@ -533,7 +603,9 @@ class Dispatcher:
         pass over its buffers, several times cheaper than one pass per reply. ``order`` lists the
         nodes in hand-over order: a reply that resolves early waits until every node before it
         has replied or failed (deterministic folding whatever the clock). ``None`` hands replies
-        over in clock order. ``timeout_s`` > 0 (wall seconds) abandons jobs still running then.
+        over in clock order. ``timeout_s`` > 0 (wall seconds) abandons jobs still running then;
+        0 leaves each job to the dispatcher's deadline rule (`deadline_s`; no rule: no limit). A
+        job given up at its deadline is listed in ``outcome.timed_out``.
 
         ``quorum`` > 0: the round ends as soon as that many replies came (in clock order; with a
         virtual clock, at the quorum-th modelled finish time); the other jobs stay in flight,
@@ -543,12 +615,11 @@ class Dispatcher:
         over by the next `next_event` calls (a profile probe or query in the middle of an
         asynchronous run must not lose the replies that come meanwhile).
         """
-        jobs = self.submit(messages, timings, meta)
+        jobs = self.submit(messages, timings, meta, timeout_s=timeout_s)
         outcome = RoundOutcome()
         queue = [j.node for j in jobs] if order is None else list(order)
         resolved: dict[int, Message | None] = {}
         remaining = {j.id for j in jobs}
-        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         replies = 0
         foreign: list[Event] = []
         while remaining and not (quorum and replies >= quorum):
@@ -560,9 +631,6 @@ class Dispatcher:
                     on_late(ev)
                 continue
             if ev is None:
-                if deadline is not None and time.monotonic() > deadline:
-                    self._abandon_remaining(jobs, remaining, resolved, outcome)
-                    break
                 _hand_over(queue, resolved, outcome, on_replies)
                 self._check_liveness()
                 self._wait()
@@ -578,13 +646,3 @@ class Dispatcher:
         _hand_over(queue, resolved, outcome, on_replies)
         self._kept[:0] = foreign
         return outcome
-
-    def _abandon_remaining(self, jobs: Sequence[Job], remaining: set[str],
-                           resolved: dict[int, Message | None], outcome: RoundOutcome) -> None:
-        """Round timeout: abandon each job still running; its node counts as timed out."""
-        for job in [j for j in jobs if j.id in remaining]:
-            log.warning("node %s exceeded the round timeout; its job is abandoned", job.node)
-            self.abandon(job)
-            outcome.timed_out.append(job.node)
-            resolved[job.node] = None
-            remaining.discard(job.id)

@@ -9,7 +9,8 @@ two 1-thread actors (docs/data.md), so ``run.backend=inline`` is a useful no-Ray
 It keeps Flower's semantics that fl-geo relies on: messages to one node run in push order, each
 node has its own persistent ``Context``, an exception in a ClientApp becomes an *error reply*, a
 node that is removed vanishes from ``get_node_ids()`` and never answers. Hooks let tests tamper
-with replies (bad payloads) and remove or add nodes mid-run.
+with replies (bad payloads), remove or add nodes mid-run, and silence a node (``silent``: it stays
+in ``get_node_ids()`` but its messages wait unanswered until it is taken out of the set again).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class InlineGrid(Grid):
         self._replies: dict[str, Message] = {}
         self.reply_hook: ReplyHook | None = None
         self.executed: list[tuple[int, str]] = []  # (node, message type): what ran, in order
+        # Nodes alive but not answering (a hung site): their queued messages are not run.
+        self.silent: set[int] = set()
         for i in range(num_nodes):
             cfg = node_configs[i] if node_configs else {"partition-id": i, "num-partitions": num_nodes}
             self.add_node(cfg)
@@ -128,7 +131,8 @@ class InlineGrid(Grid):
         wanted = set(message_ids)
         # Run queued messages in push order (per node order is what Flower guarantees).
         for mid in [m for m in self._queue if m in wanted]:
-            self._execute(mid)
+            if self._queue[mid].metadata.dst_node_id not in self.silent:
+                self._execute(mid)
         out = [self._replies.pop(mid) for mid in list(self._replies) if mid in wanted]
         return out
 
