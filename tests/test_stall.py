@@ -59,12 +59,12 @@ def _run(cfg, tmp_path, grid, name="run", hook=None):
     return box["summary"], final, time.monotonic() - t0
 
 
-def _silence_after(grid, victim, replies: int, then=None):
-    """A reply hook: after ``victim`` answered ``replies`` train jobs it goes silent (alive)."""
+def _silence_after(grid, victim, replies: int, then=None, kind="train"):
+    """A reply hook: after ``victim`` answered ``replies`` jobs of ``kind`` it goes silent (alive)."""
     seen = {"n": 0}
 
     def hook(node, msg, reply):
-        if node == victim and msg.metadata.message_type == "train":
+        if node == victim and msg.metadata.message_type == kind:
             seen["n"] += 1
             if seen["n"] == replies:
                 (then or grid.silent.add)(victim)
@@ -252,3 +252,20 @@ def test_async_run_with_a_silent_node_finishes_its_steps_and_drain(tiny, tmp_pat
     (late,) = summary["late_nodes"]
     assert (late["node"], late["partition"], late["late_jobs"], late["late_replies"]) == (victim, 0, 1, 0)
     assert [n for n, t in grid.executed if t == "train"].count(victim) == 2
+    if "run.clock=virtual" in clock:  # its job holds the clock order, so it is given up mid-run
+        assert summary["failed_jobs"] == 1
+
+
+def test_streaming_run_with_a_silent_node_finishes_and_names_it(tiny, tmp_path):
+    """Streaming DiLoCo (two fragments): the node answers two tick messages, then never again;
+    the run finishes every period on the others and names it."""
+    cfg = tiny("run.sim_cpus=1", "model.n_layers=2", "strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1", "run.rounds=3", *FAST_DEADLINE)
+    grid = InlineGrid(client_app, 3, seed=0)
+    victim = sorted(grid.contexts)[2]
+    summary, final, _ = _run(cfg, tmp_path, grid, hook=_silence_after(grid, victim, 2, kind="train.stream"))
+    assert summary["outer_steps"] > 0 and summary["failure"] is None and torch.isfinite(final).all()
+    assert len(read_metrics(tmp_path / "run")) == 1 + 3  # the step-0 record and every period
+    (late,) = summary["late_nodes"]
+    assert (late["node"], late["partition"], late["late_jobs"]) == (victim, 2, 1)
+    assert [n for n, t in grid.executed if t == "train.stream"].count(victim) == 2
