@@ -21,6 +21,7 @@ import torch
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
 from fl_geo.core.deadline import LateLog, ReplyDeadline
+from fl_geo.runtime import interrupt
 from fl_geo.runtime.dispatch import TIMED_OUT, Dispatcher
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
@@ -52,7 +53,11 @@ def _run(cfg, tmp_path, grid, name="run", hook=None):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     thread.join(WATCHDOG_S)
-    assert not thread.is_alive(), f"the run stalled: still waiting after {WATCHDOG_S:.0f} s"
+    if thread.is_alive():  # stop the stalled run at its next poll, so it cannot run on beside later tests
+        interrupt.request_stop()
+        thread.join(60)
+        interrupt.clear_stop()
+        pytest.fail(f"the run stalled: still waiting after {WATCHDOG_S:.0f} s")
     if "error" in box:
         raise box["error"]
     final = torch.load(tmp_path / name / "final_model.pt")["params"]

@@ -48,6 +48,12 @@ def request_stop() -> None:
     _STOP.set()
 
 
+def clear_stop() -> None:
+    """Forget a stop request, so that the next run in this process starts clean (a test's
+    watchdog stops a stalled run with `request_stop`, then clears it)."""
+    _STOP.clear()
+
+
 def check() -> None:
     """Raise `RunInterrupted` if a stop was requested; the dispatcher calls it at every poll."""
     if _STOP.is_set():
