@@ -199,7 +199,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 # started with the longer budget), where files go and how the run is watched (directories, run
 # name, loggers, progress), how often checkpoints are written and kept, and the process and
 # waiting settings of this machine (backend, threads, CPUs, node waits, the client device:
-# a restart may land on another host). Everything else - strategy, optimizers, penalty, model,
+# a restart may land on another host), and the derived reply deadlines (a run whose slow site was
+# taken for a hung one is resumed with a higher floor or factor). Everything else - strategy, optimizers, penalty, model,
 # data, inner loop, wire precision, seeds, evaluation - shapes the model or its metrics history,
 # so a checkpoint written under other values is another run's.
 RESUME_MAY_CHANGE = frozenset({
@@ -208,6 +209,7 @@ RESUME_MAY_CHANGE = frozenset({
     "run.client_state_dir", "run.backend", "run.sim_cpus", "run.server_threads", "run.threads_per_client",
     "run.ray_address", "run.client_cpus", "run.client_gpus",
     "run.min_nodes", "run.wait_nodes_timeout_s", "run.min_live_nodes", "run.min_live_wait_s",
+    "strategy.reply_deadline_factor", "strategy.reply_deadline_floor_s", "strategy.reply_deadline_first_s",
     "client.device", "data.data_dir", "ps.workdir", "ps.retry_s", "ps.heartbeat_s", "ps.host",
     "ps.tls_certs_dir", "ps.allow_insecure_remote",
 })

@@ -137,6 +137,17 @@ def test_bad_deadline_settings_are_refused(tiny, override, message):
         tiny(override)
 
 
+def test_a_resumed_run_may_change_its_reply_deadlines(tiny):
+    """They are waiting settings, like the node waits: not part of the run identity a checkpoint
+    is matched against (a run whose slow site was taken for a hung one resumes with a higher floor)."""
+    from fl_geo.config import run_identity
+
+    base = run_identity(tiny())
+    assert run_identity(tiny("strategy.reply_deadline_floor_s=900", "strategy.reply_deadline_factor=20",
+                             "strategy.reply_deadline_first_s=7200")) == base
+    assert run_identity(tiny("strategy.round_timeout_s=5")) != base
+
+
 # ---- the dispatcher ---------------------------------------------------------------------------
 def test_a_job_without_reply_is_given_up_at_its_deadline_and_its_late_reply_discarded(caplog):
     caplog.set_level(logging.WARNING, logger="fl_geo")
