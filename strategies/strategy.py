@@ -436,7 +436,7 @@ class FlGeoStrategy(Strategy):
             validate(cfg, own_model=True)
         clock, scenario = make_clock(cfg, spec.numel, self._scenario)
         dispatcher = Dispatcher(grid, clock)
-        dispatcher.deadline = reply_deadline(cfg)
+        dispatcher.reply_deadline = reply_deadline(cfg)
         dispatcher.wall_faults = make_wall_faults(cfg, spec.numel, self._scenario)
         if scenario is not None:  # partition id = scenario slot: a claim beyond them is refused
             dispatcher.membership.slots = scenario.num_nodes

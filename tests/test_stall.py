@@ -153,7 +153,7 @@ def test_a_job_without_reply_is_given_up_at_its_deadline_and_its_late_reply_disc
     caplog.set_level(logging.WARNING, logger="fl_geo")
     grid = ScriptedGrid([1, 2])
     d = Dispatcher(grid, WallClock(), poll_interval_s=0.001)
-    d.deadline = ReplyDeadline(factor=1, floor_s=0.05, first_s=0.05)
+    d.reply_deadline = ReplyDeadline(factor=1, floor_s=0.05, first_s=0.05)
     d.submit([_msg(1), _msg(2)])
     grid.release(1)
     assert d.next_event().ok  # node 1 replied in time: its duration is now the median

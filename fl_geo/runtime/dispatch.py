@@ -199,7 +199,7 @@ class Dispatcher:
         self._kept: list[Event] = []  # events of other jobs that resolved during a profile probe or query
         # How long a job may go without a reply (fl_geo.core.deadline); None: as long as it takes.
         # The strategy sets it from strategy.round_timeout_s / reply_deadline_*.
-        self.deadline: ReplyDeadline | None = None
+        self.reply_deadline: ReplyDeadline | None = None
         self.late = LateLog()  # nodes whose jobs were given up at their deadline
 
     def _goodput_meter(self) -> GoodputMeter | None:
@@ -444,8 +444,8 @@ class Dispatcher:
                 job = self._jobs[mid]
                 # a profile query or probe is not timed: a plain ClientApp trains a whole job to
                 # answer the probe, an fl-geo one answers at once, so their median means nothing
-                if self.deadline is not None and job.kind != MessageType.QUERY and not reply.has_error():
-                    self.deadline.observe((job.kind, job.steps), time.monotonic() - job.sent_wall)
+                if self.reply_deadline is not None and job.kind != MessageType.QUERY and not reply.has_error():
+                    self.reply_deadline.observe((job.kind, job.steps), time.monotonic() - job.sent_wall)
         if got:
             self._poll = 0.001
         return got
@@ -472,9 +472,9 @@ class Dispatcher:
         ``math.inf`` for none."""
         if job.timeout_s is not None:
             return job.timeout_s
-        if self.deadline is None:
+        if self.reply_deadline is None:
             return math.inf
-        return self.deadline.seconds((job.kind, job.steps))
+        return self.reply_deadline.seconds((job.kind, job.steps))
 
     def _expire(self) -> Event | None:
         """Give up the oldest job still without a reply whose deadline has passed, if any.
