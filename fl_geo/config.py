@@ -182,15 +182,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     arguments. ``own_model``: see `validate`.
     """
     cfg = _merge_sources(_schema(), path, overrides, values)
-    if cfg.strategy.name in METHODS and METHODS[cfg.strategy.name].defaults:
+    name = cfg.strategy.name
+    if name in METHODS:
+        defaults = OmegaConf.merge(OmegaConf.create(dict(METHODS[name].defaults)),
+                                   OmegaConf.create(METHODS[name].settings.default_values()))
         try:
-            base = OmegaConf.merge(_schema(), dict(METHODS[cfg.strategy.name].defaults))
-        except OmegaConfBaseException as exc:  # a registry entry naming a key the schema lacks
-            raise _wrap(exc, f"fl_geo.registry defaults of '{cfg.strategy.name}'") from None
+            base = OmegaConf.merge(_schema(), defaults)
+        except OmegaConfBaseException as exc:  # a default naming a key the schema lacks
+            raise _wrap(exc, f"the defaults of strategy '{name}'") from None
         cfg = _merge_sources(base, path, overrides, values)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out, own_model=own_model)
+    _check_strategy_keys(name, _user_strategy_keys(path, overrides, values))
     return out
+
+
+def _user_strategy_keys(path: str | Path | None, overrides: list[str] | None,
+                        values: Mapping[str, Any] | None) -> set[str]:
+    """The ``strategy:`` keys the file, the values and the overrides set (not the defaults)."""
+    user = _merge_sources(OmegaConf.create({}), path, None, values)
+    keys = set(user.get("strategy") or {})
+    keys.update(item.partition("=")[0].strip()[len("strategy."):] for item in overrides or []
+                if item.strip().startswith("strategy."))
+    return keys
+
+
+def _check_strategy_keys(name: str, keys: set[str]) -> None:
+    """A config's ``strategy:`` section may set the fields of the method's settings dataclass only
+    (`fl_geo.registry.Method.settings`): a key that the method has no use for (``grace_s`` for
+    DiLoCo, ``time_budget_s`` for Di-PS) would otherwise be accepted and ignored."""
+    settings = METHODS[name].settings
+    unused = sorted(keys - settings.strategy_keys())
+    require(not unused, f"strategy.{unused[0] if unused else ''} is not a setting of strategy '{name}' "
+                        f"({settings.__name__}); its strategy keys: {', '.join(sorted(settings.strategy_keys()))}")
 
 
 # Keys a resumed run may change without becoming another run (`run_identity` leaves them out):
@@ -298,6 +322,7 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     _check_data(cfg)
     cfg.client.check()
     _check_model(cfg)
+    METHODS[cfg.strategy.name].settings.from_config(cfg)  # the method's own checks (its settings' check())
 
 
 def _check_checkpoints(cfg: FlGeoConfig) -> None:
@@ -444,18 +469,13 @@ def _check_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
     require(st.quantize == "none" or cfg.wire.up == "fp32",
             f"streaming.quantize={st.quantize} replaces wire.up for the fragment updates; leave "
             f"wire.up at fp32 (got {cfg.wire.up})")
-    P, H = st.fragments, s.inner_steps
+    P = st.fragments
     if not own_model:
         layers, where = _model_layers(cfg.model)
         require(layers >= P,
                 f"streaming.fragments (P={P}) must be <= {where} ({layers}): "
                 "every fragment needs at least one transformer block")
-    require(st.adaptive or H % P == 0,
-            f"streaming.fragments (P={P}) must divide strategy.inner_steps (H={H}) for the fixed "
-            "schedule (or set streaming.adaptive=true)")
-    require(st.overlap * P < H,
-            f"streaming.overlap (tau={st.overlap}) must be < strategy.inner_steps / streaming.fragments "
-            f"(H/P = {H / P:g}) so that a fragment's sync ends before the next one starts")
+    # P against H and tau: StreamingDiLoCoSettings.check (validate calls it last)
     for key, bad in (("penalty.enabled", cfg.penalty.enabled), ("strategy.time_budget_s", s.time_budget_s > 0),
                      ("strategy.dynupd", s.dynupd), ("strategy.sync_warmup_steps", s.sync_warmup_steps > 0),
                      ("strategy.clients_per_round", s.clients_per_round > 0)):

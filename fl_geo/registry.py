@@ -1,16 +1,17 @@
 """The strategy registry: every method's facts in one entry.
 
-Adding a method is one `Method` entry here plus its public class (``fl_geo.strategies``): the
-config schema (`fl_geo.config`) derives its tables from `METHODS` (which outer optimizers a method
-may use and which it defaults to, its outer lr and momentum, whether server checkpoints cover it)
-and merges the entry's ``defaults`` (the settings that make the method what it is: FedBuff's
-staleness weights, Di-PS's grace window and penalty, CoCoDC's merge rule, ...) under every
-config that names it, and ``fl-geo run`` / ``flwr run .`` build the public class named by
-``class_name`` from a config through `fl_geo.strategies.build_strategy`. So the CLI and a Flower user's
-own ServerApp run one code path, and the loops read settings, never the method's name.
+Adding a method is one `Method` entry here plus its public class and settings dataclass
+(``fl_geo.strategies``). The config schema (`fl_geo.config`) derives its tables from `METHODS`
+(which outer optimizers a method may use and which it defaults to, its outer lr and momentum,
+whether server checkpoints cover it); ``load_config`` merges the entry's ``defaults`` and the
+settings dataclass's defaults (FedBuff's K and staleness weights, Di-PS's grace window, CoCoDC's
+merge rule, ...) under every config that names it, and checks its ``strategy:`` keys against
+that dataclass; ``fl-geo run`` / ``flwr run .`` build the public class (`Method.strategy_class`)
+from a config through `fl_geo.strategies.build_strategy`. So the CLI and a Flower user's own
+ServerApp run one code path, and the loops read settings, never the method's name.
 
-This module is plain data: it imports nothing from fl-geo or Flower, so the lowest layers (the
-config schema) can read it.
+This module is plain data: it imports nothing from fl-geo or Flower at import time (the class and
+settings are looked up on first use), so the lowest layers (the config schema) can read it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class Method:
 
     ``optimizers``: the outer optimizers it may use, the first being its default.
     ``outer_lr`` / ``outer_momentum``: the paper's defaults, used when a config leaves them unset.
-    ``defaults``: ``{section: {key: value}}``, the settings the method implies where they differ
-    from the schema's (`fl_geo.config`), merged under the user's keys by ``load_config``; so a
+    ``defaults``: ``{section: {key: value}}``, the settings the method implies that are not fields
+    of its settings dataclass (the penalty's rule, granularity and keying), merged under the
+    user's keys by ``load_config`` together with the dataclass's own defaults (`settings`); so a
     config naming only ``strategy.name`` and the public class built without arguments resolve to
     the same settings (tests/test_method_defaults.py pins it, docs/algorithms.md "Defaults").
     ``checkpoints``: whether server checkpoints (run.checkpoint_every / run.resume) cover it.
@@ -52,6 +54,20 @@ class Method:
     def penalty(self) -> dict[str, Any]:
         """The penalty-section defaults the method implies (EDiT's, Di-PS's; empty: none)."""
         return dict(self.defaults.get("penalty", {}))
+
+    @property
+    def strategy_class(self) -> Any:
+        """The public class (``fl_geo.strategies``), imported on first use: the strategies import
+        the config schema, which reads this module, so this module cannot import them first."""
+        import fl_geo.strategies as strategies
+
+        return strategies.strategy_class(self.name)
+
+    @property
+    def settings(self) -> Any:
+        """The method's settings dataclass (`fl_geo.strategies.settings.MethodSettings`): its fields,
+        defaults and checks; what the public class takes and a config's ``strategy:`` section may set."""
+        return self.strategy_class.Settings
 
     @property
     def is_async(self) -> bool:
@@ -84,35 +100,29 @@ _ENTRIES = (
            summary="EDiT: DiLoCo with the per-module pseudo-gradient penalty"),
     Method("a_edit", "AEDiT", "sync", ("nesterov",), 0.8, 0.85, defaults={"penalty": EDIT_PENALTY},
            summary="A-EDiT: EDiT with a time budget per inner loop instead of H steps"),
-    # FedBuff (Nguyen et al. 2022): K = 2 of 4 datacenters, staleness weights s(τ) = 1/sqrt(1 + τ).
+    # FedBuff (Nguyen et al. 2022): K = 2, staleness weights (FedBuffSettings).
     Method("fedbuff", "FedBuff", "async", ("avg",), 1.0, 0.0,
-           defaults={"strategy": {"buffer_size": 2, "staleness_weighting": True}},
            summary="FedBuff: step after K buffered asynchronous updates"),
-    # FedAsync (Xie et al. 2019): workers send parameters, each one mixed in at α·(1 + τ)^−a.
+    # FedAsync (Xie et al. 2019): workers send parameters, each mixed in at α·(1 + τ)^−a (FedAsyncSettings).
     Method("fedasync", "FedAsync", "async", ("avg",), 1.0, 0.0,
-           defaults={"strategy": {"pseudo_grad_base": "current", "staleness_mixing": True}},
            summary="FedAsync: mix each update in with a staleness-decayed weight"),
     Method("async_diloco", "AsyncDiLoCo", "async", ("nesterov",), 0.7, 0.9,
            summary="naive asynchronous DiLoCo: a Nesterov step per update"),
     # Async-Local-SGD (Liu et al. 2024) as the HALoS harness runs it: delayed Nesterov, lr 0.05 × N,
     # β 0.9, N = 32 (the lr is written lr × N, so it only means 0.05 per update with N = 32).
     Method("async_local_sgd", "AsyncLocalSGD", "async", ("delayed_nesterov",), 0.05 * 32, 0.9,
-           defaults={"strategy": {"delay_buffer": 32}},
            summary="Async-Local-SGD: delayed Nesterov, one update per step"),
-    # Di-PS: no buffer cap (the grace window or a full house closes a step), token weights, penalty.
+    # Di-PS: no buffer cap, the grace window, token weights (DiPSSettings) and its penalty's rule.
     Method("dips", "DiPS", "async", ("nesterov", "delayed_nesterov"), 0.7, 0.8,
-           defaults={"strategy": {"buffer_size": 1_000_000, "grace": True, "weighting": "tokens"},
-                     "penalty": DIPS_PENALTY},
+           defaults={"penalty": DIPS_PENALTY},
            summary="Di-PS: buffered asynchronous steps closed by a grace window, z-score outlier rejection"),
-    # HALoS's global server: delayed Nesterov lr 0.15 × N, β 0.5, N = 2 (run_halos.sh).
+    # HALoS's global server: delayed Nesterov lr 0.15 × N, β 0.5, N = 2 (run_halos.sh; HALoSSettings).
     Method("halos", "HALoS", "halos", ("delayed_nesterov",), 0.15 * 2, 0.5, checkpoints=False, section="halos",
-           defaults={"strategy": {"delay_buffer": 2}},
            summary="HALoS: local parameter servers per region under one global server"),
     Method("streaming_diloco", "StreamingDiLoCo", "streaming", ("nesterov",), 0.7, 0.9, checkpoints=False,
            section="streaming", summary="Streaming DiLoCo: fragments synced in turn, overlapped with training"),
-    # CoCoDC: the delay-compensated merge and the adaptive schedule (Algorithms 1 and 2).
+    # CoCoDC: the delay-compensated merge and the adaptive schedule (Algorithms 1 and 2; CoCoDCSettings).
     Method("cocodc", "CoCoDC", "streaming", ("nesterov",), 0.7, 0.9, checkpoints=False, section="streaming",
-           defaults={"streaming": {"rule": "compensate", "adaptive": True}},
            summary="CoCoDC: Streaming DiLoCo with delay compensation and adaptive transmission"),
 )
 

@@ -163,8 +163,6 @@ class StrategySection:
         is_async = self.name in ASYNC_STRATEGIES
         require(self.time_budget_s >= 0, f"strategy.time_budget_s must be >= 0, got {self.time_budget_s}")
         require(not (self.time_budget_s > 0 and is_async), "strategy.time_budget_s is for synchronous strategies (A-EDiT)")
-        require(self.name != "a_edit" or self.time_budget_s > 0,
-                "strategy a_edit needs strategy.time_budget_s > 0 (seconds of inner training per round)")
         require(0 <= self.step_weight_ratio <= 1, f"strategy.step_weight_ratio must be in [0, 1], got {self.step_weight_ratio}")
         require(self.sync_warmup_steps >= 0, f"strategy.sync_warmup_steps must be >= 0, got {self.sync_warmup_steps}")
         require(self.sync_warmup_steps == 0 or not is_async, "strategy.sync_warmup_steps (EDiT warm-up) is for synchronous strategies")

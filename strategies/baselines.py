@@ -1,4 +1,5 @@
-"""The federated-learning baselines on fl-geo's path (``fl_geo.strategies.baselines``).
+"""The federated-learning baselines on fl-geo's path (``fl_geo.strategies.baselines``), each with
+its settings dataclass.
 
 These are *not* Flower's ``flwr.serverapp.strategy.FedAvg`` & co.: they run on fl-geo's outer loop
 (the same dispatcher, virtual clock, wire precisions, token weighting, reply validation and
@@ -11,86 +12,76 @@ FedAdam / FedYogi: Reddi et al., "Adaptive Federated Optimization" (arXiv:2003.0
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
+from fl_geo.strategies.settings import SyncSettings
 from fl_geo.strategies.strategy import FlGeoStrategy
 
 
-class FedAvg(FlGeoStrategy):
-    """FedAvg: θ ← θ − lr·Δ̄ (lr 1 gives the mean of the local models).
-
-    Parameters
-    ----------
-    outer_lr : float (default: 1.0)
-    **common
-        See `FlGeoStrategy` (``inner_steps``, ``weighting``, ...).
-    """
+@dataclass(kw_only=True)
+class FedAvgSettings(SyncSettings):
+    """FedAvg: outer ``avg``, θ ← θ − lr·Δ̄ (lr 1 gives the mean of the local models)."""
 
     method = "fedavg"
 
-    def __init__(self, *, outer_lr: float = 1.0, **common: Any) -> None:
-        super().__init__(_strategy={"outer_lr": outer_lr}, **common)
 
-
-class FedAvgM(FlGeoStrategy):
-    """FedAvg with server momentum (heavy ball).
-
-    Parameters
-    ----------
-    outer_lr : float (default: 1.0)
-    outer_momentum : float (default: 0.9)
-    **common
-        See `FlGeoStrategy`.
-    """
+@dataclass(kw_only=True)
+class FedAvgMSettings(SyncSettings):
+    """FedAvgM: outer ``sgdm`` (heavy ball, as Flower's FedAvgM), lr 1, momentum 0.9."""
 
     method = "fedavgm"
 
-    def __init__(self, *, outer_lr: float = 1.0, outer_momentum: float = 0.9, **common: Any) -> None:
-        super().__init__(_strategy={"outer_lr": outer_lr, "outer_momentum": outer_momentum}, **common)
 
-
-class _FedOpt(FlGeoStrategy):
-    def __init__(self, *, outer_lr: float, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3,
-                 **common: Any) -> None:
-        super().__init__(_strategy={"outer_lr": outer_lr, "beta1": beta1, "beta2": beta2, "tau": tau}, **common)
-
-
-class FedAdam(_FedOpt):
-    """FedOpt with Adam at the server.
+@dataclass(kw_only=True)
+class FedOptSettings(SyncSettings):
+    """FedOpt's server optimizer constants (Reddi et al.), shared by FedAdam and FedYogi.
 
     Parameters
     ----------
-    outer_lr : float (default: 0.1)
-        η, Flower's default.
     beta1 : float (default: 0.9)
     beta2 : float (default: 0.99)
     tau : float (default: 1e-3)
         Adaptivity (ε of the paper).
-    **common
-        See `FlGeoStrategy`.
     """
+
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+
+
+@dataclass(kw_only=True)
+class FedAdamSettings(FedOptSettings):
+    """FedAdam: FedOpt with Adam at the server; outer lr η = 0.1 (Flower's default)."""
 
     method = "fedadam"
 
-    def __init__(self, *, outer_lr: float = 0.1, **kwargs: Any) -> None:
-        super().__init__(outer_lr=outer_lr, **kwargs)
 
-
-class FedYogi(_FedOpt):
-    """FedOpt with Yogi at the server.
-
-    Parameters
-    ----------
-    outer_lr : float (default: 0.01)
-        η, Flower's default.
-    beta1 : float (default: 0.9)
-    beta2 : float (default: 0.99)
-    tau : float (default: 1e-3)
-    **common
-        See `FlGeoStrategy`.
-    """
+@dataclass(kw_only=True)
+class FedYogiSettings(FedOptSettings):
+    """FedYogi: FedOpt with Yogi at the server; outer lr η = 0.01 (Flower's default)."""
 
     method = "fedyogi"
 
-    def __init__(self, *, outer_lr: float = 0.01, **kwargs: Any) -> None:
-        super().__init__(outer_lr=outer_lr, **kwargs)
+
+class FedAvg(FlGeoStrategy):
+    """FedAvg: θ ← θ − lr·Δ̄ (lr 1 gives the mean of the local models)."""
+
+    Settings = FedAvgSettings
+
+
+class FedAvgM(FlGeoStrategy):
+    """FedAvg with server momentum (heavy ball)."""
+
+    Settings = FedAvgMSettings
+
+
+class FedAdam(FlGeoStrategy):
+    """FedOpt with Adam at the server."""
+
+    Settings = FedAdamSettings
+
+
+class FedYogi(FlGeoStrategy):
+    """FedOpt with Yogi at the server."""
+
+    Settings = FedYogiSettings

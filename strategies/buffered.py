@@ -1,5 +1,5 @@
 """Asynchronous buffered methods as Flower strategies: FedBuff, FedAsync, async DiLoCo,
-Async-Local-SGD and Di-PS.
+Async-Local-SGD and Di-PS, each with its settings dataclass (on `AsyncSettings`).
 
 The server never waits for every worker: it folds each reply as it comes (in virtual-finish order on
 a scenario's clock), steps when its buffer or grace window says so, and re-dispatches only the
@@ -12,144 +12,136 @@ grace time and outlier rejection.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
+from fl_geo.strategies.settings import AsyncSettings, at
 from fl_geo.strategies.strategy import FlGeoStrategy
 
 
-class FedBuff(FlGeoStrategy):
-    """FedBuff: step after ``buffer_size`` buffered asynchronous updates.
-
-    Every default here is also what a config naming ``fedbuff`` gets (fl_geo.registry).
+@dataclass(kw_only=True)
+class FedBuffSettings(AsyncSettings):
+    """FedBuff (Nguyen et al. 2022): K = 2 buffered updates per step, each weighted by
+    s(τ) = 1/sqrt(1 + τ) (the paper's rule); outer ``avg`` with lr 1.
 
     Parameters
     ----------
     buffer_size : int (default: 2)
         K, accepted updates per outer step.
     staleness_weighting : bool (default: True)
-        Weight each update by s(τ) = 1/sqrt(1 + τ) (the FedBuff paper's rule).
-    outer_lr : float (default: 1.0)
-    **common
-        See `FlGeoStrategy`.
     """
 
     method = "fedbuff"
 
-    def __init__(self, *, buffer_size: int = 2, staleness_weighting: bool = True, outer_lr: float = 1.0,
-                 **common: Any) -> None:
-        super().__init__(_strategy={"buffer_size": buffer_size, "staleness_weighting": staleness_weighting,
-                                    "outer_lr": outer_lr}, **common)
+    buffer_size: int = 2
+    staleness_weighting: bool = True
 
 
-class FedAsync(FlGeoStrategy):
-    """FedAsync: mix every update in at once, θ ← (1 − α_t)·θ + α_t·θ_i, α_t = α·(1 + τ)^−a.
-
-    Workers send their parameters (``strategy.pseudo_grad_base=current``) and each step is scaled
-    by α_t (``strategy.staleness_mixing``): the method's registry defaults.
-
-    Parameters
-    ----------
-    mixing : float (default: 0.6)
-        α.
-    staleness_exponent : float (default: 0.5)
-        a.
-    **common
-        See `FlGeoStrategy`.
-    """
+@dataclass(kw_only=True)
+class FedAsyncSettings(AsyncSettings):
+    """FedAsync (Xie et al. 2019): workers send their parameters (``pseudo_grad_base="current"``)
+    and every update is mixed in at once, θ ← (1 − α_t)·θ + α_t·θ_i, α_t = α·(1 + τ)^−a
+    (``staleness_mixing``; α = ``mixing`` 0.6, a = ``staleness_exponent`` 0.5)."""
 
     method = "fedasync"
 
-    def __init__(self, *, mixing: float = 0.6, staleness_exponent: float = 0.5, **common: Any) -> None:
-        super().__init__(_strategy={"mixing": mixing, "staleness_exponent": staleness_exponent}, **common)
+    staleness_mixing: bool = True
+    pseudo_grad_base: str = "current"
 
 
-class AsyncDiLoCo(FlGeoStrategy):
-    """Naive asynchronous DiLoCo: one Nesterov outer step per arriving update.
-
-    Parameters
-    ----------
-    outer_lr : float (default: 0.7)
-    outer_momentum : float (default: 0.9)
-    **common
-        See `FlGeoStrategy`.
-    """
+@dataclass(kw_only=True)
+class AsyncDiLoCoSettings(AsyncSettings):
+    """Naive asynchronous DiLoCo: one Nesterov outer step per arriving update (lr 0.7, momentum 0.9)."""
 
     method = "async_diloco"
 
-    def __init__(self, *, outer_lr: float = 0.7, outer_momentum: float = 0.9, **common: Any) -> None:
-        super().__init__(_strategy={"outer_lr": outer_lr, "outer_momentum": outer_momentum}, **common)
 
-
-class AsyncLocalSGD(FlGeoStrategy):
-    """Async-Local-SGD: delayed Nesterov (momentum applied every N updates, lr scaled by N).
+@dataclass(kw_only=True)
+class AsyncLocalSGDSettings(AsyncSettings):
+    """Async-Local-SGD (Liu et al. 2024) as the HALoS harness runs it: delayed Nesterov, momentum
+    0.9, lr written lr × N = 0.05 × 32 = 1.6 (docs/algorithms.md, "Defaults").
+    ``configs/async_local_sgd.yaml`` sets 1.4 with N = 4, which measures better on fl-geo's
+    4-datacenter benchmarks.
 
     Parameters
     ----------
-    outer_lr : float (default: 1.6)
-        The delayed-Nesterov lr, written lr × N as in the HALoS harness: 0.05 × 32
-        (docs/algorithms.md, "Defaults"). ``configs/async_local_sgd.yaml`` sets 1.4 with N = 4,
-        which measures better on fl-geo's 4-datacenter benchmarks.
-    outer_momentum : float (default: 0.9)
     delay_buffer : int (default: 32)
         N, updates between momentum applications.
-    **common
-        See `FlGeoStrategy`.
     """
 
     method = "async_local_sgd"
 
-    def __init__(self, *, outer_lr: float = 1.6, outer_momentum: float = 0.9, delay_buffer: int = 32,
-                 **common: Any) -> None:
-        super().__init__(_strategy={"outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                                    "delay_buffer": delay_buffer}, **common)
+    delay_buffer: int = 32
 
 
-class DiPS(FlGeoStrategy):
-    """Di-PS: buffered asynchronous steps closed by a grace window after the last arrival, with
-    the pseudo-gradient penalty (EMA z-score outlier rejection, token weights, clipping).
+@dataclass(kw_only=True)
+class DiPSSettings(AsyncSettings):
+    """Di-PS: buffered asynchronous steps with no buffer cap, closed by a grace window after the
+    last arrival, with the pseudo-gradient penalty (the registry's ``DIPS_PENALTY``: one global
+    norm, the relative-max rule on pooled statistics, token weights).
 
     Parameters
     ----------
-    outer_lr : float (default: 0.7)
-    outer_momentum : float (default: 0.8)
-    grace_s : float (default: -1.0)
-        Grace window in seconds; -1 = the ski-rental estimate from arrivals and update cost.
-    grace_max_s : float (default: 60.0)
-        Upper bound of the estimated window.
+    outer_lr, outer_momentum : (default: 0.7, 0.8, the registry's)
+    buffer_size : int (default: 1_000_000)
+        No cap: the grace window or a full house closes a step.
+    grace : bool (default: True)
     weighting : str (default: "tokens")
-        ``"tokens"`` or ``"uniform"``: the weights of the mean pseudo-gradient. With the penalty on
-        they are the penalty's weights (``penalty.weighting``, set to the same value).
+        The weights of the mean pseudo-gradient; with the penalty on they are the penalty's
+        weights, so this sets ``penalty.weighting`` too.
     threshold : float (default: 3.0)
-        β of the relative-max outlier rule.
+        β of the relative-max outlier rule (``penalty.threshold``).
     warmup : int (default: 5)
-        Updates before outlier tests start.
+        Updates before outlier tests start (``penalty.warmup``).
     clip : float (default: 1.0)
-        φ, the clip on the mean pseudo-gradient norm (0: none).
+        φ, the clip on the mean pseudo-gradient norm (0: none; ``penalty.clip``).
     penalty : bool (default: True)
-        False: plain buffered aggregation with the grace window (no outlier test, no clip,
-        ``weighting`` as for any method).
+        False: plain buffered aggregation with the grace window (``penalty.enabled``).
     followers : int (default: 0)
-        Shard the parameter server over this many followers (0: one server).
+        Shard the parameter server over this many followers (0: one server; ``ps.followers``).
     transport : str (default: "local")
         ``"local"`` (followers in this process) or ``"grpc"`` (follower processes and a gRPC
-        data path; needs fl-geo's ClientApp).
-    **common
-        See `FlGeoStrategy`.
+        data path; needs fl-geo's ClientApp; ``ps.transport``).
     """
 
     method = "dips"
 
-    def __init__(self, *, outer_lr: float = 0.7, outer_momentum: float = 0.8, grace_s: float = -1.0,
-                 grace_max_s: float = 60.0, weighting: str = "tokens", threshold: float = 3.0, warmup: int = 5,
-                 clip: float = 1.0, penalty: bool = True, followers: int = 0, transport: str = "local",
-                 **common: Any) -> None:
-        # The rest of Di-PS (no buffer cap, the grace window, the penalty's rule, granularity and
-        # keying) is its registry entry's, shared with a config naming dips.
-        sections: dict[str, dict[str, Any]] = {
-            "ps": {"followers": followers, "transport": transport},
-            "penalty": {"enabled": penalty, "threshold": threshold, "warmup": warmup, "clip": clip,
-                        "weighting": weighting},
-        }
-        super().__init__(_strategy={"outer_lr": outer_lr, "outer_momentum": outer_momentum, "grace_s": grace_s,
-                                    "grace_max_s": grace_max_s},
-                         weighting=weighting, _sections=sections, **common)
+    buffer_size: int = 1_000_000
+    grace: bool = True
+    weighting: str = at("strategy.weighting", "tokens", "penalty.weighting")
+    threshold: float = at("penalty.threshold", 3.0)
+    warmup: int = at("penalty.warmup", 5)
+    clip: float = at("penalty.clip", 1.0)
+    penalty: bool = at("penalty.enabled", True)
+    followers: int = at("ps.followers", 0)
+    transport: str = at("ps.transport", "local")
+
+
+class FedBuff(FlGeoStrategy):
+    """FedBuff: step after ``buffer_size`` buffered asynchronous updates."""
+
+    Settings = FedBuffSettings
+
+
+class FedAsync(FlGeoStrategy):
+    """FedAsync: mix every update in at once with a staleness-decayed weight."""
+
+    Settings = FedAsyncSettings
+
+
+class AsyncDiLoCo(FlGeoStrategy):
+    """Naive asynchronous DiLoCo: one Nesterov outer step per arriving update."""
+
+    Settings = AsyncDiLoCoSettings
+
+
+class AsyncLocalSGD(FlGeoStrategy):
+    """Async-Local-SGD: delayed Nesterov (momentum applied every N updates, lr scaled by N)."""
+
+    Settings = AsyncLocalSGDSettings
+
+
+class DiPS(FlGeoStrategy):
+    """Di-PS: buffered asynchronous steps closed by a grace window after the last arrival, with
+    the pseudo-gradient penalty (outlier rejection, token weights, clipping)."""
+
+    Settings = DiPSSettings

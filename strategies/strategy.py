@@ -31,11 +31,12 @@ user's ServerApp run one code path.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -54,6 +55,7 @@ from fl_geo.runtime.metrics import MemoryLogger
 from fl_geo.runtime.profiling import probe_timeout_s, profile_nodes
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.wire import encode
+from fl_geo.strategies.settings import MethodSettings, places
 from fl_geo.timing.scenario import Scenario
 
 log = logging.getLogger("fl_geo")
@@ -169,45 +171,37 @@ class RunStats:
         return None
 
 
-class FlGeoStrategy(Strategy):
-    """Base of fl-geo's public strategies (subclasses set ``method`` and their own arguments).
+# The keyword arguments of a public class that are not the method's settings: what it runs
+# with (a scenario, what runs on the nodes, where metrics and checkpoints go) and how it waits
+# for nodes. Everything else a class takes is a field of its settings dataclass.
+COLLABORATORS = ("scenario", "clients", "min_nodes", "wait_nodes_timeout_s", "checkpoint_every", "options", "logger",
+                 "progress", "checkpoints", "resume_from")
 
-    Parameters common to every method
-    ---------------------------------
-    inner_steps : int (default: 50)
-        H, the inner steps each worker runs per job (sent to the ClientApp as ``inner_steps``).
-    weighting : str (default: "uniform")
-        ``"uniform"`` or ``"tokens"``: how replies are weighted in the mean pseudo-gradient. Token
-        weights come from the reply's declared ``num-tokens`` (fl-geo clients), else
-        ``num-examples`` (plain Flower clients).
-    wire_up, wire_down : str (default: "fp32")
-        Precision of the pseudo-gradient / model on the wire: ``fp32``, ``fp16`` or ``bf16``
-        (plain Flower ClientApps are always sent fp32 and reply a model in any float dtype).
-    clients_per_round : int (default: 0)
-        Synchronous methods: nodes sampled per round (0: every live node).
-    max_update_ratio : float (default: 10.0)
-        Reject an update whose L2 norm exceeds this multiple of the model's (0: no bound).
-    token_cap : str (default: "job")
-        ``"job"``: a reply claiming more tokens than its steps × ``client.batch_size`` ×
-        ``client.seq_len`` × the site's devices is rejected; ``"none"`` trusts the claim (a
-        ClientApp whose batches do not follow those settings).
-    robust : str (default: "none")
-        ``"median_norm"``: reject an update whose norm is more than 3 × (``options``
-        ``strategy.robust_factor``) the median norm of its peers' (the round's updates, or the
-        last 16 for asynchronous methods).
-    quorum : float (default: 0.0)
-        Synchronous methods: step a round once this share of its nodes replied (0: wait for all);
-        the stragglers' replies come later and are dropped, or folded with a staleness weight when
-        ``late_replies="fold"``.
-    late_replies : str (default: "drop")
-    min_nodes : int (default: 1)
-        Nodes to wait for before the first job (``wait_nodes_timeout_s`` at most).
+
+def _class_doc(cls: type[FlGeoStrategy]) -> str:
+    """``cls``'s docstring followed by its keyword arguments' documentation: the docstrings of its
+    settings dataclass and of the bases it inherits fields from (most specific first), so that
+    ``help(DiPS)`` lists every argument with the docstring that defines it, written once."""
+    parts = [inspect.cleandoc(cls.__doc__ or cls.__name__),
+             f"Parameters\n----------\nThe fields of `{cls.Settings.__name__}`, then the collaborators of `FlGeoStrategy`."]
+    for base in cls.Settings.__mro__:
+        if isinstance(base, type) and issubclass(base, MethodSettings) and base.__doc__:
+            parts.append(f"{base.__name__}: {inspect.cleandoc(base.__doc__)}")
+    return "\n\n".join(parts)
+
+
+class FlGeoStrategy(Strategy):
+    """Base of fl-geo's public strategies.
+
+    A subclass names its settings dataclass (``Settings``, a `fl_geo.strategies.settings.MethodSettings`)
+    and takes exactly its fields as keyword arguments, plus these collaborators:
+
+    Collaborators
+    -------------
     scenario : str or fl_geo.timing.scenario.Scenario, optional
         A scenario name (``configs/scenarios``), a YAML path or a `Scenario` object: runs on a
         virtual clock that models the scenario's WAN links and accelerator speeds (deterministic
         event order). Without one, replies are handled as they arrive (wall clock).
-    seed : int (default: 0)
-        Seeds client sampling and what the fl-geo ClientApp seeds from.
     clients : str (default: "auto")
         What runs on the nodes. ``"auto"``: probe each node with a ``train`` message that carries
         the first job's model and config and fl-geo's profile query (fl-geo's ClientApp answers
@@ -216,9 +210,12 @@ class FlGeoStrategy(Strategy):
         node is a plain Flower ClientApp (nothing is asked). ``"fl-geo"``: every node runs
         fl-geo's ClientApp and is asked with a ``query`` message (the model is not sent twice);
         one that does not answer gets no job, and none answering is an error.
+    min_nodes : int (default: 1)
+        Nodes to wait for before the first job (``wait_nodes_timeout_s`` at most, default 120).
     options : Mapping[str, Any], optional
-        Any other fl-geo setting as dotted keys (``{"penalty.warmup": 5, "run.eval_every": 2}``);
-        ``fl-geo config FILE`` lists them. Unknown keys are a one-line error.
+        Any other fl-geo setting as dotted keys (``{"client.lr": 1e-3}``); ``fl-geo config FILE``
+        lists them. Unknown keys are a one-line error; a key that is a field of ``Settings`` is
+        refused (pass the keyword argument).
     logger : optional
         Where per-step metrics go: ``fl_geo.runtime.metrics.MetricsLogger(run_dir)`` (JSONL + TensorBoard);
         default: kept in memory only (and returned in the `Result`).
@@ -226,65 +223,65 @@ class FlGeoStrategy(Strategy):
         Print one progress line per outer step.
     checkpoints : fl_geo.core.checkpoint.CheckpointStore, optional
         Write a server checkpoint every ``checkpoint_every`` outer steps into this store.
-    checkpoint_every : int (default: 0)
     resume_from : fl_geo.core.checkpoint.Checkpoint, optional
         Continue from this checkpoint (validated against the run first).
     """
 
+    Settings: ClassVar[type[MethodSettings]] = MethodSettings
     method: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Tie the class to its settings: ``method`` is theirs, and ``help(cls)`` /
+        ``inspect.signature(cls)`` show the settings' fields (typed, with their defaults) and the
+        collaborators, which is exactly what ``__init__`` accepts."""
+        super().__init_subclass__(**kwargs)
+        cls.method = cls.Settings.method
+        own = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                 default=inspect.Parameter.empty if f.default is MISSING else f.default)
+               for f in fields(cls.Settings)]
+        base = inspect.signature(FlGeoStrategy.__init__).parameters
+        extra = [base[name] for name in COLLABORATORS]
+        cls.__signature__ = inspect.Signature(own + extra)  # type: ignore[attr-defined]
+        cls.__doc__ = _class_doc(cls)
 
     def __init__(
         self,
         *,
-        inner_steps: int = 50,
-        weighting: str = "uniform",
-        wire_up: str = "fp32",
-        wire_down: str = "fp32",
-        clients_per_round: int = 0,
-        max_update_ratio: float = 10.0,
-        token_cap: str = "job",
-        robust: str = "none",
-        quorum: float = 0.0,
-        late_replies: str = "drop",
+        scenario: str | Scenario | None = None,
+        clients: str = "auto",
         min_nodes: int = 1,
         wait_nodes_timeout_s: float = 120.0,
-        scenario: str | Scenario | None = None,
-        seed: int = 0,
-        clients: str = "auto",
+        checkpoint_every: int = 0,
         options: Mapping[str, Any] | None = None,
         logger: Any = None,
         progress: bool | Progress = False,
         checkpoints: CheckpointStore | None = None,
-        checkpoint_every: int = 0,
         resume_from: Checkpoint | None = None,
-        _strategy: Mapping[str, Any] | None = None,
-        _sections: Mapping[str, Mapping[str, Any]] | None = None,
+        **settings: Any,
     ) -> None:
-        values: dict[str, dict[str, Any]] = {
-            "run": {"seed": seed, "min_nodes": min_nodes, "wait_nodes_timeout_s": wait_nodes_timeout_s,
-                    "checkpoint_every": checkpoint_every, "tensorboard": False, "progress": bool(progress)},
-            "strategy": {"name": self.method, "inner_steps": inner_steps, "weighting": weighting,
-                         "clients_per_round": clients_per_round, "max_update_ratio": max_update_ratio,
-                         "token_cap": token_cap, "robust": robust, "quorum": quorum, "late_replies": late_replies,
-                         **dict(_strategy or {})},
-            "wire": {"up": wire_up, "down": wire_down},
-        }
+        settings_obj = type(self).Settings(**settings)  # a TypeError names an unknown argument
+        values = settings_obj.config_values()
+        values.setdefault("run", {}).update(
+            min_nodes=min_nodes, wait_nodes_timeout_s=wait_nodes_timeout_s, checkpoint_every=checkpoint_every,
+            tensorboard=False, progress=bool(progress))
         if scenario is not None:
             name = scenario.name if isinstance(scenario, Scenario) else str(scenario)
             values["run"].update(clock="virtual", scenario=name)
-        for section, keys in (_sections or {}).items():
-            values.setdefault(section, {}).update(keys)
         if clients not in CLIENT_KINDS:
             raise ConfigError(f"clients must be one of {', '.join(CLIENT_KINDS)}, got {clients!r}")
-        for key, value in (options or {}).items():  # last: an option wins over the arguments above
+        own = {place for f in fields(settings_obj) for place in places(f)}
+        for key, value in (options or {}).items():
             section, dot, name = str(key).partition(".")
             if not dot or not name:
-                raise ConfigError(f"option {key!r} is not a dotted key such as 'penalty.warmup'")
+                raise ConfigError(f"option {key!r} is not a dotted key such as 'client.lr'")
+            if key in own:
+                raise ConfigError(f"option {key!r} is a setting of {type(self).__name__}: pass it as a keyword argument")
             values.setdefault(section, {})[name] = value
         # own_model: the model is the one start() is handed, not the config's model section
         config = load_config(None, None, values, own_model=True)
         self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
                    from_kwargs=True)
+        self.settings = settings_obj
         self.clients = clients
         self._scenario = scenario if isinstance(scenario, Scenario) else None
 
@@ -319,6 +316,7 @@ class FlGeoStrategy(Strategy):
         self = cls.__new__(cls)
         self._init(config, logger=logger, progress=progress, checkpoints=checkpoints, resume_from=resume_from,
                    from_kwargs=False, evaluator=evaluator, on_ready=on_ready)
+        self.settings = cls.Settings.from_config(config)
         return self
 
     @property

@@ -10,6 +10,7 @@ method, and the loops read settings (``strategy.grace``, ``strategy.staleness_mi
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from dataclasses import fields
@@ -28,6 +29,7 @@ from fl_geo.runtime.inline import InlineGrid
 from fl_geo.server_app import run_server
 from fl_geo.strategies import AEDiT, CoCoDC, DiPS, StreamingDiLoCo, strategy_class
 from fl_geo.strategies.base import penalty_from_config
+from fl_geo.strategies.strategy import COLLABORATORS
 
 STRATEGIES_DIR = Path(__file__).resolve().parents[1] / "strategies"
 
@@ -76,6 +78,52 @@ def test_public_class_and_config_resolve_to_the_same_settings(tmp_path, name):
     assert not diffs, f"{name}: " + "; ".join(diffs)
     for section in METHOD_SECTIONS:  # the section objects themselves, as the loops receive them
         assert getattr(built, section) == getattr(loaded, section), f"{name}: {section}"
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_public_class_keyword_arguments_are_its_settings_fields(name):
+    """The class takes exactly its settings dataclass's fields (same names, same defaults), plus
+    the collaborators every class shares; the registry points at that class and dataclass."""
+    cls = strategy_class(name)
+    settings = METHODS[name].settings
+    assert METHODS[name].strategy_class is cls and cls.Settings is settings and settings.method == name
+    params = inspect.signature(cls).parameters
+    own = {n: p for n, p in params.items() if n not in COLLABORATORS}
+    assert list(own) == [f.name for f in fields(settings)]
+    for f in fields(settings):
+        expected = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert own[f.name].default == expected, f.name
+        assert own[f.name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert set(params) - set(own) == set(COLLABORATORS)
+    # the constructor really accepts them all, and nothing else
+    cls(**{f.name: getattr(cls(**REQUIRED.get(name, {})).settings, f.name) for f in fields(settings)})
+    with pytest.raises(TypeError, match="no_such_setting"):
+        cls(no_such_setting=1, **REQUIRED.get(name, {}))
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_config_and_class_give_equal_settings_dataclasses(tmp_path, name):
+    """The settings a config naming only the method resolves to and those of the class built with
+    defaults are equal, field by field (and a config holds the class's settings after a round trip)."""
+    cls = strategy_class(name)
+    built = cls(**REQUIRED.get(name, {})).settings
+    loaded = cls.Settings.from_config(_from_yaml(tmp_path, name))
+    diffs = [f"{f.name}: class {getattr(built, f.name)!r}, config {getattr(loaded, f.name)!r}"
+             for f in fields(built) if getattr(built, f.name) != getattr(loaded, f.name)]
+    assert not diffs, f"{name}: " + "; ".join(diffs)
+    assert built == loaded
+    assert cls.from_config(_from_yaml(tmp_path, name)).settings == built
+
+
+def test_a_strategy_key_the_method_has_no_field_for_is_refused(tmp_path):
+    """The ``strategy:`` section of a config is checked against the method's settings dataclass:
+    a key the method would ignore is a one-line error naming the dataclass."""
+    (tmp_path / "d.yaml").write_text("strategy: {name: diloco, grace_s: 5}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"strategy.grace_s is not a setting of strategy 'diloco' \(DiLoCoSettings\)"):
+        load_config(tmp_path / "d.yaml")
+    with pytest.raises(ConfigError, match="strategy.beta1 is not a setting of strategy 'fedbuff'"):
+        load_config(None, ["strategy.name=fedbuff", "strategy.beta1=0.5"])
+    assert load_config(None, ["strategy.name=fedadam", "strategy.beta1=0.5"]).strategy.beta1 == 0.5
 
 
 def test_the_documented_defaults(tmp_path):
