@@ -321,7 +321,7 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     cfg.data.check()
     _check_data(cfg)
     cfg.client.check()
-    _check_model(cfg)
+    _check_model(cfg, own_model)
     METHODS[cfg.strategy.name].settings.from_config(cfg)  # the method's own checks (its settings' check())
 
 
@@ -395,12 +395,15 @@ def _check_data(cfg: FlGeoConfig) -> None:
     _resolve_vocab(d, cfg.model)
 
 
-def _check_model(cfg: FlGeoConfig) -> None:
-    """``client.seq_len`` fits the model's positions, then the ``model`` section's own checks."""
+def _check_model(cfg: FlGeoConfig, own_model: bool = False) -> None:
+    """``client.seq_len`` fits the model's positions, then the ``model`` section's own checks. With
+    ``own_model`` (a public strategy: the model is the one ``start()`` is handed) the ``model``
+    section does not describe the model that runs, so ``client.seq_len`` is not held to its
+    ``max_seq_len``; the section is still checked, as fl-geo's built-in ClientApp builds it."""
     c, m = cfg.client, cfg.model
-    if m.kind == "hf":
+    if m.kind == "hf":  # a model the config names (fl-geo's client builds it): checked either way
         _validate_hf(m, c.seq_len)
-    else:
+    elif not own_model:
         require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     try:
         m.validate()

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -44,6 +44,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from fl_geo.clients.settings import ClientSection
 from fl_geo.config import ConfigError, FlGeoConfig, load_config, validate
 from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.core.deadline import ReplyDeadline
@@ -174,7 +175,7 @@ class RunStats:
 # The keyword arguments of a public class that are not the method's settings: what it runs
 # with (a scenario, what runs on the nodes, where metrics and checkpoints go) and how it waits
 # for nodes. Everything else a class takes is a field of its settings dataclass.
-COLLABORATORS = ("scenario", "clients", "min_nodes", "wait_nodes_timeout_s", "checkpoint_every", "options", "logger",
+COLLABORATORS = ("inner", "scenario", "clients", "min_nodes", "wait_nodes_timeout_s", "checkpoint_every", "options", "logger",
                  "progress", "checkpoints", "resume_from")
 
 
@@ -198,6 +199,13 @@ class FlGeoStrategy(Strategy):
 
     Collaborators
     -------------
+    inner : fl_geo.clients.settings.ClientSection, optional
+        The typed inner-loop settings the strategy sends with every job to fl-geo's ClientApp
+        (``make_client_app`` / the built-in one): AdamW lr, betas, weight decay, warm-up and
+        cosine schedule, grad clip, batch size, sequence length, device, precision, devices per
+        site. A plain Flower ClientApp gets your ``train_config`` instead and ignores them.
+        Default: `ClientSection()`'s values. The token cap (``token_cap="job"``) reads its batch
+        size and sequence length.
     scenario : str or fl_geo.timing.scenario.Scenario, optional
         A scenario name (``configs/scenarios``), a YAML path or a `Scenario` object: runs on a
         virtual clock that models the scenario's WAN links and accelerator speeds (deterministic
@@ -247,6 +255,7 @@ class FlGeoStrategy(Strategy):
     def __init__(
         self,
         *,
+        inner: ClientSection | None = None,
         scenario: str | Scenario | None = None,
         clients: str = "auto",
         min_nodes: int = 1,
@@ -269,6 +278,12 @@ class FlGeoStrategy(Strategy):
             values["run"].update(clock="virtual", scenario=name)
         if clients not in CLIENT_KINDS:
             raise ConfigError(f"clients must be one of {', '.join(CLIENT_KINDS)}, got {clients!r}")
+        if inner is not None:
+            if not isinstance(inner, ClientSection):
+                raise ConfigError(f"inner must be a fl_geo.clients.settings.ClientSection, got {type(inner).__name__}")
+            if any(str(key).startswith("client.") for key in options or {}):
+                raise ConfigError("inner= and client.* options both set the inner loop: give it once, in inner=")
+            values["client"] = asdict(inner)
         own = {place for f in fields(settings_obj) for place in places(f)}
         for key, value in (options or {}).items():
             section, dot, name = str(key).partition(".")

@@ -260,3 +260,26 @@ def test_no_method_name_comparison_switches_behaviour_in_the_loops():
             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if compare.search(line)]
     assert not hits, hits
     assert compare.search('if s.name == "dips" and x') and compare.search("cfg.strategy.name in ('fedasync', 'x')")
+
+
+# ---- the strategy is not the application --------------------------------------------------------
+
+
+def test_inner_loop_settings_are_typed_and_not_held_to_the_builtin_model():
+    """``inner=`` (a `ClientSection`) is what reaches fl-geo's ClientApps; a public strategy runs
+    the caller's model, so its sequence length is not checked against the built-in decoder's
+    positions, while ``fl-geo run`` (which builds that decoder) still checks it."""
+    import json
+
+    from fl_geo.clients.settings import ClientSection
+    from fl_geo.strategies.base import client_config_record
+
+    strategy = DiPS(inner=ClientSection(lr=1e-3, seq_len=512))
+    assert (strategy.config.client.lr, strategy.config.client.seq_len) == (1e-3, 512)
+    assert json.loads(client_config_record(strategy.config)["client"])["seq_len"] == 512
+    with pytest.raises(ConfigError, match="inner= and client"):
+        DiPS(inner=ClientSection(), options={"client.lr": 1e-3})
+    with pytest.raises(ConfigError, match="is a setting of DiPS"):
+        DiPS(options={"penalty.warmup": 3})
+    with pytest.raises(ConfigError, match=r"client.seq_len \(512\) exceeds model.max_seq_len"):
+        load_config(None, ["client.seq_len=512"])

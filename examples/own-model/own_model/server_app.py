@@ -3,6 +3,7 @@
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fl_geo.clients.settings import ClientSection
 from fl_geo.strategies import DiPS
 from own_model.task import heldout_text, loss_on, make_model
 
@@ -19,9 +20,9 @@ def main(grid: Grid, context: Context) -> None:
         model.load_state_dict(arrays.to_torch_state_dict())
         return MetricRecord({"loss": loss_on(model, heldout)})
 
-    inner = {"client.lr": float(cfg["inner-lr"]), "client.batch_size": int(cfg["batch-size"]),
-             "client.seq_len": int(cfg["seq-len"]), "client.warmup_steps": 5}  # the sites' inner loop
-    strategy = DiPS(inner_steps=int(cfg["inner-steps"]), warmup=2, options=inner)
+    inner = ClientSection(lr=float(cfg["inner-lr"]), batch_size=int(cfg["batch-size"]),
+                          seq_len=int(cfg["seq-len"]), warmup_steps=5)  # the sites' inner loop
+    strategy = DiPS(inner_steps=int(cfg["inner-steps"]), warmup=2, inner=inner)
     result = strategy.start(grid, ArrayRecord(make_model().state_dict()),
                             num_rounds=int(cfg["num-server-rounds"]), evaluate_fn=evaluate)
     losses = result.evaluate_metrics_serverapp
