@@ -16,6 +16,7 @@ than one section (`validate`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -76,7 +77,11 @@ class FlGeoConfig:
     client: ClientSection = field(default_factory=ClientSection)
 
 
+@functools.cache
 def _schema() -> DictConfig:
+    """The structured schema of every section, built once per process (building it is most of a
+    `load_config`). Shared: only ever the first argument of ``OmegaConf.merge``, which copies it;
+    never modify it in place."""
     cfg = OmegaConf.structured(FlGeoConfig)
     OmegaConf.set_struct(cfg, True)
     return cfg
@@ -137,22 +142,20 @@ def _wrap(exc: OmegaConfBaseException, where: str) -> ConfigError:
     return ConfigError(f"{where}: invalid config key or value '{key}': {first_line}{hint}")
 
 
-def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[str] | None,
-                   values: Mapping[str, Any] | None = None) -> DictConfig:
-    cfg = base
+def _sources(path: str | Path | None, overrides: list[str] | None,
+             values: Mapping[str, Any] | None) -> list[tuple[str, DictConfig]]:
+    """What the user gave, in merge order (the file, the strategy arguments, each override), each
+    read and checked on its own and named for error messages."""
+    found: list[tuple[str, DictConfig]] = []
     if path:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        loaded = _load_yaml(p)
-        try:
-            cfg = OmegaConf.merge(cfg, loaded)
-        except OmegaConfBaseException as exc:
-            raise _wrap(exc, str(p)) from None
+        found.append((str(p), _load_yaml(p)))
     if values:
         _check_sections(values, "strategy arguments")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.create(dict(values)))
+            found.append(("strategy arguments", OmegaConf.create(dict(values))))
         except OmegaConfBaseException as exc:
             raise _wrap(exc, "strategy arguments") from None
     for item in overrides or []:
@@ -164,44 +167,73 @@ def _merge_sources(base: DictConfig, path: str | Path | None, overrides: list[st
             raise ConfigError(f"override '{item}': '{key}' is a section, not a value; set its keys, "
                               f"e.g. {key}.{keys[0]}=..., one of: {', '.join(keys)}")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            found.append((f"override '{item}'", OmegaConf.from_dotlist([item])))
         except OmegaConfBaseException as exc:
             raise _wrap(exc, f"override '{item}'") from None
-    return cfg
+    return found
+
+
+def _merge(base: DictConfig, sources: list[tuple[str, DictConfig]]) -> DictConfig:
+    """``base`` with every source merged on, in order, in one pass.
+
+    One ``OmegaConf.merge`` copies the structured base once; a merge per source copied it once
+    per override (a tiny test config's ~15 overrides cost ~0.2 s, most of a small run's set-up).
+    Only when the merge fails are the sources merged again one at a time, to name the one at fault.
+    """
+    try:
+        return OmegaConf.merge(base, *(cfg for _, cfg in sources))
+    except OmegaConfBaseException:
+        cfg = base
+        for where, src in sources:
+            try:
+                cfg = OmegaConf.merge(cfg, src)
+            except OmegaConfBaseException as exc:
+                raise _wrap(exc, where) from None
+        return cfg
+
+
+def _user_values(sources: list[tuple[str, DictConfig]]) -> DictConfig | None:
+    """The user's sources merged on nothing (no schema, no defaults): what they set themselves.
+    None where they do not merge without the schema's types (the schema merge then names why)."""
+    try:
+        return OmegaConf.merge(OmegaConf.create({}), *(cfg for _, cfg in sources))
+    except OmegaConfBaseException:
+        return None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 values: Mapping[str, Any] | None = None, *, own_model: bool = False) -> FlGeoConfig:
-    """Merge schema defaults, an optional YAML file and ``key=value`` overrides, then validate.
+    """Merge schema defaults, the method's defaults, an optional YAML file and ``key=value``
+    overrides, then validate.
 
-    The strategy's own defaults (`Method.defaults` in fl_geo.registry: EDiT's and Di-PS's penalty,
-    FedBuff's staleness weights, CoCoDC's merge rule, ...) are the base the file and overrides are
-    merged onto, so ``strategy.name=edit`` alone is full EDiT and any key the user sets still wins.
+    The strategy's own defaults (its settings dataclass, `Method.settings` in fl_geo.registry,
+    and `Method.defaults`: EDiT's and Di-PS's penalty, FedBuff's staleness weights, CoCoDC's
+    merge rule, ...) are the base the file and overrides are merged onto, so
+    ``strategy.name=edit`` alone is full EDiT and any key the user sets still wins.
     ``values``: nested plain values (``{"strategy": {"outer_lr": 0.5}}``) merged after the file and
     before the overrides; how the public strategy classes build their config from keyword
     arguments. ``own_model``: see `validate`.
     """
-    cfg = _merge_sources(_schema(), path, overrides, values)
-    name = cfg.strategy.name
-    if name in METHODS:
+    sources = _sources(path, overrides, values)
+    user = _user_values(sources)
+    if user is None:  # only the schema's types reconcile them: merge there first, for the name
+        name = _merge(_schema(), sources).strategy.name
+    else:
+        name = (user.get("strategy") or {}).get("name", StrategySection.name)
+    if name in METHODS:  # under the user's sources; a default naming a key the schema lacks is named as such
         defaults = OmegaConf.merge(OmegaConf.create(dict(METHODS[name].defaults)),
                                    OmegaConf.create(METHODS[name].settings.default_values()))
-        try:
-            base = OmegaConf.merge(_schema(), defaults)
-        except OmegaConfBaseException as exc:  # a default naming a key the schema lacks
-            raise _wrap(exc, f"the defaults of strategy '{name}'") from None
-        cfg = _merge_sources(base, path, overrides, values)
+        sources = [(f"the defaults of strategy '{name}'", defaults), *sources]
+    cfg = _merge(_schema(), sources)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out, own_model=own_model)
-    _check_strategy_keys(name, _user_strategy_keys(path, overrides, values))
+    _check_strategy_keys(out.strategy.name, _user_strategy_keys(user, overrides))
     return out
 
 
-def _user_strategy_keys(path: str | Path | None, overrides: list[str] | None,
-                        values: Mapping[str, Any] | None) -> set[str]:
+def _user_strategy_keys(user: DictConfig | None, overrides: list[str] | None) -> set[str]:
     """The ``strategy:`` keys the file, the values and the overrides set (not the defaults)."""
-    user = _merge_sources(OmegaConf.create({}), path, None, values)
-    keys = set(user.get("strategy") or {})
+    keys = set((user.get("strategy") or {}) if user is not None else ())
     keys.update(item.partition("=")[0].strip()[len("strategy."):] for item in overrides or []
                 if item.strip().startswith("strategy."))
     return keys
@@ -269,7 +301,20 @@ def to_yaml(cfg: FlGeoConfig) -> str:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+    """A config or one section as plain dicts, lists and scalars (what
+    ``OmegaConf.to_container(OmegaConf.structured(cfg))`` gives, without building the structured
+    config: that took ~30 ms, and a run asks several times; tests/test_config.py compares both)."""
+    return _plain(cfg)
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def section_to_json(section: Any) -> str:
