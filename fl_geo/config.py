@@ -393,6 +393,9 @@ def _check_strategy(cfg: FlGeoConfig) -> None:
     require(s.quorum == 0 or not r.checkpoint_every,
             "strategy.quorum with run.checkpoint_every is not supported yet: a checkpoint between rounds "
             "would miss the late jobs still in flight")
+    require(s.robust not in ("trimmed_mean", "median") or not p.enabled,
+            f"strategy.robust={s.robust} replaces the weighted mean by a coordinate rule, which the penalty's "
+            "per-module weights cannot fold into; with the penalty use strategy.robust=cosine or centered_clip")
     require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
             f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "
             f"not for strategy '{s.name}'{' with ps.followers' if cfg.ps.followers else ''}")

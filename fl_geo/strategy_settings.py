@@ -16,6 +16,8 @@ from fl_geo.errors import require
 from fl_geo.registry import METHODS
 
 WEIGHTINGS = ("uniform", "tokens")
+# strategy.robust: fl_geo.core.robust (median_norm) and fl_geo.core.robust_agg (the others)
+ROBUST_RULES = ("none", "median_norm", "trimmed_mean", "median", "centered_clip", "cosine")
 
 # The strategy tables, derived from the one registry entry per method (fl_geo.registry): which
 # outer optimizers a strategy may use (first = default), the outer lr / momentum it gets when the
@@ -100,9 +102,18 @@ class StrategySection:
     # Bounded influence (fl_geo.core.robust): median_norm rejects an update whose norm is more
     # than robust_factor x the median norm of the round's updates (synchronous; the round's
     # replies are held until it completes) or of the last robust_window updates (asynchronous).
-    robust: str = "none"  # none | median_norm
+    # Direction-aware rules (fl_geo.core.robust_agg, docs/robustness.md "Which robust rule"):
+    # trimmed_mean drops robust_trim values at each end of every coordinate (synchronous);
+    # median takes the coordinate median (synchronous); centered_clip clips each update's
+    # distance to a running center at the median distance, robust_clip_iters times; cosine
+    # rejects an update whose cosine with the coordinate median (synchronous) or with the
+    # running center (asynchronous) is below robust_cos_min.
+    robust: str = "none"  # none | median_norm | trimmed_mean | median | centered_clip | cosine
     robust_factor: float = 3.0
     robust_window: int = 16
+    robust_trim: int = 1
+    robust_clip_iters: int = 3
+    robust_cos_min: float = 0.0
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
@@ -192,9 +203,15 @@ class StrategySection:
     def _check_robust(self) -> None:
         """Bounded influence (median_norm) and the late replies it cannot judge."""
         require(self.late_replies == "drop" or self.robust == "none",
-                "strategy.late_replies=fold with strategy.robust=median_norm is not supported: a late reply is folded "
+                f"strategy.late_replies=fold with strategy.robust={self.robust} is not supported: a late reply is folded "
                 "outside the round whose median it would be judged against; use late_replies=drop")
-        require(self.robust in ("none", "median_norm"), f"strategy.robust must be none or median_norm, got '{self.robust}'")
+        require(self.robust in ROBUST_RULES, f"strategy.robust must be one of {', '.join(ROBUST_RULES)}, got '{self.robust}'")
+        require(self.robust not in ("trimmed_mean", "median") or self.name not in ASYNC_STRATEGIES,
+                f"strategy.robust={self.robust} is for synchronous rounds (an asynchronous buffer holds too few "
+                "updates for a coordinate rule); use centered_clip or cosine")
+        require(self.robust_trim >= 1, f"strategy.robust_trim must be >= 1, got {self.robust_trim}")
+        require(self.robust_clip_iters >= 1, f"strategy.robust_clip_iters must be >= 1, got {self.robust_clip_iters}")
+        require(-1 <= self.robust_cos_min < 1, f"strategy.robust_cos_min must be in [-1, 1), got {self.robust_cos_min}")
         require(self.robust_factor >= 1, f"strategy.robust_factor must be >= 1, got {self.robust_factor}")
         require(self.robust_window >= 3, f"strategy.robust_window must be >= 3, got {self.robust_window}")
 

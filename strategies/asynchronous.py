@@ -33,6 +33,7 @@ from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
+from fl_geo.strategies.robust_rules import DirectionRule, flat_row
 
 log = logging.getLogger("fl_geo")
 
@@ -52,6 +53,14 @@ class AsyncOuterLoop(OuterLoop):
         s = cfg.strategy
         self._scratch: torch.Tensor | None = None  # θ_current − θ_worker for the "current" base
         self.norm_window = NormWindow(s.robust_window, s.robust_factor) if s.robust == "median_norm" else None
+        # strategy.robust=centered_clip (the only direction-aware rule for a buffer: the others
+        # need a consensus of peers a buffer of K updates does not give): the step's valid
+        # updates are held, as fp32 rows, until it closes (`_fold_held`).
+        self.direction: DirectionRule | None = None
+        self._held: list[tuple[Event, TrainReply, torch.Tensor, int]] = []
+        if s.robust == "centered_clip":
+            self.direction = DirectionRule(s.robust, self.spec.numel, trim=s.robust_trim, iters=s.robust_clip_iters,
+                                           cos_min=s.robust_cos_min, window=s.robust_window)
         self.dispatched_samples = 0  # for schedule_clock=global (docs/algorithms.md §1)
         self.waiting: list[int] = []  # pushers of this step: they get the new model after it
         self.tally = Tally()
@@ -70,7 +79,7 @@ class AsyncOuterLoop(OuterLoop):
     def extra_state(self) -> dict[str, Any]:
         """Taken right after a step: the buffer is empty and this step's pushers have new work,
         so what remains is schedule position, grace estimates and per-partition bookkeeping."""
-        return {
+        state = {
             "dispatched_samples": self.dispatched_samples,
             "grace": self.grace_timer.state_dict() if self.grace_timer is not None else None,
             "last_arrival": self.last_arrival,
@@ -78,11 +87,18 @@ class AsyncOuterLoop(OuterLoop):
             "benched_partitions": sorted(self.partition_of(n) for n in self.benched),
             "errors_by_partition": {str(self.partition_of(n)): c for n, c in self._errors.items()},
         }
+        if self.direction is not None:
+            state["robust"] = self.direction.state_dict()
+        return state
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         keys = ("dispatched_samples", "grace", "last_arrival", "fedasync_scale", "benched_partitions", "errors_by_partition")
         if missing := [k for k in keys if k not in state]:
             raise ValueError(f"asynchronous loop state lacks keys {missing}")
+        if self.direction is not None:
+            if "robust" not in state:
+                raise ValueError(f"checkpoint has no state of strategy.robust={self.direction.rule}")
+            self.direction.load_state_dict(dict(state["robust"]))
         if self.grace_timer is not None:
             if state["grace"] is None:
                 raise ValueError("checkpoint has no grace-window estimates but this run uses them")
@@ -170,6 +186,10 @@ class AsyncOuterLoop(OuterLoop):
         staleness = self.version - int(ev.job.meta["version"])
         if self.norm_window is not None and not self.within_norm_bound(ev, r):
             return
+        if self.direction is not None:
+            update: Any = self._current_base_grad(r.pieces) if r.payload == "params" else r.pieces
+            self._held.append((ev, r, flat_row(update, self.spec.numel), staleness))
+            return
         norm = self.fold_update(ev, r, staleness)
         if norm is None:
             return
@@ -207,12 +227,39 @@ class AsyncOuterLoop(OuterLoop):
     def discard(self, ev: Event) -> None:
         """Forget whatever a rejected reply left behind (the sharded loop: pushed shards)."""
 
+    def _fold_held(self) -> None:
+        """``strategy.robust=centered_clip``: the step closes; clip the held updates' distances
+        to the running center (strategies/robust_rules.py) and fold the clipped rows with their
+        usual weights (and the penalty). Rejections (NaN/Inf, the model-norm bound) are logged."""
+        held, self._held = self._held, []
+        if not held or self.direction is None:
+            return
+        weights = [self._weight(r.tokens, st) for _, r, _, st in held]
+        judged = self.direction.judge([row for _, _, row, _ in held], weights, self.update_bound())
+        for i, (ev, r, _, staleness) in enumerate(held):
+            if i in judged.rejected:
+                self._reject(self.tally, ev.job.node, judged.rejected[i])
+                self.discard(ev)
+                continue
+            if self._fold_one(ev.job.node, judged.rows[i], r, staleness) is not None:
+                self.tally.accept(r, judged.norms[i], staleness)
+                if self.cfg.strategy.staleness_mixing:  # FedAsync: α_t of this (only) update
+                    s = self.cfg.strategy
+                    self._fedasync_scale = fedasync_alpha(s.mixing, s.staleness_exponent, staleness)
+
+    def buffered(self) -> int:
+        """Updates this step holds: accepted (folded), rejected, and held for a robust rule."""
+        return self.tally.accepted + self.tally.rejected + len(self._held)
+
     def fold_update(self, ev: Event, r: TrainReply, staleness: int) -> float | None:
         """Score and fold one valid reply; its norm, or None when it was rejected (logged)."""
-        node = ev.job.node
         update: Any = r.pieces
         if r.payload == "params":  # θ_worker: g = θ_current − θ_worker (Di-PS line 10, FedAsync)
             update = self._current_base_grad(r.pieces)
+        return self._fold_one(ev.job.node, update, r, staleness)
+
+    def _fold_one(self, node: int, update: Any, r: TrainReply, staleness: int) -> float | None:
+        """Fold one update (penalty, or weight and the model-norm bound); its norm or None."""
         if self.penalty is not None:
             verdict = self.fold_penalised(self.tally, node, update, r.tokens, staleness)
             return None if verdict is None else float(verdict.norms.norm())
@@ -241,9 +288,9 @@ class AsyncOuterLoop(OuterLoop):
 
     # ---- stepping -------------------------------------------------------------------------------
     def should_step(self) -> bool:
-        if self.tally.accepted + self.tally.rejected == 0:
+        if self.buffered() == 0:
             return False
-        if self.tally.accepted >= self.cfg.strategy.buffer_size:
+        if self.tally.accepted + len(self._held) >= self.cfg.strategy.buffer_size:
             return True
         # every live worker has reported (a late node, whose job was given up, will not)
         training = {j.node for j in self.dispatcher.in_flight()}
@@ -268,6 +315,7 @@ class AsyncOuterLoop(OuterLoop):
 
         self.wait_for_quorum()
         t0 = _time.perf_counter()
+        self._fold_held()
         t = self.tally
         base_lr = self.optimizer.lr
         self.optimizer.lr = base_lr * self._lr_share()
@@ -334,7 +382,7 @@ class AsyncOuterLoop(OuterLoop):
         self.dispatcher.wake_on_rejoin = True  # a repaired node gets work the moment it is back
         self.dispatch(self.idle_nodes())
         while not self._done():
-            pending = self.tally.accepted + self.tally.rejected > 0
+            pending = self.buffered() > 0
             # Di-PS Algorithm 1: wait forever while the buffer is empty; after each arrival the
             # step happens when no further reply comes within the grace time of the last one.
             windowed = pending and self.uses_grace and self.last_arrival is not None

@@ -24,6 +24,7 @@ import logging
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import NoLiveNode, OuterLoop
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
+from fl_geo.strategies.robust_rules import DIRECTION_RULES, DirectionRule
 
 log = logging.getLogger("fl_geo")
 
@@ -57,12 +59,19 @@ class SyncOuterLoop(OuterLoop):
         if self.penalty is not None and s.step_weight_ratio > 0:
             self.step_mix = StepWeightMix(self.penalty, s.step_weight_ratio)
         self.rounds_done = 0
+        self.direction: DirectionRule | None = None  # strategy.robust's direction-aware rules
+        if s.robust in DIRECTION_RULES:
+            self.direction = DirectionRule(s.robust, self.spec.numel, trim=s.robust_trim, iters=s.robust_clip_iters,
+                                           cos_min=s.robust_cos_min, window=s.robust_window)
 
     # ---- checkpoint -----------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
         version, internal, gauss = self._rng.getstate()
-        return {"rounds_done": self.rounds_done, "warmup_left": self.warmup_left,
-                "rng": [version, list(internal), gauss]}
+        state = {"rounds_done": self.rounds_done, "warmup_left": self.warmup_left,
+                 "rng": [version, list(internal), gauss]}
+        if self.direction is not None:
+            state["robust"] = self.direction.state_dict()
+        return state
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         missing = [k for k in ("rounds_done", "warmup_left", "rng") if k not in state]
@@ -74,6 +83,10 @@ class SyncOuterLoop(OuterLoop):
         rounds_done, warmup_left = int(state["rounds_done"]), int(state["warmup_left"])
         if rounds_done < 0 or warmup_left < 0:
             raise ValueError(f"synchronous loop state has negative counters ({rounds_done}, {warmup_left})")
+        if self.direction is not None:
+            if "robust" not in state:
+                raise ValueError(f"checkpoint has no state of strategy.robust={self.direction.rule}")
+            self.direction.load_state_dict(dict(state["robust"]))
         self._rng, self.rounds_done, self.warmup_left = rng, rounds_done, warmup_left
 
     # ---- selection and messages ---------------------------------------------------------------
@@ -128,16 +141,19 @@ class SyncOuterLoop(OuterLoop):
                 self._reject(stats, node, str(exc))
         if not valid:
             return
-        if self.cfg.strategy.robust == "median_norm":  # judged against the whole round: fold at its end
+        if self.cfg.strategy.robust != "none":  # judged against the whole round: fold at its end
             self._held.extend(valid)
             return
         self._fold_valid(stats, valid, warm)
 
     def fold_held(self, stats: Tally, warm: bool) -> None:
-        """``strategy.robust=median_norm``: the round is complete; reject the updates whose norm
-        is beyond the bound of the round's median (fl_geo.core.robust), fold the others in the
-        order they were received."""
+        """``strategy.robust``: the round is complete. ``median_norm``: reject the updates whose
+        norm is beyond the bound of the round's median (fl_geo.core.robust), fold the others in the
+        order they were received; the direction-aware rules: `_fold_directed`."""
         held, self._held = self._held, []
+        if self.direction is not None:
+            self._fold_directed(stats, held, warm)
+            return
         norms = []
         for _, r in held:
             try:
@@ -151,6 +167,28 @@ class SyncOuterLoop(OuterLoop):
         kept = [h for i, h in enumerate(held) if i not in outliers]
         if kept:
             self._fold_valid(stats, kept, warm)
+
+    def _fold_directed(self, stats: Tally, held: list[tuple[int, TrainReply]], warm: bool) -> None:
+        """The direction-aware rules (strategies/robust_rules.py): rejections are logged and
+        counted like any; the kept replies fold in the order received, centered-clipped when the
+        rule says so; a coordinate rule's aggregate is folded once, unweighted, in their place."""
+        assert self.direction is not None
+        tokens_weighted = self.cfg.strategy.weighting == "tokens"
+        weights = [float(r.tokens) if tokens_weighted else 1.0 for _, r in held]
+        judged = self.direction.judge([r.pieces for _, r in held], weights, self.update_bound())
+        for i, reason in judged.rejected.items():
+            self._reject(stats, held[i][0], reason)
+        kept = [i for i in range(len(held)) if i not in judged.rejected]
+        if not kept:
+            return
+        if judged.aggregate is None:
+            self._fold_valid(stats, [(held[i][0], replace(held[i][1], pieces=[(0, judged.rows[i])]) if i in judged.rows
+                                      else held[i][1]) for i in kept], warm)
+            return
+        stats.noisy_steps += sum(held[i][1].noisy_steps for i in kept)
+        self.accumulator.add(judged.aggregate, 1.0)
+        for i in kept:
+            stats.accept(held[i][1], judged.norms[i])
 
     def _fold_valid(self, stats: Tally, valid: list[tuple[int, TrainReply]], warm: bool,
                     factor: float = 1.0) -> None:
@@ -323,7 +361,7 @@ class SyncOuterLoop(OuterLoop):
         if self.step_mix is not None:
             self.step_mix.reset()
         outcome = self._run_train_jobs(nodes, msgs, steps, stats, warm)
-        if s.robust == "median_norm":
+        if s.robust != "none":
             self.fold_held(stats, warm)
         self._model_allreduce(nodes, outcome)
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
