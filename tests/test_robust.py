@@ -82,7 +82,12 @@ def test_async_a_scaled_update_is_rejected_once_the_window_has_a_median(tiny, tm
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["strategy.robust=trimmed"], "strategy.robust must be none or median_norm"),
+    (["strategy.robust=trimmed"], "strategy.robust must be one of none, median_norm, trimmed_mean"),
+    (["strategy.robust=cosine", "strategy.name=fedbuff"], "is for synchronous rounds"),
+    (["strategy.robust=trimmed_mean", "strategy.robust_trim=0"], "robust_trim must be >= 1"),
+    (["strategy.robust=centered_clip", "strategy.robust_clip_iters=0"], "robust_clip_iters must be >= 1"),
+    (["strategy.robust=cosine", "strategy.robust_cos_min=1"], r"robust_cos_min must be in \[-1, 1\)"),
+    (["strategy.robust=median", "strategy.name=edit"], "the penalty's per-module weights"),
     (["strategy.robust=median_norm", "strategy.robust_factor=0.5"], "robust_factor must be >= 1"),
     (["strategy.robust=median_norm", "strategy.robust_factor=.inf"], "robust_factor must be a finite number"),
     (["strategy.robust=median_norm", "strategy.robust_window=2"], "robust_window must be >= 3"),
@@ -91,3 +96,62 @@ def test_async_a_scaled_update_is_rejected_once_the_window_has_a_median(tiny, tm
 def test_bad_robust_settings_are_config_errors(tiny, overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         tiny(*overrides)
+
+
+# ---- direction-aware rules: a turned, tripled update (issue 26) --------------------------------------
+
+SYNC = ("run.rounds=6", "run.num_clients=4", "strategy.inner_steps=10")
+ASYNC = ("run.rounds=12", "run.num_clients=4", "strategy.inner_steps=10", "run.clock=virtual",
+         "run.scenario=dips_eta100", "strategy.name=fedbuff")
+
+
+def _val(summary):
+    return summary["final_val_loss"]
+
+
+def test_sync_a_turned_tripled_update_is_stopped_by_each_direction_rule_but_not_by_the_norm_bound(tiny, tmp_path):
+    """DiLoCo, 1 of 4 sites replies −3Δ (θ_sent − 3·(θ_local − θ_sent) as a model). Its norm is
+    about 3 × its own honest one: within median_norm's factor 3 when its own is below the
+    median (site 2 here), so only a rule that looks at direction stops it."""
+    turned = site_reply_hook(2, scale=-3.0)
+    honest = _val(_run(tiny(*SYNC), tmp_path, "honest")[0])
+    undefended = _val(_run(tiny(*SYNC), tmp_path, "none", turned)[0])
+    norm_bound = _val(_run(tiny(*SYNC, "strategy.robust=median_norm"), tmp_path, "median_norm", turned)[0])
+    assert undefended > 1.2 * honest and norm_bound > 1.2 * honest
+    for rule in ("trimmed_mean", "median", "cosine", "centered_clip"):
+        summary, final = _run(tiny(*SYNC, f"strategy.robust={rule}"), tmp_path, rule, turned)
+        assert torch.isfinite(final).all() and summary["outer_steps"] == 6
+        assert _val(summary) <= 1.2 * honest, (rule, _val(summary), honest)
+    cosine, _ = _run(tiny(*SYNC, "strategy.robust=cosine"), tmp_path, "cosine-again", turned)
+    assert cosine["rejected"] == 6  # every round's turned update, and nothing else
+
+
+def test_async_a_turned_tripled_update_is_bounded_by_centered_clipping_but_not_by_the_norm_window(tiny, tmp_path):
+    """FedBuff (K = 2), 1 of 4 sites replies −3Δ: the norm window never sees a norm beyond 3 ×
+    its median; centered clipping bounds the turned update's distance to the running center."""
+    turned = site_reply_hook(0, scale=-3.0)
+    honest = _val(_run(tiny(*ASYNC), tmp_path, "honest")[0])
+    norm_bound = _val(_run(tiny(*ASYNC, "strategy.robust=median_norm"), tmp_path, "median_norm", turned)[0])
+    assert norm_bound > 1.2 * honest
+    summary, final = _run(tiny(*ASYNC, "strategy.robust=centered_clip"), tmp_path, "centered_clip", turned)
+    assert torch.isfinite(final).all() and summary["outer_steps"] == 12
+    assert _val(summary) <= 1.2 * honest, (_val(summary), honest)
+
+
+def test_with_honest_sites_centered_clipping_keeps_the_run_close(tiny, tmp_path):
+    """No attacker: clipping at the median distance changes the steps, not the outcome."""
+    honest = _val(_run(tiny(*ASYNC), tmp_path, "honest")[0])
+    clipped, _ = _run(tiny(*ASYNC, "strategy.robust=centered_clip"), tmp_path, "clipped")
+    assert clipped["rejected"] == 0 and _val(clipped) <= 1.1 * honest
+
+
+def test_with_edits_penalty_the_turned_update_is_judged_before_the_penalty_folds(tiny, tmp_path, caplog):
+    """EDiT: the direction rule sees the round first; the penalty weighs what is left."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    turned = site_reply_hook(2, scale=-3.0)
+    honest = _val(_run(tiny(*SYNC, "strategy.name=edit"), tmp_path, "honest")[0])
+    cosine, _ = _run(tiny(*SYNC, "strategy.name=edit", "strategy.robust=cosine"), tmp_path, "cosine", turned)
+    assert cosine["rejected"] >= 5 and "(strategy.robust=cosine)" in caplog.text
+    assert _val(cosine) <= 1.2 * honest
+    clipped, _ = _run(tiny(*SYNC, "strategy.name=edit", "strategy.robust=centered_clip"), tmp_path, "cc", turned)
+    assert _val(clipped) <= 1.2 * honest
