@@ -99,6 +99,10 @@ class StrategySection:
     # devices tokens (what its job could produce); none: trust the claim (a user's ClientApp
     # whose batches do not follow client.batch_size / seq_len).
     token_cap: str = "job"
+    # The most devices a site may count towards its token cap, set by the server's operator
+    # (0: client.devices). A site's profile (its node config ``devices``) may claim fewer, never
+    # more: a site cannot raise its own cap.
+    site_devices: int = 0
     # Bounded influence (fl_geo.core.robust): median_norm rejects an update whose norm is more
     # than robust_factor x the median norm of the round's updates (synchronous; the round's
     # replies are held until it completes) or of the last robust_window updates (asynchronous).
@@ -199,6 +203,7 @@ class StrategySection:
         require(self.quorum == 0 or (self.name not in STREAMING_STRATEGIES and self.name != "halos"),
                 f"strategy.quorum is for the synchronous DiLoCo-style loop, not for strategy '{self.name}'")
         require(self.late_replies in ("drop", "fold"), f"strategy.late_replies must be drop or fold, got '{self.late_replies}'")
+        require(0 <= self.site_devices <= 4096, f"strategy.site_devices must be in [0, 4096], got {self.site_devices}")
         require(self.token_cap in ("job", "none"), f"strategy.token_cap must be job or none, got '{self.token_cap}'")
 
     def _check_robust(self) -> None:
