@@ -76,9 +76,14 @@ class MethodSettings:
     token_cap : str (default: "job")
         ``"job"``: a reply claiming more tokens than its job could produce is rejected;
         ``"none"``: trust the claim (a ClientApp whose batches follow other settings).
+    site_devices : int (default: 0 = ``client.devices``)
+        The most devices a site's token cap counts, set by the operator: a site's own profile
+        may claim fewer, never more.
     robust, robust_factor, robust_window : str, float, int (default: "none", 3.0, 16)
         ``"median_norm"``: reject an update whose norm exceeds robust_factor × the median of its
-        peers' (the round's, or the last robust_window for asynchronous methods).
+        peers' (the round's, or the last robust_window for asynchronous methods); the
+        direction-aware rules ``"trimmed_mean"``, ``"median"``, ``"cosine"`` (synchronous) and
+        ``"centered_clip"`` (both) are described in docs/robustness.md.
     fold_order : str (default: "rank")
         ``"rank"``: fold replies in partition order (bit-reproducible); ``"arrival"``: as they come.
     round_timeout_s : float (default: 0.0)
@@ -110,6 +115,7 @@ class MethodSettings:
     late_replies: str = "drop"
     max_update_ratio: float = 10.0
     token_cap: str = "job"
+    site_devices: int = 0
     robust: str = "none"
     robust_factor: float = 3.0
     robust_window: int = 16
