@@ -227,7 +227,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = _merge(_schema(), sources)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out, own_model=own_model)
-    _check_strategy_keys(out.strategy.name, _user_strategy_keys(user, overrides))
+    _check_strategy_keys(out.strategy, _user_strategy_keys(user, overrides))
     return out
 
 
@@ -239,13 +239,17 @@ def _user_strategy_keys(user: DictConfig | None, overrides: list[str] | None) ->
     return keys
 
 
-def _check_strategy_keys(name: str, keys: set[str]) -> None:
+def _check_strategy_keys(strategy: StrategySection, keys: set[str]) -> None:
     """A config's ``strategy:`` section may set the fields of the method's settings dataclass only
     (`fl_geo.registry.Method.settings`): a key that the method has no use for (``grace_s`` for
-    DiLoCo, ``time_budget_s`` for Di-PS) would otherwise be accepted and ignored."""
-    settings = METHODS[name].settings
-    unused = sorted(keys - settings.strategy_keys())
-    require(not unused, f"strategy.{unused[0] if unused else ''} is not a setting of strategy '{name}' "
+    DiLoCo, ``time_budget_s`` for Di-PS) would otherwise be accepted and ignored. A key left at
+    the section's default changes nothing and passes: a run's own ``config.yaml`` lists every key
+    of the section, and ``fl-geo eval`` / ``resume`` read it back."""
+    settings = METHODS[strategy.name].settings
+    default = StrategySection()
+    unused = sorted(k for k in keys - settings.strategy_keys()
+                    if not hasattr(default, k) or getattr(strategy, k) != getattr(default, k))
+    require(not unused, f"strategy.{unused[0] if unused else ''} is not a setting of strategy '{strategy.name}' "
                         f"({settings.__name__}); its strategy keys: {', '.join(sorted(settings.strategy_keys()))}")
 
 

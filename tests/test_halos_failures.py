@@ -32,11 +32,11 @@ def _run(tiny, tmp_path, monkeypatch, failures, *overrides):
     sent: list[tuple[float, int, int]] = []
     submit = Dispatcher.submit
 
-    def recording(self, messages, timings=None, meta=None):
+    def recording(self, messages, timings=None, meta=None, **kwargs):
         for i, m in enumerate(messages):
             if m.metadata.message_type == MessageType.TRAIN and timings is not None:
                 sent.append((self.clock.now(), timings[i].slot, int(meta[i]["version"])))
-        return submit(self, messages, timings, meta)
+        return submit(self, messages, timings, meta, **kwargs)
 
     monkeypatch.setattr(Dispatcher, "submit", recording)
     cfg = tiny(*HALOS, f"run.scenario={sc}", *overrides)

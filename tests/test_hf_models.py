@@ -204,7 +204,8 @@ def test_fl_geo_run_trains_the_preset_on_bpe_tokens_and_its_loss_falls(tmp_path,
 
 @pytest.mark.parametrize("cls,preset", [(DiPS, "pythia-tiny"), (DiLoCo, "smollm-tiny")])
 def test_public_strategies_train_the_preset(cls, preset):
-    options = {o.split("=")[0]: o.split("=")[1] for o in [*TINY, *HF] if not o.startswith("run.rounds")}
+    options = {o.split("=")[0]: o.split("=")[1] for o in [*TINY, *HF]
+               if not o.startswith(("run.rounds", "strategy."))}  # strategy settings are keyword arguments
     kwargs = {"warmup": 1} if cls is DiPS else {}
     if cls is DiPS:
         options["run.clock"] = "virtual"

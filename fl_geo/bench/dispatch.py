@@ -55,6 +55,7 @@ from flwr.serverapp import Grid
 
 from fl_geo.config import ASYNC_STRATEGIES, STRATEGY_OPTIMIZERS, FlGeoConfig, load_config
 from fl_geo.inner.model import ModelConfig
+from fl_geo.registry import METHODS
 
 __all__ = ["format_dispatch_bench", "main", "model_overrides", "run_dispatch_bench"]
 
@@ -125,7 +126,8 @@ def bench_config(strategy: str, updates: int, clients: int, backend: str,
         "run.tensorboard=false",
         "run.progress=false",
         f"strategy.name={strategy}",
-        "strategy.buffer_size=1",
+        # buffer 1 where the method has a buffer (a synchronous method refuses the key)
+        *(["strategy.buffer_size=1"] if "buffer_size" in METHODS[strategy].settings.strategy_keys() else []),
     ]
     sized = model_overrides(params) if params else []
     return load_config(None, [*base, *sized, *overrides])
