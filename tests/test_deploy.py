@@ -503,3 +503,14 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
         if r.role == "supernode" and r.name != "intruder":
             assert _received(r.log) >= 1, r.log  # the asynchronous loop dispatched to every site
     print(f"\n[e2e fedbuff tls+auth] run {res.wall_s:.1f} s, ServerApp {s['wall_s']:.1f} s", file=sys.stderr)
+
+
+def test_a_status_query_that_times_out_is_unknown_not_fatal(tmp_path, monkeypatch):
+    """A loaded host once took over 60 s to answer ``flwr ls``; the launcher asks again later
+    instead of abandoning the run with a raw TimeoutExpired."""
+    def slow(topo, args, timeout_s=60.0):
+        raise subprocess.TimeoutExpired(["flwr", *args], timeout_s)
+
+    monkeypatch.setattr(launch, "flwr_cli", slow)
+    state, why = launch.run_status(_topo(_base(), tmp_path), 7)
+    assert state == "unknown" and "did not answer within 60 s" in why

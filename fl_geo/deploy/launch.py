@@ -73,8 +73,14 @@ def _config_arg(config: Path, app_dir: Path) -> str:
 
 
 def run_status(topo: Topology, run_id: int) -> tuple[str, str]:
-    """(status, details) of one run, e.g. ("finished:completed", "")."""
-    out = _json_out(flwr_cli(topo, ["ls", topo.name, "--run-id", str(run_id), "--format", "json"]))
+    """(status, details) of one run, e.g. ("finished:completed", ""); ("unknown", why) when Flower
+    could not say, e.g. ``flwr ls`` did not answer in time on a loaded host (the caller asks again
+    at its next poll: a slow answer is no reason to abandon a run)."""
+    try:
+        proc = flwr_cli(topo, ["ls", topo.name, "--run-id", str(run_id), "--format", "json"])
+    except subprocess.TimeoutExpired as exc:
+        return "unknown", f"flwr ls did not answer within {exc.timeout:.0f} s"
+    out = _json_out(proc)
     runs = out.get("runs") or []
     if not out.get("success") or not runs:
         return "unknown", str(out.get("error-message", ""))
