@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.config import ConfigError, load_config, to_yaml
+from fl_geo.errors import OutputError
 from fl_geo.runtime.interrupt import RunInterrupted
 
 INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
@@ -500,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.verbose)
     try:
         return args.func(args)
+    except OutputError as exc:  # a ConfigError too, but no config key is wrong
+        print(f"fl-geo: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"fl-geo: config error: {exc}", file=sys.stderr)
         return 2

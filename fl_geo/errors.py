@@ -8,11 +8,18 @@ They live in this leaf module so that the framework-free layers (``fl_geo.core``
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PayloadError", "require"]
+__all__ = ["ConfigError", "OutputError", "PayloadError", "require"]
 
 
 class ConfigError(ValueError):
     """A configuration is invalid; the message says which key and why."""
+
+
+class OutputError(ConfigError):
+    """A file the run must write cannot be written (disk full, no permission) or its directory
+    is taken (another run's results, another live writer). A `ConfigError` on purpose: every
+    entry point that reports a bad config in one line reports these the same way, and the fix
+    is the operator's (free space, another ``run.name`` / ``--out``), never a retry."""
 
 
 class PayloadError(ValueError):

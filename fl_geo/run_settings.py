@@ -8,6 +8,7 @@ ones that tie it to the strategy or the data partitions are in `fl_geo.config`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from fl_geo.errors import require
@@ -77,9 +78,19 @@ class RunSection:
 
     def check(self) -> None:
         """Raise `ConfigError` for a ``run.*`` value out of its range or unknown."""
+        self._check_name()
         self._check_processes()
         self._check_cadence()
         self._check_clock()
+
+    def _check_name(self) -> None:
+        """``run.name`` names a directory *inside* ``run.out_dir`` / ``--out``: one path component.
+        A separator, ``..`` or an absolute name would put the run's files (and its pruning) outside."""
+        name = self.name
+        seps = [s for s in ("/", "\\", os.sep, os.altsep or "") if s and s in name]
+        require(bool(name) and name not in (".", "..") and not seps and "\0" not in name,
+                f"run.name must be one directory name (no '/', '\\', not '.' or '..'), got {name!r}; "
+                "use run.out_dir or --out to choose where runs go")
 
     def _check_processes(self) -> None:
         require(self.rounds >= 1, f"run.rounds must be >= 1, got {self.rounds}")

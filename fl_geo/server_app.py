@@ -155,9 +155,14 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
     """
     session = RunSession(cfg, run_dir)
     run_dir = session.run_dir
-    store, checkpoint = open_checkpoints(cfg, run_dir)
-    # a resumed run gets back the metrics up to its checkpoint; a new one starts clean
-    logger = session.open(history=checkpoint.state["history"] if checkpoint is not None else None)
+    session.lock()  # before the checkpoints are read: a second run into this directory stops here
+    try:
+        store, checkpoint = open_checkpoints(cfg, run_dir)
+        # a resumed run gets back the metrics up to its checkpoint; a new one starts clean
+        logger = session.open(history=checkpoint.state["history"] if checkpoint is not None else None)
+    except BaseException:
+        session.close()
+        raise
     with session:
         model = make_model(cfg.model, cfg.run.seed)
         initial_arrays = ArrayRecord(model.state_dict())

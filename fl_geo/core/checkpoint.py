@@ -3,7 +3,8 @@
 Why this shape:
 - **Atomic**: a checkpoint is written to ``<name>.tmp``, flushed and fsynced, then renamed over its
   final name (a rename within one directory is atomic on POSIX), and the directory is fsynced.
-  A crash mid-write leaves a ``.tmp`` file that is never read, never a half-written checkpoint.
+  A crash mid-write leaves a ``.tmp`` file that is never read, never a half-written checkpoint;
+  a failed write (a full disk) removes it and is one line naming the file (`fl_geo.atomic`).
 - **Verified**: each file starts with a magic tag, the run identity (below), the payload's length
   and a sha256 over identity and payload. A file that was truncated, bit-flipped or written by
   something else fails the check and is skipped with a logged warning;
@@ -29,7 +30,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import struct
 from collections.abc import Mapping
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fl_geo.atomic import atomic_path
 
 log = logging.getLogger("fl_geo")
 
@@ -90,20 +92,6 @@ class Checkpoint:
     path: Path
     state: dict[str, Any]
     identity: dict[str, Any] | None = None
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (best effort: not every filesystem allows opening a directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class _MemoryReader(io.RawIOBase):
@@ -287,11 +275,11 @@ class CheckpointStore:
         if target.exists() and not self.owns(step):
             raise CheckpointError(f"{target} exists and was not written by this run (another run id); "
                                   "refusing to overwrite it: give each run its own run.checkpoint_dir")
-        tmp = target.with_name(target.name + ".tmp")
-        with tmp.open("w+b") as fh:
-            # Stream torch.save straight into the file behind a header whose digest is filled in
-            # at the end (hashing as it goes): no in-memory copy of a model-sized payload. The
-            # run id is in place from the first write, so even a torn .tmp names its owner.
+        # Streamed straight into the file behind a header whose digest is filled in at the end
+        # (hashing as it goes): no in-memory copy of a model-sized payload. The run id is in place
+        # from the first write, so even a torn .tmp names its owner. `atomic_path` fsyncs and
+        # renames; a full disk is a one-line OutputError and the previous checkpoints stay.
+        with atomic_path(target) as tmp, tmp.open("w+b") as fh:
             fh.write(_header(self._ident, 0, b"\0" * 32))
             sink = _HashingWriter(fh)
             sink.digest.update(self._ident)
@@ -299,9 +287,6 @@ class CheckpointStore:
             fh.seek(0)
             fh.write(_header(self._ident, sink.length, sink.digest.digest()))
             fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(target)
-        _fsync_dir(self.directory)
         self.prune()
         return target
 

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fl_geo.atomic import write_text_atomic
+from fl_geo.errors import OutputError
+
 log = logging.getLogger("fl_geo")
 
 # Losses also written against other x axes, so asynchronous and synchronous runs (whose outer
@@ -77,8 +80,12 @@ class MetricsLogger:
         if self._tb is not None:
             for tag, val, x in tensorboard_points(step, record):
                 self._tb.add_scalar(tag, val, global_step=x)
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+        except OSError as exc:  # a full disk: readers skip a torn last line, the rest is whole
+            raise OutputError(f"cannot append to {self.path}: {exc.strerror or exc} (free space there or "
+                              "point run.out_dir elsewhere; the records before this one are intact)") from None
         if self.trackers:
             finite = {k: v for k, v in record.items() if k != "step" and v is not None}
             for tracker in list(self.trackers):
@@ -90,12 +97,9 @@ class MetricsLogger:
         return record
 
     def write_json(self, name: str, payload: dict[str, Any]) -> Path:
-        """Write a side file (run metadata, final summary) atomically next to the metrics."""
-        target = self.run_dir / name
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str), encoding="utf-8")
-        tmp.replace(target)
-        return target
+        """Write a side file (run metadata, final summary) atomically next to the metrics
+        (`fl_geo.atomic`: a full disk is one line naming the file, the previous one intact)."""
+        return write_text_atomic(self.run_dir / name, json.dumps(payload, indent=2, sort_keys=True, default=str))
 
     def close(self) -> None:
         self._fh.close()
