@@ -10,8 +10,9 @@ removed and the previous file at the target is left exactly as it was. An ``OSEr
 `fl_geo.errors.OutputError`, one line naming the file and what to do, instead of a traceback
 from deep inside ``torch.save``.
 
-The temporary name is fixed (not random) on purpose: the run directory is held by one writer
-(`fl_geo.runtime.run_lock`), and a fixed name lets a later save remove what a crash left.
+The temporary name of a run's files is fixed (not random) on purpose: the run directory is held
+by one writer (`fl_geo.runtime.run_lock`), and a fixed name lets a later save remove what a crash
+left. Caches that several processes fill at once ask for a per-process name (``shared=True``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +29,11 @@ from fl_geo.errors import OutputError
 __all__ = ["atomic_path", "fsync_dir", "tmp_path_for", "write_bytes_atomic", "write_text_atomic"]
 
 
-def tmp_path_for(path: Path) -> Path:
-    """The temporary file `atomic_path` writes for ``path``: ``<name>.tmp`` beside it."""
+def tmp_path_for(path: Path, shared: bool = False) -> Path:
+    """The temporary file `atomic_path` writes for ``path``: ``<name>.tmp`` beside it, or with
+    ``shared`` (a cache several processes may fill at once) ``<name>.<pid>.<random>.tmp``."""
+    if shared:
+        return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     return path.with_name(path.name + ".tmp")
 
 
@@ -68,13 +73,14 @@ def _explain(path: Path, exc: OSError) -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, shared: bool = False) -> Iterator[Path]:
     """Yield the temporary path to write ``path``'s new content to; on a clean exit it replaces
     ``path`` (fsync, ``os.replace``, fsync of the directory). On any exception the temporary file
     is removed and ``path`` is untouched; an ``OSError`` (the body's or the commit's) is raised as
-    `OutputError` naming ``path``. The parent directory is created if missing."""
+    `OutputError` naming ``path``. The parent directory is created if missing. ``shared``: a
+    temporary name of this process's own (`tmp_path_for`), for files no lock guards."""
     path = Path(path)
-    tmp = tmp_path_for(path)
+    tmp = tmp_path_for(path, shared)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp

@@ -16,6 +16,7 @@ import torch
 
 from fl_geo.cli import main
 from fl_geo.core.state import ParamSpec, unflatten
+from fl_geo.errors import OutputError
 from fl_geo.results import load_run_model, sample
 from fl_geo.runtime import session as session_mod
 from fl_geo.runtime.session import SAFETENSORS_FORMAT, RunSession
@@ -173,7 +174,10 @@ def test_without_safetensors_only_the_pt_file_is_written_and_the_hint_logged_onc
     assert len(hints) == 1 and hints[0].levelno == logging.INFO
 
 
-def test_a_new_run_in_the_same_directory_removes_a_stale_safetensors_file(tmp_path):
+def test_a_new_run_in_a_directory_with_a_stale_safetensors_file_is_refused(tmp_path):
+    """The stale file is never inherited by a new run's results, and never deleted either: a
+    new run into the directory is refused (`OutputError`, tests/test_run_dirs.py for the CLI)."""
     (tmp_path / "final_model.safetensors").write_bytes(b"stale")
-    with RunSession(tiny_config("run.tensorboard=false"), tmp_path):
-        assert not (tmp_path / "final_model.safetensors").exists()
+    with pytest.raises(OutputError, match=r"holds the results of an earlier run \(final_model\.safetensors\)"):
+        RunSession(tiny_config("run.tensorboard=false"), tmp_path).open()
+    assert (tmp_path / "final_model.safetensors").read_bytes() == b"stale"

@@ -131,7 +131,8 @@ def test_resume_that_would_replace_earlier_results_is_one_line(tmp_path, capsys)
     (run_dir / "final_model.pt").write_bytes(b"earlier model")
     err = _one_error_line(capsys, ["run", *TINY, "run.resume=true", "--out", str(tmp_path / "runs")])
     assert err.startswith("fl-geo: config error: run.resume=true but ") and "holds no checkpoint" in err
-    assert sorted(p.name for p in run_dir.iterdir()) == ["final_model.pt", "metrics.jsonl"]
+    # run.lock: the run held the directory while it checked it (tests/test_run_dirs.py)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["final_model.pt", "metrics.jsonl", "run.lock"]
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
     assert (run_dir / "final_model.pt").read_bytes() == b"earlier model"
 

@@ -5,7 +5,9 @@ nothing is out of vocabulary) with the ``tokenizers`` library on the *training* 
 held-out tail of every document is cut off before the tokenizer sees anything, so validation
 text never shapes the vocabulary. The trained tokenizer is cached on disk under a key made of the
 sha256 of that training text and the settings, so every node and every later run with the same
-data loads the identical file instead of training again; its ``sha256`` (of the serialised
+data loads the identical file instead of training again. The cache file is checked before use
+(`fl_geo.data.bpe_cache`: its key and the sha256 of its content); a file that fails the check is
+trained again and replaced, with a WARNING naming it. The tokenizer's ``sha256`` (of the serialised
 tokenizer) is the identity the server sends to the ClientApps. ``data.tokenizer: DIR`` loads
 ``DIR/tokenizer.json`` (what ``transformers``' ``save_pretrained`` writes), local files only.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fl_geo.data.bpe_cache import read_entry, write_entry
 from fl_geo.errors import ConfigError
 
 __all__ = [
@@ -37,9 +40,11 @@ __all__ = [
     "train_bpe",
 ]
 
+log = logging.getLogger("fl_geo")
+
 EOS_TOKEN = "<|endoftext|>"
 MIN_BPE_VOCAB = 258  # 256 byte symbols, the end-of-text token, at least one merge
-BPE_FORMAT = 1  # part of the cache key: bump when the training recipe changes
+BPE_FORMAT = 2  # part of the cache key: bump when the training recipe or the entry format changes
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
@@ -111,13 +116,16 @@ class HFTokenizer:
         return f"HFTokenizer(vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
 
 
+def _cache_settings(training_sha256: str, vocab_size: int) -> dict[str, Any]:
+    """Every input of a trained BPE but the text itself (which is named by its hash)."""
+    return {"format": BPE_FORMAT, "vocab_size": int(vocab_size), "eos": EOS_TOKEN,
+            "tokenizers": _tokenizers().__version__, "training_text": training_sha256}
+
+
 def bpe_cache_key(training_sha256: str, vocab_size: int) -> str:
     """The cache key of a trained BPE: its training text's hash and every setting of the recipe
     (never the held-out text: a different split of the same training text is the same key)."""
-    tokenizers = _tokenizers()
-    settings = json.dumps({"format": BPE_FORMAT, "vocab_size": int(vocab_size), "eos": EOS_TOKEN,
-                           "tokenizers": tokenizers.__version__, "training_text": training_sha256},
-                          sort_keys=True)
+    settings = json.dumps(_cache_settings(training_sha256, vocab_size), sort_keys=True)
     return hashlib.sha256(settings.encode()).hexdigest()
 
 
@@ -132,9 +140,13 @@ def train_bpe(texts: Callable[[], Iterator[str]], training_sha256: str, vocab_si
         raise ConfigError(f"data.bpe_vocab_size must be >= {MIN_BPE_VOCAB} (256 byte symbols, the end-of-text "
                           f"token and at least one merge), got {vocab_size}")
     tokenizers = _tokenizers()
-    path = Path(cache_dir) / f"bpe-{bpe_cache_key(training_sha256, vocab_size)[:32]}.json"
-    if path.is_file():
-        return HFTokenizer(tokenizers.Tokenizer.from_file(str(path)), EOS_TOKEN)
+    key = bpe_cache_key(training_sha256, vocab_size)
+    path = Path(cache_dir) / f"bpe-{key[:32]}.json"
+    text, why = read_entry(path, key)
+    if text is not None:
+        return HFTokenizer(tokenizers.Tokenizer.from_str(text), EOS_TOKEN)
+    if why:  # a refused entry is derived data: trained again and replaced, never used
+        log.warning("fl-geo: BPE cache %s refused (%s); training the tokenizer again and replacing it", path, why)
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
@@ -143,12 +155,10 @@ def train_bpe(texts: Callable[[], Iterator[str]], training_sha256: str, vocab_si
     trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=[EOS_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts(), trainer=trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(tok.to_str(), encoding="utf-8")
-    tmp.replace(path)
-    # Reload what was written, so a fresh training and a cache hit give the same object and sha.
-    return HFTokenizer(tokenizers.Tokenizer.from_file(str(path)), EOS_TOKEN)
+    text = tok.to_str()
+    write_entry(path, key, _cache_settings(training_sha256, vocab_size), text)
+    # Rebuilt from the text written, so a fresh training and a cache hit give the same object and sha.
+    return HFTokenizer(tokenizers.Tokenizer.from_str(text), EOS_TOKEN)
 
 
 def _dir_eos(directory: Path) -> str | None:
