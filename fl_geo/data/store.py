@@ -169,7 +169,8 @@ def build_store(corpus: object, tokenizer: Tokenizer, val_fraction: float, cache
         shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):  # e.g. a corpus file gone: not ours to word
             raise
-        raise OutputError(  # a full disk while tokenising: nothing half-written staysf"cannot write the token store {directory}: {exc.strerror or exc} (free space there "
+        # a full disk while tokenising: nothing half-written stays
+        raise OutputError(f"cannot write the token store {directory}: {exc.strerror or exc} (free space there "
                           "or point data.data_dir elsewhere)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
