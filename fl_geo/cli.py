@@ -397,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run one or more configs as Flower simulations")
     r.add_argument("items", nargs="*", help="config files and key=value overrides (applied to every config)")
-    r.add_argument("--out", help="put each run in OUT/<run.name> instead of run.out_dir/<name>-<time>")
+    r.add_argument("--out", help="put each run in OUT/<run.name> instead of run.out_dir/<name>-<time> "
+                   "(refused if it holds an earlier run's results, unless run.resume=true)")
     r.add_argument("--table", help="also write the summary table (Markdown) to this file")
     r.set_defaults(func=cmd_run)
 
