@@ -268,6 +268,9 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
             "overlap_sum": int(sum(overlaps)),
             "overlap_max": int(max(overlaps, default=-1)),
             "overlap_min": int(min(overlaps, default=-1)),
+            # which message this answers: the server refuses a reply of another tick (a replay)
+            "stream_step": int(cfg["stream_step"]),
+            "base_version": int(cfg.get("base_version", 0)),
         }
     )
     payload = "fragments" if any(k != "metrics" for k in content) else "none"

@@ -183,6 +183,9 @@ class AsyncOuterLoop(OuterLoop):
             self._reject(self.tally, node, str(exc))
             self.discard(ev)
             return
+        if r.plain and not self.bound_claims(self.tally, [(node, r)], whole_round=True):
+            self.discard(ev)
+            return
         staleness = self.version - int(ev.job.meta["version"])
         if self.norm_window is not None and not self.within_norm_bound(ev, r):
             return

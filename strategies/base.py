@@ -20,6 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.claims import ClaimBound
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import ParamSpec
@@ -35,7 +36,7 @@ from fl_geo.runtime.protocol import (
     user_config,
 )
 from fl_geo.runtime.wire import encode
-from fl_geo.strategies.replies import ReplyError, Tally, metric_number, metric_whole
+from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, metric_number, metric_whole
 from fl_geo.strategies.server_model import ServerModel
 
 log = logging.getLogger("fl_geo")
@@ -151,6 +152,7 @@ class OuterLoop:
         self.user_train_config: ConfigRecord | None = None
         self.user_evaluate_config: ConfigRecord | None = None
         self._errors: dict[int, int] = {}  # consecutive failed jobs per node
+        self.claims = ClaimBound()  # plain Flower replies' num-examples against the accepted ones
         self.benched: set[int] = set()  # nodes that get no more jobs
         # A failure trace (virtual clock) names nodes by scenario slot = partition id.
         dispatcher.slot_of = self.partition_of
@@ -261,6 +263,34 @@ class OuterLoop:
             log.warning("node %s failed %d jobs in a row; no more jobs go to it", node, self._errors[node])
             self.benched.add(node)
         return True
+
+    def claims_bounded(self) -> bool:
+        """Whether plain replies' example claims are judged (`bound_claims`): not with
+        ``strategy.token_cap=none``, which trusts every claim."""
+        return self.cfg.strategy.token_cap != "none"
+
+    def bound_claims(self, tally: Tally, items: Sequence[tuple[int, TrainReply]],
+                     whole_round: bool = False) -> list[tuple[int, TrainReply]]:
+        """Refuse (logged, counted) the plain replies whose ``num-examples`` claim is beyond
+        `ClaimBound` (fl_geo.core.claims: 4 × the median of the accepted claims; before any,
+        4 × the median of the round's claims when ``whole_round`` holds at least 3) and record
+        the claims that pass, by partition. fl-geo replies pass untouched: the token cap bounds
+        them. The kept items keep their order (the fold's bits depend on it)."""
+        if not self.claims_bounded():
+            return list(items)
+        round_claims = [r.tokens for _, r in items if r.plain] if whole_round else []
+        kept = []
+        for node, r in items:
+            reason = self.claims.judge(r.tokens, round_claims) if r.plain else None
+            if reason is not None:
+                self._reject(tally, node, reason)
+                continue
+            kept.append((node, r))
+        for node, r in kept:
+            if r.plain:
+                site = self.partition_of(node)  # -1: a node that answered no profile
+                self.claims.accepted(site if site >= 0 else f"node {node}", r.tokens)
+        return kept
 
     def _reject(self, tally: Tally, node: int, reason: str) -> None:
         """Log a rejected update with its node, partition and reason, and count it."""

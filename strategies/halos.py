@@ -179,8 +179,13 @@ class HalosLoop(OuterLoop):
         lps = self.lps[g]
         try:
             # an undeclared (Flower-convention) reply: Δ against the model its job was sent with
-            r = read_reply(ev.reply, self.spec, self.cfg.wire.up, base=ev.job.meta.get("base"),
-                           max_steps=self._inner_steps(node), step_tokens=self.step_tokens(node))
+            # the job's local-server version: a replayed reply, or one claiming a version this
+            # node was never sent, is refused (its staleness would be a lie)
+            r = read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
+                           base=ev.job.meta.get("base"), max_steps=self._inner_steps(node),
+                           step_tokens=self.step_tokens(node))
+            if r.plain and not self.bound_claims(self.tally, [(node, r)]):
+                return
             delta = self._scratch
             for offset, piece in r.pieces:
                 delta[offset : offset + piece.numel()].copy_(piece)

@@ -38,6 +38,7 @@ class TrainReply:
     steps: int = 0  # inner steps the worker ran (A-EDiT's time budget makes them differ)
     noisy_steps: int = 0  # of them, steps on corrupted batches (data.noise_*; 0 otherwise)
     payload: str = "pseudo_grad"  # what ``pieces`` hold: pseudo_grad (Δ) or params (θ_worker)
+    plain: bool = False  # a Flower-convention reply: ``tokens`` is its own num-examples / num-tokens claim
 
 
 # A reported step time above this is a lie or a broken clock, not a slow accelerator.
@@ -232,7 +233,7 @@ def read_model_reply(reply: Message, spec: ParamSpec, base: torch.Tensor) -> Tra
             loss = float(value)
             break
     return TrainReply([(0, delta)], tokens if tokens is not None else examples, loss, 0.0,
-                      payload_nbytes(record), steps=0)
+                      payload_nbytes(record), steps=0, plain=True)
 
 
 def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,

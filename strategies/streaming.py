@@ -45,6 +45,7 @@ from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
 from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.accumulate import WeightedAccumulator
+from fl_geo.core.claims import ReportedTimes, robust_time
 from fl_geo.core.quantize import quantized_nbytes
 from fl_geo.core.state import ParamSpec
 from fl_geo.core.streaming import (
@@ -62,6 +63,7 @@ from fl_geo.runtime.quantized import dequantize_record
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
 from fl_geo.strategies.base import NoLiveNode, OuterLoop
 from fl_geo.strategies.replies import (
+    MAX_STEP_TIME_S,
     ReplyError,
     Tally,
     TrainReply,
@@ -97,22 +99,43 @@ class StreamReply:
 
 def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Sequence[int],
                       steps: int, precision: str, quantize: str = "none", block: int = 128,
-                      step_tokens: int | None = None) -> StreamReply:
+                      step_tokens: int | None = None, stream_step: int | None = None,
+                      version: int | None = None) -> StreamReply:
     """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them
     (``quantize`` int8/int4: dequantise to one fp32 piece, `fl_geo.core.quantize`).
 
+    ``stream_step`` / ``version``: the tick's first step and the model version its message was
+    sent at; the reply must echo both (None: not checked). A reply of another tick, replayed or
+    duplicated into this one, fails here: the dispatcher matches a reply to its message by id,
+    but what the reply *says* it answers is only in its content.
+
     Raises `ReplyError` naming what is wrong (missing record, keys, shapes, dtypes, metrics, a
-    step count other than the one asked for). Finiteness is checked when folding.
+    step count other than the one asked for, another tick or version, a negative
+    ``train_time_s``; one longer than the steps at `MAX_STEP_TIME_S` each is capped there).
+    Finiteness is checked when folding.
     """
     require_declaration(reply, ("fragments", "none"))
     content = reply.content
     if "metrics" not in content.metric_records:
         raise ReplyError("reply lacks the 'metrics' record")
     m = content.metric_records["metrics"]
-    checked = read_reply_metrics(m, max_steps=steps, step_tokens=step_tokens)
+    checked = read_reply_metrics(m, expected_version=version, max_steps=steps, step_tokens=step_tokens)
     done = checked.steps
     if done != steps:
         raise ReplyError(f"reply ran {done} inner steps, the message asked for {steps}")
+    if stream_step is not None:
+        if "stream_step" not in m:
+            raise ReplyError("reply metrics lack 'stream_step' (the tick it answers)")
+        echoed = metric_whole(m, "stream_step", -(2**63))
+        if echoed != stream_step:
+            raise ReplyError(f"reply answers the tick starting at step {echoed}, this message started at step "
+                             f"{stream_step} (replayed or duplicated)")
+    train_time = metric_number(m, "train_time_s") if "train_time_s" in m else 0.0
+    if train_time < 0.0:
+        raise ReplyError(f"implausible metrics (train_time_s={train_time}, must be >= 0)")
+    # a time feeds only the schedule and the metrics: capped (here at what the steps may take,
+    # then by the loop's per-site bound), not a reason to refuse the update it came with
+    train_time = min(train_time, done * MAX_STEP_TIME_S)
     deltas: dict[int, list[tuple[int, torch.Tensor]]] = {}
     nbytes: dict[int, int] = {}
     for p in syncs:
@@ -131,7 +154,7 @@ def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Se
     r = TrainReply([], checked.tokens, checked.loss, checked.step_time_s, sum(nbytes.values()), done, checked.noisy_steps)
     return StreamReply(
         r, deltas, nbytes,
-        train_time_s=metric_number(m, "train_time_s") if "train_time_s" in m else 0.0,
+        train_time_s=train_time,
         overlap_count=metric_whole(m, "overlap_count", 0) if "overlap_count" in m else 0,
         overlap_sum=metric_whole(m, "overlap_sum", 0) if "overlap_sum" in m else 0,
         overlap_max=int(m.get("overlap_max", -1)),
@@ -213,7 +236,10 @@ class StreamingLoop(OuterLoop):
         self.interval = self.H // self.P  # adaptive h (updated at every sync decision)
         self._measured_tc: float | None = None  # wall clock: slowest step time of the last tick
         self._measured_ts: float | None = None  # wall clock: exchange overhead of the last sync tick
-        self._tick_step_time = self._tick_train_time = 0.0
+        # wall clock: the sites' reported times, each capped by its own history (fl_geo.core.claims)
+        self._step_times, self._train_times = ReportedTimes(), ReportedTimes()
+        self._tick_step_times: list[float] = []
+        self._tick_train_times: list[float] = []
         self.peak_bytes_per_sync = 0
         self._rule_cfg = {
             "stream_rule": self.rule,
@@ -247,9 +273,10 @@ class StreamingLoop(OuterLoop):
         return self.scenario.allreduce_time(slots, self._fragment_bytes(p), start=start)
 
     def _adaptive_interval(self, nodes: Sequence[int]) -> int:
-        """h of CoCoDC Eq. 10 from T_c (one inner step of the slowest worker) and T_s (one
-        fragment sync, the mean over fragments): modelled by the scenario on a virtual clock,
-        measured on a wall clock (H/P until both have been measured)."""
+        """h of CoCoDC Eq. 10 from T_c (one inner step) and T_s (one fragment sync, the mean over
+        fragments): modelled by the scenario on a virtual clock (the slowest worker's step),
+        measured on a wall clock from the replies' reported times, robustly (`_measure`: the
+        median site, so no single site steers h); H/P until both have been measured."""
         assert self.schedule is not None
         if self.scenario is not None:
             slots = self._slots(nodes)
@@ -310,7 +337,8 @@ class StreamingLoop(OuterLoop):
         for node, reply in group:
             try:
                 r = read_stream_reply(reply, self.frag_specs, syncs, steps, self.cfg.wire.up,
-                                      st.quantize, st.quantize_block, step_tokens=self.step_tokens(node))
+                                      st.quantize, st.quantize_block, step_tokens=self.step_tokens(node),
+                                      stream_step=self.step, version=self.version)
             except ReplyError as exc:
                 self._reject(tally, node, str(exc))
                 continue
@@ -322,8 +350,9 @@ class StreamingLoop(OuterLoop):
                     self._reject(tally, node, f"{fragment_record(p)}: {exc}")
                     continue
             valid.append((node, r))
-            self._tick_step_time = max(self._tick_step_time, r.reply.step_time_s)
-            self._tick_train_time = max(self._tick_train_time, r.train_time_s)
+            site = self.partition_of(node)  # each site's times capped by its own earlier ones
+            self._tick_step_times.append(self._step_times.bound(site, r.reply.step_time_s))
+            self._tick_train_times.append(self._train_times.bound(site, r.train_time_s))
         if not valid:
             return
         tally.noisy_steps += sum(r.reply.noisy_steps for _, r in valid)
@@ -393,7 +422,7 @@ class StreamingLoop(OuterLoop):
         order = nodes if s.fold_order == "rank" else None
         # (a wall clock ignores the timings; their steps key the reply deadline)
         timings = [JobTiming(slot, steps) for slot in self._slots(nodes)]
-        self._tick_step_time = self._tick_train_time = 0.0
+        self._tick_step_times, self._tick_train_times = [], []
         t0 = time.perf_counter()
         outcome = self.dispatcher.run_jobs(
             msgs,
@@ -415,15 +444,20 @@ class StreamingLoop(OuterLoop):
             self._outer_step(p, end, slots, stats)
 
     def _measure(self, wall: float, exchanged: bool) -> None:
-        """Wall-clock T_c / T_s for the adaptive schedule (unused with a scenario): the slowest
-        step time of the tick's replies, and, when fragments travelled, the tick's wall time
-        outside the slowest worker's training (transfer, (de)serialisation, merging)."""
+        """Wall-clock T_c / T_s for the adaptive schedule (unused with a scenario, whose modelled
+        times are the schedule's; reported times never reach it then): the median over the
+        tick's replies of their step times, and, when fragments travelled, the tick's wall time
+        outside the median worker's training (transfer, (de)serialisation, merging). Each site's
+        times are first capped at 4 × its own median of earlier reports (`ReportedTimes`); the
+        median across sites (not the maximum) means one site of three or more cannot move the
+        schedule by what it reports."""
         if self.scenario is not None or self.schedule is None:
             return
-        if self._tick_step_time > 0:
-            self._measured_tc = self._tick_step_time
-        if exchanged and self._tick_train_time > 0:
-            self._measured_ts = max(1e-6, wall - self._tick_train_time)
+        step_time, train_time = robust_time(self._tick_step_times), robust_time(self._tick_train_times)
+        if step_time > 0:
+            self._measured_tc = step_time
+        if exchanged and train_time > 0:
+            self._measured_ts = max(1e-6, wall - train_time)
 
     def _outer_step(self, p: int, end: int, slots: list[int], stats: _RoundStats) -> None:
         """Fragment p's outer step on the mean Δ_p; its result is applied τ steps later."""

@@ -141,16 +141,28 @@ class SyncOuterLoop(OuterLoop):
                 self._reject(stats, node, str(exc))
         if not valid:
             return
-        if self.cfg.strategy.robust != "none":  # judged against the whole round: fold at its end
+        # Judged against the whole round, so folded at its end: with a robust rule; and the plain
+        # replies' example claims while no claim has been accepted yet (their reference is then
+        # the round's claims). Once anything is held, the rest of the round is held too, so the
+        # fold keeps the arrival order (and its bits).
+        if (self.cfg.strategy.robust != "none" or self._held
+                or (self.claims_bounded() and not self.claims.has_history() and any(r.plain for _, r in valid))):
             self._held.extend(valid)
             return
-        self._fold_valid(stats, valid, warm)
+        valid = self.bound_claims(stats, valid)
+        if valid:
+            self._fold_valid(stats, valid, warm)
 
     def fold_held(self, stats: Tally, warm: bool) -> None:
         """``strategy.robust``: the round is complete. ``median_norm``: reject the updates whose
         norm is beyond the bound of the round's median (fl_geo.core.robust), fold the others in the
         order they were received; the direction-aware rules: `_fold_directed`."""
         held, self._held = self._held, []
+        held = self.bound_claims(stats, held, whole_round=True)
+        if self.cfg.strategy.robust == "none":
+            if held:
+                self._fold_valid(stats, held, warm)
+            return
         if self.direction is not None:
             self._fold_directed(stats, held, warm)
             return
@@ -233,8 +245,11 @@ class SyncOuterLoop(OuterLoop):
         except ReplyError as exc:
             self._reject(stats, ev.job.node, str(exc))
             return
+        kept = self.bound_claims(stats, [(ev.job.node, r)])
+        if not kept:
+            return
         accepted = stats.accepted
-        self._fold_valid(stats, [(ev.job.node, r)], warm=False, factor=staleness_weight(self.version - version))
+        self._fold_valid(stats, kept, warm=False, factor=staleness_weight(self.version - version))
         stats.late_folded += stats.accepted - accepted
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -361,7 +376,7 @@ class SyncOuterLoop(OuterLoop):
         if self.step_mix is not None:
             self.step_mix.reset()
         outcome = self._run_train_jobs(nodes, msgs, steps, stats, warm)
-        if s.robust != "none":
+        if s.robust != "none" or self._held:
             self.fold_held(stats, warm)
         self._model_allreduce(nodes, outcome)
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)

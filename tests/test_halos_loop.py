@@ -107,3 +107,81 @@ def test_dynupd_needs_a_virtual_clock(tiny):
 
     with pytest.raises(ConfigError, match="dynupd needs run.clock=virtual"):
         tiny("strategy.dynupd=true")
+
+
+# ---- replies that answer no job in flight (issue 26) -------------------------------------------
+
+
+def _partition_hook(partition, change):
+    """Reply hook: the train replies of the site of ``partition`` pass through ``change(n, reply,
+    msg, earlier)`` (n: the site's reply count from 1; earlier: its replies so far)."""
+    earlier: list[Message] = []
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        if reply.content.metric_records["metrics"]["partition_id"] != partition:
+            return reply
+        earlier.append(reply)
+        return change(len(earlier), reply, msg, earlier[:-1])
+
+    return hook
+
+
+def _nan_reply(reply, msg):
+    """The same reply with a NaN in its update: refused for another reason (the baseline)."""
+    items = dict(reply.content.array_records["arrays"].items())
+    key = next(iter(items))
+    arr = items[key].numpy().copy()
+    arr.reshape(-1)[0] = float("nan")
+    items[key] = Array(arr)
+    return Message(keep_declaration(reply, {"arrays": ArrayRecord(items),
+                                            "metrics": reply.content.metric_records["metrics"]}), reply_to=msg)
+
+
+def test_replayed_replies_are_refused_and_the_model_is_the_one_without_them(tiny, tmp_path, caplog):
+    """A site answers its 2nd and 3rd jobs with its 1st reply, replayed (the issue: HALoS
+    accepted 2 of 2). Each is refused for its version (the job's local-server version is not
+    the one the reply trained from); the model is bit-identical to the run in which those two
+    replies were refused for a NaN instead."""
+    from flwr.app import MetricRecord
+
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny(*HALOS, f"run.scenario={_scenario(tmp_path)}")
+
+    def replay(n, reply, msg, earlier):
+        if n not in (2, 3):
+            return reply
+        old = earlier[0]
+        return Message(keep_declaration(old, {"arrays": old.content.array_records["arrays"],
+                                              "metrics": MetricRecord(dict(old.content.metric_records["metrics"]))}),
+                       reply_to=msg)
+
+    summary, final, _ = _run(cfg, tmp_path, "replayed", hook=_partition_hook(1, replay))
+    assert summary["rejected"] == 2 and summary["outer_steps"] == 3
+    assert caplog.text.count("reply says it trained from model version") == 2
+    nan_summary, without, _ = _run(cfg, tmp_path, "nan", hook=_partition_hook(
+        1, lambda n, reply, msg, earlier: _nan_reply(reply, msg) if n in (2, 3) else reply))
+    assert nan_summary["rejected"] == 2
+    assert torch.equal(final, without)
+
+
+def test_a_reply_claiming_a_version_never_sent_is_refused(tiny, tmp_path, caplog):
+    """``base_version = 12345`` (the issue: accepted): refused, model as with the NaN refusal."""
+    from flwr.app import MetricRecord
+
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = tiny(*HALOS, f"run.scenario={_scenario(tmp_path)}")
+
+    def forge(n, reply, msg, earlier):
+        if n != 2:
+            return reply
+        metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), "base_version": 12345})
+        return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"],
+                                                "metrics": metrics}), reply_to=msg)
+
+    summary, final, _ = _run(cfg, tmp_path, "forged", hook=_partition_hook(1, forge))
+    assert summary["rejected"] == 1 and "trained from model version 12345" in caplog.text
+    _, without, _ = _run(cfg, tmp_path, "nan", hook=_partition_hook(
+        1, lambda n, reply, msg, earlier: _nan_reply(reply, msg) if n == 2 else reply))
+    assert torch.equal(final, without)

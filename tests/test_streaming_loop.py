@@ -531,3 +531,104 @@ def test_lying_fragment_metrics_are_rejected_and_the_model_untouched(tiny, tmp_p
     assert summary["outer_steps"] == 0 and summary["rejected"] == 18  # every reply: 3 workers x 6 messages
     assert torch.equal(final, _initial(cfg))
     assert "rejected update from node" in caplog.text
+
+
+# ---- replies that answer another tick, and reported times (issue 26) ----------------------------
+
+
+def _site_hook(partition, change):
+    """Reply hook: the ``train.stream`` replies of the site of ``partition`` pass through
+    ``change(n, reply, msg, earlier)`` (n: the site's reply count from 1, earlier: its replies
+    so far); ``changed`` counts the replies it altered."""
+    earlier: list[Message] = []
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train.stream" or reply.has_error():
+            return reply
+        if reply.content.metric_records["metrics"]["partition_id"] != partition:
+            return reply
+        earlier.append(reply)
+        out = change(len(earlier), reply, msg, earlier[:-1])
+        hook.changed += out is not reply
+        return out
+
+    hook.changed = 0
+    return hook
+
+
+def _with_metrics(reply, msg, **values):
+    from flwr.app import MetricRecord
+
+    metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **values})
+    arrays = {k: v for k, v in reply.content.array_records.items()}
+    return Message(keep_declaration(reply, {**arrays, "metrics": metrics}), reply_to=msg)
+
+
+@pytest.mark.parametrize("name", ["streaming_diloco", "cocodc"])
+def test_replayed_fragment_replies_are_refused_and_the_model_is_the_one_without_them(tiny, tmp_path, name, caplog):
+    """From its 2nd tick on, one site answers every message with its previous reply, replayed
+    (the issue: Streaming accepted 5 of 7). A reply echoes the tick it answers (``stream_step``)
+    and the version it was sent (``base_version``): every replay is refused, and the model is
+    bit-identical to the run in which the same replies were refused for a NaN token count."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = _cfg(tiny, f"strategy.name={name}", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1", "streaming.adaptive=false")
+    replay = _site_hook(0, lambda n, reply, msg, earlier: _with_metrics(earlier[-1], msg) if n >= 2 else reply)
+    summary, final, _, _ = _run(cfg, tmp_path, "replayed", hook=replay)
+    assert replay.changed >= 5 and summary["rejected"] == replay.changed
+    assert "replayed or duplicated" in caplog.text or "trained from model version" in caplog.text
+    nan = _site_hook(0, lambda n, reply, msg, earlier: _with_metrics(reply, msg, tokens=float("nan")) if n >= 2 else reply)
+    nan_summary, without, _, _ = _run(cfg, tmp_path, "nan", hook=nan)
+    assert nan_summary["rejected"] == replay.changed and nan_summary["outer_steps"] == summary["outer_steps"]
+    assert torch.equal(final, without)
+
+
+def test_a_fragment_reply_of_another_version_is_refused(tiny, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="fl_geo")
+    cfg = _cfg(tiny, "strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=2",
+               "streaming.overlap=1")
+    forged = _site_hook(0, lambda n, reply, msg, earlier: _with_metrics(reply, msg, base_version=12345) if n == 3 else reply)
+    summary, _, _, _ = _run(cfg, tmp_path, hook=forged)
+    assert summary["rejected"] == 1 and "trained from model version 12345" in caplog.text
+
+
+def _fixed_step_time(step_time_s=1e-5, liar=None):
+    """Every site reports ``step_time_s`` (so the honest wall-clock schedule does not depend on
+    this machine's speed: T_c is far below any T_s, N = P, h = H/P); the site of partition 0
+    also reports ``liar``'s values."""
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train.stream" or reply.has_error():
+            return reply
+        lie = liar if liar and reply.content.metric_records["metrics"]["partition_id"] == 0 else {}
+        return _with_metrics(reply, msg, **{"step_time_s": step_time_s, **lie})
+    return hook
+
+
+@pytest.mark.parametrize("lie", [{"step_time_s": 3600.0}, {"train_time_s": 1e300},
+                                 {"step_time_s": 3600.0, "train_time_s": 1e300}],
+                         ids=["step-time-3600", "train-time-1e300", "both"])
+def test_one_site_lying_about_its_times_does_not_move_the_adaptive_schedule(tiny, tmp_path, lie):
+    """CoCoDC's adaptive schedule on a wall clock is built from the reported times. One site of
+    three reporting a 3600 s step or a 1e300 s training (the issue: outer steps 6 -> 14, uplink
+    bytes x2.3) gets the honest run's schedule: same interval every round, same outer steps
+    and uplink bytes, nothing refused (each site's time is capped by its own history, and the
+    median across sites, not the maximum, is used)."""
+    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=8", "streaming.fragments=2",
+               "streaming.overlap=1", "streaming.adaptive=true", "run.rounds=3")
+    honest, _, _, hrows = _run(cfg, tmp_path, "honest", hook=_fixed_step_time())
+    lied, _, _, lrows = _run(cfg, tmp_path, "lied", hook=_fixed_step_time(liar=lie))
+    assert [r["stream/interval"] for r in hrows[1:]] == [4, 4, 4]  # h = H/P: N = P syncs a period
+    assert [r["stream/interval"] for r in lrows[1:]] == [r["stream/interval"] for r in hrows[1:]]
+    assert [r["stream/syncs"] for r in lrows[1:]] == [r["stream/syncs"] for r in hrows[1:]]
+    assert (lied["outer_steps"], lied["bytes_up"], lied["rejected"]) == (honest["outer_steps"], honest["bytes_up"], 0)
+
+
+def test_reported_times_are_capped_by_the_sites_own_history_and_combined_by_the_median():
+    from fl_geo.core.claims import ReportedTimes, robust_time
+
+    times = ReportedTimes(factor=4.0)
+    assert times.bound("a", 2.0) == 2.0  # a first report is taken as it is
+    assert times.bound("a", 3600.0) == 8.0  # 4 x its own median of earlier reports
+    assert times.bound("b", 3600.0) == 3600.0  # another site's history is its own
+    assert times.bound("a", 1.0) == 1.0  # a cap, never a floor
+    assert robust_time([1.0, 2.0, 3600.0]) == 2.0 and robust_time([]) == 0.0

@@ -1,0 +1,105 @@
+"""Bounding what a site says about itself: example counts and reported times.
+
+A plain Flower ClientApp weights its update by the ``num-examples`` it declares, in its own
+unit, so no job-derived cap exists for it (fl-geo's own replies are capped by the tokens their
+job could produce). A claim can still be judged against what the run has *accepted* so far:
+:class:`ClaimBound` rejects a claim above ``factor`` × the median of the accepted claims (every
+site's recent ones, the claimant's included), and, before anything was accepted, above
+``factor`` × the median of the claims of the round being judged when it has at least
+``MIN_PEERS`` of them. One site's lie can then never own a weighted mean or end a token budget.
+
+:class:`ReportedTimes` does the same for the wall times a site reports (a step time, a training
+time): each is capped at ``factor`` × that site's own median of earlier reports, and the loop
+combines the sites' capped values with the median (`robust_time`), so no single site moves a
+schedule built from them.
+
+Why ``factor`` is a constant (`CLAIM_FACTOR` = 4) rather than a setting: honest sites of one run
+hold data and hardware of the same order, so a factor of 4 leaves room for an uneven partition
+or a slow accelerator while refusing lies of the orders that matter (2^40 examples, a 3600 s
+step); the one operator who needs more trusts the claims outright (``strategy.token_cap: none``).
+Framework-free (no Flower import).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+__all__ = ["CLAIM_FACTOR", "MIN_PEERS", "ClaimBound", "ReportedTimes", "robust_time"]
+
+CLAIM_FACTOR = 4.0  # a claim or a time beyond this × the reference median is not believed
+MIN_PEERS = 3  # claims a round needs before its own median is a reference (two cannot outvote one)
+WINDOW = 16  # accepted claims / reports remembered per site (the reference follows the run)
+
+
+class ClaimBound:
+    """Judge declared example counts against the accepted ones (see the module docstring).
+
+    Contract: `judge` never records anything; the loop calls `accepted` for the claims it
+    folded, so a rejected claim never enters the reference. The reference is the median of the
+    last `WINDOW` accepted claims of every site, pooled.
+    """
+
+    def __init__(self, factor: float = CLAIM_FACTOR, window: int = WINDOW, min_peers: int = MIN_PEERS) -> None:
+        if not factor >= 1.0:
+            raise ValueError(f"factor must be >= 1, got {factor}")
+        self.factor, self.window, self.min_peers = float(factor), int(window), int(min_peers)
+        self._history: dict[Hashable, deque[int]] = {}
+
+    def has_history(self) -> bool:
+        """Whether any claim was accepted yet (then `judge` needs no round)."""
+        return any(self._history.values())
+
+    def reference(self) -> float | None:
+        """The median of the accepted claims remembered, or None before the first."""
+        pooled = [c for h in self._history.values() for c in h]
+        return float(statistics.median(pooled)) if pooled else None
+
+    def judge(self, claim: int, round_claims: Sequence[int] = ()) -> str | None:
+        """Why ``claim`` is refused, or None. Against the accepted history when there is one;
+        otherwise against ``round_claims`` (the round's claims, ``claim`` among them) when they
+        are at least `min_peers`; otherwise accepted."""
+        ref, what = self.reference(), "accepted claims so far"
+        if ref is None:
+            if len(round_claims) < self.min_peers:
+                return None
+            ref, what = float(statistics.median(round_claims)), f"{len(round_claims)} claims this round"
+        if claim > self.factor * ref:
+            return (f"num-examples={claim} is more than {self.factor:g} x the median {ref:g} of the {what} "
+                    "(strategy.token_cap=none trusts it)")
+        return None
+
+    def accepted(self, site: Hashable, claim: int) -> None:
+        """Record a claim the loop folded."""
+        self._history.setdefault(site, deque(maxlen=self.window)).append(int(claim))
+
+
+class ReportedTimes:
+    """Cap each site's reported times at ``factor`` × its own median of earlier reports.
+
+    Contract: `bound` returns the value to use and records it (capped, so a liar raises its
+    own reference by at most ``factor`` per report, and a robust statistic across sites,
+    `robust_time`, removes it entirely while it is a minority); the first report of a site is
+    taken as it is (the caller checks the absolute range: replies.py ``MAX_STEP_TIME_S``).
+    """
+
+    def __init__(self, factor: float = CLAIM_FACTOR, window: int = WINDOW) -> None:
+        if not factor >= 1.0:
+            raise ValueError(f"factor must be >= 1, got {factor}")
+        self.factor, self.window = float(factor), int(window)
+        self._history: dict[Hashable, deque[float]] = {}
+
+    def bound(self, site: Hashable, value: float) -> float:
+        """``value`` capped at factor × the site's own median of earlier reports; recorded."""
+        history = self._history.setdefault(site, deque(maxlen=self.window))
+        if history:
+            value = min(value, self.factor * statistics.median(history))
+        history.append(value)
+        return value
+
+
+def robust_time(values: Sequence[float]) -> float:
+    """The median of the sites' (capped) times: one site of three or more cannot move it; 0.0
+    when there are none (the caller treats 0 as not measured)."""
+    return float(statistics.median(values)) if values else 0.0
