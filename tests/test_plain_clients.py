@@ -166,6 +166,98 @@ def test_model_reply_reader_against_the_formula():
         read_model_reply(bad, spec, base)
 
 
+# ---- a plain site's num-examples is judged against the claims accepted so far (issue 26) -------------
+
+def _claiming(first_node: list[int], change):
+    """Reply hook: the train replies of the lowest node id pass through ``change(reply, msg)``;
+    ``hook.changed`` counts them."""
+    def hook(node: int, msg: Message, reply: Message) -> Message:
+        if reply.has_error() or msg.metadata.message_type != "train" or node != min(first_node):
+            return reply
+        hook.changed += 1
+        return change(reply, msg)
+
+    hook.changed = 0
+    return hook
+
+
+def _claim(count: int):
+    def change(reply: Message, msg: Message) -> Message:
+        return Message(RecordDict({"arrays": reply.content.array_records["arrays"],
+                                   "metrics": MetricRecord({"num-examples": count})}), reply_to=msg)
+    return change
+
+
+def _nan_model(reply: Message, msg: Message) -> Message:
+    state = reply.content.array_records["arrays"].to_torch_state_dict()
+    state["head.bias"][0] = float("nan")
+    return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": reply.content.metric_records["metrics"]}),
+                   reply_to=msg)
+
+
+def _start(cls, hook, rounds=3, **kwargs):
+    grid = InlineGrid(plain.app, 4, seed=0)
+    nodes = list(grid.get_node_ids())
+    hook = hook(nodes)
+    grid.reply_hook = hook
+    strategy = cls(inner_steps=plain.STEPS, weighting="tokens", **kwargs)
+    result = strategy.start(grid, _initial(), num_rounds=rounds, evaluate_fn=plain.evaluate_fn)
+    return strategy, _flat(result.arrays), hook
+
+
+def test_a_plain_site_claiming_2_to_the_40_examples_is_refused_every_round(caplog):
+    """One of four plain ClientApps replies ``num-examples = 2**40`` (the issue: the model became
+    the liar's). Round 1 has no accepted claim yet: the claim is judged against the round's
+    four claims (more than 4 x their median); later rounds against the accepted ones. It is
+    refused every round, and the model is bit-identical to the run in which the same replies
+    were refused for a NaN."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    strategy, final, hook = _start(DiLoCo, lambda nodes: _claiming(nodes, _claim(2**40)))
+    assert hook.changed == 3 and strategy.stats.rejected == 3 and strategy.stats.outer_steps == 3
+    assert "num-examples=1099511627776 is more than 4 x the median 160 of the 4 claims this round" in caplog.text
+    assert "of the accepted claims so far" in caplog.text
+    assert strategy.stats.tokens == 3 * 3 * plain.STEPS * plain.BATCH  # the liar's claim counts nowhere
+    nan_strategy, without, _ = _start(DiLoCo, lambda nodes: _claiming(nodes, _nan_model))
+    assert nan_strategy.stats.rejected == 3
+    assert torch.equal(final, without)
+
+
+def test_a_plain_claim_within_the_bound_is_folded_and_token_cap_none_trusts_any():
+    """A site claiming 4 x the others' examples is within the bound (so its update is folded, the
+    model differs from the NaN run); with ``token_cap="none"`` even 2**40 is believed."""
+    within, a, _ = _start(DiLoCo, lambda nodes: _claiming(nodes, _claim(4 * plain.STEPS * plain.BATCH)))
+    assert within.stats.rejected == 0
+    trusted, _, _ = _start(DiLoCo, lambda nodes: _claiming(nodes, _claim(2**40)), token_cap="none")
+    assert trusted.stats.rejected == 0 and trusted.stats.tokens > 2**40
+
+
+def test_an_asynchronous_run_refuses_a_huge_plain_claim_once_one_claim_was_accepted(caplog):
+    """FedBuff: replies are judged one at a time, so the liar's claims before any other site's
+    claim was accepted have nothing to be judged against and are believed (here its first two:
+    it replies first and is sent its next job at once); from then on every one is refused."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    strategy, final, hook = _start(FedBuff, lambda nodes: _claiming(nodes, _claim(2**40)), rounds=6)
+    assert hook.changed == 6 and strategy.stats.rejected == 4
+    assert "is more than 4 x the median 160 of the accepted claims so far" in caplog.text
+    assert torch.isfinite(final).all()
+
+
+def test_the_claim_bound_against_its_formula():
+    from fl_geo.core.claims import ClaimBound
+
+    bound = ClaimBound(factor=4.0)
+    assert bound.judge(2**40) is None and bound.judge(2**40, [2**40, 160]) is None  # nothing to compare yet
+    assert "4 claims this round" in bound.judge(2**40, [160, 170, 2**40, 150])
+    assert bound.judge(640, [160, 160, 640]) is None  # 4 x the round's median is within
+    bound.accepted("liar", 2**40)
+    bound.accepted("liar", 2**40)
+    assert bound.judge(2**40) is None  # only the liar has a history
+    bound.accepted("a", 160)
+    assert bound.reference() == 160  # one vote per site, the lower median
+    assert "accepted claims so far" in bound.judge(2**40) and bound.judge(640) is None
+    assert bound.judge(641) is not None
+
+
 # ---- the two reply styles give the same DiLoCo model ------------------------------------------------
 
 def test_diloco_gives_the_same_model_with_both_reply_styles():

@@ -3,10 +3,13 @@
 A plain Flower ClientApp weights its update by the ``num-examples`` it declares, in its own
 unit, so no job-derived cap exists for it (fl-geo's own replies are capped by the tokens their
 job could produce). A claim can still be judged against what the run has *accepted* so far:
-:class:`ClaimBound` rejects a claim above ``factor`` × the median of the accepted claims (every
-site's recent ones, the claimant's included), and, before anything was accepted, above
-``factor`` × the median of the claims of the round being judged when it has at least
-``MIN_PEERS`` of them. One site's lie can then never own a weighted mean or end a token budget.
+:class:`ClaimBound` rejects a claim above ``factor`` × the reference (the lower median over the
+sites of each site's median accepted claim, the claimant's included), and, before anything was
+accepted, above ``factor`` × the lower median of the claims of the round being judged when it
+has at least ``MIN_PEERS`` of them. One site's lie can then never own a synchronous round's
+weighted mean or end a token budget. An asynchronous loop judges one reply at a time, so the
+claims a site makes before any other site's claim was accepted are believed (nothing to compare
+them with); from then on they are bounded.
 
 :class:`ReportedTimes` does the same for the wall times a site reports (a step time, a training
 time): each is capped at ``factor`` × that site's own median of earlier reports, and the loop
@@ -37,8 +40,7 @@ class ClaimBound:
     """Judge declared example counts against the accepted ones (see the module docstring).
 
     Contract: `judge` never records anything; the loop calls `accepted` for the claims it
-    folded, so a rejected claim never enters the reference. The reference is the median of the
-    last `WINDOW` accepted claims of every site, pooled.
+    folded, so a rejected claim never enters the reference. The reference: `reference`.
     """
 
     def __init__(self, factor: float = CLAIM_FACTOR, window: int = WINDOW, min_peers: int = MIN_PEERS) -> None:
@@ -52,9 +54,13 @@ class ClaimBound:
         return any(self._history.values())
 
     def reference(self) -> float | None:
-        """The median of the accepted claims remembered, or None before the first."""
-        pooled = [c for h in self._history.values() for c in h]
-        return float(statistics.median(pooled)) if pooled else None
+        """The lower median, over the sites, of each site's median accepted claim; None before
+        the first. One vote per site, so a site that replies more often (a fast one in an
+        asynchronous run) does not own the reference; the lower median, so that one honest site
+        next to one lying site (an asynchronous run whose first replies lied) already makes the
+        honest claim the reference."""
+        votes = [statistics.median(h) for h in self._history.values() if h]
+        return float(statistics.median_low(votes)) if votes else None
 
     def judge(self, claim: int, round_claims: Sequence[int] = ()) -> str | None:
         """Why ``claim`` is refused, or None. Against the accepted history when there is one;
@@ -64,7 +70,7 @@ class ClaimBound:
         if ref is None:
             if len(round_claims) < self.min_peers:
                 return None
-            ref, what = float(statistics.median(round_claims)), f"{len(round_claims)} claims this round"
+            ref, what = float(statistics.median_low(round_claims)), f"{len(round_claims)} claims this round"
         if claim > self.factor * ref:
             return (f"num-examples={claim} is more than {self.factor:g} x the median {ref:g} of the {what} "
                     "(strategy.token_cap=none trusts it)")
