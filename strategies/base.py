@@ -96,7 +96,8 @@ def penalty_from_config(cfg: FlGeoConfig, spec: ParamSpec) -> Penalty | None:
         threshold=p.threshold, warmup=p.warmup, reject=p.outlier,
         keying=p.keying, weighting=p.weighting.split("*"),
         temperature="auto" if p.temperature == 0 else p.temperature,
-        clip=p.clip or None, adaptive_threshold=p.adaptive_threshold,
+        clip=p.clip or None, clip_mode=p.clip_mode, clip_ratio=p.clip_ratio,
+        adaptive_threshold=p.adaptive_threshold,
     )
 
 

@@ -93,7 +93,15 @@ class DiPSSettings(AsyncSettings):
     warmup : int (default: 5)
         Updates before outlier tests start (``penalty.warmup``).
     clip : float (default: 1.0)
-        φ, the clip on the mean pseudo-gradient norm (0: none; ``penalty.clip``).
+        The paper's φ, the absolute clip on the mean pseudo-gradient norm, used when
+        ``clip_mode="absolute"`` (0: no clip in either mode; ``penalty.clip``).
+    clip_mode : str (default: "relative")
+        ``"relative"``: φ = clip_ratio × the running mean of the clipped norms (scale-free: φ = 1
+        is an LLM-scale constant that binds on every step of a model with larger updates and
+        never on one with smaller; docs/algorithms.md §4.6); ``"absolute"``: φ = ``clip`` (the
+        paper's; configs/dips.yaml).
+    clip_ratio : float (default: 2.0)
+        c of the relative clip (``penalty.clip_ratio``).
     penalty : bool (default: True)
         False: plain buffered aggregation with the grace window (``penalty.enabled``).
     followers : int (default: 0)
@@ -111,6 +119,8 @@ class DiPSSettings(AsyncSettings):
     threshold: float = at("penalty.threshold", 3.0)
     warmup: int = at("penalty.warmup", 5)
     clip: float = at("penalty.clip", 1.0)
+    clip_mode: str = at("penalty.clip_mode", "relative")
+    clip_ratio: float = at("penalty.clip_ratio", 2.0)
     penalty: bool = at("penalty.enabled", True)
     followers: int = at("ps.followers", 0)
     transport: str = at("ps.transport", "local")

@@ -37,7 +37,14 @@ class EDiTSettings(SyncSettings):
     warmup : int (default: 20)
         Updates per node before outlier tests start (``penalty.warmup``).
     clip : float (default: 10.0)
-        φ, the clip on the weighted pseudo-gradient norm per module (0: none; ``penalty.clip``).
+        The paper's φ, the absolute clip on the weighted pseudo-gradient norm per module, used
+        when ``clip_mode="absolute"`` (0: no clip in either mode; ``penalty.clip``).
+    clip_mode : str (default: "relative")
+        ``"relative"``: φ_g = clip_ratio × the running mean of module g's clipped norms (scale-
+        free: φ = 10 is an LLM-scale constant that never binds on a small model's updates;
+        docs/algorithms.md §4.6); ``"absolute"``: φ = ``clip`` (the paper's; configs/edit.yaml).
+    clip_ratio : float (default: 2.0)
+        c of the relative clip (``penalty.clip_ratio``).
     temperature : float (default: 1.0)
         T of the norm-softmax weights (``penalty.temperature``).
     """
@@ -47,6 +54,8 @@ class EDiTSettings(SyncSettings):
     threshold: float = at("penalty.threshold", 3.0)
     warmup: int = at("penalty.warmup", 20)
     clip: float = at("penalty.clip", 10.0)
+    clip_mode: str = at("penalty.clip_mode", "relative")
+    clip_ratio: float = at("penalty.clip_ratio", 2.0)
     temperature: float = at("penalty.temperature", 1.0)
 
 

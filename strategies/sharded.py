@@ -435,7 +435,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             norm = global_norm(sums)
             if not math.isfinite(norm):
                 raise FloatingPointError("the averaged update is not finite; refusing to step")
-            factor = min(1.0, self.penalty.clip / (norm + self.penalty.eps))
+            factor = min(1.0, float(self.penalty.clip_thresholds()[0]) / (norm + self.penalty.eps))
+            self.penalty.record_clipped(torch.tensor([factor * norm], dtype=torch.float64))
             self.record_clip(norm, [factor])
         versions = {f.step(factor, self.optimizer.lr) for f in self.followers}
         if versions != {self.version + 1}:

@@ -17,7 +17,7 @@ from fl_geo.server_app import run_server
 
 VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16"]
 DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
-        "penalty.warmup=2"]
+        "penalty.warmup=2", "penalty.clip_mode=absolute"]  # φ as given (the default is relative)
 EPS = 1e-6  # Penalty's ε of the clip
 
 
@@ -47,7 +47,8 @@ def test_dips_logs_the_clip_factor_it_applied(tiny, tmp_path, phi):
 def test_module_clip_logs_the_mean_factor_and_the_share_that_bound(tiny, tmp_path):
     """EDiT-style per-module clip in the synchronous loop: the scale is the mean of the modules'
     factors, each in (0, 1], and the bound share counts the factors below 1; no clip, no metric."""
-    edit = ["strategy.name=edit", "penalty.enabled=true", "penalty.granularity=module", "penalty.warmup=0"]
+    edit = ["strategy.name=edit", "penalty.enabled=true", "penalty.granularity=module", "penalty.warmup=0",
+            "penalty.clip_mode=absolute"]
     rows = _rows(tiny(*edit, "penalty.clip=0.05", "run.rounds=2"), tmp_path, "edit")
     n_modules = 3  # embed, blocks.0, norm of the 1-layer tiny decoder
     for r in rows:

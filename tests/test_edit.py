@@ -65,7 +65,7 @@ def test_per_module_softmax_weights_and_clip_match_hand_values(tiny, tmp_path):
     """Δ_i = c_i·1 everywhere: per module l with n_l elements, G_i = c_i·sqrt(n_l),
     w_i = softmax(−G_i / T), Δ̄_l = (Σ w_i c_i)·1, clipped to φ per module; lr 1, μ 0: θ − Δ̂."""
     temperature, phi = 20.0, 2.0
-    cfg = tiny(*EDIT_ONE_STEP, f"penalty.temperature={temperature}", f"penalty.clip={phi}")
+    cfg = tiny(*EDIT_ONE_STEP, f"penalty.temperature={temperature}", f"penalty.clip={phi}", "penalty.clip_mode=absolute")
     theta0, spec = _initial(cfg)
     c = {0: 0.01, 1: 0.02, 2: 0.05}
     _, final, _ = _run(cfg, tmp_path, _crafted(spec, lambda pid: torch.full((spec.numel,), c[pid])))

@@ -204,7 +204,7 @@ VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4",
 DIPS_SETTINGS = ["strategy.outer_lr=0.7", "strategy.outer_momentum=0.8", "strategy.buffer_size=1000000",
                  "strategy.grace=true", "strategy.weighting=tokens", "penalty.enabled=true",
                  "penalty.rule=relative_max", "penalty.keying=pooled", "penalty.weighting=tokens", "penalty.clip=1.0",
-                 "penalty.warmup=2"]
+                 "penalty.clip_mode=absolute", "penalty.warmup=2"]
 FEDASYNC_SETTINGS = ["strategy.buffer_size=1", "strategy.staleness_weighting=false", "strategy.staleness_mixing=true",
                      "strategy.pseudo_grad_base=current"]
 FIXED_STREAM = ["model.n_layers=2", "strategy.inner_steps=4", "streaming.fragments=2", "streaming.overlap=1",

@@ -270,17 +270,25 @@ def scale_ranges_(buffer: torch.Tensor, groups: Sequence[tuple[str, Ranges]],
                 buffer[b:e].mul_(f)
 
 
-def clip_(update: torch.Tensor, groups: Sequence[tuple[str, Ranges]], phi: float,
+def clip_(update: torch.Tensor, groups: Sequence[tuple[str, Ranges]], phi: float | torch.Tensor,
           eps: float = 1e-6, boundaries: Sequence[int] | None = None) -> torch.Tensor:
     """Δ̂ = min(1, φ/(‖Δ̄‖+ε))·Δ̄ per group, in place on a flat buffer; returns the factors.
 
     One group over everything is Di-PS's global clip (φ = 1, there without ε); one group per
-    module is EDiT's (φ = 10; atorch clips each FSDP unit). The norms take one read of the
-    buffer, the scaling one more read-write of the groups that are actually clipped.
+    module is EDiT's (φ = 10; atorch clips each FSDP unit). ``phi`` is one float for every group
+    or a ``[num_groups]`` tensor (the relative clip's per-group thresholds, +∞: leave the group).
+    The norms take one read of the buffer, the scaling one more read-write of the groups that are
+    actually clipped.
     """
-    phi, eps = float(phi), float(eps)
-    if not (phi > 0 and math.isfinite(phi)):
-        raise ValueError(f"clip threshold φ must be finite and > 0, got {phi}")
+    eps = float(eps)
+    if isinstance(phi, torch.Tensor):
+        phi = phi.to(torch.float64).reshape(-1)
+        if phi.numel() != len(groups) or not bool((phi > 0).all()) or bool(torch.isnan(phi).any()):
+            raise ValueError(f"per-group clip thresholds φ must be {len(groups)} values > 0, got {phi.tolist()}")
+    else:
+        phi = float(phi)
+        if not (phi > 0 and math.isfinite(phi)):
+            raise ValueError(f"clip threshold φ must be finite and > 0, got {phi}")
     if not (eps >= 0 and math.isfinite(eps)):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     norms = group_norms(update, groups, boundaries)

@@ -51,6 +51,7 @@ from fl_geo.core.groups import (
     restrict,
     scale_ranges_,
 )
+from fl_geo.core.relative_clip import RelativeClip
 from fl_geo.core.state import ParamSpec
 from fl_geo.core.statistics import EmaStats, NormsLike, OutlierTest, _check_norms
 from fl_geo.core.weights import (
@@ -132,7 +133,10 @@ class Penalty:
     ``zscore``|``relative_max``; ``threshold`` δ or β (3); ``warmup`` observations per key
     before z is real (20); ``keying`` ``node``|``pooled``; ``weighting`` one of `WEIGHT_KINDS`
     or a list (product, renormalised); ``temperature`` T of ``norm_softmax`` (1) or ``"auto"``;
-    ``clip`` φ or None; ``eps`` ε of the clip (1e-6) and floor of an auto temperature;
+    ``clip`` φ or None (None: no clipping in either mode); ``clip_mode`` ``absolute`` (φ =
+    ``clip``, the papers') or ``relative`` (φ_g = ``clip_ratio`` × the running mean of the
+    group's clipped norms, `fl_geo.core.relative_clip`, docs/algorithms.md §4.6);
+    ``eps`` ε of the clip (1e-6) and floor of an auto temperature;
     ``ema_alpha`` α (0.02); ``window`` W of E (16); ``adaptive_threshold`` (zscore only);
     ``reject`` False turns the outlier test off (every finite update is accepted).
 
@@ -154,6 +158,8 @@ class Penalty:
         weighting: str | Sequence[str] = "tokens",
         temperature: float | str = 1.0,
         clip: float | None = None,
+        clip_mode: str = "absolute",
+        clip_ratio: float = 2.0,
         eps: float = 1e-6,
         ema_alpha: float = 0.02,
         window: int = 16,
@@ -184,6 +190,11 @@ class Penalty:
             if not (clip > 0 and math.isfinite(clip)):
                 raise ValueError(f"clip φ must be finite and > 0 (or None), got {clip}")
         self.clip = clip
+        if clip_mode not in ("absolute", "relative"):
+            raise ValueError(f"clip_mode must be 'absolute' or 'relative', got {clip_mode!r}")
+        self.clip_mode = clip_mode
+        self.relative = (RelativeClip(self.num_groups, clip_ratio)
+                         if clip is not None and clip_mode == "relative" else None)
         self.eps = float(eps)
         if not (self.eps >= 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be finite and >= 0, got {eps}")
@@ -306,15 +317,39 @@ class Penalty:
                     buffer[b:e].div_(total)
         return totals
 
+    def clip_thresholds(self) -> torch.Tensor:
+        """This step's φ per group ``[num_groups]``: ``clip`` (absolute), c·m_g (relative; +∞
+        before a group's first step), +∞ when clipping is off."""
+        if self.clip is None:
+            return torch.full((self.num_groups,), math.inf, dtype=torch.float64)
+        if self.relative is None:
+            return torch.full((self.num_groups,), self.clip, dtype=torch.float64)
+        return self.relative.thresholds()
+
+    def record_clipped(self, clipped_norms: torch.Tensor) -> None:
+        """Teach the relative clip this step's clipped norms ‖Δ̂_g‖ (groups rolled back this step
+        are skipped); a no-op in absolute mode. For callers that clip without `clip_` (the
+        sharded parameter server scales on its followers)."""
+        if self.relative is not None:
+            self.relative.update(clipped_norms, ~self.rolled_back_mask)
+
     def clip_(self, update: torch.Tensor) -> torch.Tensor:
-        """Clip the averaged update in place per group (`clip_` with φ = ``clip``); returns the
-        scale factors (all 1, without touching the buffer, when clipping is off)."""
+        """Clip the averaged update in place per group (`clip_` with φ = `clip_thresholds`) and,
+        in relative mode, learn the clipped norms; returns the scale factors (all 1, without
+        touching the buffer, when clipping is off)."""
         if self.clip is None:
             return torch.ones(self.num_groups, dtype=torch.float64)
         if update.dim() != 1 or update.numel() != self.spec.numel:
             raise ValueError(f"update must be 1-D with {self.spec.numel} elements, got "
                              f"{tuple(update.shape)}")
-        return clip_(update, self.groups, self.clip, self.eps, self.spec.offsets)
+        if self.relative is None:
+            return clip_(update, self.groups, self.clip, self.eps, self.spec.offsets)
+        # ‖Δ̂_g‖ as f_g·‖Δ̄_g‖ (what the sharded server, which never holds Δ̂, can also compute):
+        # one more read of the buffer than the absolute clip
+        norms = group_norms(update, self.groups, self.spec.offsets)
+        factors = clip_(update, self.groups, self.relative.thresholds(), self.eps, self.spec.offsets)
+        self.record_clipped(factors * norms)
+        return factors
 
     def finalize_weights(self) -> torch.Tensor:
         """Normalised weights ``[num_updates, num_groups]`` of the step's updates, from their
@@ -378,6 +413,7 @@ class Penalty:
             "stats": self.stats.state_dict(),
             "test": self.test.state_dict(),
             "last_mean_norm": self._last_mean_norm.clone(),
+            **({"relative_clip": self.relative.state_dict()} if self.relative is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -399,6 +435,9 @@ class Penalty:
         test = OutlierTest(self.num_groups, self.test.rule, self.test.threshold, self.test.window,
                            self.test.adaptive_threshold, self.test.history)
         test.load_state_dict(state["test"])
+        if self.relative is not None and "relative_clip" in state:
+            # a checkpoint from an absolute-mode run has none: the statistic starts afresh
+            self.relative.load_state_dict(state["relative_clip"])
         self.stats, self.test = stats, test
         self._last_mean_norm = last.reshape(-1).clone()
         self._step = None

@@ -27,7 +27,11 @@ class PenaltySection:
     keying: str = "node"  # node | pooled
     weighting: str = "tokens"  # tokens | norm_softmax | uniform | staleness (or "a*b" products)
     temperature: float = 1.0  # norm_softmax T; 0 = auto (mean accepted norm of the previous step)
-    clip: float = 0.0  # phi; 0 = no clipping
+    clip: float = 0.0  # phi; 0 = no clipping (in either mode)
+    # absolute: phi = clip (the papers' LLM-scale constants); relative: phi = clip_ratio x the
+    # running mean of the clipped update norms (scale-free, docs/algorithms.md §4.6)
+    clip_mode: str = "absolute"
+    clip_ratio: float = 2.0
     adaptive_threshold: bool = False
     # Ablation switch (EDiT Fig. 7a "w/o AE"): false = never reject (statistics still kept).
     # "w/o WA" is weighting=uniform, "w/o GC" is clip=0.
@@ -40,5 +44,7 @@ class PenaltySection:
         require(self.keying in ("node", "pooled"), "penalty.keying must be node or pooled")
         require(self.threshold > 0 and self.warmup >= 0 and self.clip >= 0 and self.temperature >= 0,
                 "penalty: threshold > 0, warmup, clip, temperature >= 0")
+        require(self.clip_mode in ("absolute", "relative"), "penalty.clip_mode must be absolute or relative")
+        require(self.clip_ratio > 0, f"penalty.clip_ratio must be > 0, got {self.clip_ratio}")
         for part in self.weighting.split("*"):
             require(part in PENALTY_WEIGHT_PARTS, f"penalty.weighting part '{part}' is unknown")
