@@ -14,8 +14,8 @@ import torch
 
 from fl_geo.clients import Site, make_client_app
 
-IN, HIDDEN, BATCH = 8, 128, 32
-Y_SCALE = 5.0
+IN, HIDDEN, BATCH = 8, 64, 32
+Y_SCALE = 1.0
 
 
 class MLP(torch.nn.Module):
