@@ -98,8 +98,8 @@ class DiPSSettings(AsyncSettings):
     clip_mode : str (default: "relative")
         ``"relative"``: φ = clip_ratio × the running mean of the clipped norms (scale-free: φ = 1
         is an LLM-scale constant that binds on every step of a model with larger updates and
-        never on one with smaller; docs/algorithms.md §4.6); ``"absolute"``: φ = ``clip`` (the
-        paper's; configs/dips.yaml).
+        never on one with smaller; docs/algorithms.md §4, "The relative clip");
+        ``"absolute"``: φ = ``clip`` (the paper's; configs/dips.yaml).
     clip_ratio : float (default: 2.0)
         c of the relative clip (``penalty.clip_ratio``).
     penalty : bool (default: True)

@@ -42,7 +42,8 @@ class EDiTSettings(SyncSettings):
     clip_mode : str (default: "relative")
         ``"relative"``: φ_g = clip_ratio × the running mean of module g's clipped norms (scale-
         free: φ = 10 is an LLM-scale constant that never binds on a small model's updates;
-        docs/algorithms.md §4.6); ``"absolute"``: φ = ``clip`` (the paper's; configs/edit.yaml).
+        docs/algorithms.md §4, "The relative clip"); ``"absolute"``: φ = ``clip`` (the paper's;
+        configs/edit.yaml).
     clip_ratio : float (default: 2.0)
         c of the relative clip (``penalty.clip_ratio``).
     temperature : float (default: 1.0)

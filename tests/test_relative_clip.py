@@ -1,4 +1,5 @@
-"""The relative clip (docs/algorithms.md §4.6): φ_g,t = c · m_g,t−1, m the EMA of the clipped norms.
+"""The relative clip (docs/algorithms.md §4, "The relative clip"): φ_g,t = c · m_g,t−1, with m
+the EMA of the clipped norms.
 
 Checked against the formula by hand, and for the two properties the derivation rests on: the
 clip factors do not change when every update is scaled by s > 0 (scale-free), and the clipped

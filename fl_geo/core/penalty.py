@@ -135,7 +135,8 @@ class Penalty:
     or a list (product, renormalised); ``temperature`` T of ``norm_softmax`` (1) or ``"auto"``;
     ``clip`` φ or None (None: no clipping in either mode); ``clip_mode`` ``absolute`` (φ =
     ``clip``, the papers') or ``relative`` (φ_g = ``clip_ratio`` × the running mean of the
-    group's clipped norms, `fl_geo.core.relative_clip`, docs/algorithms.md §4.6);
+    group's clipped norms, `fl_geo.core.relative_clip`; docs/algorithms.md §4, "The relative
+    clip");
     ``eps`` ε of the clip (1e-6) and floor of an auto temperature;
     ``ema_alpha`` α (0.02); ``window`` W of E (16); ``adaptive_threshold`` (zscore only);
     ``reject`` False turns the outlier test off (every finite update is accepted).

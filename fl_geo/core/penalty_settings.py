@@ -29,7 +29,7 @@ class PenaltySection:
     temperature: float = 1.0  # norm_softmax T; 0 = auto (mean accepted norm of the previous step)
     clip: float = 0.0  # phi; 0 = no clipping (in either mode)
     # absolute: phi = clip (the papers' LLM-scale constants); relative: phi = clip_ratio x the
-    # running mean of the clipped update norms (scale-free, docs/algorithms.md §4.6)
+    # running mean of the clipped update norms (scale-free, docs/algorithms.md §4, "The relative clip")
     clip_mode: str = "absolute"
     clip_ratio: float = 2.0
     adaptive_threshold: bool = False

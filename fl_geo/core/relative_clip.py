@@ -6,7 +6,7 @@ parameters, whose averaged pseudo-gradients have norms well above them, so there
 updates are small it never binds and guards nothing; on one whose updates are large it cuts every
 step to a fixed length. A threshold relative to the updates' own running scale keeps what the
 clip is for (cut a step that is much larger than the recent ones) on every model
-(docs/algorithms.md §4.6 derives it).
+(docs/algorithms.md §4, "The relative clip" derives it).
 
 Per group g (one group for a global clip, one per module for EDiT's), with ε the clip's ε::
 
@@ -61,8 +61,9 @@ class RelativeClip:
         g = torch.as_tensor(clipped_norms, dtype=torch.float64).reshape(-1)
         if g.numel() != self.num_groups:
             raise ValueError(f"need {self.num_groups} norms, got {g.numel()}")
-        mask = torch.ones(self.num_groups, dtype=torch.bool) if stepped is None else torch.as_tensor(stepped).reshape(-1)
-        mask = mask & torch.isfinite(g)
+        mask = torch.isfinite(g)
+        if stepped is not None:
+            mask = mask & torch.as_tensor(stepped, dtype=torch.bool).reshape(-1)
         ema = torch.where(torch.isnan(self.mean), g, (1.0 - self.alpha) * self.mean + self.alpha * g)
         self.mean = torch.where(mask, ema, self.mean)
 
