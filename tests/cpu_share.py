@@ -66,6 +66,7 @@ class CpuShare:
         self._own_session = os.getsid(0)
         self._stop = threading.Event()
         self._paused = threading.Event()
+        self._sweeping = threading.Lock()  # held by the thread's sweep: `paused` waits for one in flight
         self._thread = threading.Thread(target=self._run, name="cpu-share", daemon=True)
 
     @staticmethod
@@ -100,8 +101,11 @@ class CpuShare:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """No sweeps meanwhile (a test of this module checks its own `CpuShare` undisturbed)."""
+        """No sweeps meanwhile (a test of this module checks its own `CpuShare` undisturbed); a
+        sweep already under way is waited for, so nothing is lowered after this returns."""
         self._paused.set()
+        with self._sweeping:
+            pass
         try:
             yield
         finally:
@@ -134,5 +138,6 @@ class CpuShare:
         while not self._stop.wait(self.every_s):
             # New sessions start at nice 0, so with nobody else holding and nothing lowered there
             # is nothing to do: skip the walk over /proc (about 1-3 ms of CPU each).
-            if not self._paused.is_set() and (self.others_hold() or any(self.set_to.values())):
-                self.sweep()
+            with self._sweeping:
+                if not self._paused.is_set() and (self.others_hold() or any(self.set_to.values())):
+                    self.sweep()

@@ -21,10 +21,12 @@ def test_sessions_yield_only_while_another_worker_holds_the_share(tmp_path, requ
     suite_share = request.config.stash.get(CPU_SHARE, None)
     own = autogroup_nice(os.getpid())
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
-    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # stays in our session
-    try:
-        with suite_share.paused() if suite_share is not None else contextlib.nullcontext():
+    # The suite's own share is paused before the processes start: were another worker running a
+    # Ray test, it would otherwise lower the new session before this test's share looks at it.
+    with suite_share.paused() if suite_share is not None else contextlib.nullcontext():
+        leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # stays in our session
+        try:
             for _ in range(100):  # the grandchild appears once the leader's interpreter has started
                 found = descendants(os.getpid())
                 if sum(sid == leader.pid for sid in found.values()) == 2:
@@ -50,7 +52,7 @@ def test_sessions_yield_only_while_another_worker_holds_the_share(tmp_path, requ
             other.unlink()
             share.sweep()
             assert autogroup_nice(leader.pid) == 0 and autogroup_nice(os.getpid()) == own
-    finally:
-        for proc in (leader, same):
-            proc.kill()
-            proc.wait()
+        finally:
+            for proc in (leader, same):
+                proc.kill()
+                proc.wait()

@@ -133,7 +133,8 @@ def test_client_app_node_devices_equal_one_process_with_double_batch(tiny, tmp_p
     common = ("run.num_clients=1", "run.rounds=1", "strategy.inner_steps=3", "run.eval_every=0")
     runs = {}
     for name, batch, node in (("one", 8, {}), ("two", 4, {"devices": 2})):
-        cfg = tiny(*common, f"client.batch_size={batch}")
+        # the operator allows the two-device site its devices (strategy.site_devices, issue 26)
+        cfg = tiny(*common, f"client.batch_size={batch}", f"strategy.site_devices={node.get('devices', 0)}")
         grid = InlineGrid(client_app, 1, seed=0, node_configs=[{"partition-id": 0, "num-partitions": 1, **node}])
         summary = run_server(grid, cfg, tmp_path / name)
         final = torch.load(tmp_path / name / "final_model.pt")["params"]
