@@ -224,9 +224,10 @@ def test_a_plain_site_claiming_2_to_the_40_examples_is_refused_every_round(caplo
 
 def test_a_plain_claim_within_the_bound_is_folded_and_token_cap_none_trusts_any():
     """A site claiming 4 x the others' examples is within the bound (so its update is folded, the
-    model differs from the NaN run); with ``token_cap="none"`` even 2**40 is believed."""
-    within, a, _ = _start(DiLoCo, lambda nodes: _claiming(nodes, _claim(4 * plain.STEPS * plain.BATCH)))
+    claim counts in full); with ``token_cap="none"`` even 2**40 is believed."""
+    within, _, _ = _start(DiLoCo, lambda nodes: _claiming(nodes, _claim(4 * plain.STEPS * plain.BATCH)))
     assert within.stats.rejected == 0
+    assert within.stats.tokens == 3 * (3 + 4) * plain.STEPS * plain.BATCH  # three honest sites and the 4x claim, 3 rounds
     trusted, _, _ = _start(DiLoCo, lambda nodes: _claiming(nodes, _claim(2**40)), token_cap="none")
     assert trusted.stats.rejected == 0 and trusted.stats.tokens > 2**40
 
