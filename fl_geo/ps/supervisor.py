@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fl_geo.atomic import write_text_atomic
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
@@ -49,12 +50,6 @@ class _Proc:
     port: int
     incarnation: str
     since: float  # monotonic time of the (re)start: the heartbeat grace period starts here
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -182,7 +177,7 @@ class FollowerSupervisor:
         if flat.dtype != torch.float32:
             flat = flat.float()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.workdir / "plan.json", self.plan.to_json())
+        write_text_atomic(self.workdir / "plan.json", self.plan.to_json())
         if self._own_heartbeats and self.heartbeats.port is None:
             self.leader_port = self.heartbeats.serve(self.leader_port, self.host,
                                                      self.tls.server_credentials() if self.tls else None)
