@@ -423,13 +423,14 @@ def full_path(grid: Grid, cfg: FlGeoConfig, run_dir: Path) -> dict[str, Any]:
 
 def _server_body(grid: Grid, cfg: FlGeoConfig, updates: int, run_dir: Path, out: dict[str, Any]) -> None:
     """Everything the benchmark does on a grid, in the ServerApp's thread."""
-    from fl_geo.runtime.dispatch import Dispatcher
+    from fl_geo.runtime.dispatch import Dispatcher, default_poll_interval
 
     content, numel = _train_content(cfg)
     nodes = Dispatcher(grid).wait_for_nodes(cfg.run.num_clients, cfg.run.wait_nodes_timeout_s)
     nodes = nodes[: cfg.run.num_clients]
     flower_round_trips(grid, nodes, content, WARMUP_PER_NODE * len(nodes))
     out["num_params"] = numel
+    out["poll_interval_s"] = default_poll_interval(grid)
     out["flower_before"] = flower_round_trips(grid, nodes, content, updates)
     out["dispatcher"] = dispatcher_round_trips(grid, nodes, content, updates)
     out["full"] = full_path(grid, cfg, run_dir)
@@ -495,7 +496,7 @@ def run_dispatch_bench(strategy: str = "async_diloco", updates: int = 50, client
     work = 1000.0 * full["server_work_s"] / phase.n
     out.update(
         config={"strategy": cfg.strategy.name, "backend": backend, "clients": clients, "updates": updates,
-                "wire_up": cfg.wire.up, "wire_down": cfg.wire.down, "poll_interval_s": _poll_interval(),
+                "wire_up": cfg.wire.up, "wire_down": cfg.wire.down, "poll_interval_s": out["poll_interval_s"],
                 "server_threads": torch.get_num_threads()},
         flower_ms=flower,
         overhead_ms=overhead,
@@ -506,14 +507,6 @@ def run_dispatch_bench(strategy: str = "async_diloco", updates: int = 50, client
         },
     )
     return out
-
-
-def _poll_interval() -> float:
-    import inspect
-
-    from fl_geo.runtime.dispatch import Dispatcher
-
-    return float(inspect.signature(Dispatcher.__init__).parameters["poll_interval_s"].default)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -161,6 +161,25 @@ def _record_event(ev: Event, remaining: set[str], resolved: dict[int, Message | 
 _VANISHED = object()
 
 
+POLL_IN_PROCESS_S = 0.02
+POLL_OVER_NETWORK_S = 0.25
+
+
+def default_poll_interval(grid: Grid) -> float:
+    """The longest wait between two pulls while nothing arrives, by transport.
+
+    An in-process grid (simulation, the inline grid) answers a pull from memory, so 20 ms costs
+    nothing. A deployment grid sends every pull to the SuperLink as an RPC: at 20 ms the SuperLink
+    and the ServerApp spend seconds of CPU per minute answering empty pulls, while a SuperNode
+    takes seconds per message anyway (it polls every 3 s when idle and starts a ClientApp process
+    per message). 250 ms adds at most a quarter of a second to a reply there; right after a reply
+    the dispatcher polls fast again (1 ms, doubling), so a burst of replies is pulled at once.
+    """
+    from flwr.superlink.grid.http_grid import HttpGrid
+
+    return POLL_OVER_NETWORK_S if isinstance(grid, HttpGrid) else POLL_IN_PROCESS_S
+
+
 class Dispatcher:
     """Sends jobs to nodes and hands their outcomes over in clock order."""
 
@@ -168,7 +187,7 @@ class Dispatcher:
         self,
         grid: Grid,
         clock: Clock | None = None,
-        poll_interval_s: float = 0.02,
+        poll_interval_s: float | None = None,
         liveness_every_s: float = 2.0,
     ) -> None:
         self.grid = grid
@@ -177,7 +196,7 @@ class Dispatcher:
 
             clock = WallClock()
         self.clock: Clock = clock
-        self.poll_interval_s = poll_interval_s
+        self.poll_interval_s = default_poll_interval(grid) if poll_interval_s is None else poll_interval_s
         self.liveness_every_s = liveness_every_s
         self._jobs: dict[str, Job] = {}  # in flight, not yet handed over
         self._arrived: dict[str, Any] = {}  # job id -> reply (or _VANISHED), in arrival order
