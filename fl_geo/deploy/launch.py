@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fl_geo.deploy.app_stage import staged_app
 from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
 from fl_geo.deploy.processes import _json_out, flower_env, flower_exe, flwr_cli
 from fl_geo.deploy.topology import DeployError, Topology
@@ -179,8 +180,9 @@ def run_experiment(topo: Topology, config: str | Path, overrides: Sequence[str] 
                                       "overrides": shlex.join(overrides)}), encoding="utf-8")
     before = {p.resolve() for p in out.glob(f"{name}-*")}
     t0 = time.monotonic()
-    submit = flwr_cli(topo, ["run", str(topo.app_dir), topo.name, "--run-config", str(run_config),
-                             "--format", "json"], timeout_s=300)
+    with staged_app(topo.app_dir, topo.state_dir) as app:  # the FAB is uploaded by the time flwr run returns
+        submit = flwr_cli(topo, ["run", str(app), topo.name, "--run-config", str(run_config),
+                                 "--format", "json"], timeout_s=300)
     res = _json_out(submit)
     if not res.get("success") or not res.get("run-id"):
         raise DeployError(f"flwr run failed: {res.get('error-message') or submit.stderr.strip() or submit.stdout.strip()}")

@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from fl_geo.deploy.app_stage import staged_app
 from fl_geo.deploy.flower_config import dumps_toml
 from fl_geo.deploy.processes import flower_exe
 from fl_geo.deploy.topology import NO_DEPS_ENV
@@ -123,13 +124,14 @@ def flwr_run_local(config: str | None, overrides: Sequence[str] = (), *, app_dir
     run_config = home / "run-config.toml"
     run_config.write_text(dumps_toml({"config": str(config_path.resolve()), "overrides": shlex.join(overrides)}),
                           encoding="utf-8")
-    cmd = [flwr, "run", str(app_dir), FEDERATION, "--stream", "--run-config", str(run_config)]
+    args = [FEDERATION, "--stream", "--run-config", str(run_config)]
     if new_cli:
-        cmd += ["--federation-config", " ".join(f"{k}={json.dumps(v)}" for k, v in options.items())]
-    say(f"fl-geo: FLWR_HOME={home} {shlex.join(['flwr', *cmd[1:]])}")
+        args += ["--federation-config", " ".join(f"{k}={json.dumps(v)}" for k, v in options.items())]
+    say(f"fl-geo: FLWR_HOME={home} {shlex.join(['flwr', 'run', str(app_dir), *args])}")
     before = {p.resolve() for p in out_dir.glob(f"{cfg.run.name}-*")}
     try:
-        code = subprocess.run(cmd, env=env, cwd=app_dir, check=False).returncode
+        with staged_app(app_dir, home / "staged") as app:  # the FAB without walking .venv (app_stage)
+            code = subprocess.run([flwr, "run", str(app), *args], env=env, cwd=app_dir, check=False).returncode
     except KeyboardInterrupt:
         say("fl-geo: interrupted; stopping the local SuperLink (and the run on it)")
         return 130
