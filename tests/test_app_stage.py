@@ -14,7 +14,7 @@ from flwr.cli.build import build_fab_from_disk
 from fl_geo.deploy.app_stage import stage_app, staged_app
 
 ROOT = Path(__file__).resolve().parents[1]
-# Flower 1.42 builds its path specs with a pattern class that pathspec deprecates (not ours).
+# Flower 1.42's own FAB build uses a pattern class that pathspec deprecates (not ours).
 pytestmark = pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
 
 

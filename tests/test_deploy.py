@@ -380,6 +380,30 @@ def test_down_ignores_a_recorded_pid_that_was_reused(tmp_path):
 
 
 
+def _start_federation(tmp: Path, tls: bool, started: list[topology.Topology],
+                      via_cli: bool = False) -> tuple[topology.Topology, Path]:
+    """Start a loopback topology (plain or TLS + auth, two sites) on free ports in ``tmp``; the
+    topology goes into ``started`` before anything starts, so a failed start is stopped too."""
+    data = _sites()
+    ports = free_ports(1 + len(data["nodes"]))
+    data["name"] = "e2e-tls" if tls else "e2e"
+    data["superlink"]["port"] = ports[0]
+    for node, port in zip(data["nodes"], ports[1:], strict=True):
+        node["port"] = port
+    data["flwr_home"] = str(tmp / "flwr")
+    data["state_dir"] = str(tmp / "state")
+    data["security"] = {"tls": tls, "auth": tls, "certs_dir": str(tmp / "certs")}
+    path = tmp / "topology.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    topo = load_topology(path)
+    started.append(topo)
+    if via_cli:
+        assert cli.main(["deploy", "up", str(path), "--timeout", "180"]) == 0
+    else:
+        lifecycle.up(topo, timeout_s=180)
+    return topo, path
+
+
 @pytest.fixture
 def federation(tmp_path):
     """Start a loopback topology (plain or TLS + auth) on free ports in tmp_path; always stop it.
@@ -390,29 +414,30 @@ def federation(tmp_path):
     started: list[topology.Topology] = []
 
     def start(tls: bool, via_cli: bool = False) -> tuple[topology.Topology, Path]:
-        data = _sites()
-        ports = free_ports(1 + len(data["nodes"]))
-        data["name"] = "e2e-tls" if tls else "e2e"
-        data["superlink"]["port"] = ports[0]
-        for node, port in zip(data["nodes"], ports[1:], strict=True):
-            node["port"] = port
-        data["flwr_home"] = str(tmp_path / "flwr")
-        data["state_dir"] = str(tmp_path / "state")
-        data["security"] = {"tls": tls, "auth": tls, "certs_dir": str(tmp_path / "certs")}
-        path = tmp_path / "topology.yaml"
-        path.write_text(yaml.safe_dump(data), encoding="utf-8")
-        topo = load_topology(path)
-        started.append(topo)
-        if via_cli:
-            assert cli.main(["deploy", "up", str(path), "--timeout", "180"]) == 0
-        else:
-            lifecycle.up(topo, timeout_s=180)
-        return topo, path
+        return _start_federation(tmp_path, tls, started, via_cli)
 
     yield start
 
     for topo in started:
         down_and_assert_clean(topo)
+
+
+# The plaintext end-to-end runs share one federation, started through `fl-geo deploy up` (each
+# federation costs ~20 s of CPU to start: a SuperLink, two SuperNodes, three SuperExecs). Runs on
+# one SuperLink are independent Flower runs with their own run ids, so neither test sees the
+# other's; the group keeps both on one xdist worker, where the module fixture lives.
+SHARED = pytest.mark.xdist_group("e2e-plaintext")
+
+
+@pytest.fixture(scope="module")
+def plaintext_federation(tmp_path_factory):
+    """The shared plaintext two-site federation; stopped (and checked clean) after the module."""
+    started: list[topology.Topology] = []
+    try:
+        yield _start_federation(tmp_path_factory.mktemp("e2e-plaintext"), False, started, via_cli=True)
+    finally:
+        for topo in started:
+            down_and_assert_clean(topo)
 
 
 def _received(log: str, kind: str = "train") -> int:
@@ -423,15 +448,23 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _received_by_node(topo: topology.Topology) -> dict[str, tuple[int, int]]:
+    """(train, query) messages each SuperNode of ``topo`` has logged so far."""
+    return {r.name: (_received(r.log), _received(r.log, "query"))
+            for r in processes.load_records(topo) if r.role == "supernode"}
+
+
+@SHARED
 @pytest.mark.slow(seconds=91)
-def test_e2e_diloco_on_insecure_supernodes(federation, tmp_path, capsys):
+def test_e2e_diloco_on_insecure_supernodes(plaintext_federation, tmp_path, capsys):
     """Synchronous DiLoCo across a SuperLink and two SuperNodes, all through the fl-geo CLI."""
-    topo, path = federation(tls=False, via_cli=True)
+    topo, path = plaintext_federation
     assert cli.main(["deploy", "status", str(path)]) == 0
     shown = capsys.readouterr().out
     assert shown.count("alive") == 1 + SITES and shown.count(": online") == SITES
 
     out = tmp_path / "runs"
+    before = _received_by_node(topo)  # the shared federation may have run the other test's run
     t0 = time.monotonic()
     rc = cli.main(["deploy", "run", str(path), "configs/diloco.yaml", *TINY_RUN, "run.rounds=2",
                    "run.name=e2e-diloco", "--out", str(out), "--timeout", "300"])
@@ -444,18 +477,20 @@ def test_e2e_diloco_on_insecure_supernodes(federation, tmp_path, capsys):
     assert math.isfinite(summary["final_val_loss"]) and summary["final_val_loss"] > 0
     steps = [m for m in _metrics(run_dir) if m.get("step", 0) > 0]
     assert [m["outer/accepted"] for m in steps] == [SITES, SITES]  # each outer step averaged every site
-    for rec in processes.load_records(topo):
-        if rec.role == "supernode":
-            assert _received(rec.log) == 2, rec.log  # one train message per round on every site
-            assert _received(rec.log, "query") == 1, rec.log  # the profile query (site, partition)
+    after = _received_by_node(topo)
+    assert len(after) == SITES
+    for name, (train, query) in after.items():
+        # one train message per round on every site, and the profile query (site, partition)
+        assert (train - before[name][0], query - before[name][1]) == (2, 1), (name, before, after)
     print(f"\n[e2e diloco] deploy run {wall:.1f} s, ServerApp {summary['wall_s']:.1f} s", file=sys.stderr)
 
 
+@SHARED
 @pytest.mark.slow(seconds=90)
-def test_e2e_sharded_dips_data_path_beside_flower(federation, tmp_path, capsys):
+def test_e2e_sharded_dips_data_path_beside_flower(plaintext_federation, tmp_path, capsys):
     """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
     SuperNodes: the ServerApp leads, clients pull and push shards on the data path."""
-    _, path = federation(tls=False)
+    _, path = plaintext_federation
     out = tmp_path / "runs"
     rc = cli.main(["deploy", "run", str(path), "configs/dips_sharded.yaml", *TINY_RUN, "run.rounds=2", "run.clock=wall",
                    "strategy.grace_s=2", "run.name=e2e-sharded", "--out", str(out), "--timeout", "300"])

@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,10 @@ def _dropped_dir_rule(app: Path):
     if any(p.lstrip().startswith("!") for p in patterns):
         # A re-included path could sit inside an ignored folder: prune nothing, let Flower decide.
         return lambda rel: rel.rpartition("/")[2] in VCS_DIRS
-    spec = build_pathspec(patterns)
+    with warnings.catch_warnings():  # Flower 1.42 builds specs with a pattern class pathspec deprecates
+        warnings.simplefilter("ignore", DeprecationWarning)
+        spec = build_pathspec(patterns)
+        spec.match_file(PROBE)  # pathspec compiles lazily on some versions: warn here, not per directory
     return lambda rel: rel.rpartition("/")[2] in VCS_DIRS or spec.match_file(f"{rel}/{PROBE}")
 
 
