@@ -135,7 +135,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             self.supervisor = FollowerSupervisor(
                 self.plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=cfg.wire.up,
                 send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
-                torch_threads=cfg.run.server_threads, host=ps.host, tls=tls, key=_data_path_key(ps.key_file))
+                torch_threads=cfg.run.server_threads, host=ps.host, tls=tls, key=_data_path_key(ps.key_file),
+                allow_plaintext_remote=ps.allow_insecure_remote)
             self.followers = []  # connected when the run starts (`_start_followers`)
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))

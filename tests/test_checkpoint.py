@@ -279,6 +279,19 @@ def test_a_checkpoint_names_its_run_and_pruning_spares_other_runs(tmp_path):
         ours.load(7)
 
 
+def test_a_header_whose_run_id_was_rewritten_is_refused(tmp_path):
+    """The header's run id decides what a store may prune or overwrite (read alone, unverified,
+    by `owner_of`); a file whose id was changed to another run's does not load as verified."""
+    from fl_geo.core.checkpoint import identity_bytes, run_id_of
+
+    data = bytearray(encode_checkpoint(_state(3), {"strategy.name": "diloco"}))
+    other = run_id_of(identity_bytes({"strategy.name": "edit"}))
+    assert bytes(data[8:40]) != other
+    data[8:40] = other  # magic (8 bytes), then the 32-byte run id
+    with pytest.raises(CheckpointError, match="header's run id"):
+        decode_checkpoint(bytes(data))
+
+
 def test_checkpointing_is_refused_where_it_is_not_complete(tiny):
     with pytest.raises(ConfigError, match="not supported for strategy 'halos'"):
         tiny("strategy.name=halos", "run.clock=virtual", "run.checkpoint_every=1")

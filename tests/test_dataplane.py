@@ -270,9 +270,16 @@ def test_bad_control_and_pull_requests(served):
         "unknown op": (("explode",), {}, "unknown control op"),
         "missing arg": (("fold",), {"job": "j"}, "lacks"),
         "extra arg": (("fold",), {"job": "j", "weight": 1.0, "bogus": 2}, "unknown keys"),
-        "string weight": (("fold",), {"job": "j", "weight": "1"}, "must be a number"),
-        "bool weight": (("fold",), {"job": "j", "weight": True}, "must be a number"),
+        "string weight": (("fold",), {"job": "j", "weight": "1"}, "must be a finite number"),
+        "bool weight": (("fold",), {"job": "j", "weight": True}, "must be a finite number"),
         "bad drop_pending": (("reset_window",), {"drop_pending": 1}, "must be a bool"),
+        # JSON carries NaN and Infinity: each would make the shard non-finite
+        "NaN lr": (("step",), {"clip_factor": 1.0, "lr": float("nan")}, "lr must be a finite number"),
+        "infinite lr": (("step",), {"clip_factor": 1.0, "lr": float("inf")}, "lr must be a finite number"),
+        "negative lr": (("step",), {"clip_factor": 1.0, "lr": -0.5}, "lr must be >= 0"),
+        "NaN clip factor": (("step",), {"clip_factor": float("nan")}, "clip_factor must be a finite number"),
+        "infinite fold weight": (("fold",), {"job": "j", "weight": float("inf")}, "weight must be a finite number"),
+        "NaN total weight": (("mean_sq_sums",), {"total_weight": float("nan")}, "must be a finite number"),
     }
     for name, ((op,), args, message) in invalid.items():
         with pytest.raises(DataPathError, match=message) as info:

@@ -332,6 +332,85 @@ def test_key_file_is_private_and_never_on_the_command_line(tmp_path, monkeypatch
         _data_path_key(str(loose))
 
 
+def test_a_leader_mac_wrong_only_at_its_end_is_refused():
+    """The whole MAC is compared: one differing in its last hex digit, cut to a prefix, or with
+    a digit appended does not verify (a comparison of a prefix would let each of these through)."""
+    auth = DataPathAuth(KEY)
+    request = b'{"op":"step","args":{"clip_factor":1.0},"id":"s1"}'
+    mac = auth.sign_leader("Control", request)
+    auth.verify_leader("Control", request, mac)
+    last = "0" if mac[-1] != "0" else "1"
+    for forged in (mac[:-1] + last, mac[:2], mac[:2] + "0" * (len(mac) - 2), mac + "0"):
+        with pytest.raises(AuthError, match="does not verify"):
+            auth.verify_leader("Control", request, forged)
+
+
+@pytest.mark.parametrize("weak", [bytes(32), b"\xff" * 32, bytes(range(4)) * 8, bytes(range(7)) * 5])
+def test_a_key_that_is_not_random_is_refused_everywhere_a_key_enters(weak, tmp_path, monkeypatch):
+    """All zeros, one byte repeated or a short pattern: refused as a key object, as a key file
+    (written or read) and from the environment; a random key of the same length is accepted."""
+    with pytest.raises(ValueError, match="not random"):
+        DataPathAuth(weak)
+    with pytest.raises(ValueError, match="not random"):
+        write_key_file(tmp_path / "w.key", weak)
+    path = tmp_path / "r.key"
+    path.write_text(weak.hex())
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match="not random"):
+        read_key_file(path)
+    with pytest.raises(ValueError, match="not random"):
+        key_from_env({KEY_ENV: weak.hex()})
+    DataPathAuth(new_key())
+
+
+def test_a_key_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    """A FIFO would block a plain read until someone writes to it (the follower would hang at
+    start); a directory or a device is no key either. Each is a one-line error, at once."""
+    import threading
+
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo, 0o600)
+    folder = tmp_path / "key.dir"
+    folder.mkdir(mode=0o700)
+    for path, kind in ((fifo, "p"), (folder, "d"), (Path("/dev/null"), "c")):
+        errors: list[BaseException] = []
+        reader = threading.Thread(target=_capture, args=(errors, read_key_file, path), daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        assert not reader.is_alive(), f"reading {path} blocked"
+        assert len(errors) == 1 and isinstance(errors[0], ValueError), errors
+        assert "not a regular file" in str(errors[0]) and f"({kind}" in str(errors[0])
+
+
+def test_a_follower_serves_plaintext_only_on_loopback_unless_the_host_is_named_twice(plan, tmp_path):
+    """`python -m fl_geo.ps.follower_main` (and the supervisor that starts it): no plaintext on a
+    public address by a default or a typo; TLS anywhere; plaintext elsewhere only when the
+    operator names that very host in --allow-plaintext-host (ps.allow_insecure_remote)."""
+    from fl_geo.ps.follower_main import check_bind
+    from fl_geo.ps.supervisor import FollowerSupervisor
+
+    def bind(host, tls_ca=None, allow=None):
+        check_bind(argparse.Namespace(index=0, host=host, tls_ca=tls_ca, allow_plaintext_host=allow))
+
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+        bind(host)
+    bind("0.0.0.0", tls_ca="ca.crt")
+    bind("10.0.0.5", allow="10.0.0.5")
+    for host, allow in (("0.0.0.0", None), ("10.0.0.5", None), ("10.0.0.5", "10.0.0.6"), ("dc1.example", "")):
+        with pytest.raises(SystemExit, match="not a loopback address"):
+            bind(host, allow=allow)
+    with pytest.raises(ValueError, match="without TLS"):
+        FollowerSupervisor(plan, tmp_path / "sup", host="0.0.0.0")
+    assert FollowerSupervisor(plan, tmp_path / "sup", host="0.0.0.0", allow_plaintext_remote=True).host == "0.0.0.0"
+
+
+def _capture(errors: list[BaseException], fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        errors.append(exc)
+
+
 def test_supervisor_gives_followers_the_key_in_the_environment_not_argv(plan, tmp_path):
     """A follower process verifies the supervisor's tokens and leader MAC; its command line (what
     `ps` shows) holds no key."""

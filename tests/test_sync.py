@@ -279,6 +279,7 @@ LYING_METRICS = {
     "loss inf": ({"train_loss": float("inf")}, "metric 'train_loss' is inf"),
     "step time negative": ({"step_time_s": -1.0}, "step_time_s=-1.0, must be in [0, 3600]"),
     "step time NaN": ({"step_time_s": float("nan")}, "metric 'step_time_s' is nan"),
+    "step time over an hour": ({"step_time_s": 3600.5}, "step_time_s=3600.5, must be in [0, 3600]"),
     "base version NaN": ({"base_version": float("nan")}, "metric 'base_version' is nan"),
     "base version missing": ({"base_version": None}, "reply metrics lack 'base_version'"),
     # tiny: H 3 x batch 4 x seq_len 32 x 1 device = 384 tokens at most

@@ -182,8 +182,11 @@ def decode_checkpoint_with_identity(data: bytes | bytearray | memoryview
                               f"{len(view) - _HEADER.size}")
     check = hashlib.sha256(ident)
     check.update(payload)
-    if check.digest() != digest or run_id_of(ident) != run_id:
+    if check.digest() != digest:
         raise CheckpointError("sha256 mismatch: the file was modified or damaged after it was written")
+    if run_id_of(ident) != run_id:  # the digest does not cover the header's id: owner_of reads it alone
+        raise CheckpointError("the header's run id is not the one of the run identity it carries "
+                              "(the header was rewritten)")
     try:
         identity = json.loads(ident) if ident else None
     except ValueError as exc:

@@ -9,13 +9,13 @@ bottom of the package.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fl_geo.hosts import is_loopback
 from fl_geo.inner.device import DEVICE_KINDS
 
 __all__ = [
@@ -40,7 +40,6 @@ NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "site", "region", "device"
 # Optional: where the site keeps its inner optimizer state across a restarted ServerApp
 # (clients/persist.py); a relative path is resolved like the topology's other paths.
 NODE_CONFIG_OPTIONAL = ("state-dir",)
-LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 DEFAULT_GRACE_S = 10.0
 
 
@@ -85,20 +84,6 @@ class CertPaths:
 # ---------------------------------------------------------------------------------------------
 # Topology
 # ---------------------------------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    """True for addresses that never leave this machine (the only place ``--insecure`` is OK).
-
-    A host name other than ``localhost`` counts as remote: we cannot know where DNS points it.
-    """
-    h = host.strip().strip("[]").lower()
-    if h in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

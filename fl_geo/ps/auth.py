@@ -72,9 +72,19 @@ def new_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def _check_key(key: bytes) -> bytes:
+MAX_KEY_FILE_BYTES = 4096  # a hex key and a newline; anything longer is not a key file
+MIN_DISTINCT_BYTES = 8  # a random 32-byte key has ~28 distinct values; 8 or fewer is a pattern
+
+
+def _check_key(key: bytes, where: str = "a data path key") -> bytes:
+    """``key`` unless it is too short or plainly not random: all zeros, one byte repeated, or any
+    other pattern of fewer than `MIN_DISTINCT_BYTES` byte values (a random key of `KEY_BYTES`
+    bytes is refused by this with probability below 1e-20)."""
     if not isinstance(key, bytes) or len(key) < KEY_BYTES:
-        raise ValueError(f"a data path key needs at least {KEY_BYTES} bytes")
+        raise ValueError(f"{where} needs at least {KEY_BYTES} bytes")
+    if len(set(key)) < MIN_DISTINCT_BYTES:
+        raise ValueError(f"{where} is not random ({len(set(key))} distinct byte values); make one with: "
+                         f"(umask 077; openssl rand -hex {KEY_BYTES} > ps.key)")
     return key
 
 
@@ -96,18 +106,32 @@ def _parse_hex_key(text: str, where: str) -> bytes:
     if len(key) < KEY_BYTES:
         raise ValueError(f"{where} holds {len(key)} bytes; a data path key needs at least {KEY_BYTES} "
                          f"(make one with: (umask 077; openssl rand -hex {KEY_BYTES} > ps.key))")
-    return key
+    return _check_key(key, where)
 
 
 def read_key_file(path: str | os.PathLike[str]) -> bytes:
     """The key in ``path`` (hex). Refused when the file is readable or writable by anyone but its
     owner: a key others can read authenticates nobody (the rule ssh applies to private keys)."""
     path = Path(path)
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(f"data path key file {path} has mode {stat.filemode(mode)}; "
-                              f"it must be private to its owner (chmod 600 {path})")
-    return _parse_hex_key(path.read_text(), f"data path key file {path}")
+    # Non-blocking: a FIFO opens at once (and is refused below) instead of waiting for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)  # of what was opened, not of what the name points to a moment later
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"data path key file {path} is not a regular file ({stat.filemode(st.st_mode)})")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise PermissionError(f"data path key file {path} has mode {stat.filemode(st.st_mode)}; "
+                                  f"it must be private to its owner (chmod 600 {path})")
+        data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"data path key file {path} is over {MAX_KEY_FILE_BYTES} bytes: not a key file")
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"data path key file {path} does not hold a hex key") from None
+    return _parse_hex_key(text, f"data path key file {path}")
 
 
 def key_from_env(environ: dict[str, str] | None = None) -> bytes | None:

@@ -31,6 +31,7 @@ import torch
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan
+from fl_geo.hosts import is_loopback
 from fl_geo.ps.auth import KEY_ENV, DataPathAuth, key_from_env, read_key_file
 from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
@@ -45,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", required=True, help="ShardPlan JSON file")
     p.add_argument("--index", type=int, required=True, help="shard index this follower holds")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to serve on; without --tls-ca only a loopback one (see --allow-plaintext-host)")
+    p.add_argument("--allow-plaintext-host", default=None, metavar="HOST",
+                   help="serve plaintext on this non-loopback --host (it must name the same host): "
+                        "for a trusted network only (ps.allow_insecure_remote)")
     p.add_argument("--port", type=int, default=0, help="0: any free port (reported in --addr-file)")
     p.add_argument("--checkpoint-dir", required=True, help="this follower's CheckpointStore directory")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
@@ -110,6 +115,18 @@ def load_auth(args: argparse.Namespace) -> DataPathAuth:
     return DataPathAuth(key)
 
 
+def check_bind(args: argparse.Namespace) -> None:
+    """SystemExit unless the bind is safe: TLS, a loopback host, or plaintext on a host the
+    operator named twice (``--host H --allow-plaintext-host H``), never by a default or a typo."""
+    if args.tls_ca or is_loopback(args.host):
+        return
+    if args.allow_plaintext_host is not None and args.allow_plaintext_host == args.host:
+        log.warning("follower %d: serving plaintext on %s (--allow-plaintext-host)", args.index, args.host)
+        return
+    raise SystemExit(f"follower {args.index}: --host {args.host} is not a loopback address: give --tls-ca/"
+                     f"--tls-cert/--tls-key, or --allow-plaintext-host {args.host} for a trusted network")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -120,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
 
+    check_bind(args)
     auth = load_auth(args)
     follower, store = load_follower(args)
     server = FollowerServer(follower, store, host=args.host, port=args.port, leader=args.leader,

@@ -18,6 +18,7 @@ errors both raise.
 from __future__ import annotations
 
 import json
+import math
 import queue
 import secrets
 import sys
@@ -191,10 +192,14 @@ def int_field(obj: dict[str, Any], key: str, what: str, *, minimum: int = 0) -> 
     return value
 
 
-def number_field(obj: dict[str, Any], key: str, what: str) -> float:
+def number_field(obj: dict[str, Any], key: str, what: str, *, minimum: float | None = None) -> float:
+    """A finite number (JSON lets NaN and Infinity through: one in a fold weight, a clip factor
+    or a step's lr would make the shard non-finite), at least ``minimum`` when given."""
     value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"{what}: {key} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request(f"{what}: {key} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise bad_request(f"{what}: {key} must be >= {minimum}, got {value!r}")
     return float(value)
 
 

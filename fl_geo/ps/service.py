@@ -419,8 +419,8 @@ class FollowerService:
                 out = {"sq_sums": self._locked(lambda: f.mean_sq_sums(total))}
             elif op == "step":
                 check_keys(args, what, ("clip_factor",), ("lr",))
-                clip = number_field(args, "clip_factor", what)
-                lr = None if args.get("lr") is None else number_field(args, "lr", what)
+                clip = number_field(args, "clip_factor", what, minimum=0.0)
+                lr = None if args.get("lr") is None else number_field(args, "lr", what, minimum=0.0)
                 out = {"version": self._step(clip, lr)}
             else:  # reset_window
                 check_keys(args, what, (), ("drop_pending",))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fl_geo.errors import require
+from fl_geo.hosts import is_loopback
 
 
 @dataclass
@@ -59,7 +60,7 @@ class PsSection:
                 "ps: checkpoint_keep >= 1, heartbeat_s > 0, chunk_mib >= 1, retry_s >= 0, max_pending >= 1")
         require(self.token_ttl_s > 0, f"ps.token_ttl_s must be > 0, got {self.token_ttl_s}")
         if self.followers:
-            require(self.transport != "grpc" or self.host in ("127.0.0.1", "localhost", "::1") or self.tls_certs_dir
+            require(self.transport != "grpc" or is_loopback(self.host) or self.tls_certs_dir
                     or self.allow_insecure_remote,
                     f"ps.host={self.host}: give ps.tls_certs_dir (ca.crt, server.crt, server.key) to serve model "
                     "shards over TLS, or set ps.allow_insecure_remote=true for plaintext inside a trusted network")

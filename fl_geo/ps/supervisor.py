@@ -29,6 +29,7 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import ParamSpec
+from fl_geo.hosts import is_loopback
 from fl_geo.ps.auth import KEY_ENV, DataPathAuth, new_key
 from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.client import FollowerClient
@@ -99,7 +100,8 @@ class FollowerSupervisor:
                  heartbeat_s: float = 1.0, miss: int = 3, python: str = sys.executable, *,
                  max_pending: int = 64, torch_threads: int = 1, tls: TlsFiles | None = None,
                  heartbeats: LeaderHeartbeatService | None = None,
-                 start_timeout_s: float = 120.0, host: str = "127.0.0.1", key: bytes | None = None) -> None:
+                 start_timeout_s: float = 120.0, host: str = "127.0.0.1", key: bytes | None = None,
+                 allow_plaintext_remote: bool = False) -> None:
         if isinstance(num, str | os.PathLike):  # FollowerSupervisor(plan, workdir, ...)
             if workdir is not None:
                 raise ValueError("workdir given twice (second positional argument and workdir=)")
@@ -131,7 +133,11 @@ class FollowerSupervisor:
         self.miss = miss
         self.python = python
         self.start_timeout_s = start_timeout_s
+        if tls is None and not is_loopback(host) and not allow_plaintext_remote:
+            raise ValueError(f"followers on {host} without TLS: give tls=, or allow_plaintext_remote=True "
+                             "for a trusted network (ps.allow_insecure_remote)")
         self.host = host
+        self.allow_plaintext_remote = allow_plaintext_remote
         self._key = key if key is not None else new_key()
         self.auth = DataPathAuth(self._key)
         self._own_heartbeats = heartbeats is None
@@ -234,6 +240,8 @@ class FollowerSupervisor:
             "--max-pending", str(self.max_pending), "--torch-threads", str(self.torch_threads),
             *(["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
               if self.tls is not None else []),
+            *(["--allow-plaintext-host", self.host]
+              if self.tls is None and self.allow_plaintext_remote and not is_loopback(self.host) else []),
         ]
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # fl_geo importable without installing
