@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -301,7 +302,10 @@ def config_from_yaml_string(text: str) -> FlGeoConfig:
 
 
 def to_yaml(cfg: FlGeoConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML, sections and keys in schema order: `to_dict` dumped by PyYAML, the
+    text ``OmegaConf.to_yaml`` gives for it (tests/test_config.py compares the two on every
+    shipped config) at a tenth of the cost (~3 ms instead of ~27 ms; each run writes one)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True, default_flow_style=False)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -159,6 +159,16 @@ def test_every_flat_key_in_pyproject_is_a_config_key():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_to_yaml_gives_the_text_omegaconf_gives(path):
+    """`to_yaml` dumps `to_dict` with PyYAML; OmegaConf's own dump of the structured config is
+    the reference, text for text (what `fl-geo config` prints and every run's config.yaml)."""
+    from fl_geo.config import to_yaml
+
+    cfg = load_config(path, [])
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_to_dict_gives_what_omegaconf_gives(path):
     """`to_dict` walks the dataclasses itself (building the structured config cost ~30 ms a call);
     it must give exactly what OmegaConf's conversion gives, types included (JSON tells 1 from 1.0)."""

@@ -223,7 +223,7 @@ def _server_apps(topo: topology.Topology) -> list[int]:
 
 @pytest.mark.slow(seconds=235)
 def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
-    """SIGKILL the ServerApp after checkpoint 2, submit the same run with ``run.resume=true``: it
+    """SIGKILL the ServerApp after checkpoint 1, submit the same run with ``run.resume=true``: it
     resumes from the checkpoint (a new Flower run: the nodes reload their inner state from their
     node config ``state-dir``), finishes every round with each step once, and its final model is
     bit-identical to an uninterrupted run of the same config."""
@@ -237,22 +237,22 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     topo = fault_federation(node_state_dir=node_state)
     up_s = time.monotonic() - t0
     out, ckpts = tmp_path / "runs", tmp_path / "checkpoints"
-    rounds = 3
+    rounds = 2  # the kill falls in the last round: the resumed run folds it once, from checkpoint 1
     common = [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-server", "run.checkpoint_every=1",
               f"run.checkpoint_dir={ckpts}"]
     first = launch.run_experiment(topo, "configs/diloco.yaml", common, out_dir=out, wait=False, echo=False)
-    _wait_for("checkpoint 2", lambda: (ckpts / "ckpt-00000002.pt").exists(), 300, poll_s=0.05)
+    _wait_for("checkpoint 1", lambda: (ckpts / "ckpt-00000001.pt").exists(), 300, poll_s=0.05)
     apps = _wait_for("the ServerApp process", lambda: _server_apps(topo), 10)
     assert len(apps) == 1, [_cmdline(p) for p in apps]
-    # Kill in the middle of round 3: as soon as one site has sent its round-3 update (the others
+    # Kill in the middle of round 2: as soon as one site has sent its round-2 update (the others
     # are usually still training, so the server never folds that round; the nodes that already
     # trained it must rewind when the resumed server sends it again).
     logs = [r.log for r in processes.load_records(topo) if r.role == "supernode"]
-    _wait_for("a round-3 reply", lambda: any(_sent(log) >= 3 for log in logs), 240, poll_s=0.05)
+    _wait_for("a round-2 reply", lambda: any(_sent(log) >= rounds for log in logs), 240, poll_s=0.05)
     fault_federation.killed.update(_kill_family(apps[0]))
     t_kill = time.monotonic()
-    folded = (ckpts / "ckpt-00000003.pt").exists()  # every site was quicker than the kill: rare
-    trained_round3 = sum(_sent(log) >= 3 for log in logs)
+    folded = (ckpts / f"ckpt-{rounds:08d}.pt").exists()  # every site was quicker than the kill: rare
+    trained_last = sum(_sent(log) >= rounds for log in logs)
     (cut_dir,) = out.glob("kill-server-*")
     assert not (cut_dir / "final_model.pt").exists()
     # What an operator does next: stop the dead run. Otherwise the SuperLink keeps it RUNNING
@@ -287,5 +287,5 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     assert torch.equal(ref, got), f"max |diff| {float((ref - got).abs().max())}"
     print(f"\n[fault: ServerApp killed] up {up_s:.1f} s, killed at {t_kill - t0:.1f} s, resumed run "
           f"{resumed.wall_s:.1f} s (ServerApp {s['wall_s']:.1f} s), deployment total {wall:.1f} s, reference "
-          f"{time.monotonic() - t_ref:.1f} s; {trained_round3} node(s) had trained round 3 before the kill, "
-          f"round 3 {'already' if folded else 'not'} folded", file=sys.stderr)
+          f"{time.monotonic() - t_ref:.1f} s; {trained_last} node(s) had trained round {rounds} before the kill, "
+          f"round {rounds} {'already' if folded else 'not'} folded", file=sys.stderr)
