@@ -19,6 +19,7 @@ FedAsync's mixing θ ← (1−α_t)θ + α_t·θ_i = θ − α_t·g).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -89,12 +90,17 @@ class AsyncOuterLoop(OuterLoop):
         }
         if self.direction is not None:
             state["robust"] = self.direction.state_dict()
+        if self.norm_window is not None:  # median_norm: the recent norms a resumed run judges against
+            state["norm_window"] = self.norm_window.state_dict()
         return state
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         keys = ("dispatched_samples", "grace", "last_arrival", "fedasync_scale", "benched_partitions", "errors_by_partition")
         if missing := [k for k in keys if k not in state]:
             raise ValueError(f"asynchronous loop state lacks keys {missing}")
+        norms = state.get("norm_window", [])  # checkpoints before 2026-11-28 lack it: an empty window
+        if not all(isinstance(n, float) and math.isfinite(n) and n >= 0 for n in norms):
+            raise ValueError("checkpoint's norm window is malformed")
         if self.direction is not None:
             if "robust" not in state:
                 raise ValueError(f"checkpoint has no state of strategy.robust={self.direction.rule}")
@@ -103,6 +109,8 @@ class AsyncOuterLoop(OuterLoop):
             if state["grace"] is None:
                 raise ValueError("checkpoint has no grace-window estimates but this run uses them")
             self.grace_timer.load_state_dict(state["grace"])
+        if self.norm_window is not None:
+            self.norm_window.load_state_dict(norms)
         self.dispatched_samples = int(state["dispatched_samples"])
         self.last_arrival = None if state["last_arrival"] is None else float(state["last_arrival"])
         self._fedasync_scale = float(state["fedasync_scale"])

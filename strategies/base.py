@@ -441,6 +441,7 @@ class OuterLoop:
                 "total_failed": self.total_failed,
             },
             "history": [json.dumps(h) for h in self.history],
+            "claims": self.claims.state_dict(),
             "clock": clock,
             "torch_rng": torch.get_rng_state(),
             "loop": self.extra_state(),
@@ -484,10 +485,14 @@ class OuterLoop:
             penalty = penalty_from_config(self.cfg, self.spec)
             assert penalty is not None
             penalty.load_state_dict(state["penalty"])
+        claims = ClaimBound()
+        if "claims" in state:  # checkpoints before 2026-11-28 lack them: the bound starts empty
+            claims.load_state_dict(dict(state["claims"]))
         self.load_extra_state(dict(state["loop"]))  # validates before it sets anything
         self.dispatcher.clock.load_state_dict(dict(state["clock"]))
         install_model()
         self.penalty = penalty
+        self.claims = claims
         c = state["counters"]
         self.version = int(c["version"])
         self.total_tokens = int(c["total_tokens"])

@@ -151,7 +151,7 @@ def test_resume_past_a_corrupt_checkpoint_continues_from_the_previous(tiny, tmp_
 
 def test_async_resume_keeps_every_accepted_step(tiny, tmp_path):
     common = ["strategy.name=fedbuff", "strategy.buffer_size=2", "run.rounds=5", "run.clock=virtual",
-              "run.checkpoint_every=1"]
+              "run.checkpoint_every=1", "strategy.robust=median_norm"]
     grid = InlineGrid(client_app, 3, seed=0)
     calls = {"n": 0}
 
@@ -168,6 +168,8 @@ def test_async_resume_keeps_every_accepted_step(tiny, tmp_path):
     store = CheckpointStore(tmp_path / "a" / "checkpoints")
     saved = store.load_latest()
     assert saved is not None and saved.state["counters"]["version"] >= 2
+    # the norm window median_norm judges against travels with the checkpoint (one norm per update)
+    assert len(saved.state["loop"]["norm_window"]) == saved.state["counters"]["total_accepted"] > 0
     grid.reply_hook = None
     summary = run_server(grid, tiny(*common, "run.resume=true"), tmp_path / "a")
     assert summary["outer_steps"] == 5

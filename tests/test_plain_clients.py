@@ -243,6 +243,27 @@ def test_an_asynchronous_run_refuses_a_huge_plain_claim_once_one_claim_was_accep
     assert torch.isfinite(final).all()
 
 
+def test_a_resumed_asynchronous_run_judges_its_first_claims_against_the_checkpointed_ones(tmp_path, caplog):
+    """The accepted claims are part of the checkpoint: after a resume, the liar's very first
+    claim is refused (without them, an asynchronous run believes claims until one is accepted:
+    the test above)."""
+    from fl_geo.core.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    first, _, _ = _start(FedBuff, lambda nodes: _claiming(nodes, lambda reply, msg: reply), rounds=2,
+                         checkpoints=store, checkpoint_every=1)
+    assert first.stats.rejected == 0
+    ckpt = store.load_latest()
+    assert ckpt is not None and ckpt.state["claims"]["history"]  # what the bound had accepted
+    caplog.set_level("WARNING", logger="fl_geo")
+    resumed, final, hook = _start(FedBuff, lambda nodes: _claiming(nodes, _claim(2**40)), rounds=4, resume_from=ckpt)
+    # every lie judged was refused, the first included: no accepted reply claimed 2**40 (the last
+    # lie may still be in flight when the run ends; in-flight replies are drained unjudged)
+    assert hook.changed >= 2 and resumed.stats.rejected >= 1
+    assert resumed.stats.tokens == resumed.stats.accepted * plain.STEPS * plain.BATCH
+    assert "of the accepted claims so far" in caplog.text and torch.isfinite(final).all()
+
+
 def test_the_claim_bound_against_its_formula():
     from fl_geo.core.claims import ClaimBound
 
@@ -257,6 +278,14 @@ def test_the_claim_bound_against_its_formula():
     assert bound.reference() == 160  # one vote per site, the lower median
     assert "accepted claims so far" in bound.judge(2**40) and bound.judge(640) is None
     assert bound.judge(641) is not None
+    restored = ClaimBound(factor=4.0)
+    restored.load_state_dict(bound.state_dict())  # a checkpoint keeps each site with its key's type
+    assert restored.reference() == 160 and restored.judge(641) is not None and restored.judge(640) is None
+    for bad in ({"factor": 2.0, "history": []}, {"factor": 4.0, "history": [["a", [-1]]]},
+                {"factor": 4.0, "history": [[1.5, [3]]]}, {"factor": 4.0, "history": [["a", [True]]]}):
+        with pytest.raises(ValueError):
+            restored.load_state_dict(bad)
+    assert restored.reference() == 160  # a refused state changes nothing
 
 
 # ---- the two reply styles give the same DiLoCo model ------------------------------------------------

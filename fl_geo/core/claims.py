@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 __all__ = ["CLAIM_FACTOR", "MIN_PEERS", "ClaimBound", "ReportedTimes", "robust_time"]
 
@@ -79,6 +80,26 @@ class ClaimBound:
     def accepted(self, site: Hashable, claim: int) -> None:
         """Record a claim the loop folded."""
         self._history.setdefault(site, deque(maxlen=self.window)).append(int(claim))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The accepted claims per site, for a checkpoint: a resumed run judges its first claims
+        against what the run had accepted, instead of believing them (an asynchronous loop) or
+        needing a round of peers (a synchronous one). Sites are partition ids (ints) or
+        ``"node N"`` strings; each pair keeps its type."""
+        return {"factor": self.factor, "history": [[site, list(h)] for site, h in self._history.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` output; ValueError (and nothing changed) if it does not fit."""
+        if float(state.get("factor", -1.0)) != self.factor:
+            raise ValueError(f"checkpoint's claim factor {state.get('factor')!r} is not this run's {self.factor:g}")
+        history: dict[Hashable, deque[int]] = {}
+        for pair in state.get("history", []):
+            site, claims = pair
+            if isinstance(site, bool) or not isinstance(site, int | str) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in claims):
+                raise ValueError(f"checkpoint's accepted claims are malformed: {pair!r}")
+            history[site] = deque((int(c) for c in claims), maxlen=self.window)
+        self._history = history
 
 
 class ReportedTimes:
