@@ -24,7 +24,7 @@ from fl_geo.core.claims import ClaimBound
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import ParamSpec
-from fl_geo.runtime.dispatch import NODE_DOWN, Dispatcher, JobTiming, NodeProfile
+from fl_geo.runtime.dispatch import NODE_DOWN, Dispatcher, JobTiming, NodeProfile, late_report
 from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.metrics import MetricsLogger
 from fl_geo.runtime.profiling import probe_timeout_s, profile_nodes
@@ -355,22 +355,9 @@ class OuterLoop:
         return out
 
     def late_nodes(self) -> list[dict[str, Any]]:
-        """Who was late this run, first-late first: each node whose jobs were given up at their
-        reply deadline (`fl_geo.runtime.dispatch.Dispatcher.late`), with its partition, the site
-        it reported, how many of its jobs were given up, the longest deadline it was given and how
-        many late replies it sent (discarded). summary.json reports this list as ``late_nodes``."""
-        out = []
-        for rec in self.dispatcher.late.nodes():
-            profile = self.profiles.get(rec.node)
-            out.append({
-                "node": rec.node,
-                "partition": profile.partition_id if profile is not None else -1,
-                "site": profile.site if profile is not None else "",
-                "late_jobs": rec.late_jobs,
-                "deadline_s": round(max(rec.waited_s), 3) if rec.waited_s else None,
-                "late_replies": rec.late_replies,
-            })
-        return out
+        """Who was late this run (`fl_geo.runtime.dispatch.late_report`); summary.json reports
+        this list as ``late_nodes``."""
+        return late_report(self.dispatcher.late, self.profiles)
 
     def failed_jobs(self) -> int:
         """Failed jobs so far: those of logged steps plus those still in an unlogged tally (an

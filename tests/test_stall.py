@@ -285,3 +285,90 @@ def test_streaming_run_with_a_silent_node_finishes_and_names_it(tiny, tmp_path):
     (late,) = summary["late_nodes"]
     assert (late["node"], late["partition"], late["late_jobs"]) == (victim, 2, 1)
     assert [n for n, t in grid.executed if t == "train.stream"].count(victim) == 2
+
+
+def test_halos_run_with_a_silent_worker_finishes_and_names_it(tiny, tmp_path):
+    """HALoS on a wall clock (its loop is the regional server's in deployment, which now gets
+    the same derived deadline): a worker answers two jobs, then never again; the run finishes
+    its global updates on the others and names the worker."""
+    cfg = tiny("strategy.name=halos", "halos.accumulate=2", "halos.local_buffer=2", "strategy.delay_buffer=2",
+               "strategy.inner_steps=2", "run.rounds=3", "run.num_clients=4", *FAST_DEADLINE)
+    grid = InlineGrid(client_app, 4, seed=0)
+    victim = sorted(grid.contexts)[1]
+    summary, final, _ = _run(cfg, tmp_path, grid, hook=_silence_after(grid, victim, 2))
+    assert summary["outer_steps"] == 3 and summary["failure"] is None and torch.isfinite(final).all()
+    (late,) = summary["late_nodes"]
+    assert (late["node"], late["partition"], late["late_jobs"]) == (victim, 1, 1)
+    assert [n for n, t in grid.executed if t == "train"].count(victim) == 2
+
+
+# ---- HALoS in deployment: the global server and a bridge that stops answering -------------------
+
+def _fake_bridges(spec, silent_after: dict[int, int], grid_box: dict):
+    """A bridge ClientApp for the in-process grid: answers the region query like
+    fl_geo.halos.bridge (region index = partition id) and each exchange with a small update
+    (what the co-located LPS would send), until a node in ``silent_after`` has answered that
+    many exchanges: then it goes silent (alive, never answering)."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from fl_geo.runtime.protocol import PROFILE_KEY, BridgeRequest
+    from fl_geo.runtime.wire import encode
+
+    app = ClientApp()
+    answered: dict[int, int] = {}
+
+    @app.query()
+    def query(msg, context):
+        pid = int(context.node_config["partition-id"])
+        return Message(RecordDict({PROFILE_KEY: ConfigRecord({
+            "partition_id": pid, "num_partitions": int(context.node_config["num-partitions"]),
+            "device": "cpu", "site": f"r{pid}"})}), reply_to=msg)
+
+    @app.train()
+    def train(msg, context):
+        node = msg.metadata.dst_node_id
+        answered[node] = answered.get(node, 0) + 1
+        pid = int(context.node_config["partition-id"])
+        if pid in silent_after and answered[node] >= silent_after[pid]:
+            grid_box["grid"].silent.add(node)  # this answer is its last
+        content = RecordDict({"metrics": MetricRecord({"lps_version": answered[node], "sends": answered[node]})})
+        if not BridgeRequest.in_message(msg).stop:  # a stop only delivers θ_g: no update comes back
+            content["arrays"] = encode(torch.full((spec.numel,), 1e-3), spec, "fp32")
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+def test_the_halos_global_server_drops_a_silent_region_and_finishes(tiny, tmp_path, caplog):
+    """The deployment GPS (fl_geo.halos.apps.run_global) with two bridges; the bridge of region
+    r1 answers its first exchange, then stays connected and silent. The GPS gives its next
+    exchange up at the derived deadline, finishes region r0's quota, writes its results and
+    names the late node. (Before: it waited for the silent bridge for ever.)"""
+    from fl_geo.core.state import ParamSpec
+    from fl_geo.halos.apps import run_global
+    from fl_geo.runtime.builders import make_model
+
+    cfg = tiny("strategy.name=halos", "run.clock=wall", "run.rounds=4", "run.eval_every=0", *FAST_DEADLINE)
+    spec = ParamSpec.from_state_dict(make_model(cfg.model, cfg.run.seed).state_dict())
+    box: dict = {}
+    grid = InlineGrid(_fake_bridges(spec, {1: 1}, box), 2, seed=0)
+    box["grid"] = grid
+    caplog.set_level("WARNING", logger="fl_geo")
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("s", run_global(grid, cfg, 2, run_dir=tmp_path / "g")),
+                              daemon=True)
+    thread.start()
+    thread.join(WATCHDOG_S)
+    if thread.is_alive():
+        interrupt.request_stop()
+        thread.join(60)
+        interrupt.clear_stop()
+        pytest.fail("the global server stalled on the silent bridge")
+    s = out["s"]
+    assert s["updates_per_region"] == {"r0": 2, "r1": 1}  # r0 did its quota of 2; r1 stopped after 1
+    assert s["global_version"] == 3 and math.isfinite(s["final_val_loss"])
+    (late,) = s["late_nodes"]
+    assert late["site"] == "r1" and late["late_jobs"] == 1
+    assert "did not answer within its deadline" in caplog.text
+    assert (tmp_path / "g" / "summary.json").is_file() and (tmp_path / "g" / "final_model.pt").is_file()

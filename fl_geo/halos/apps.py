@@ -51,13 +51,14 @@ from fl_geo.core.state import ParamSpec, flatten
 from fl_geo.halos.ipc import IpcError, payload_limit, recv_frame, send_frame, unix_path
 from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
-from fl_geo.runtime.dispatch import Dispatcher, Event, NodeProfile
+from fl_geo.runtime.dispatch import TIMED_OUT, Dispatcher, Event, NodeProfile, late_report
 from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import REQUEST_RECORD, BridgeRequest
 from fl_geo.runtime.session import RunSession
 from fl_geo.runtime.wire import PayloadError, decode_into, encode, payload_nbytes
 from fl_geo.strategies.halos import HalosLoop
+from fl_geo.strategies.strategy import reply_deadline
 from fl_geo.timing.clock import WallClock
 
 log = logging.getLogger("fl_geo")
@@ -371,6 +372,7 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
         service.start()  # first: the bridge may already be knocking
         try:
             dispatcher = Dispatcher(grid, WallClock())
+            dispatcher.reply_deadline = reply_deadline(cfg)  # a silent worker is benched, not waited for
             nodes = dispatcher.wait_for_nodes(cfg.run.min_nodes or cfg.run.num_clients, cfg.run.wait_nodes_timeout_s)
             profiles: dict[int, NodeProfile] = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
             if not profiles:
@@ -392,8 +394,8 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                 "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
                 "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"), "final_val_bpb": last.get("val/bpb"),
                 "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
-                "late_replies": dispatcher.late_replies, "wall_s": round(time.perf_counter() - t0, 3),
-                "num_params": spec.numel, "lps_address": address,
+                "late_replies": dispatcher.late_replies, "late_nodes": loop.late_nodes(),
+                "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel, "lps_address": address,
             }
             session.save_model(params, spec)
             return session.finish(summary)
@@ -433,6 +435,11 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
                                     buffer_size=s.delay_buffer, activation=s.delay_activation)
         evaluator = GlobalEvaluator(cfg, cfg.run.num_clients)
         dispatcher = Dispatcher(grid, WallClock())
+        # A bridge that stays connected but never answers (its LPS hung, its SuperNode wedged) is
+        # given up at the derived deadline (k x the median exchange, with a floor; the first
+        # exchange gets strategy.reply_deadline_first_s): its region leaves the run, the others
+        # finish their quotas, and the summary names it. Any other bridge error ends the run.
+        dispatcher.reply_deadline = reply_deadline(cfg)
         nodes = dispatcher.wait_for_nodes(regions, cfg.run.wait_nodes_timeout_s)
         profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
         if len(profiles) < regions:
@@ -466,6 +473,10 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             if ev is None:
                 continue
             node, region = ev.job.node, region_of[ev.job.node]
+            if ev.error == TIMED_OUT:
+                log.warning("HALoS GPS: the bridge of region %s (node %s) did not answer within its deadline; "
+                            "the region leaves the run, the others go on", region, node)
+                continue
             if not ev.ok:
                 raise RuntimeError(f"bridge of region {region} (node {node}) failed: {ev.error}")
             if ev.job.meta["stop"]:
@@ -497,8 +508,8 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             "outer_steps": gps.version, "global_version": gps.version, "regions": len(profiles),
             "updates_per_region": {region_of[n]: c for n, c in sends.items()},
             "lps_counters": counters, "initial_val_loss": initial, "final_val_loss": final, "final_val_bpb": evaluator.bpb(final),
-            "bytes_up": bytes_up, "bytes_down": bytes_down, "wall_s": round(time.perf_counter() - t0, 3),
-            "num_params": spec.numel,
+            "bytes_up": bytes_up, "bytes_down": bytes_down, "late_nodes": late_report(dispatcher.late, profiles),
+            "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel,
         })
 
 

@@ -180,6 +180,25 @@ def default_poll_interval(grid: Grid) -> float:
     return POLL_OVER_NETWORK_S if isinstance(grid, HttpGrid) else POLL_IN_PROCESS_S
 
 
+def late_report(late: LateLog, profiles: Mapping[int, NodeProfile]) -> list[dict[str, Any]]:
+    """Who was late, first-late first: each node whose jobs were given up at their reply
+    deadline, with its partition, the site it reported, how many of its jobs were given up, the
+    longest deadline it was given and how many late replies it sent (discarded). What every
+    run's summary.json reports as ``late_nodes``."""
+    out = []
+    for rec in late.nodes():
+        profile = profiles.get(rec.node)
+        out.append({
+            "node": rec.node,
+            "partition": profile.partition_id if profile is not None else -1,
+            "site": profile.site if profile is not None else "",
+            "late_jobs": rec.late_jobs,
+            "deadline_s": round(max(rec.waited_s), 3) if rec.waited_s else None,
+            "late_replies": rec.late_replies,
+        })
+    return out
+
+
 class Dispatcher:
     """Sends jobs to nodes and hands their outcomes over in clock order."""
 
