@@ -370,3 +370,29 @@ def test_a_peer_trickling_bytes_cannot_hold_a_reader_or_the_service(sock_dir):
         stop.set()
         slow.close()
         svc.close()
+
+
+def test_the_launcher_asks_flower_about_the_regions_a_third_as_often(tmp_path, monkeypatch):
+    """Each status question is a `flwr ls` process; a failed region also fails the global run,
+    so while all three run the regions are asked every 3 x status_every_s, the global run every
+    status_every_s."""
+    from types import SimpleNamespace
+
+    from fl_geo.deploy import halos as launcher
+
+    asked: dict[str, list[float]] = {"r0": [], "r1": [], "global": []}
+    t0 = time.monotonic()
+    finish_at = t0 + 1.3
+
+    def status(tier, run_id):
+        asked[tier.name].append(time.monotonic() - t0)
+        return ("finished:completed", "") if time.monotonic() >= finish_at else ("running", "")
+
+    monkeypatch.setattr(launcher, "run_status", status)
+    plans = [(SimpleNamespace(name=n), tmp_path, rc, f"x-{n}")
+             for n, rc in (("r0", {"region": "r0"}), ("r1", {"region": "r1"}), ("global", {"regions": 2}))]
+    statuses = launcher._wait_for_runs(plans, {"r0": 1, "r1": 2, "global": 3}, tmp_path, set(), t0,
+                                       timeout_s=30, status_every_s=0.2)
+    assert statuses == dict.fromkeys(asked, "finished:completed")
+    assert len(asked["global"]) >= 5, asked  # ~every 0.2 s until 1.3 s
+    assert all(len(asked[r]) <= 3 for r in ("r0", "r1")), asked  # ~every 0.6 s
