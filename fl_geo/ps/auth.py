@@ -111,7 +111,9 @@ def _parse_hex_key(text: str, where: str) -> bytes:
 
 def read_key_file(path: str | os.PathLike[str]) -> bytes:
     """The key in ``path`` (hex). Refused when the file is readable or writable by anyone but its
-    owner: a key others can read authenticates nobody (the rule ssh applies to private keys)."""
+    owner (a key others can read authenticates nobody: the rule ssh applies to private keys), when
+    it is not a regular file of at most `MAX_KEY_FILE_BYTES` (a FIFO would block the reader), or
+    when the key is weak (`_check_key`)."""
     path = Path(path)
     # Non-blocking: a FIFO opens at once (and is refused below) instead of waiting for a writer.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
