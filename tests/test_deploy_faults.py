@@ -221,7 +221,7 @@ def _server_apps(topo: topology.Topology) -> list[int]:
     return sorted(p for p in processes._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
 
 
-@pytest.mark.slow(seconds=235)
+@pytest.mark.slow(seconds=170)
 def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     """SIGKILL the ServerApp after checkpoint 1, submit the same run with ``run.resume=true``: it
     resumes from the checkpoint (a new Flower run: the nodes reload their inner state from their
