@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from typing import Any
 
 import torch
 from flwr.app import Message, MessageType, RecordDict
 
+from fl_geo.core.claims import MIN_PEERS
 from fl_geo.core.grace import GraceTimer
 from fl_geo.core.robust import NormWindow
 from fl_geo.core.weights import staleness_weight
@@ -59,6 +61,9 @@ class AsyncOuterLoop(OuterLoop):
         # updates are held, as fp32 rows, until it closes (`_fold_held`).
         self.direction: DirectionRule | None = None
         self._held: list[tuple[Event, TrainReply, torch.Tensor, int]] = []
+        # Plain replies that arrive before any plain claim was accepted: (event, reply, staleness),
+        # judged together when the step closes (`_judge_first_claims`).
+        self._unjudged: list[tuple[Event, TrainReply, int]] = []
         if s.robust == "centered_clip":
             self.direction = DirectionRule(s.robust, self.spec.numel, trim=s.robust_trim, iters=s.robust_clip_iters,
                                            cos_min=s.robust_cos_min, window=s.robust_window)
@@ -191,10 +196,45 @@ class AsyncOuterLoop(OuterLoop):
             self._reject(self.tally, node, str(exc))
             self.discard(ev)
             return
+        staleness = self.version - int(ev.job.meta["version"])
+        if r.plain and self.claims_bounded() and not self.claims.has_history():
+            # Nothing accepted yet to judge this claim against: held until the step closes,
+            # then judged with the step's other first claims (`_judge_first_claims`).
+            self._unjudged.append((ev, r, staleness))
+            return
         if r.plain and not self.bound_claims(self.tally, [(node, r)], whole_round=True):
             self.discard(ev)
             return
-        staleness = self.version - int(ev.job.meta["version"])
+        self._admit(ev, r, staleness)
+
+    def _judge_first_claims(self) -> None:
+        """The step closes while the run has accepted no plain claim yet: judge the step's held
+        plain replies together, as a synchronous first round does. With at least `MIN_PEERS`
+        claims, one beyond 4 x their lower median is refused (`bound_claims`); with fewer (two
+        cannot outvote one) none is refused, but none counts for more than the lower median of
+        them (so of two, neither weighs more than the other); a lone claim is believed. Then the
+        kept replies go on as any reply does, in arrival order (`_admit`)."""
+        held, self._unjudged = self._unjudged, []
+        if not held:
+            return
+        claims = [r.tokens for _, r, _ in held]
+        if len(claims) < MIN_PEERS:
+            cap = statistics.median_low(claims)
+            for _, r, _ in held:
+                if r.tokens > cap:
+                    log.warning("plain claim num-examples=%d counted as %d: nothing accepted yet to judge it "
+                                "against, and %d claim(s) this step cannot outvote it", r.tokens, cap, len(claims))
+                    r.tokens = cap
+        kept = {id(r) for _, r in self.bound_claims(self.tally, [(ev.job.node, r) for ev, r, _ in held],
+                                                    whole_round=True)}
+        for ev, r, staleness in held:
+            if id(r) in kept:
+                self._admit(ev, r, staleness)
+            else:
+                self.discard(ev)
+
+    def _admit(self, ev: Event, r: TrainReply, staleness: int) -> None:
+        """A reply whose claim passed: the norm window, the direction rule's hold, then the fold."""
         if self.norm_window is not None and not self.within_norm_bound(ev, r):
             return
         if self.direction is not None:
@@ -259,8 +299,9 @@ class AsyncOuterLoop(OuterLoop):
                     self._fedasync_scale = fedasync_alpha(s.mixing, s.staleness_exponent, staleness)
 
     def buffered(self) -> int:
-        """Updates this step holds: accepted (folded), rejected, and held for a robust rule."""
-        return self.tally.accepted + self.tally.rejected + len(self._held)
+        """Updates this step holds: accepted (folded), rejected, held for a robust rule, and
+        held for their first claims to be judged."""
+        return self.tally.accepted + self.tally.rejected + len(self._held) + len(self._unjudged)
 
     def fold_update(self, ev: Event, r: TrainReply, staleness: int) -> float | None:
         """Score and fold one valid reply; its norm, or None when it was rejected (logged)."""
@@ -301,7 +342,7 @@ class AsyncOuterLoop(OuterLoop):
     def should_step(self) -> bool:
         if self.buffered() == 0:
             return False
-        if self.tally.accepted + len(self._held) >= self.cfg.strategy.buffer_size:
+        if self.tally.accepted + len(self._held) + len(self._unjudged) >= self.cfg.strategy.buffer_size:
             return True
         # every live worker has reported (a late node, whose job was given up, will not)
         training = {j.node for j in self.dispatcher.in_flight()}
@@ -326,6 +367,7 @@ class AsyncOuterLoop(OuterLoop):
 
         self.wait_for_quorum()
         t0 = _time.perf_counter()
+        self._judge_first_claims()
         self._fold_held()
         t = self.tally
         base_lr = self.optimizer.lr

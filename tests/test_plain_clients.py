@@ -233,14 +233,26 @@ def test_a_plain_claim_within_the_bound_is_folded_and_token_cap_none_trusts_any(
 
 
 def test_an_asynchronous_run_refuses_a_huge_plain_claim_once_one_claim_was_accepted(caplog):
-    """FedBuff: replies are judged one at a time, so the liar's claims before any other site's
-    claim was accepted have nothing to be judged against and are believed (here its first two:
-    it replies first and is sent its next job at once); from then on every one is refused."""
+    """FedBuff (K = 2): before any claim was accepted, the step's plain replies are held and
+    judged together when it closes. The liar's first claim shares its step with one honest claim:
+    two cannot outvote one, so it is not refused, but it counts as the lower of the two (160);
+    from then on every lie is refused against the accepted claims. No accepted reply counts more
+    than its honest 160 examples (before, the liar's first two claims were believed)."""
     caplog.set_level("WARNING", logger="fl_geo")
     strategy, final, hook = _start(FedBuff, lambda nodes: _claiming(nodes, _claim(2**40)), rounds=6)
     assert hook.changed == 6 and strategy.stats.rejected == 4
+    assert "num-examples=1099511627776 counted as 160" in caplog.text
     assert "is more than 4 x the median 160 of the accepted claims so far" in caplog.text
+    assert strategy.stats.tokens == strategy.stats.accepted * plain.STEPS * plain.BATCH
     assert torch.isfinite(final).all()
+
+
+def test_an_asynchronous_first_step_of_three_or_more_claims_refuses_the_lie():
+    """FedBuff with K = 4: the first step holds four plain replies, so the liar's first claim is
+    judged against the step's lower median of claims and refused, like a synchronous first round."""
+    strategy, _, hook = _start(FedBuff, lambda nodes: _claiming(nodes, _claim(2**40)), rounds=6, buffer_size=4)
+    assert hook.changed >= 6 and strategy.stats.rejected >= hook.changed - 1  # the last may be in flight at the end
+    assert strategy.stats.tokens == strategy.stats.accepted * plain.STEPS * plain.BATCH
 
 
 def test_a_resumed_asynchronous_run_judges_its_first_claims_against_the_checkpointed_ones(tmp_path, caplog):

@@ -7,9 +7,10 @@ job could produce). A claim can still be judged against what the run has *accept
 sites of each site's median accepted claim, the claimant's included), and, before anything was
 accepted, above ``factor`` × the lower median of the claims of the round being judged when it
 has at least ``MIN_PEERS`` of them. One site's lie can then never own a synchronous round's
-weighted mean or end a token budget. An asynchronous loop judges one reply at a time, so the
-claims a site makes before any other site's claim was accepted are believed (nothing to compare
-them with); from then on they are bounded.
+weighted mean or end a token budget. An asynchronous loop holds the plain replies of a step
+until the first claim is accepted and judges them together when the step closes (with fewer
+than ``MIN_PEERS`` it caps each at their lower median instead: strategies/asynchronous.py,
+``_judge_first_claims``); from then on every claim is bounded against the accepted ones.
 
 :class:`ReportedTimes` does the same for the wall times a site reports (a step time, a training
 time): each is capped at ``factor`` × that site's own median of earlier reports, and the loop
