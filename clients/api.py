@@ -403,6 +403,8 @@ class DatacenterClient:
         # Processes for this site's inner loop: node config ``devices`` (a site knows its
         # hardware), else ``client.devices``; a client section without the key means one.
         count = int(context.node_config.get("devices", site.sections["client"].get("devices", 1)))
+        if str(cfg.get("send", "pseudo_grad")) == "grad":
+            return self._gradient(msg, cfg, site, count)
         trainer: InnerTrainer | DataParallelTrainer
         if count > 1:
             trainer, spec, base = self._data_parallel(msg, cfg, site, count)
@@ -466,6 +468,36 @@ class DatacenterClient:
         )
         payload = "control" if pushed else str(cfg.get("send", "pseudo_grad"))
         records = declared(records, payload, str(cfg["wire_up"]))
+        return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
+
+    def _gradient(self, msg: Message, cfg: ConfigRecord, site: Site, count: int) -> Message:
+        """A ``grad`` job (the data-parallel method ``ddp``): the gradient of the loss of batch
+        ``start_step`` of this site at the received model, in the uplink precision
+        (`InnerTrainer.gradient`). No optimizer step and no state: the server averages every
+        site's gradient and takes the one AdamW step (`fl_geo.inner.large_batch`), so this node's
+        ``context.state`` is neither read nor written.
+
+        The server's step is fl-geo's inner AdamW and schedule: a ClientApp built with its own
+        ``optimizer_fn`` or ``lr_schedule`` would be stepped by another optimizer than it declares,
+        and a multi-device site runs its data-parallel job for whole inner loops only; both are
+        refused with an error reply.
+        """
+        if self.optimizer_fn is not None or self.lr_schedule is not lr_at:
+            raise ValueError("strategy ddp steps fl-geo's inner AdamW and lr_at schedule at the server: a ClientApp "
+                             "with its own optimizer_fn or lr_schedule cannot take part")
+        if count > 1:
+            raise ValueError(f"strategy ddp computes each site's gradient in one process; this site runs {count} "
+                             "devices (client.devices / node config devices): set it to 1")
+        trainer, spec, _ = self._single(msg, cfg, site)
+        source = self.batches(site)
+        step = int(cfg["start_step"])
+        grad = torch.empty(spec.numel, dtype=torch.float32)
+        t0 = time.perf_counter()
+        result = trainer.gradient(source, step, spec.names, grad)
+        train_time = time.perf_counter() - t0
+        metrics = MetricRecord({**train_metrics(result, train_time, site.partition_id, noisy_steps(source, step, 1)),
+                                "base_version": int(cfg.get("base_version", 0))})
+        records = declared({"arrays": encode(grad, spec, str(cfg["wire_up"]))}, "grad", str(cfg["wire_up"]))
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:

@@ -404,6 +404,11 @@ def _check_strategy(cfg: FlGeoConfig) -> None:
     require(s.robust not in ("trimmed_mean", "median") or not p.enabled,
             f"strategy.robust={s.robust} replaces the weighted mean by a coordinate rule, which the penalty's "
             "per-module weights cannot fold into; with the penalty use strategy.robust=cosine or centered_clip")
+    if METHODS[s.name].family == "data_parallel":  # ddp: the server steps AdamW on one-process gradients
+        require(not p.enabled, "the penalty (penalty.enabled) judges pseudo-gradients: strategy ddp averages gradients "
+                               "and takes no penalty")
+        require(cfg.client.devices == 1, f"strategy ddp computes each site's gradient in one process: client.devices "
+                                         f"must be 1, got {cfg.client.devices}")
     require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
             f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "
             f"not for strategy '{s.name}'{' with ps.followers' if cfg.ps.followers else ''}")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The outer loop a method runs on (fl_geo.strategies: SyncOuterLoop, AsyncOuterLoop, HalosLoop,
-# StreamingLoop; ps.followers turns an asynchronous Di-PS into ShardedDiPSLoop).
-FAMILIES = ("sync", "async", "halos", "streaming")
+# StreamingLoop, DataParallelLoop; ps.followers turns an asynchronous Di-PS into ShardedDiPSLoop).
+FAMILIES = ("sync", "async", "halos", "streaming", "data_parallel")
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,11 @@ _ENTRIES = (
     # CoCoDC: the delay-compensated merge and the adaptive schedule (Algorithms 1 and 2; CoCoDCSettings).
     Method("cocodc", "CoCoDC", "streaming", ("nesterov",), 0.7, 0.9, checkpoints=False, section="streaming",
            summary="CoCoDC: Streaming DiLoCo with delay compensation and adaptive transmission"),
+    # The data-parallel reference: every step the sites' gradients are averaged and the server takes
+    # one inner AdamW step (client section's lr, schedule, clip); outer lr / momentum are unused
+    # (1, 0 only to be valid). run.rounds counts inner steps (DDPSettings).
+    Method("ddp", "DDP", "data_parallel", ("adamw",), 1.0, 0.0,
+           summary="data-parallel reference: every inner step, one AdamW step on the mean of every site's gradient"),
 )
 
 METHODS: dict[str, Method] = {m.name: m for m in _ENTRIES}

@@ -108,6 +108,9 @@ class OuterLoop:
     # loops whose workers must keep their own model between messages (streaming) or move the
     # model on fl-geo's own data path (the sharded parameter server over gRPC).
     supports_plain_clients: ClassVar[bool] = True
+    # Why not, in the one-line error a run with plain nodes gets (strategy.py).
+    plain_clients_refusal: ClassVar[str] = ("its workers keep their own model between messages or use fl-geo's data "
+                                            "path")
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.registry import method
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.data_parallel import DataParallelLoop
 from fl_geo.strategies.halos import HalosLoop
 from fl_geo.strategies.sharded import ShardedDiPSLoop
 from fl_geo.strategies.streaming import StreamingLoop
@@ -22,6 +23,7 @@ LOOPS: dict[str, type[OuterLoop]] = {
     "async": AsyncOuterLoop,
     "halos": HalosLoop,
     "streaming": StreamingLoop,
+    "data_parallel": DataParallelLoop,
 }
 
 

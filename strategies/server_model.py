@@ -63,6 +63,11 @@ class ServerModel:
         optimizer carries the strategy's hyper-parameters (``lr``) and no model-sized state."""
         return cls(cfg, params, outer_optimizer_from_config(cfg, 1), WeightedAccumulator(1))
 
+    def new_optimizer(self) -> OuterOptimizer:
+        """A fresh optimizer of this model's kind, for a checkpoint's state to be loaded into
+        (the data-parallel loop's model builds its server AdamW instead)."""
+        return outer_optimizer_from_config(self.cfg, self.params.numel())
+
     def state_dict(self) -> dict[str, Any]:
         """``params`` and ``optimizer`` of a server checkpoint."""
         return {"params": self.params, "optimizer": self.optimizer.state_dict()}
@@ -75,7 +80,7 @@ class ServerModel:
             raise ValueError(f"checkpoint params are not an fp32 tensor of {self.params.numel()} elements")
         if not bool(torch.isfinite(params).all()):
             raise ValueError("checkpoint params hold NaN or Inf")
-        optimizer = outer_optimizer_from_config(self.cfg, self.params.numel())
+        optimizer = self.new_optimizer()
         optimizer.load_state_dict(dict(state["optimizer"]))
 
         def install() -> None:

@@ -468,8 +468,8 @@ class FlGeoStrategy(Strategy):
         plain = sorted(n for n, p in profiles.items() if not p.fl_geo_client)
         if plain and not loop_cls.supports_plain_clients:
             raise ConfigError(
-                f"{type(self).__name__} needs fl-geo's ClientApp on every node (fl_geo.clients): its workers keep "
-                f"their own model between messages or use fl-geo's data path; nodes {plain} run a plain Flower "
+                f"{type(self).__name__} needs fl-geo's ClientApp on every node (fl_geo.clients): "
+                f"{loop_cls.plain_clients_refusal}; nodes {plain} run a plain Flower "
                 "ClientApp (they did not answer the profile probe with an fl-geo profile)")
         logger = self.logger if self.logger is not None else MemoryLogger()
         loop = loop_cls(cfg, spec, params, dispatcher, profiles, logger, evaluator, scenario)

@@ -25,7 +25,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import Message, MessageType, RecordDict
@@ -48,6 +48,9 @@ log = logging.getLogger("fl_geo")
 class SyncOuterLoop(OuterLoop):
     """Runs ``run.rounds`` synchronous outer steps over the nodes of a Flower grid, or fewer when
     ``run.max_tokens`` is reached first."""
+
+    # What a train reply may declare in its arrays (the data-parallel loop asks for ``grad``).
+    reply_payloads: ClassVar[tuple[str, ...]] = ("pseudo_grad",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -134,8 +137,11 @@ class SyncOuterLoop(OuterLoop):
         for node, reply in group:
             try:
                 # an undeclared (Flower-convention) reply's Δ is taken against the model sent this round
+                # (a loop that takes no plain Flower ClientApp keeps no base: an undeclared reply is refused)
+                base = self.global_params if self.supports_plain_clients else None
                 valid.append((node, read_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version,
-                                               base=self.global_params, max_steps=self._inner_steps(node, warm),
+                                               base=base, payloads=self.reply_payloads,
+                                               max_steps=self._inner_steps(node, warm),
                                                step_tokens=self.step_tokens(node))))
             except ReplyError as exc:
                 self._reject(stats, node, str(exc))
@@ -292,7 +298,7 @@ class SyncOuterLoop(OuterLoop):
         # Compute only: the exchange of a synchronous round is modelled as one ring all-reduce over
         # the slowest link of the best ring (docs/algorithms.md §8). A wall clock ignores the
         # timings; the steps also key the reply deadline (jobs of other lengths are not compared).
-        timings = [JobTiming(slot, steps[n]) for slot, n in zip(slots, nodes, strict=True)]
+        timings = [self._job_timing(slot, steps[n]) for slot, n in zip(slots, nodes, strict=True)]
         quorum = math.ceil(s.quorum * len(nodes)) if s.quorum > 0 else 0
         meta = [{"version": self.version, "steps": steps[n], "base": self.base_snapshot(n, self.global_params)}
                 for n in nodes] if quorum else None
@@ -306,6 +312,12 @@ class SyncOuterLoop(OuterLoop):
             quorum=quorum,
             on_late=lambda ev: self.fold_late(stats, ev),
         )
+
+    def _job_timing(self, slot: int, steps: int) -> JobTiming:
+        """What the virtual clock charges for one train job: ``steps`` inner steps on scenario
+        node ``slot`` and the latency of the job's message to and from the server region (no
+        bytes: the exchange is the all-reduce, `_model_allreduce`)."""
+        return JobTiming(slot, steps)
 
     def _model_allreduce(self, nodes: list[int], outcome: RoundOutcome) -> None:
         """Scenario clock only: advance it by one ring all-reduce among the nodes that replied."""

@@ -66,8 +66,14 @@ def test_a_misspelled_or_missing_field_fails_on_the_server_before_sending(job):
         TrainRequest(**missing)
     with pytest.raises(ProtocolError, match="wire_up must be one of"):
         TrainRequest(**{**job, "wire_up": "fp8"})
-    with pytest.raises(ProtocolError, match="send must be pseudo_grad or params"):
+    with pytest.raises(ProtocolError, match="send must be pseudo_grad, params or grad"):
         TrainRequest(**job, send="gradients")
+    # a gradient job (ddp) is one batch: inner_steps 1 and the batch's position
+    assert TrainRequest(**{**job, "inner_steps": 1}, send="grad", start_step=4).start_step == 4
+    with pytest.raises(ProtocolError, match="send=grad is one step's gradient"):
+        TrainRequest(**{**job, "inner_steps": 1}, send="grad")
+    with pytest.raises(ProtocolError, match="send=grad is one step's gradient"):
+        TrainRequest(**{**job, "inner_steps": 3}, send="grad", start_step=0)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -19,6 +19,7 @@ from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.protocol import is_profile_probe
 from fl_geo.strategies import (
+    DDP,
     AEDiT,
     AsyncDiLoCo,
     AsyncLocalSGD,
@@ -74,6 +75,7 @@ def _cases(tmp_path) -> list[tuple[FlGeoStrategy, int]]:
         (HALoS(accumulate=2, local_buffer=2, scenario=scenario, inner_steps=2, options=TINY_OPTIONS), 2),
         (StreamingDiLoCo(fragments=2, overlap=1, **common), 2),
         (CoCoDC(fragments=2, overlap=1, scenario=scenario, **common), 2),
+        (DDP(scenario=scenario, options=TINY_OPTIONS), 4),  # one inner step per round: H = 1
     ]
 
 

@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from fl_geo.clients.settings import ClientSection
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.strategies import (
+    DDP,
     AEDiT,
     AsyncDiLoCo,
     AsyncLocalSGD,
@@ -66,6 +67,17 @@ def test_every_public_strategy_learns_a_users_mlp_with_its_defaults(caplog):
     table = {type(s).__name__: _losses(s) for s in strategies}
     stuck = {name: f"{a:.3f} -> {b:.3f}" for name, (a, b) in table.items() if not b < 0.8 * a}
     assert not stuck, f"held-out loss not below 0.8x its start with the defaults: {stuck} (all: {table})"
+
+
+def test_the_data_parallel_reference_learns_it_on_the_same_tokens():
+    """``DDP`` takes one inner step per round: STEPS x H rounds train on the tokens of the others'
+    STEPS rounds of H steps."""
+    strategy = DDP(inner=INNER)
+    result = strategy.start(InlineGrid(user.app, NODES, seed=0), ArrayRecord(user.initial_model().state_dict()),
+                            num_rounds=STEPS * H, evaluate_fn=_evaluate)
+    losses = result.evaluate_metrics_serverapp
+    assert strategy.stats.outer_steps == STEPS * H and strategy.stats.tokens == STEPS * H * NODES * user.BATCH
+    assert losses[max(losses)]["loss"] < 0.8 * losses[0]["loss"], losses
 
 
 def test_naive_async_diloco_diverges_on_it():

@@ -275,6 +275,50 @@ class InnerTrainer:
             final_loss=float(all_losses[-1]),
         )
 
+    def gradient(self, sampler: BatchSource, step: int, names: Iterable[str], out: torch.Tensor) -> TrainResult:
+        """The gradient of the loss of batch ``step`` at the model's current parameters, written
+        into the flat fp32 ``out`` in the order of ``names`` (the model's state-dict layout); no
+        clip and no optimizer step: the ``ddp`` method's job (the server averages the sites'
+        gradients, clips the mean and takes the one AdamW step, `fl_geo.inner.large_batch`).
+
+        The forward and backward pass are `train`'s (autocast, the loss function, token count).
+        Every name must be a parameter of the model (a buffer has no gradient to average); a
+        parameter the loss does not reach gets a zero gradient. The optimizer state is untouched.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        params = dict(self.model.named_parameters())
+        names = list(names)
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise ValueError(f"the model's state dict holds tensors that are not parameters ({missing[:3]}): a gradient "
+                             "job (strategy ddp) averages parameters' gradients only")
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        self._synchronize()
+        started = time.perf_counter()
+        x, y = sampler.batch(step)
+        tokens = int(self.tokens_fn(x, y))
+        loss = self._loss(x, y)
+        loss.backward()
+        offset = 0
+        with torch.no_grad():
+            for name in names:
+                p = params[name]
+                n = p.numel()
+                if p.grad is None:
+                    out[offset:offset + n].zero_()
+                else:
+                    out[offset:offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+        if offset != out.numel():
+            raise ValueError(f"the gradient has {offset} values, the buffer {out.numel()}")
+        self.model.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        self._synchronize()
+        return TrainResult(steps=1, tokens=tokens, mean_loss=value, step_time_s=time.perf_counter() - started,
+                           final_loss=value)
+
     def evaluate(self, batches: Iterable[tuple[Any, Any]]) -> float:
         """Mean loss per token over ``batches`` (see :func:`evaluate_loss`)."""
         custom = None if self.loss_fn is next_token_loss else self.loss_fn

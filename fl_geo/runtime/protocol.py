@@ -172,8 +172,11 @@ class TrainRequest(JobRequest):
     """``train``: run ``inner_steps`` inner steps (or ``time_budget_s`` seconds, H as a cap) from
     the model in ``"arrays"`` and reply the update.
 
-    ``send``: ``pseudo_grad`` (Δ = θ_sent − θ_local) or ``params`` (θ_local). ``start_step``: the
-    schedule position under the global schedule clock. ``keep_prev``: keep the inner state from
+    ``send``: ``pseudo_grad`` (Δ = θ_sent − θ_local), ``params`` (θ_local) or ``grad`` (the
+    data-parallel method ``ddp``: the gradient of the loss of one batch at θ_sent, no optimizer
+    step and no clip; ``inner_steps`` is then 1, batch ``start_step`` is drawn and the site's
+    inner optimizer state is not touched). ``start_step``: the schedule position under the global
+    schedule clock (and the batch of a ``grad`` job). ``keep_prev``: keep the inner state from
     before this round (a resumed server re-sends it). ``ps_*``: the sharded parameter server's
     data path (follower addresses, shard bounds, push order, frame size, retry time, the CA
     certificate the followers are verified with, the job's id and its token, `fl_geo.ps.auth`).
@@ -195,8 +198,11 @@ class TrainRequest(JobRequest):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.send not in ("pseudo_grad", "params"):
-            raise ProtocolError(f"TrainRequest.send must be pseudo_grad or params, got {self.send!r}")
+        if self.send not in ("pseudo_grad", "params", "grad"):
+            raise ProtocolError(f"TrainRequest.send must be pseudo_grad, params or grad, got {self.send!r}")
+        if self.send == "grad" and (self.inner_steps != 1 or self.start_step is None):
+            raise ProtocolError("TrainRequest.send=grad is one step's gradient: it needs inner_steps=1 and a "
+                                f"start_step (the batch), got inner_steps={self.inner_steps}, start_step={self.start_step}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,8 +286,8 @@ class BridgeRequest(Request):
 @dataclass(frozen=True, kw_only=True)
 class ReplyDeclaration(Request):
     """What an fl-geo ClientApp's reply says about itself: ``payload`` is what ``"arrays"`` holds
-    (``pseudo_grad``: Δ; ``params``: θ_local; ``control``: nothing, the update went over the
-    sharded PS data path; ``fragments``: Streaming DiLoCo fragment updates; ``none``: no arrays),
+    (``pseudo_grad``: Δ; ``params``: θ_local; ``grad``: one batch's gradient at the model sent;
+    ``control``: nothing, the update went over the sharded PS data path; ``fragments``: Streaming DiLoCo fragment updates; ``none``: no arrays),
     in ``precision``."""
 
     payload: str
@@ -289,7 +295,7 @@ class ReplyDeclaration(Request):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.payload not in ("pseudo_grad", "params", "control", "fragments", "none"):
+        if self.payload not in ("pseudo_grad", "params", "grad", "control", "fragments", "none"):
             raise ProtocolError(f"ReplyDeclaration.payload {self.payload!r} is unknown")
 
 

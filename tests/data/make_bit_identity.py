@@ -78,6 +78,8 @@ METHODS: dict[str, list[str]] = {
                          "streaming.overlap=1"],
     "cocodc": ["run.rounds=3", "model.n_layers=2", "streaming.fragments=2", "strategy.inner_steps=4",
                "streaming.overlap=1"],
+    # one gradient per site per step (H = 1); 6 steps pass the warm-up and the clip binds
+    "ddp": ["run.rounds=6", "strategy.inner_steps=1"],
 }
 
 
