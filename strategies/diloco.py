@@ -39,11 +39,11 @@ class EDiTSettings(SyncSettings):
     clip : float (default: 10.0)
         The paper's φ, the absolute clip on the weighted pseudo-gradient norm per module, used
         when ``clip_mode="absolute"`` (0: no clip in either mode; ``penalty.clip``).
-    clip_mode : str (default: "relative")
-        ``"relative"``: φ_g = clip_ratio × the running mean of module g's clipped norms (scale-
-        free: φ = 10 is an LLM-scale constant that never binds on a small model's updates;
-        docs/algorithms.md §4, "The relative clip"); ``"absolute"``: φ = ``clip`` (the paper's;
-        configs/edit.yaml).
+    clip_mode : str (default: "absolute")
+        ``"absolute"``: φ = ``clip`` (the paper's); ``"relative"``: φ_g = clip_ratio × the running
+        mean of module g's clipped norms (scale-free, but it lets a first step through unclipped
+        and steps grow by 10 % each: it made Di-PS diverge on the own-model example;
+        docs/algorithms.md §4, "The relative clip").
     clip_ratio : float (default: 2.0)
         c of the relative clip (``penalty.clip_ratio``).
     temperature : float (default: 1.0)
@@ -55,7 +55,7 @@ class EDiTSettings(SyncSettings):
     threshold: float = at("penalty.threshold", 3.0)
     warmup: int = at("penalty.warmup", 20)
     clip: float = at("penalty.clip", 10.0)
-    clip_mode: str = at("penalty.clip_mode", "relative")
+    clip_mode: str = at("penalty.clip_mode", "absolute")
     clip_ratio: float = at("penalty.clip_ratio", 2.0)
     temperature: float = at("penalty.temperature", 1.0)
 
