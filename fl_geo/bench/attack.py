@@ -16,9 +16,17 @@ Messages, one process, the same seed):
 It prints each run's final validation loss, its ratio to the honest run and the rejected
 updates; the target is defended ≤ 1.05 × honest. Exit 1 with ``--strict`` when it is missed.
 
+With ``--matrix`` it runs the matrix of `fl_geo.bench.attack_matrix` instead: 1 of 4 and 2 of 8
+sites sending a turned update × 1, 3 and 10 with honest, 4096-device and 2^40 claims, through
+fl-geo and plain Flower clients, for DiLoCo, Di-PS and FedBuff, each with its documented robust
+rule; the target there is every defended cell ≤ 1.10 × its honest run.
+
 Usage::
 
     fl-geo bench attack [CONFIG] [--scale -10] [--claim 1099511627776] [--attacker 0]
+                        [--out DIR] [--strict] [KEY=VALUE ...]
+    fl-geo bench attack --matrix [--methods diloco,dips,fedbuff] [--sizes 1/4,2/8] [--scales 1,3,10]
+                        [--claims honest,4096-device,2^40] [--kinds fl-geo,plain] [--no-undefended]
                         [--out DIR] [--strict] [KEY=VALUE ...]
 """
 
@@ -140,21 +148,64 @@ def format_attack_bench(results: Sequence[AttackResult], scale: float, claim: in
     return "\n".join(lines)
 
 
+def _matrix_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fl_geo.bench import attack_matrix as m
+
+    def items(text: str) -> list[str]:
+        return [t.strip() for t in text.split(",") if t.strip()]
+
+    try:
+        sizes = [(int(f), int(n)) for f, n in (s.split("/") for s in items(args.sizes))]
+        scales = [float(s) for s in items(args.scales)]
+    except ValueError:
+        raise ConfigError(f"--sizes takes HOSTILE/SITES pairs (1/4,2/8), --scales numbers; got {args.sizes!r}, "
+                          f"{args.scales!r}") from None
+    print(m.HEADER, flush=True)
+    t0 = time.perf_counter()
+    results = m.run_attack_matrix(overrides, methods=items(args.methods), sizes=sizes, scales=scales,
+                                  claims=items(args.claims), kinds=items(args.kinds), undefended=not args.no_undefended,
+                                  out=args.out, echo=lambda line: print(line, flush=True))
+    print(format_matrix_summary(results, time.perf_counter() - t0), flush=True)
+    return 1 if args.strict and not m.matrix_passed(results) else 0
+
+
+def format_matrix_summary(results: Sequence[Any], wall_s: float) -> str:
+    """The whole table again (in run order) under the rows printed as they finished, and the verdict."""
+    from fl_geo.bench.attack_matrix import format_matrix
+
+    return "\n" + format_matrix(results, wall_s)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fl-geo bench attack",
-                                     description="one hostile site: honest, undefended and defended runs")
+                                     description="one hostile site: honest, undefended and defended runs; "
+                                                 "--matrix: turned updates x claims x client kinds x methods")
     parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="run config (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides")
     parser.add_argument("--attacker", type=int, default=0, help="partition id of the hostile site")
     parser.add_argument("--scale", type=float, default=-10.0, help="factor on the hostile update (negative: flipped)")
     parser.add_argument("--claim", type=int, default=2**40, help="tokens the hostile site claims (0: its true count)")
-    parser.add_argument("--out", default=None, help="directory for the three runs (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if the target is missed")
+    matrix = parser.add_argument_group("the matrix (--matrix; CONFIG is then not used, KEY=VALUE apply to every run)")
+    matrix.add_argument("--matrix", action="store_true", help="run the attack matrix (fl_geo.bench.attack_matrix)")
+    matrix.add_argument("--methods", default="diloco,dips,fedbuff")
+    matrix.add_argument("--sizes", default="1/4,2/8", help="HOSTILE/SITES pairs")
+    matrix.add_argument("--scales", default="1,3,10", help="the turned update's scale s")
+    matrix.add_argument("--claims", default="honest,4096-device,2^40")
+    matrix.add_argument("--kinds", default="fl-geo,plain", help="client kinds")
+    matrix.add_argument("--no-undefended", action="store_true",
+                        help="skip the undefended runs (x3 and x10 with 2^40 claims)")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if "=" in args.config:  # only overrides were given
         overrides.insert(0, args.config)
         args.config = str(DEFAULT_CONFIG)
+    if args.matrix:
+        if args.config != str(DEFAULT_CONFIG):
+            raise ConfigError("--matrix runs configs/bench/attack_matrix_<method>.yaml; give KEY=VALUE overrides, "
+                              "not a config")
+        return _matrix_main(args, overrides)
     results = run_attack_bench(args.config, overrides, attacker=args.attacker, scale=args.scale, claim=args.claim,
                                out=args.out)
     print(format_attack_bench(results, args.scale, args.claim), flush=True)
