@@ -160,7 +160,7 @@ def test_a_one_cell_matrix_runs_the_honest_defended_and_undefended_runs(kind, re
     site by the token cap, the plain one by the claim bound) and the cell passes."""
     import json
 
-    from fl_geo.bench.attack_matrix import format_matrix, run_attack_matrix
+    from fl_geo.bench.attack_matrix import SHORT, format_matrix, run_attack_matrix
     from tests.conftest import tiny_overrides
 
     runs = run_attack_matrix(tiny_overrides("strategy.weighting=tokens", "run.rounds=3", "strategy.inner_steps=6",
@@ -177,6 +177,8 @@ def test_a_one_cell_matrix_runs_the_honest_defended_and_undefended_runs(kind, re
     assert "1 of 1 pass" in table and "(FAIL)" in table
     saved = json.loads((tmp_path / "attack_matrix.json").read_text())
     assert [s["setting"] for s in saved] == list(by) and saved[2]["pass"] is True
+    md = (tmp_path / "attack_matrix.md").read_text()
+    assert f"| diloco (robust=cosine) | 1 of 4 | {kind} |" in md and f"({SHORT[refused_by]} 3)" in md
 
 
 @pytest.mark.parametrize("method", ["diloco", "dips", "fedbuff"])

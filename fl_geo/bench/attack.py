@@ -26,7 +26,8 @@ Usage::
     fl-geo bench attack [CONFIG] [--scale -10] [--claim 1099511627776] [--attacker 0]
                         [--out DIR] [--strict] [KEY=VALUE ...]
     fl-geo bench attack --matrix [--methods diloco,dips,fedbuff] [--sizes 1/4,2/8] [--scales 1,3,10]
-                        [--claims honest,4096-device,2^40] [--kinds fl-geo,plain] [--no-undefended]
+                        [--claims honest,4096-device,2^40] [--kinds fl-geo,plain] [--rule METHOD=RULE]
+                        [--no-undefended]
                         [--out DIR] [--strict] [KEY=VALUE ...]
 """
 
@@ -157,14 +158,15 @@ def _matrix_main(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         sizes = [(int(f), int(n)) for f, n in (s.split("/") for s in items(args.sizes))]
         scales = [float(s) for s in items(args.scales)]
+        rules = dict(r.split("=", 1) for r in args.rule)
     except ValueError:
-        raise ConfigError(f"--sizes takes HOSTILE/SITES pairs (1/4,2/8), --scales numbers; got {args.sizes!r}, "
-                          f"{args.scales!r}") from None
+        raise ConfigError(f"--sizes takes HOSTILE/SITES pairs (1/4,2/8), --scales numbers, --rule METHOD=RULE; got "
+                          f"{args.sizes!r}, {args.scales!r}, {args.rule!r}") from None
     print(m.HEADER, flush=True)
     t0 = time.perf_counter()
     results = m.run_attack_matrix(overrides, methods=items(args.methods), sizes=sizes, scales=scales,
                                   claims=items(args.claims), kinds=items(args.kinds), undefended=not args.no_undefended,
-                                  out=args.out, echo=lambda line: print(line, flush=True))
+                                  rules=rules, out=args.out, echo=lambda line: print(line, flush=True))
     print(format_matrix_summary(results, time.perf_counter() - t0), flush=True)
     return 1 if args.strict and not m.matrix_passed(results) else 0
 
@@ -194,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     matrix.add_argument("--scales", default="1,3,10", help="the turned update's scale s")
     matrix.add_argument("--claims", default="honest,4096-device,2^40")
     matrix.add_argument("--kinds", default="fl-geo,plain", help="client kinds")
+    matrix.add_argument("--rule", action="append", default=[], metavar="METHOD=RULE",
+                        help="another strategy.robust for METHOD than the documented one (repeatable)")
     matrix.add_argument("--no-undefended", action="store_true",
                         help="skip the undefended runs (x3 and x10 with 2^40 claims)")
     args = parser.parse_args(argv)

@@ -32,7 +32,7 @@ import math
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.errors import ConfigError
 from fl_geo.paths import CONFIGS_DIR
 
-__all__ = ["CLAIMS", "KINDS", "METHODS", "ROBUST", "MatrixRun", "format_matrix", "plain_client_app",
+__all__ = ["CLAIMS", "KINDS", "METHODS", "ROBUST", "MatrixRun", "format_matrix", "markdown_table", "plain_client_app",
            "run_attack_matrix", "turned_reply_hook"]
 
 TARGET_RATIO = 1.10
@@ -267,14 +267,14 @@ def _run(cfg: FlGeoConfig, kind: str, hook_of: Callable[[list[int]], ReplyHook] 
 
 
 def _cells(methods: Sequence[str], sizes: Sequence[tuple[int, int]], scales: Sequence[float], claims: Sequence[str],
-           kinds: Sequence[str], undefended: bool) -> list[tuple[str, int, int, str, float, str, str]]:
+           kinds: Sequence[str], undefended: bool, rules: Mapping[str, str]) -> list[tuple[str, int, int, str, float, str, str]]:
     cells = []
     for method in methods:
         for f, n in sizes:
             for kind in kinds:
                 for scale in scales:
                     for claim in claims:
-                        cells.append((method, f, n, kind, scale, claim, f"robust={ROBUST[method]}"))
+                        cells.append((method, f, n, kind, scale, claim, f"robust={rules[method]}"))
                 if undefended and "2^40" in claims:
                     cells.extend((method, f, n, kind, s, "2^40", "undefended") for s in UNDEFENDED_SCALES if s in scales)
     return cells
@@ -283,15 +283,20 @@ def _cells(methods: Sequence[str], sizes: Sequence[tuple[int, int]], scales: Seq
 def run_attack_matrix(overrides: Sequence[str] = (), *, methods: Sequence[str] = METHODS,
                       sizes: Sequence[tuple[int, int]] = SIZES, scales: Sequence[float] = SCALES,
                       claims: Sequence[str] = CLAIMS, kinds: Sequence[str] = KINDS, undefended: bool = True,
-                      out: str | Path | None = None, config_of: Callable[[str], str | Path | None] = matrix_config,
+                      rules: Mapping[str, str] | None = None, out: str | Path | None = None,
+                      config_of: Callable[[str], str | Path | None] = matrix_config,
                       echo: Callable[[str], None] | None = None) -> list[MatrixRun]:
     """Run the matrix (see the module docstring); ``overrides`` apply to every run after the
-    method's config. Writes ``attack_matrix.json`` into ``out`` after every run (a partial matrix
-    survives an interrupted one); ``echo`` gets one line per finished run."""
+    method's config; ``rules``: a robust rule per method in place of the documented one (`ROBUST`).
+    Writes ``attack_matrix.json`` and ``attack_matrix.md`` (`markdown_table`) into ``out`` after
+    every run (a partial matrix survives an interrupted one); ``echo`` gets one line per finished run."""
     for name, got, allowed in (("method", methods, METHODS), ("claim", claims, CLAIMS), ("client kind", kinds, KINDS)):
         bad = [g for g in got if g not in allowed]
         if bad:
             raise ConfigError(f"unknown {name} {bad}: choose from {', '.join(allowed)}")
+    if set(rules or {}) - set(METHODS):
+        raise ConfigError(f"--rule names no method of the matrix: {sorted(set(rules or {}) - set(METHODS))}")
+    rules = {**ROBUST, **(rules or {})}
     for f, n in sizes:
         if not 1 <= f < n:
             raise ConfigError(f"{f} hostile of {n} sites: need 1 <= hostile < sites")
@@ -307,20 +312,21 @@ def run_attack_matrix(overrides: Sequence[str] = (), *, methods: Sequence[str] =
         results.append(run)
         (out_dir / "attack_matrix.json").write_text(json.dumps(
             [{**asdict(r), "ratio": r.ratio, "pass": r.passed} for r in results], indent=2, allow_nan=True))
+        (out_dir / "attack_matrix.md").write_text(markdown_table(results) + "\n")
         if echo is not None:
             echo(format_row(run))
 
-    for method, f, n, kind, scale, claim, setting in _cells(methods, sizes, scales, claims, kinds, undefended):
+    for method, f, n, kind, scale, claim, setting in _cells(methods, sizes, scales, claims, kinds, undefended, rules):
         key = (method, n, kind)
         if key not in honest:  # the reference: no attacker, the method as configured (no robust rule)
             loss, rejected, steps, wall, reasons = _run(config(method, n, ()), kind, None)
             honest[key] = loss
             record(MatrixRun(method, 0, n, kind, 0.0, "-", "honest", loss, rejected, steps, wall, loss, reasons))
             # what the rule costs with no attacker (shown, not judged)
-            loss, rejected, steps, wall, reasons = _run(config(method, n, (f"strategy.robust={ROBUST[method]}",)), kind, None)
-            record(MatrixRun(method, 0, n, kind, 0.0, "-", f"honest robust={ROBUST[method]}", loss, rejected, steps,
+            loss, rejected, steps, wall, reasons = _run(config(method, n, (f"strategy.robust={rules[method]}",)), kind, None)
+            record(MatrixRun(method, 0, n, kind, 0.0, "-", f"honest robust={rules[method]}", loss, rejected, steps,
                              wall, honest[key], reasons))
-        extra = UNDEFENDED if setting == "undefended" else (f"strategy.robust={ROBUST[method]}",)
+        extra = UNDEFENDED if setting == "undefended" else (f"strategy.robust={rules[method]}",)
         cfg = config(method, n, extra)
 
         def hook_of(nodes: list[int], cfg: FlGeoConfig = cfg, f: int = f, scale: float = scale,
@@ -357,6 +363,35 @@ def format_matrix(results: Sequence[MatrixRun], wall_s: float | None = None) -> 
     if wall_s is not None:
         lines.append(f"{len(results)} runs in {wall_s:.0f} s")
     return "\n".join(lines)
+
+
+SHORT = {"token cap": "cap", "claim bound": "claim", "cosine": "cos", "median_norm": "norm", "penalty": "pen",
+         "update bound": "bound", "non-finite": "nan", "other": "other"}
+
+
+def markdown_table(results: Sequence[MatrixRun]) -> str:
+    """The matrix as one Markdown row per (method, hostile/n, client kind, scale): the honest
+    run's loss, then per claim the ratio to it and the refused replies (by rule), then the
+    undefended ratio with 2^40 claims where it was run. Bold: a defended cell above the target."""
+    def cell(r: MatrixRun | None) -> str:
+        if r is None:
+            return "—"
+        why = " ".join(f"{SHORT.get(k, k)} {v}" for k, v in sorted(r.reasons.items()))
+        ratio = f"{r.ratio:.3f}" if r.passed or r.setting == "undefended" else f"**{r.ratio:.3f}**"
+        return f"{ratio} ({why})" if why else ratio
+
+    claims = [c for c in CLAIMS if any(r.claim == c for r in results)]
+    rows = ["| method | hostile | clients | honest loss | scale | " + " | ".join(f"{c} claim" for c in claims)
+            + " | undefended, 2^40 |", "|---" * (6 + len(claims)) + "|"]
+    keys = dict.fromkeys((r.method, r.hostile, r.n, r.kind, r.scale) for r in results if r.claim != "-")
+    for method, f, n, kind, scale in keys:
+        mine = [r for r in results if (r.method, r.hostile, r.n, r.kind, r.scale) == (method, f, n, kind, scale)]
+        defended = {r.claim: r for r in mine if r.setting.startswith("robust=")}
+        undefended = next((r for r in mine if r.setting == "undefended"), None)
+        rule = next(iter(defended.values())).setting if defended else ""
+        rows.append(f"| {method} ({rule}) | {f} of {n} | {kind} | {mine[0].honest_loss:.4f} | ×{scale:g} | "
+                    + " | ".join(cell(defended.get(c)) for c in claims) + f" | {cell(undefended)} |")
+    return "\n".join(rows)
 
 
 def matrix_passed(results: Sequence[MatrixRun]) -> bool:
