@@ -287,12 +287,12 @@ class AsyncOuterLoop(OuterLoop):
             return
         weights = [self._weight(r.tokens, st) for _, r, _, st in held]
         judged = self.direction.judge([row for _, _, row, _ in held], weights, self.update_bound())
-        for i, (ev, r, _, staleness) in enumerate(held):
+        for i, (ev, r, row, staleness) in enumerate(held):
             if i in judged.rejected:
                 self._reject(self.tally, ev.job.node, judged.rejected[i])
                 self.discard(ev)
                 continue
-            if self._fold_one(ev.job.node, judged.rows[i], r, staleness) is not None:
+            if self._fold_one(ev.job.node, judged.rows[i], r, staleness, scored=row) is not None:
                 self.tally.accept(r, judged.norms[i], staleness)
                 if self.cfg.strategy.staleness_mixing:  # FedAsync: α_t of this (only) update
                     s = self.cfg.strategy
@@ -310,10 +310,11 @@ class AsyncOuterLoop(OuterLoop):
             update = self._current_base_grad(r.pieces)
         return self._fold_one(ev.job.node, update, r, staleness)
 
-    def _fold_one(self, node: int, update: Any, r: TrainReply, staleness: int) -> float | None:
-        """Fold one update (penalty, or weight and the model-norm bound); its norm or None."""
+    def _fold_one(self, node: int, update: Any, r: TrainReply, staleness: int, scored: Any = None) -> float | None:
+        """Fold one update (penalty, or weight and the model-norm bound); its norm or None.
+        ``scored``: the update as it arrived, for the penalty's test (`fold_penalised`)."""
         if self.penalty is not None:
-            verdict = self.fold_penalised(self.tally, node, update, r.tokens, staleness)
+            verdict = self.fold_penalised(self.tally, node, update, r.tokens, staleness, scored=scored)
             return None if verdict is None else float(verdict.norms.norm())
         result = self.accumulator.add_batch_checked([update], [self._weight(r.tokens, staleness)], self.update_bound())
         if 0 in result.rejected:

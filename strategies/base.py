@@ -546,14 +546,18 @@ class OuterLoop:
             self.history.append(self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()}))
 
     # ---- the pseudo-gradient penalty (docs/algorithms.md §4), shared by Di-PS, EDiT and HALoS --------
-    def fold_penalised(self, tally: Tally, node: int, update: Any, tokens: int, staleness: float = 0) -> Any:
+    def fold_penalised(self, tally: Tally, node: int, update: Any, tokens: int, staleness: float = 0,
+                       scored: Any = None) -> Any:
         """Norms -> outlier test against the step-start statistics -> weighted fold.
 
+        ``scored``: the update as it arrived, when ``update`` is what a robust rule made of it
+        (centered clipping): the outlier test, the statistics and the weights see the arrived
+        norms, so a clip cannot hide a ×10 update from the penalty; ``update`` is what folds.
         Returns the verdict, or None when every group was rejected (logged with node and score).
         Statistics are keyed by partition id: Flower's node ids change from run to run.
         """
         assert self.penalty is not None
-        norms = self.penalty.norms(update)
+        norms = self.penalty.norms(update if scored is None else scored)
         if not bool(torch.isfinite(norms).all()):
             self._reject(tally, node, "update holds NaN or Inf values")
             return None
