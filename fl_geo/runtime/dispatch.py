@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -175,9 +176,11 @@ def default_poll_interval(grid: Grid) -> float:
     per message). 250 ms adds at most a quarter of a second to a reply there; right after a reply
     the dispatcher polls fast again (1 ms, doubling), so a burst of replies is pulled at once.
     """
-    from flwr.superlink.grid.http_grid import HttpGrid
-
-    return POLL_OVER_NETWORK_S if isinstance(grid, HttpGrid) else POLL_IN_PROCESS_S
+    # Looked up, not imported: importing Flower's deployment grid costs ~1.1 s of CPU, and a grid
+    # can only be one if its module is loaded already.
+    module = sys.modules.get("flwr.superlink.grid.http_grid")
+    http_grid = getattr(module, "HttpGrid", None)
+    return POLL_OVER_NETWORK_S if http_grid is not None and isinstance(grid, http_grid) else POLL_IN_PROCESS_S
 
 
 def late_report(late: LateLog, profiles: Mapping[int, NodeProfile]) -> list[dict[str, Any]]:
