@@ -111,14 +111,18 @@ class StrategySection:
     # median takes the coordinate median (synchronous); centered_clip clips each update's
     # distance to a running center at the median distance, robust_clip_iters times (1: more
     # iterations let a hostile update of a small asynchronous buffer drag the result); cosine
-    # rejects an update whose cosine with the round's coordinate median is below robust_cos_min
-    # (synchronous).
+    # rejects an update whose cosine with the consensus is below robust_cos_min: the round's
+    # coordinate median (synchronous), or a running center (asynchronous) seeded with the
+    # coordinate median of the first step, which waits for robust_seed updates (or every live
+    # site), the kept updates then centered-clipped. The seed tolerates fewer than half of those
+    # first updates hostile.
     robust: str = "none"  # none | median_norm | trimmed_mean | median | centered_clip | cosine
     robust_factor: float = 3.0
     robust_window: int = 16
     robust_trim: int = 1
     robust_clip_iters: int = 1
     robust_cos_min: float = 0.0
+    robust_seed: int = 5
     # rank: fold replies in partition order (bit-reproducible sums; an early reply may wait in
     # memory for the ones before it); arrival: fold on arrival (never holds a reply).
     fold_order: str = "rank"
@@ -212,9 +216,10 @@ class StrategySection:
                 f"strategy.late_replies=fold with strategy.robust={self.robust} is not supported: a late reply is folded "
                 "outside the round whose median it would be judged against; use late_replies=drop")
         require(self.robust in ROBUST_RULES, f"strategy.robust must be one of {', '.join(ROBUST_RULES)}, got '{self.robust}'")
-        require(self.robust not in ("trimmed_mean", "median", "cosine") or self.name not in ASYNC_STRATEGIES,
+        require(self.robust not in ("trimmed_mean", "median") or self.name not in ASYNC_STRATEGIES,
                 f"strategy.robust={self.robust} is for synchronous rounds (an asynchronous buffer holds too few "
-                "updates for a consensus of peers); use centered_clip or median_norm")
+                "updates for a consensus of peers); use cosine, centered_clip or median_norm")
+        require(self.robust_seed >= 3, f"strategy.robust_seed must be >= 3, got {self.robust_seed}")
         require(self.robust_trim >= 1, f"strategy.robust_trim must be >= 1, got {self.robust_trim}")
         require(self.robust_clip_iters >= 1, f"strategy.robust_clip_iters must be >= 1, got {self.robust_clip_iters}")
         require(-1 <= self.robust_cos_min < 1, f"strategy.robust_cos_min must be in [-1, 1), got {self.robust_cos_min}")

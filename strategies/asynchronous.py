@@ -56,17 +56,18 @@ class AsyncOuterLoop(OuterLoop):
         s = cfg.strategy
         self._scratch: torch.Tensor | None = None  # θ_current − θ_worker for the "current" base
         self.norm_window = NormWindow(s.robust_window, s.robust_factor) if s.robust == "median_norm" else None
-        # strategy.robust=centered_clip (the only direction-aware rule for a buffer: the others
-        # need a consensus of peers a buffer of K updates does not give): the step's valid
-        # updates are held, as fp32 rows, until it closes (`_fold_held`).
+        # strategy.robust=centered_clip or cosine (the direction-aware rules for a buffer: the
+        # coordinate rules need a consensus of peers a buffer of K updates does not give; cosine
+        # keeps a running one, seeded by the first step): the step's valid updates are held, as
+        # fp32 rows, until it closes (`_fold_held`).
         self.direction: DirectionRule | None = None
         self._held: list[tuple[Event, TrainReply, torch.Tensor, int]] = []
         # Plain replies that arrive before any plain claim was accepted: (event, reply, staleness),
         # judged together when the step closes (`_judge_first_claims`).
         self._unjudged: list[tuple[Event, TrainReply, int]] = []
-        if s.robust == "centered_clip":
+        if s.robust in ("centered_clip", "cosine"):
             self.direction = DirectionRule(s.robust, self.spec.numel, trim=s.robust_trim, iters=s.robust_clip_iters,
-                                           cos_min=s.robust_cos_min, window=s.robust_window)
+                                           cos_min=s.robust_cos_min, window=s.robust_window, consensus="running")
         self.dispatched_samples = 0  # for schedule_clock=global (docs/algorithms.md §1)
         self.waiting: list[int] = []  # pushers of this step: they get the new model after it
         self.tally = Tally()
@@ -343,11 +344,15 @@ class AsyncOuterLoop(OuterLoop):
     def should_step(self) -> bool:
         if self.buffered() == 0:
             return False
+        training = {j.node for j in self.dispatcher.in_flight()} & set(self.dispatcher.live_nodes())
+        if self.direction is not None and not self.direction.seeded:
+            # strategy.robust=cosine: the first step seeds the consensus; it waits for
+            # robust_seed updates, or for every live site to have replied
+            return len(self._held) >= self.cfg.strategy.robust_seed or not training
         if self.tally.accepted + len(self._held) + len(self._unjudged) >= self.cfg.strategy.buffer_size:
             return True
         # every live worker has reported (a late node, whose job was given up, will not)
-        training = {j.node for j in self.dispatcher.in_flight()}
-        return not (training & set(self.dispatcher.live_nodes()))
+        return not training
 
     def grace(self) -> float:
         """Di-PS grace window: fixed, or the ski-rental estimate (``fl_geo.core.grace``)."""
@@ -439,7 +444,9 @@ class AsyncOuterLoop(OuterLoop):
             pending = self.buffered() > 0
             # Di-PS Algorithm 1: wait forever while the buffer is empty; after each arrival the
             # step happens when no further reply comes within the grace time of the last one.
-            windowed = pending and self.uses_grace and self.last_arrival is not None
+            # (strategy.robust=cosine's first step waits for its seed instead: `should_step`)
+            seeding = self.direction is not None and not self.direction.seeded
+            windowed = pending and self.uses_grace and self.last_arrival is not None and not seeding
             deadline = self.last_arrival + self.grace() if windowed else None
             ev = self.dispatcher.next_event(deadline=deadline)
             if ev is None and self.dispatcher.take_rejoined():

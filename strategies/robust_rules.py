@@ -9,8 +9,14 @@ asynchronous loop holds a step's buffer; both hand the group to `DirectionRule.j
    accepted one;
 2. applies the rule (fl_geo.core.robust_agg) to the others, stacked as one fp32 ``(n, d)`` tensor:
 
-   - ``cosine``: rejects the updates whose cosine with the coordinate median of the group is
-     below ``strategy.robust_cos_min``; the others fold unchanged (token weights, the penalty);
+   - ``cosine``: rejects the updates whose cosine with the consensus is below
+     ``strategy.robust_cos_min``. Synchronous rounds (``consensus="group"``): the consensus is the
+     coordinate median of the round, and the kept updates fold unchanged (token weights, the
+     penalty). Asynchronous buffers (``consensus="running"``), too small for a consensus of their
+     own: the consensus is a running center, seeded with the coordinate median of the first
+     step's updates (the loop holds that step until ``strategy.robust_seed`` have arrived, see
+     `DirectionRule.seeded`), and the kept updates are then centered-clipped as below, which
+     moves the center; a refused update never moves it;
    - ``centered_clip``: replaces each update by its centered-clipped row (within τ of the
      running center), τ the lower median of the distances to the center of this group and of
      the last ``strategy.robust_window`` ones; the rows fold with the usual weights, so with
@@ -67,12 +73,23 @@ def flat_row(update: Any, numel: int) -> torch.Tensor:
 class DirectionRule:
     """One loop's direction-aware rule and its state (the centered-clipping center and distances)."""
 
-    def __init__(self, rule: str, numel: int, *, trim: int, iters: int, cos_min: float, window: int) -> None:
+    def __init__(self, rule: str, numel: int, *, trim: int, iters: int, cos_min: float, window: int,
+                 consensus: str = "group") -> None:
         if rule not in DIRECTION_RULES:
             raise ValueError(f"rule must be one of {DIRECTION_RULES}, got {rule!r}")
+        if consensus not in ("group", "running"):
+            raise ValueError(f"consensus must be 'group' or 'running', got {consensus!r}")
         self.rule, self.numel, self.trim, self.iters, self.cos_min = rule, numel, trim, iters, cos_min
+        # cosine against a running center (asynchronous): no center until the first group seeds it
+        self.running = rule == "cosine" and consensus == "running"
         self.center = torch.zeros(numel, dtype=torch.float32) if rule == "centered_clip" else None
         self._distances: deque[float] = deque(maxlen=window)
+
+    @property
+    def seeded(self) -> bool:
+        """False while a running-center ``cosine`` rule has no consensus yet: the loop holds its
+        first step until enough updates (``strategy.robust_seed``) arrived to seed one."""
+        return not self.running or self.center is not None
 
     def judge(self, updates: Sequence[Any], weights: Sequence[float], bound: float | None) -> Judged:
         """Judge a group of updates (with the weights the fold would give them); see the module."""
@@ -94,6 +111,8 @@ class DirectionRule:
         x = torch.stack([flat_row(updates[i], self.numel) for i in kept])
         if self.rule == "centered_clip":
             self._clip(out, kept, x, [weights[i] for i in kept])
+        elif self.running:
+            self._running_cosine(out, kept, x, [weights[i] for i in kept])
         elif len(kept) >= MIN_GROUP:
             if self.rule == "cosine":
                 scores = robust_agg.cosine_scores(x, "median").tolist()
@@ -105,6 +124,25 @@ class DirectionRule:
                 trim = self.trim if len(kept) > 2 * self.trim else 0
                 out.aggregate = robust_agg.trimmed_mean(x, trim) if trim else robust_agg.coordinate_median(x)
         return out
+
+    def _running_cosine(self, out: Judged, kept: list[int], x: torch.Tensor, weights: list[float]) -> None:
+        """Cosine with the running center (seeded by this group's coordinate median when there is
+        none; a group of fewer than `MIN_GROUP` seeds it with its mean and is not judged), then
+        centered clipping of the kept rows, which moves the center."""
+        if self.center is None:
+            if len(kept) < MIN_GROUP:
+                self.center = x.mean(dim=0)
+                out.rows = {i: x[j] for j, i in enumerate(kept)}
+                return
+            self.center = robust_agg.coordinate_median(x)
+        scores = torch.nn.functional.cosine_similarity(
+            x, self.center.unsqueeze(0).expand_as(x), dim=1, eps=torch.finfo(x.dtype).tiny).tolist()
+        refused = robust_agg.cosine_outliers(scores, self.cos_min, reference="the running consensus")
+        for j, reason in refused.items():
+            out.rejected[kept[j]] = reason
+        keep = [j for j in range(len(kept)) if j not in refused]
+        if keep:
+            self._clip(out, [kept[j] for j in keep], x[keep], [weights[j] for j in keep])
 
     def _clip(self, out: Judged, kept: list[int], x: torch.Tensor, weights: list[float]) -> None:
         assert self.center is not None
@@ -124,7 +162,9 @@ class DirectionRule:
         if state.get("rule") != self.rule:
             raise ValueError(f"checkpoint's robust rule is {state.get('rule')!r}, this run's is {self.rule!r}")
         center = state["center"]
-        if (center is None) != (self.center is None) or (center is not None and center.shape != (self.numel,)):
+        has_center = self.rule == "centered_clip" or self.running  # running: None until seeded
+        if (center is None and self.rule == "centered_clip") or (center is not None and not has_center) or (
+                center is not None and center.shape != (self.numel,)):
             raise ValueError("checkpoint's centered-clipping center does not fit this model")
         self.center = None if center is None else center.to(torch.float32).clone()
         self._distances.clear()

@@ -82,7 +82,7 @@ class MethodSettings:
     robust, robust_factor, robust_window : str, float, int (default: "none", 3.0, 16)
         ``"median_norm"``: reject an update whose norm exceeds robust_factor × the median of its
         peers' (the round's, or the last robust_window for asynchronous methods); the
-        direction-aware rules ``"trimmed_mean"``, ``"median"``, ``"cosine"`` (synchronous) and
+        direction-aware rules ``"trimmed_mean"``, ``"median"`` (synchronous), ``"cosine"`` and
         ``"centered_clip"`` (both) are described in docs/robustness.md.
     fold_order : str (default: "rank")
         ``"rank"``: fold replies in partition order (bit-reproducible); ``"arrival"``: as they come.

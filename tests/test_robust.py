@@ -4,6 +4,8 @@ update, on the InlineGrid (real ClientApp, real Messages)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -83,7 +85,8 @@ def test_async_a_scaled_update_is_rejected_once_the_window_has_a_median(tiny, tm
 
 @pytest.mark.parametrize("overrides, needle", [
     (["strategy.robust=trimmed"], "strategy.robust must be one of none, median_norm, trimmed_mean"),
-    (["strategy.robust=cosine", "strategy.name=fedbuff"], "is for synchronous rounds"),
+    (["strategy.robust=median", "strategy.name=fedbuff"], "is for synchronous rounds"),
+    (["strategy.robust=cosine", "strategy.name=fedbuff", "strategy.robust_seed=2"], "robust_seed must be >= 3"),
     (["strategy.robust=trimmed_mean", "strategy.robust_trim=0"], "robust_trim must be >= 1"),
     (["strategy.robust=centered_clip", "strategy.robust_clip_iters=0"], "robust_clip_iters must be >= 1"),
     (["strategy.robust=cosine", "strategy.robust_cos_min=1"], r"robust_cos_min must be in \[-1, 1\)"),
@@ -136,6 +139,27 @@ def test_async_a_turned_tripled_update_is_bounded_by_centered_clipping_but_not_b
     summary, final = _run(tiny(*ASYNC, "strategy.robust=centered_clip"), tmp_path, "centered_clip", turned)
     assert torch.isfinite(final).all() and summary["outer_steps"] == 12
     assert _val(summary) <= 1.2 * honest, (_val(summary), honest)
+
+
+def test_async_cosine_refuses_every_turned_update_against_a_consensus_seeded_by_the_first_step(tiny, tmp_path, caplog):
+    """FedBuff (K = 2), site 0 replies −10Δ. ``cosine`` holds the first step until every live
+    site has replied (4 < robust_seed = 5), seeds the running consensus with their coordinate
+    median, and refuses each of site 0's replies against it; no honest reply is refused here."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    turned = site_reply_hook(0, scale=-10.0)
+    honest = _val(_run(tiny(*ASYNC), tmp_path, "honest")[0])
+    summary, final = _run(tiny(*ASYNC, "strategy.robust=cosine"), tmp_path, "cosine", turned)
+    assert torch.isfinite(final).all() and summary["outer_steps"] == 12
+    refusals = [r.getMessage() for r in caplog.records if "with the running consensus" in r.getMessage()]
+    assert summary["rejected"] == len(refusals) >= 3 and all("(partition 0)" in m for m in refusals)
+    assert _val(summary) <= 1.1 * honest, (_val(summary), honest)
+    steps = [json.loads(line) for line in (tmp_path / "cosine" / "metrics.jsonl").read_text().splitlines()]
+    first = next(m for m in steps if m.get("step") == 1)
+    assert first["outer/accepted"] == 3 and first["outer/rejected"] == 1  # the seed step heard all four sites
+    # without an attacker an honest update late in the run may point slightly away from the
+    # consensus (one of 26 here, cosine -0.08): the rule costs that update, not the outcome
+    clean, _ = _run(tiny(*ASYNC, "strategy.robust=cosine"), tmp_path, "clean")
+    assert clean["rejected"] <= 2 and _val(clean) <= 1.1 * honest, (clean["rejected"], _val(clean), honest)
 
 
 def test_with_honest_sites_centered_clipping_keeps_the_run_close(tiny, tmp_path):

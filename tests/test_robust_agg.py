@@ -87,3 +87,49 @@ def test_the_judge_stops_a_turned_update_with_each_rule():
     refused = DirectionRule("centered_clip", 64, trim=1, iters=1, cos_min=0.0, window=16).judge(
         [*group, torch.full((64,), float("nan"))], [1.0] * 5, bound=2 * float(u.norm()))
     assert "strategy.max_update_ratio" in refused.rejected[3] and 4 in refused.rejected and 3 not in refused.rows
+
+
+def _running(cos_min: float = 0.0) -> DirectionRule:
+    return DirectionRule("cosine", 64, trim=1, iters=1, cos_min=cos_min, window=16, consensus="running")
+
+
+def test_the_running_consensus_is_seeded_by_the_first_groups_median_and_only_kept_updates_move_it():
+    """Asynchronous ``cosine``: the first group's coordinate median seeds the center (two turned
+    updates of five cannot move it), turned updates are refused against it, the kept ones are
+    centered-clipped and become the center; a later lone update is judged against that center."""
+    torch.manual_seed(1)
+    u = torch.randn(64)
+    honest = [u + 0.1 * torch.randn(64) for _ in range(3)]
+    rule = _running()
+    assert not rule.seeded
+    first = rule.judge([-10 * u, -10 * u + torch.randn(64), *honest], [1.0] * 5, None)  # the fastest two are hostile
+    assert rule.seeded and sorted(first.rejected) == [0, 1] and sorted(first.rows) == [2, 3, 4]
+    assert "cosine -" in first.rejected[0] and "the running consensus" in first.rejected[0]
+    kept = torch.stack([first.rows[i] for i in (2, 3, 4)])
+    assert rule.center is not None and torch.allclose(rule.center, kept.mean(dim=0))
+    center = rule.center.clone()
+    lone = rule.judge([-3 * u], [1.0], None)  # a buffer of one: judged against the running center
+    assert list(lone.rejected) == [0] and torch.equal(rule.center, center)  # a refused update never moves it
+    again = rule.judge([u], [1.0], None)
+    assert not again.rejected and float(torch.nn.functional.cosine_similarity(rule.center, u, dim=0)) > 0.95
+    # a first group of fewer than three cannot outvote anyone: its mean seeds the center, nothing is refused
+    small = _running()
+    out = small.judge([u, -u + 0.5 * torch.randn(64)], [1.0, 1.0], None)
+    assert not out.rejected and small.seeded and small.center is not None
+    assert torch.allclose(small.center, (u + out.rows[1]) / 2)
+
+
+def test_the_running_consensus_survives_a_checkpoint_seeded_or_not():
+    fresh, seeded = _running(), _running()
+    seeded.judge([torch.ones(64), torch.ones(64), 2 * torch.ones(64)], [1.0] * 3, None)
+    for rule in (fresh, seeded):
+        again = _running()
+        again.load_state_dict(rule.state_dict())
+        assert again.seeded == rule.seeded
+        assert (again.center is None and rule.center is None) or torch.equal(again.center, rule.center)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        _running().load_state_dict({**seeded.state_dict(), "center": torch.ones(3)})
+    with pytest.raises(ValueError, match="does not fit this model"):  # a group cosine rule keeps no center
+        DirectionRule("cosine", 64, trim=1, iters=1, cos_min=0.0, window=16).load_state_dict(seeded.state_dict())
+    with pytest.raises(ValueError, match="consensus must be"):
+        DirectionRule("cosine", 64, trim=1, iters=1, cos_min=0.0, window=16, consensus="mean")

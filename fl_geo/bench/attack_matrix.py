@@ -58,7 +58,7 @@ DEVICES_CLAIM = 4096
 HUGE_CLAIM = 2**40
 # The documented robust setting per method (docs/robustness.md, "Which robust rule"): cosine for
 # synchronous rounds (f < n/2 against turned updates of any norm), centered clipping for buffers.
-ROBUST = {"diloco": "cosine", "dips": "centered_clip", "fedbuff": "centered_clip"}
+ROBUST = {"diloco": "cosine", "dips": "cosine", "fedbuff": "cosine"}
 UNDEFENDED = ("strategy.robust=none", "strategy.token_cap=none")
 UNDEFENDED_SCALES = (3.0, 10.0)  # with 2^40 claims
 
