@@ -345,14 +345,23 @@ class AsyncOuterLoop(OuterLoop):
         if self.buffered() == 0:
             return False
         training = {j.node for j in self.dispatcher.in_flight()} & set(self.dispatcher.live_nodes())
-        if self.direction is not None and not self.direction.seeded:
-            # strategy.robust=cosine: the first step seeds the consensus; it waits for
-            # robust_seed updates, or for every live site to have replied
-            return len(self._held) >= self.cfg.strategy.robust_seed or not training
+        if self.awaiting_peers():
+            return not training  # unless nobody else can still reply
         if self.tally.accepted + len(self._held) + len(self._unjudged) >= self.cfg.strategy.buffer_size:
             return True
         # every live worker has reported (a late node, whose job was given up, will not)
         return not training
+
+    def awaiting_peers(self) -> bool:
+        """True while the step may not close yet because it lacks the peers a first judgement
+        needs: ``strategy.robust=cosine``'s seed (``robust_seed`` updates), or `MIN_PEERS`
+        plain claims while none has been accepted (`_judge_first_claims`: with fewer, a lie
+        could not be outvoted). The loop then waits for replies, not for a grace window; a step
+        still closes once no other live site is training."""
+        seeding = self.direction is not None and not self.direction.seeded
+        if seeding and len(self._held) + len(self._unjudged) < self.cfg.strategy.robust_seed:
+            return True
+        return 0 < len(self._unjudged) < MIN_PEERS
 
     def grace(self) -> float:
         """Di-PS grace window: fixed, or the ski-rental estimate (``fl_geo.core.grace``)."""
@@ -444,9 +453,8 @@ class AsyncOuterLoop(OuterLoop):
             pending = self.buffered() > 0
             # Di-PS Algorithm 1: wait forever while the buffer is empty; after each arrival the
             # step happens when no further reply comes within the grace time of the last one.
-            # (strategy.robust=cosine's first step waits for its seed instead: `should_step`)
-            seeding = self.direction is not None and not self.direction.seeded
-            windowed = pending and self.uses_grace and self.last_arrival is not None and not seeding
+            # (a first step that awaits its peers waits for replies instead: `awaiting_peers`)
+            windowed = pending and self.uses_grace and self.last_arrival is not None and not self.awaiting_peers()
             deadline = self.last_arrival + self.grace() if windowed else None
             ev = self.dispatcher.next_event(deadline=deadline)
             if ev is None and self.dispatcher.take_rejoined():
