@@ -97,17 +97,16 @@ _REQUESTS: dict[str, type[protocol.Request]] = {
 }
 
 
-def request_of(msg: Message) -> ConfigRecord:
-    """The fl-geo request a message carries (one place to read it from), validated against its
-    typed dataclass (fl_geo.runtime.protocol): protocol version, no unknown field, every required one
-    present and of its type; a `ProtocolError` otherwise, which Flower turns into an error reply."""
+def request_of(msg: Message) -> Any:
+    """The fl-geo request a message carries (one place to read it from), as its typed dataclass
+    (fl_geo.runtime.protocol: `TrainRequest`, `StreamRequest`, `EvaluateRequest`), validated:
+    protocol version, no unknown field, every required one present and of its type; a
+    `ProtocolError` otherwise, which Flower turns into an error reply. Handlers read its fields,
+    never the raw record, so a field's default lives in one place: the dataclass."""
     kind = _REQUESTS.get(msg.metadata.message_type)
     if kind is None:
         raise protocol.ProtocolError(f"no fl-geo request travels as message type {msg.metadata.message_type!r}")
-    record = msg.content.config_records.get(protocol.REQUEST_RECORD)
-    kind.from_record(record)
-    assert record is not None
-    return record
+    return kind.from_record(msg.content.config_records.get(protocol.REQUEST_RECORD))
 
 
 def declared(records: dict[str, Any], payload: str, precision: str) -> dict[str, Any]:
@@ -117,8 +116,9 @@ def declared(records: dict[str, Any], payload: str, precision: str) -> dict[str,
     return {**records, protocol.REQUEST_RECORD: decl}
 
 
-def set_threads(cfg: ConfigRecord) -> None:
-    threads = int(cfg.get("threads", 1))
+def set_threads(req: protocol.JobRequest) -> None:
+    """Use the torch threads the server allots this job (``threads``)."""
+    threads = req.threads
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -139,18 +139,18 @@ def blocks_of(model: torch.nn.Module, blocks: str | BlocksFn) -> list[list[str]]
     return groups
 
 
-def rewind_to_round(state: RecordDict, cfg: ConfigRecord) -> None:
+def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:
     """A synchronous server that resumed from a checkpoint may send a round this node already
     trained (it crashed after the node replied). With ``keep_prev`` the node kept the inner state
     from before its last round: it goes back to it, so the round is redone from the same start and
     the run stays bit-identical to one that never stopped. Anything older cannot be rewound: the
     node continues from its current state and says so."""
-    if not bool(cfg.get("keep_prev", False)) or "round" not in cfg:
+    if not req.keep_prev:
         return
     progress = state.config_records.get(PROGRESS_KEY)
     if progress is None or "last_round" not in progress:
         return
-    rnd, last = int(cfg["round"]), int(progress["last_round"])
+    rnd, last = req.round, int(progress["last_round"])
     if rnd > last:
         return
     prev = state.config_records.get(PREV_PROGRESS_KEY)
@@ -259,17 +259,17 @@ class DatacenterClient:
 
     # ---------------------------------------------------------------- per-message set-up
 
-    def site(self, cfg: ConfigRecord, context: Context, msg: Message | None = None) -> Site:
+    def site(self, req: protocol.JobRequest, context: Context, msg: Message | None = None) -> Site:
         """The `Site` of a message: node partition, run seed, inner settings and sections, and
         the user's own Flower train / evaluate config (the message's ``"config"`` record)."""
         pid, nparts = partition_ids(context)
         user = msg.content.config_records.get(protocol.USER_CONFIG_RECORD) if msg is not None else None
-        sections = {key: json.loads(str(cfg[key])) for key in ("model", "data", "client") if key in cfg}
+        sections = {key: json.loads(getattr(req, key)) for key in ("model", "data", "client")}
         return Site(
             partition_id=pid,
             num_partitions=nparts,
-            seed=int(cfg["seed"]),
-            inner=inner_config(sections["client"], int(cfg["schedule_total"])),
+            seed=req.seed,
+            inner=inner_config(sections["client"], req.schedule_total),
             sections=sections,
             node_config=dict(context.node_config),
             run_config=dict(context.run_config),
@@ -314,18 +314,18 @@ class DatacenterClient:
                 self._fragments.popitem(last=False)
         return self._fragments[key]
 
-    def receive_model(self, msg: Message, cfg: ConfigRecord, spec: ParamSpec, out: torch.Tensor) -> torch.Tensor:
+    def receive_model(self, msg: Message, req: protocol.JobRequest, spec: ParamSpec, out: torch.Tensor) -> torch.Tensor:
         """The received global model, decoded into ``out`` and validated against ``spec``.
 
         Wrong keys, shapes or precision are refused by the wire codec; a NaN or ±Inf here is
         refused too (training from it would only send garbage back).
         """
-        if has_followers(cfg):  # sharded Di-PS: the model comes over the data path, not in the message
-            self.pulled_version = pull_model(cfg, out)
+        if has_followers(req):  # sharded Di-PS: the model comes over the data path, not in the message
+            self.pulled_version = pull_model(req, out)
         else:
             if "arrays" not in msg.content.array_records:
                 raise ValueError("the message carries no model ('arrays')")
-            decode_into(msg.content.array_records["arrays"], spec, str(cfg["wire_down"]), out=out)
+            decode_into(msg.content.array_records["arrays"], spec, req.wire_down, out=out)
         check_finite_and_norm([(0, out)], spec)
         return out
 
@@ -359,14 +359,15 @@ class DatacenterClient:
         """Tell the server who we are: partition, device and site (`profile_reply`)."""
         return profile_reply(msg, context)
 
-    def _single(self, msg: Message, cfg: ConfigRecord, site: Site) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:
+    def _single(self, msg: Message, req: protocol.TrainRequest,
+                site: Site) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:
         model, spec = self.model(site)
-        base = self.receive_model(msg, cfg, spec, torch.empty(spec.numel, dtype=torch.float32))
+        base = self.receive_model(msg, req, spec, torch.empty(spec.numel, dtype=torch.float32))
         load_flat_into(model, base, spec)
         model.to(self.device(site))
         return self.trainer(model, site), spec, base
 
-    def _data_parallel(self, msg: Message, cfg: ConfigRecord, site: Site,
+    def _data_parallel(self, msg: Message, req: protocol.TrainRequest, site: Site,
                        count: int) -> tuple[DataParallelTrainer, ParamSpec, torch.Tensor]:
         """A data-parallel job of ``count`` ranks (fl_geo.inner.distributed).
 
@@ -384,9 +385,9 @@ class DatacenterClient:
         factory = functools.partial(self.model_fn, site)
         spec = spec_of(factory)
         trainer = DataParallelTrainer(factory, site.inner, spec, devices, backend,
-                                      threads=int(cfg.get("threads", 1)), loss_fn=self.loss_fn,
+                                      threads=req.threads, loss_fn=self.loss_fn,
                                       lr_schedule=self.lr_schedule, tokens_fn=self.tokens_fn)
-        self.receive_model(msg, cfg, spec, trainer.params)
+        self.receive_model(msg, req, spec, trainer.params)
         return trainer, spec, trainer.params.clone()
 
     def train(self, msg: Message, context: Context) -> Message:
@@ -397,25 +398,25 @@ class DatacenterClient:
         docs/multidevice.md), each rank with batch ``client.batch_size``; the state handling and
         the reply are the same. (The streaming handler ``train.stream`` always runs in one process.)
         """
-        cfg = request_of(msg)
-        set_threads(cfg)
-        site = self.site(cfg, context, msg)
+        req: protocol.TrainRequest = request_of(msg)
+        set_threads(req)
+        site = self.site(req, context, msg)
         # Processes for this site's inner loop: node config ``devices`` (a site knows its
         # hardware), else ``client.devices``; a client section without the key means one.
         count = int(context.node_config.get("devices", site.sections["client"].get("devices", 1)))
-        if str(cfg.get("send", "pseudo_grad")) == "grad":
-            return self._gradient(msg, cfg, site, count)
+        if req.send == "grad":
+            return self._gradient(msg, req, site, count)
         trainer: InnerTrainer | DataParallelTrainer
         if count > 1:
-            trainer, spec, base = self._data_parallel(msg, cfg, site, count)
+            trainer, spec, base = self._data_parallel(msg, req, site, count)
         else:
-            trainer, spec, base = self._single(msg, cfg, site)
+            trainer, spec, base = self._single(msg, req, site)
         state = context.state
         pid = site.partition_id
-        disk = state_file(context, cfg, pid)
-        if disk is not None and bool(cfg.get("resumed", False)) and PROGRESS_KEY not in state.config_records:
+        disk = state_file(context, req, pid)
+        if disk is not None and req.resumed and PROGRESS_KEY not in state.config_records:
             load_inner_state(state, disk)  # a restarted server is a new Flower run: context.state is empty
-        rewind_to_round(state, cfg)
+        rewind_to_round(state, req)
         start_opt = state.array_records.get(OPT_STATE_KEY)
         if start_opt is not None:
             trainer.load_optimizer_state(opt_from_record(start_opt))
@@ -424,30 +425,30 @@ class DatacenterClient:
         # schedule_clock (docs/algorithms.md §1): "local" continues our own step count; asynchronous
         # strategies send a global position so a slow worker does not linger at a high learning rate.
         local_step = int(progress["step"])
-        start_step = int(cfg["start_step"]) if "start_step" in cfg else local_step
+        start_step = local_step if req.start_step is None else req.start_step
 
         source = self.batches(site)
         t0 = time.perf_counter()
-        budget = float(cfg.get("time_budget_s", 0.0))  # A-EDiT: train for a time, H is a cap
-        result = trainer.train(source, int(cfg["inner_steps"]), start_step, time_budget_s=budget)
+        # (A-EDiT: train for time_budget_s seconds, H a cap)
+        result = trainer.train(source, req.inner_steps, start_step, time_budget_s=req.time_budget_s)
         train_time = time.perf_counter() - t0
         noisy = noisy_steps(source, start_step, result.steps)
 
         # One process: copy the trained model out. Data-parallel: rank 0 wrote it into shared memory.
         local = trainer.params if isinstance(trainer, DataParallelTrainer) else flatten(trainer.model.state_dict(), spec)
         update = local
-        if str(cfg.get("send", "pseudo_grad")) != "params":
+        if req.send != "params":
             # (with send=params, Di-PS's "current" base of Algorithm 1 line 10, the server subtracts
             # from its own current model, so the worker ships its parameters)
             update = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
         records: dict[str, Any] = {}
         pushed: dict[str, int] = {}
-        if has_followers(cfg):  # the update goes to the follower PSs; the reply carries control only
-            pushed = {"ps_pushed_bytes": push_update(cfg, update), "ps_version": self.pulled_version}
+        if has_followers(req):  # the update goes to the follower PSs; the reply carries control only
+            pushed = {"ps_pushed_bytes": push_update(req, update), "ps_version": self.pulled_version}
         else:
-            records["arrays"] = encode(update, spec, str(cfg["wire_up"]))
+            records["arrays"] = encode(update, spec, req.wire_up)
 
-        if bool(cfg.get("keep_prev", False)):
+        if req.keep_prev:
             # What this round started from (the same objects, no copy): a resumed server that
             # sends this round again gets the same result (rewind_to_round).
             if start_opt is not None:
@@ -455,22 +456,22 @@ class DatacenterClient:
             state[PREV_PROGRESS_KEY] = ConfigRecord(dict(start_progress))
         state[OPT_STATE_KEY] = opt_record(trainer)
         state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1,
-                                            "last_round": int(cfg.get("round", -1))})
+                                            "last_round": req.round})
         if disk is not None:
             save_inner_state(state, INNER_STATE_KEYS, disk)
 
         metrics = MetricRecord(
             {
                 **train_metrics(result, train_time, pid, noisy),
-                "base_version": int(cfg.get("base_version", 0)),
+                "base_version": req.base_version,
                 **pushed,
             }
         )
-        payload = "control" if pushed else str(cfg.get("send", "pseudo_grad"))
-        records = declared(records, payload, str(cfg["wire_up"]))
+        payload = "control" if pushed else req.send
+        records = declared(records, payload, req.wire_up)
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
-    def _gradient(self, msg: Message, cfg: ConfigRecord, site: Site, count: int) -> Message:
+    def _gradient(self, msg: Message, req: protocol.TrainRequest, site: Site, count: int) -> Message:
         """A ``grad`` job (the data-parallel method ``ddp``): the gradient of the loss of batch
         ``start_step`` of this site at the received model, in the uplink precision
         (`InnerTrainer.gradient`). No optimizer step and no state: the server averages every
@@ -488,25 +489,26 @@ class DatacenterClient:
         if count > 1:
             raise ValueError(f"strategy ddp computes each site's gradient in one process; this site runs {count} "
                              "devices (client.devices / node config devices): set it to 1")
-        trainer, spec, _ = self._single(msg, cfg, site)
+        trainer, spec, _ = self._single(msg, req, site)
         source = self.batches(site)
-        step = int(cfg["start_step"])
+        assert req.start_step is not None  # TrainRequest refuses send=grad without one
+        step = req.start_step
         grad = torch.empty(spec.numel, dtype=torch.float32)
         t0 = time.perf_counter()
         result = trainer.gradient(source, step, spec.names, grad)
         train_time = time.perf_counter() - t0
         metrics = MetricRecord({**train_metrics(result, train_time, site.partition_id, noisy_steps(source, step, 1)),
-                                "base_version": int(cfg.get("base_version", 0))})
-        records = declared({"arrays": encode(grad, spec, str(cfg["wire_up"]))}, "grad", str(cfg["wire_up"]))
+                                "base_version": req.base_version})
+        records = declared({"arrays": encode(grad, spec, req.wire_up)}, "grad", req.wire_up)
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
         """Validation loss of the received model on this node's held-out batches."""
-        cfg = request_of(msg)
-        set_threads(cfg)
-        site = self.site(cfg, context, msg)
+        req: protocol.EvaluateRequest = request_of(msg)
+        set_threads(req)
+        site = self.site(req, context, msg)
         model, spec = self.model(site)
-        base = self.receive_model(msg, cfg, spec, torch.empty(spec.numel, dtype=torch.float32))
+        base = self.receive_model(msg, req, spec, torch.empty(spec.numel, dtype=torch.float32))
         load_flat_into(model, base, spec)
         model.to(self.device(site))
         count = int(site.sections["client"].get("eval_batches", 0))
@@ -514,11 +516,11 @@ class DatacenterClient:
         return self.eval_reply(msg, model, batches, partition_id=site.partition_id)
 
 
-def state_file(context: Context, cfg: ConfigRecord, pid: int) -> Path | None:
+def state_file(context: Context, req: protocol.JobRequest, pid: int) -> Path | None:
     """Where this node keeps its inner state on disk: its node config ``state-dir``, else the
     run's ``run.client_state_dir`` (simulation); off when neither is set."""
-    state_dir = str(context.node_config.get("state-dir", "") or cfg.get("state_dir", "") or "")
-    return state_path(state_dir, str(cfg.get("run_name", "run")), pid) if state_dir else None
+    state_dir = str(context.node_config.get("state-dir", "") or req.state_dir or "")
+    return state_path(state_dir, req.run_name, pid) if state_dir else None
 
 
 def make_client_app(

@@ -20,53 +20,58 @@ from typing import Any
 import torch
 
 from fl_geo.ps.follower import WIRE_DTYPES
+from fl_geo.ps.frames import DEFAULT_CHUNK_BYTES
+from fl_geo.runtime.protocol import JobRequest, TrainRequest
 
 __all__ = ["has_followers", "pull_model", "push_update"]
 
 MAX_PULL_ROUNDS = 8
 
 
-def has_followers(cfg: Any) -> bool:
+def has_followers(req: JobRequest) -> bool:
     """True when this job's model comes from, and its update goes to, follower PSs."""
-    return "ps_addresses" in cfg
+    return getattr(req, "ps_addresses", None) is not None
 
 
-def _layout(cfg: Any) -> tuple[list[str], list[tuple[int, int]]]:
-    addresses = [str(a) for a in json.loads(str(cfg["ps_addresses"]))]
-    shards = [(int(b), int(e)) for b, e in json.loads(str(cfg["ps_shards"]))]
+def _layout(req: TrainRequest) -> tuple[list[str], list[tuple[int, int]]]:
+    if req.ps_addresses is None or req.ps_shards is None:
+        raise ValueError("the job names follower PSs without their shards (ps_addresses and ps_shards go together)")
+    addresses = [str(a) for a in json.loads(req.ps_addresses)]
+    shards = [(int(b), int(e)) for b, e in json.loads(req.ps_shards)]
     if len(addresses) != len(shards) or not shards:
         raise ValueError(f"job config names {len(addresses)} followers for {len(shards)} shards")
     return addresses, shards
 
 
-def _client(address: str, cfg: Any) -> Any:
+def _client(address: str, req: TrainRequest) -> Any:
+    """A follower client; without ``ps_retry_s`` it retries as long as `FollowerClient` does."""
     from fl_geo.ps.client import FollowerClient
 
-    ca = str(cfg.get("ps_tls_ca", ""))
-    return FollowerClient(address, retry_s=float(cfg.get("ps_retry_s", 120.0)), root_certificates=ca.encode() if ca else None)
+    ca = req.ps_tls_ca or ""
+    retry = {} if req.ps_retry_s is None else {"retry_s": req.ps_retry_s}
+    return FollowerClient(address, root_certificates=ca.encode() if ca else None, **retry)
 
 
-def _token(cfg: Any) -> str | None:
+def _token(req: TrainRequest) -> str | None:
     """The job's data path token (None from a leader that does not authenticate)."""
-    token = cfg.get("ps_token")
-    return str(token) if token else None
+    return req.ps_token or None
 
 
-def pull_model(cfg: Any, out: torch.Tensor) -> int:
+def pull_model(req: TrainRequest, out: torch.Tensor) -> int:
     """θ from every follower into ``out`` (fp32, whole model); returns the model version.
 
     Shards are pulled in parallel. Followers step together on the leader's word, so a pull that
     straddles a step sees two versions: the older shards are pulled again until all agree."""
-    addresses, shards = _layout(cfg)
+    addresses, shards = _layout(req)
     if shards[-1][1] != out.numel():
         raise ValueError(f"shards cover {shards[-1][1]} elements, the model has {out.numel()}")
-    wire = str(cfg["wire_down"])
+    wire = req.wire_down
     versions = [-1] * len(shards)
 
     def pull(i: int) -> None:
         begin, end = shards[i]
-        with _client(addresses[i], cfg) as client:
-            version, theta = client.pull(0, end - begin, wire=wire, token=_token(cfg))
+        with _client(addresses[i], req) as client:
+            version, theta = client.pull(0, end - begin, wire=wire, token=_token(req))
         out[begin:end].copy_(theta)
         versions[i] = int(version)
 
@@ -81,19 +86,22 @@ def pull_model(cfg: Any, out: torch.Tensor) -> int:
     raise RuntimeError(f"followers kept stepping while this client pulled (versions {versions})")
 
 
-def push_update(cfg: Any, flat: torch.Tensor) -> int:
+def push_update(req: TrainRequest, flat: torch.Tensor) -> int:
     """Send Δ (or θ_i) shard by shard in the leader's order; returns the bytes pushed."""
-    addresses, shards = _layout(cfg)
-    dtype = WIRE_DTYPES[str(cfg["wire_up"])]
-    order = [int(i) for i in json.loads(str(cfg.get("ps_push_order", json.dumps(list(range(len(shards)))))))]
+    addresses, shards = _layout(req)
+    dtype = WIRE_DTYPES[req.wire_up]
+    order = list(range(len(shards))) if req.ps_push_order is None else [int(i) for i in json.loads(req.ps_push_order)]
     if sorted(order) != list(range(len(shards))):
         raise ValueError(f"push order {order} is not a permutation of the {len(shards)} shards")
-    job, chunk = str(cfg["ps_job"]), int(cfg.get("ps_chunk_bytes", 4 << 20))
+    if req.ps_job is None:
+        raise ValueError("the job pushes to follower PSs but names no ps_job")
+    job = req.ps_job
+    chunk = DEFAULT_CHUNK_BYTES if req.ps_chunk_bytes is None else req.ps_chunk_bytes
     sent = 0
     for i in order:
         begin, end = shards[i]
         piece = flat[begin:end].to(dtype)  # one shard in wire precision at a time
-        with _client(addresses[i], cfg) as client:
-            client.push(job, i, piece, chunk_bytes=chunk, token=_token(cfg))
+        with _client(addresses[i], req) as client:
+            client.push(job, i, piece, chunk_bytes=chunk, token=_token(req))
         sent += piece.numel() * piece.element_size()
     return sent

@@ -32,6 +32,7 @@ from fl_geo.clients.api import (
 )
 from fl_geo.core.state import flatten, load_flat_into
 from fl_geo.core.streaming import cocodc_compensate, fragment_record, streaming_merge
+from fl_geo.runtime import protocol
 from fl_geo.runtime.quantized import quantize_record
 from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
 
@@ -131,7 +132,7 @@ def _restore_stream_state(
 
 
 def _apply_global_fragments(
-    cfg: ConfigRecord,
+    req: protocol.StreamRequest,
     arrays: Mapping[str, ArrayRecord],
     fragments: Fragments,
     frag_specs: tuple[ParamSpec, ...],
@@ -149,7 +150,7 @@ def _apply_global_fragments(
     fragments that had a snapshot.
     """
     overlaps: list[int] = []
-    for p in json.loads(str(cfg["stream_apply"])):
+    for p in json.loads(req.stream_apply):
         name = fragment_record(p)
         if name not in arrays:
             raise ValueError(f"train.stream: stream_apply lists fragment {p} but the message has no {name!r}")
@@ -168,7 +169,7 @@ def _apply_global_fragments(
 
 
 def _start_syncs(
-    cfg: ConfigRecord,
+    req: protocol.StreamRequest,
     fragments: Fragments,
     frag_specs: tuple[ParamSpec, ...],
     wire_up: str,
@@ -183,14 +184,14 @@ def _start_syncs(
     it; θ^m_p and ``step_after`` are kept in ``snapshots`` for the merge when θ^g_p returns.
     """
     content: dict[str, Any] = {}
-    quantize = str(cfg.get("stream_quantize", "none"))
-    for p in json.loads(str(cfg["stream_sync"])):
+    quantize = req.stream_quantize
+    for p in json.loads(req.stream_sync):
         local_p = fragments.gather(local, p)
         delta = torch.sub(fragments.gather(global_copy, p), local_p)
         if quantize == "none":
             content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
         else:
-            content[fragment_record(p)] = quantize_record(delta, quantize, int(cfg["stream_quantize_block"]))
+            content[fragment_record(p)] = quantize_record(delta, quantize, req.stream_quantize_block)
         snapshots[p] = (local_p, step_after)
     return content
 
@@ -219,14 +220,14 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
 
     Always one process: ``client.devices`` applies to the plain ``train`` handler only.
     """
-    cfg = request_of(msg)
-    set_threads(cfg)
-    site = client.site(cfg, context, msg)
+    req: protocol.StreamRequest = request_of(msg)
+    set_threads(req)
+    site = client.site(req, context, msg)
     device = client.device(site)
     model, spec = client.model(site)
-    fragments, frag_specs = client.fragments(site, int(cfg["fragments"]))
-    merge = _MergeParams(str(cfg["stream_rule"]), int(cfg["H"]), float(cfg["alpha"]), float(cfg["lambda"]))
-    wire_down, wire_up = str(cfg["wire_down"]), str(cfg["wire_up"])
+    fragments, frag_specs = client.fragments(site, req.fragments)
+    merge = _MergeParams(req.stream_rule, req.H, req.alpha, req.lambda_)
+    wire_down, wire_up = req.wire_down, req.wire_up
     state = context.state
     progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
     local_step = int(progress["step"])
@@ -236,7 +237,7 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     local, global_copy, snapshots = _restore_stream_state(arrays, state, spec, fragments, wire_down)
 
     # (1) apply the new global fragments
-    overlaps = _apply_global_fragments(cfg, arrays, fragments, frag_specs, merge, wire_down,
+    overlaps = _apply_global_fragments(req, arrays, fragments, frag_specs, merge, wire_down,
                                        local, global_copy, snapshots, local_step)
 
     # (2) train
@@ -247,14 +248,14 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
         trainer.load_optimizer_state(opt_from_record(state.array_records[OPT_STATE_KEY]))
     source = client.batches(site)
     t0 = time.perf_counter()
-    result = trainer.train(source, int(cfg["stream_steps"]), local_step)
+    result = trainer.train(source, req.stream_steps, local_step)
     train_time = time.perf_counter() - t0
     noisy = noisy_steps(source, local_step, result.steps)
     local = flatten(model.state_dict(), spec)
     step_after = local_step + result.steps
 
     # (3) start the requested syncs: Δ_p = θ^g_p − θ^m_p against our copy of the global fragment
-    content = _start_syncs(cfg, fragments, frag_specs, wire_up, local, global_copy, snapshots, step_after)
+    content = _start_syncs(req, fragments, frag_specs, wire_up, local, global_copy, snapshots, step_after)
 
     _store_stream_state(state, local, global_copy, snapshots, fragments.num_fragments, spec.numel)
     state[OPT_STATE_KEY] = opt_record(trainer)
@@ -269,12 +270,12 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
             "overlap_max": int(max(overlaps, default=-1)),
             "overlap_min": int(min(overlaps, default=-1)),
             # which message this answers: the server refuses a reply of another tick (a replay)
-            "stream_step": int(cfg["stream_step"]),
-            "base_version": int(cfg.get("base_version", 0)),
+            "stream_step": req.stream_step,
+            "base_version": req.base_version,
         }
     )
     payload = "fragments" if any(k != "metrics" for k in content) else "none"
-    return Message(RecordDict(declared(content, payload, str(cfg["wire_up"]))), reply_to=msg)
+    return Message(RecordDict(declared(content, payload, req.wire_up)), reply_to=msg)
 
 
 def evaluate_stream(client: DatacenterClient, msg: Message, context: Context) -> Message:
@@ -288,12 +289,12 @@ def evaluate_stream(client: DatacenterClient, msg: Message, context: Context) ->
     ``val/loss`` uses. Read-only: nothing in ``context.state`` changes, and fragments still in
     flight are not merged first.
     """
-    cfg = request_of(msg)
-    set_threads(cfg)
+    req: protocol.EvaluateRequest = request_of(msg)
+    set_threads(req)
     state = context.state
     if STREAM_LOCAL_KEY not in state.array_records:
         raise RuntimeError("evaluate.stream: this node holds no streaming model yet (no train.stream message ran)")
-    site = client.site(cfg, context, msg)
+    site = client.site(req, context, msg)
     device = client.device(site)
     model, spec = client.model(site)
     local = torch.from_numpy(state.array_records[STREAM_LOCAL_KEY]["flat"].numpy())
@@ -301,5 +302,7 @@ def evaluate_stream(client: DatacenterClient, msg: Message, context: Context) ->
         raise RuntimeError(f"evaluate.stream: stored model has {local.numel()} parameters, the run's {spec.numel}")
     load_flat_into(model, local, spec)
     model.to(device)
-    batches = client.eval_batches(site.for_eval("global", int(cfg["eval_batches"])))
+    if req.eval_batches is None:
+        raise protocol.ProtocolError("evaluate.stream names no eval_batches (how many held-out batches to score)")
+    batches = client.eval_batches(site.for_eval("global", req.eval_batches))
     return client.eval_reply(msg, model, batches)

@@ -28,6 +28,7 @@ from fl_geo.runtime.protocol import (
     REQUEST_RECORD,
     USER_CONFIG_RECORD,
     ProfileQuery,
+    TrainRequest,
 )
 from fl_geo.runtime.wire import PayloadError, decode_into, encode
 from fl_geo.strategies.base import client_config_record
@@ -263,7 +264,7 @@ def test_streaming_fragments_are_cut_from_the_users_blocks(tiny, blocks):
     names0 = set(first.content.array_records[fragment_record(0)])
     assert any(n.startswith("embed.") for n in names0) and any(n.startswith("layers.0.") for n in names0)
     assert not any(n.startswith(("layers.1.", "head.")) for n in names0)
-    fragments, frag_specs = client.fragments(client.site(request, ctx), 2)
+    fragments, frag_specs = client.fragments(client.site(TrainRequest.from_record(request), ctx), 2)
     assert set(fragments.names(1)) == {n for n in spec.names if n.startswith(("layers.1.", "head."))}
     # the global fragment 0 comes back: merged into the worker's model, and fragment 1 syncs
     global0 = fragments.gather(flat, 0)

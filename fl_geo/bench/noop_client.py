@@ -26,7 +26,7 @@ import json
 from functools import lru_cache
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.clients.api import declared, partition_ids, request_of
@@ -34,6 +34,7 @@ from fl_geo.clients.datacenter import query
 from fl_geo.clients.profile import profile_probe_mod
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import decode_into, encode
 
 app = ClientApp(mods=[profile_probe_mod])  # the profile probe (clients="auto") is answered like a query
@@ -57,28 +58,28 @@ def zero_update(model_json: str, seed: int, precision: str) -> ArrayRecord:
     return encode(torch.zeros(spec.numel, dtype=torch.float32), spec, precision)
 
 
-def _unchanged_params(msg: Message, cfg: ConfigRecord) -> ArrayRecord:
+def _unchanged_params(msg: Message, req: TrainRequest) -> ArrayRecord:
     """The parameters of a worker that took no step: the model it was sent, in ``wire_up``."""
     received = msg.content.array_records["arrays"]
-    up, down = str(cfg["wire_up"]), str(cfg["wire_down"])
+    up, down = req.wire_up, req.wire_down
     if up == down:
         return received  # already the right bytes: no decode at all
-    spec = _spec(str(cfg["model"]), int(cfg["seed"]))
+    spec = _spec(req.model, req.seed)
     return encode(decode_into(received, spec, down), spec, up)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Reply immediately with a valid update of a worker that did no work."""
-    cfg = request_of(msg)
+    req: TrainRequest = request_of(msg)
     pid, _ = partition_ids(context)
-    client = json.loads(str(cfg["client"]))
-    steps = int(cfg["inner_steps"])
+    client = json.loads(req.client)
+    steps = req.inner_steps
     tokens = steps * int(client["batch_size"]) * int(client["seq_len"])
-    if str(cfg.get("send", "pseudo_grad")) == "params":
-        arrays = _unchanged_params(msg, cfg)
+    if req.send == "params":
+        arrays = _unchanged_params(msg, req)
     else:
-        arrays = zero_update(str(cfg["model"]), int(cfg["seed"]), str(cfg["wire_up"]))
+        arrays = zero_update(req.model, req.seed, req.wire_up)
     metrics = MetricRecord(
         {
             "tokens": tokens,
@@ -88,10 +89,9 @@ def train(msg: Message, context: Context) -> Message:
             "step_time_s": 0.0,
             "train_time_s": 0.0,
             "partition_id": pid,
-            "base_version": int(cfg.get("base_version", 0)),
+            "base_version": req.base_version,
             "noop": 1,
         }
     )
-    payload = str(cfg.get("send", "pseudo_grad"))
-    return Message(RecordDict(declared({"arrays": arrays, "metrics": metrics}, payload, str(cfg["wire_up"]))),
+    return Message(RecordDict(declared({"arrays": arrays, "metrics": metrics}, req.send, req.wire_up)),
                    reply_to=msg)
