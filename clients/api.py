@@ -166,19 +166,21 @@ def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:
                 "rewound: continuing from the current inner state (the run is no longer bit-identical)", rnd, last)
 
 
-def train_metrics(result: TrainResult, train_time: float, pid: int, noisy_steps: int) -> dict[str, Any]:
-    """The metrics every train reply carries (strategies/replies.py REPLY_METRICS and more)."""
-    return {
-        "tokens": int(result.tokens),
-        "num-examples": int(result.tokens),  # the key Flower's own strategies weight by
-        "steps": int(result.steps),
-        "train_loss": float(result.mean_loss),
-        "final_loss": float(result.final_loss),
-        "step_time_s": float(result.step_time_s),
-        "train_time_s": float(train_time),
-        "partition_id": pid,
-        "noisy_steps": int(noisy_steps),  # batches replaced by data.noise_* garbage in this job
-    }
+def train_metrics(result: TrainResult, train_time: float, pid: int, noisy_steps: int,
+                  **extra: int) -> MetricRecord:
+    """The ``"metrics"`` record of a train reply (`protocol.TrainMetrics`; ``extra``: its
+    optional fields, e.g. ``base_version``)."""
+    return protocol.TrainMetrics(
+        tokens=int(result.tokens),
+        steps=int(result.steps),
+        train_loss=float(result.mean_loss),
+        final_loss=float(result.final_loss),
+        step_time_s=float(result.step_time_s),
+        train_time_s=float(train_time),
+        partition_id=pid,
+        noisy_steps=int(noisy_steps),  # batches replaced by data.noise_* garbage in this job
+        **extra,
+    ).to_record()
 
 
 def noisy_steps(source: BatchSource, start: int, steps: int) -> int:
@@ -460,13 +462,7 @@ class DatacenterClient:
         if disk is not None:
             save_inner_state(state, INNER_STATE_KEYS, disk)
 
-        metrics = MetricRecord(
-            {
-                **train_metrics(result, train_time, pid, noisy),
-                "base_version": req.base_version,
-                **pushed,
-            }
-        )
+        metrics = train_metrics(result, train_time, pid, noisy, base_version=req.base_version, **pushed)
         payload = "control" if pushed else req.send
         records = declared(records, payload, req.wire_up)
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
@@ -497,8 +493,8 @@ class DatacenterClient:
         t0 = time.perf_counter()
         result = trainer.gradient(source, step, spec.names, grad)
         train_time = time.perf_counter() - t0
-        metrics = MetricRecord({**train_metrics(result, train_time, site.partition_id, noisy_steps(source, step, 1)),
-                                "base_version": req.base_version})
+        metrics = train_metrics(result, train_time, site.partition_id, noisy_steps(source, step, 1),
+                                base_version=req.base_version)
         records = declared({"arrays": encode(grad, spec, req.wire_up)}, "grad", req.wire_up)
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fl_geo.clients.api import (
     OPT_STATE_KEY,
@@ -261,18 +261,16 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     state[OPT_STATE_KEY] = opt_record(trainer)
     state[PROGRESS_KEY] = ConfigRecord({"step": step_after, "rounds": int(progress["rounds"]) + 1})
 
-    content["metrics"] = MetricRecord(
-        {
-            **train_metrics(result, train_time, site.partition_id, noisy),
-            # measured τ of the fragments applied by this message (local steps since their sync start)
-            "overlap_count": len(overlaps),
-            "overlap_sum": int(sum(overlaps)),
-            "overlap_max": int(max(overlaps, default=-1)),
-            "overlap_min": int(min(overlaps, default=-1)),
-            # which message this answers: the server refuses a reply of another tick (a replay)
-            "stream_step": req.stream_step,
-            "base_version": req.base_version,
-        }
+    content["metrics"] = train_metrics(
+        result, train_time, site.partition_id, noisy,
+        # measured τ of the fragments applied by this message (local steps since their sync start)
+        overlap_count=len(overlaps),
+        overlap_sum=int(sum(overlaps)),
+        overlap_max=int(max(overlaps, default=-1)),
+        overlap_min=int(min(overlaps, default=-1)),
+        # which message this answers: the server refuses a reply of another tick (a replay)
+        stream_step=req.stream_step,
+        base_version=req.base_version,
     )
     payload = "fragments" if any(k != "metrics" for k in content) else "none"
     return Message(RecordDict(declared(content, payload, req.wire_up)), reply_to=msg)

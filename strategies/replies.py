@@ -15,11 +15,11 @@ import torch
 from flwr.app import Message, MetricRecord
 
 from fl_geo.core.state import ParamSpec
-from fl_geo.runtime.protocol import ProtocolError, declaration_of
+from fl_geo.runtime.protocol import TRAIN_METRICS_REQUIRED, ProtocolError, declaration_of
 from fl_geo.runtime.wire import PayloadError, decode, payload_nbytes
 
-# Metric keys a train reply must carry (clients/datacenter.py writes them).
-REPLY_METRICS = ("tokens", "steps", "train_loss", "step_time_s", "partition_id")
+# Metric keys a train reply must carry: the protocol's, which the client writes (TrainMetrics).
+REPLY_METRICS = TRAIN_METRICS_REQUIRED
 
 
 class ReplyError(ValueError):

@@ -168,3 +168,22 @@ def test_a_reply_of_another_version_is_rejected_end_to_end(tiny, tmp_path, tampe
     assert torch.isfinite(final).all()
     expected = f"protocol version {PROTOCOL_VERSION + 1}" if tamper == "version" else "declares no fl-geo protocol"
     assert expected in caplog.text
+
+
+def test_train_metrics_are_one_type_for_the_client_and_the_server():
+    """The client writes its reply metrics through `TrainMetrics`; the server requires exactly its
+    fields without a default (no second key list) and reads what the client wrote."""
+    from fl_geo.runtime.protocol import TRAIN_METRICS_REQUIRED, TrainMetrics
+    from fl_geo.strategies.replies import REPLY_METRICS, read_reply_metrics
+
+    assert REPLY_METRICS == TRAIN_METRICS_REQUIRED == ("tokens", "steps", "train_loss", "step_time_s", "partition_id")
+    record = TrainMetrics(tokens=640, steps=5, train_loss=3.5, step_time_s=0.2, partition_id=1, base_version=7,
+                          noisy_steps=2).to_record()
+    assert record["num-examples"] == 640 and "ps_version" not in record  # unset optional fields are omitted
+    m = read_reply_metrics(record, expected_version=7, max_steps=5, step_tokens=128)
+    assert (m.tokens, m.steps, m.noisy_steps, m.loss, m.step_time_s) == (640, 5, 2, 3.5, 0.2)
+    for key in TRAIN_METRICS_REQUIRED:  # a reply without any one of them is refused, naming it
+        partial = TrainMetrics(tokens=640, steps=5, train_loss=3.5, step_time_s=0.2, partition_id=1).to_record()
+        del partial[key]
+        with pytest.raises(ReplyError, match=key):
+            read_reply_metrics(partial)

@@ -26,7 +26,7 @@ import json
 from functools import lru_cache
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.clients.api import declared, partition_ids, request_of
@@ -34,7 +34,7 @@ from fl_geo.clients.datacenter import query
 from fl_geo.clients.profile import profile_probe_mod
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.builders import make_model
-from fl_geo.runtime.protocol import TrainRequest
+from fl_geo.runtime.protocol import TrainMetrics, TrainRequest
 from fl_geo.runtime.wire import decode_into, encode
 
 app = ClientApp(mods=[profile_probe_mod])  # the profile probe (clients="auto") is answered like a query
@@ -80,18 +80,15 @@ def train(msg: Message, context: Context) -> Message:
         arrays = _unchanged_params(msg, req)
     else:
         arrays = zero_update(req.model, req.seed, req.wire_up)
-    metrics = MetricRecord(
-        {
-            "tokens": tokens,
-            "num-examples": tokens,
-            "steps": steps,
-            "train_loss": 0.0,  # placeholder: nothing was trained (see the module docstring)
-            "step_time_s": 0.0,
-            "train_time_s": 0.0,
-            "partition_id": pid,
-            "base_version": req.base_version,
-            "noop": 1,
-        }
-    )
+    metrics = TrainMetrics(
+        tokens=tokens,
+        steps=steps,
+        train_loss=0.0,  # placeholder: nothing was trained (see the module docstring)
+        step_time_s=0.0,
+        train_time_s=0.0,
+        partition_id=pid,
+        base_version=req.base_version,
+        noop=1,
+    ).to_record()
     return Message(RecordDict(declared({"arrays": arrays, "metrics": metrics}, req.send, req.wire_up)),
                    reply_to=msg)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any, ClassVar, TypeVar
 
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord, Message, MetricRecord
 
 from fl_geo.runtime.wire_settings import WIRE_PRECISIONS  # the one list the config checks too
 
@@ -297,6 +297,52 @@ class ReplyDeclaration(Request):
         super().__post_init__()
         if self.payload not in ("pseudo_grad", "params", "grad", "control", "fragments", "none"):
             raise ProtocolError(f"ReplyDeclaration.payload {self.payload!r} is unknown")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainMetrics:
+    """The ``"metrics"`` record of an fl-geo train reply: the client writes it (`to_record`), the
+    server reads the same keys (strategies/replies.py: `TRAIN_METRICS_REQUIRED` are the ones
+    every reply must carry; the bounds each value must meet are the server's, `read_reply_metrics`). One list of
+    keys: a field renamed here is renamed on both sides.
+
+    ``tokens`` the job's training tokens (also written as Flower's ``num-examples``); ``steps``
+    the inner steps run; ``train_loss`` / ``final_loss`` their mean and last loss;
+    ``step_time_s`` / ``train_time_s`` the site's own timers; ``noisy_steps`` steps on
+    deliberately corrupted batches (``data.noise_*``); ``base_version`` the model version the job
+    was sent with (echoed: the server refuses a reply of another job). Sharded data path:
+    ``ps_pushed_bytes`` / ``ps_version`` (the update went to the followers). Streaming:
+    ``stream_step`` (the tick answered) and the overlaps τ of the fragments applied. ``noop``: a
+    bench client that trained nothing (fl_geo/bench/noop_client.py).
+    """
+
+    tokens: int
+    steps: int
+    train_loss: float
+    step_time_s: float
+    partition_id: int
+    final_loss: float | None = None
+    train_time_s: float | None = None
+    noisy_steps: int = 0
+    base_version: int | None = None
+    ps_pushed_bytes: int | None = None
+    ps_version: int | None = None
+    stream_step: int | None = None
+    overlap_count: int | None = None
+    overlap_sum: int | None = None
+    overlap_max: int | None = None
+    overlap_min: int | None = None
+    noop: int | None = None
+
+    def to_record(self) -> MetricRecord:
+        """The MetricRecord a reply carries (unset optional fields omitted; ``num-examples`` =
+        ``tokens``, the key Flower's own strategies weight by)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return MetricRecord({**values, "num-examples": self.tokens})
+
+
+# The keys every train reply's metrics must carry: the fields of TrainMetrics without a default.
+TRAIN_METRICS_REQUIRED = tuple(f.name for f in fields(TrainMetrics) if _required(f))
 
 
 def declaration_of(msg: Message) -> ReplyDeclaration | None:
