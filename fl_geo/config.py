@@ -9,26 +9,36 @@ valid ones: a typo in a long experiment sweep must not silently fall back to a d
 Each section's dataclass lives beside the code that reads it and checks its own keys
 (``check()``): ``run_settings``, ``strategy_settings``, ``core/penalty_settings``, ``halos/settings``,
 ``core/streaming_settings``, ``runtime/wire_settings``, ``ps/settings``, ``data/settings``,
-``clients/settings`` (``fl_geo.clients.settings``) and ``inner/model`` (``ModelConfig``). This
-module composes them, loads and merges YAML and overrides, and holds the checks that read more
-than one section (`validate`).
+``clients/settings`` (``fl_geo.clients.settings``) and ``inner/model`` (``ModelConfig``);
+``config_schema`` composes them into `FlGeoConfig`, and ``config_files`` reads and merges YAML
+files, overrides and keyword values and writes a config back as text. This module puts a run
+together (`load_config`: the method's defaults under what the user gave) and holds the checks
+that read more than one section (`validate`).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.clients.settings import ClientSection
+from fl_geo.config_files import (
+    merge_sources,
+    read_sources,
+    schema,
+    section_to_json,
+    to_dict,
+    to_yaml,
+    user_values,
+    wrap_error,
+)
+from fl_geo.config_schema import FlGeoConfig
 from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.core.streaming_settings import StreamingSection
 from fl_geo.data.settings import DataSection
@@ -48,7 +58,6 @@ from fl_geo.strategy_settings import (
     WEIGHTINGS,
     StrategySection,
 )
-from fl_geo.yaml_safe import load_yaml
 
 # The section classes and strategy tables are defined beside the code that owns them and
 # re-exported here, so ``from fl_geo.config import StrategySection`` keeps working.
@@ -60,146 +69,6 @@ __all__ = [
     "WireSection", "config_from_yaml_string", "load_config", "run_identity", "schedule_length",
     "section_to_json", "to_dict", "to_yaml", "validate", "warmup_length"
 ]
-
-
-@dataclass
-class FlGeoConfig:
-    """The whole run."""
-
-    run: RunSection = field(default_factory=RunSection)
-    strategy: StrategySection = field(default_factory=StrategySection)
-    penalty: PenaltySection = field(default_factory=PenaltySection)
-    halos: HalosSection = field(default_factory=HalosSection)
-    streaming: StreamingSection = field(default_factory=StreamingSection)
-    wire: WireSection = field(default_factory=WireSection)
-    ps: PsSection = field(default_factory=PsSection)
-    model: ModelConfig = field(default_factory=ModelConfig)  # the model's own dataclass
-    data: DataSection = field(default_factory=DataSection)
-    client: ClientSection = field(default_factory=ClientSection)
-
-
-@functools.cache
-def _schema() -> DictConfig:
-    """The structured schema of every section, built once per process (building it is most of a
-    `load_config`). Shared: only ever the first argument of ``OmegaConf.merge``, which copies it;
-    never modify it in place."""
-    cfg = OmegaConf.structured(FlGeoConfig)
-    OmegaConf.set_struct(cfg, True)
-    return cfg
-
-
-def _valid_keys(section: str | None) -> str:
-    root = FlGeoConfig()
-    obj: Any = getattr(root, section) if section else root
-    return ", ".join(f.name for f in fields(obj)) if is_dataclass(obj) else ""
-
-
-def _section_fields() -> dict[str, list[str]]:
-    """Top-level keys that are sections, with their keys (for "a scalar where a section belongs")."""
-    root = FlGeoConfig()
-    return {f.name: [g.name for g in fields(getattr(root, f.name))]
-            for f in fields(root) if is_dataclass(getattr(root, f.name))}
-
-
-def _check_sections(values: Any, where: str) -> None:
-    """A section (``data``, ``strategy``, ...) given a scalar or a list is a one-line error that
-    lists the section's keys, instead of omegaconf's "int is not a subclass of DataSection"."""
-    if values is None:
-        return
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{where}: a config is a mapping of sections ({', '.join(_section_fields())}), "
-                          f"got {type(values).__name__}")
-    for name, keys in _section_fields().items():
-        if name in values and not isinstance(values[name], Mapping):
-            raise ConfigError(f"{where}: '{name}' is a section, not a value ({values[name]!r}); set its keys, "
-                              f"e.g. {name}.{keys[0]}=..., one of: {', '.join(keys)}")
-
-
-def _load_yaml(p: Path) -> DictConfig:
-    """A YAML config file, read with `fl_geo.yaml_safe.load_yaml` (plain data only, duplicate keys
-    refused); every problem is one line with the file (and line, column): not valid YAML, a
-    ``!!python`` tag, a key given twice, an empty file (it would run the defaults while the user
-    meant something else), or a top level that is not a mapping of sections."""
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{p}: cannot read the config file ({exc})") from None
-    values = load_yaml(text, str(p))
-    if values is None:
-        raise ConfigError(f"{p}: the file is empty (or only comments); a config is a mapping of sections "
-                          f"({', '.join(_section_fields())}); leave the file out to run the defaults")
-    _check_sections(values, str(p))
-    try:
-        return OmegaConf.create(values)
-    except OmegaConfBaseException as exc:
-        raise _wrap(exc, str(p)) from None
-
-
-def _wrap(exc: OmegaConfBaseException, where: str) -> ConfigError:
-    key = getattr(exc, "full_key", None) or ""
-    section = key.split(".")[0] if "." in key else None
-    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    hint = f" Valid keys here: {_valid_keys(section)}." if "not in" in first_line else ""
-    return ConfigError(f"{where}: invalid config key or value '{key}': {first_line}{hint}")
-
-
-def _sources(path: str | Path | None, overrides: list[str] | None,
-             values: Mapping[str, Any] | None) -> list[tuple[str, DictConfig]]:
-    """What the user gave, in merge order (the file, the strategy arguments, each override), each
-    read and checked on its own and named for error messages."""
-    found: list[tuple[str, DictConfig]] = []
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        found.append((str(p), _load_yaml(p)))
-    if values:
-        _check_sections(values, "strategy arguments")
-        try:
-            found.append(("strategy arguments", OmegaConf.create(dict(values))))
-        except OmegaConfBaseException as exc:
-            raise _wrap(exc, "strategy arguments") from None
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. strategy.outer_lr=0.5)")
-        key = item.partition("=")[0].strip()
-        if key in _section_fields():
-            keys = _section_fields()[key]
-            raise ConfigError(f"override '{item}': '{key}' is a section, not a value; set its keys, "
-                              f"e.g. {key}.{keys[0]}=..., one of: {', '.join(keys)}")
-        try:
-            found.append((f"override '{item}'", OmegaConf.from_dotlist([item])))
-        except OmegaConfBaseException as exc:
-            raise _wrap(exc, f"override '{item}'") from None
-    return found
-
-
-def _merge(base: DictConfig, sources: list[tuple[str, DictConfig]]) -> DictConfig:
-    """``base`` with every source merged on, in order, in one pass.
-
-    One ``OmegaConf.merge`` copies the structured base once; a merge per source copied it once
-    per override (a tiny test config's ~15 overrides cost ~0.2 s, most of a small run's set-up).
-    Only when the merge fails are the sources merged again one at a time, to name the one at fault.
-    """
-    try:
-        return OmegaConf.merge(base, *(cfg for _, cfg in sources))
-    except OmegaConfBaseException:
-        cfg = base
-        for where, src in sources:
-            try:
-                cfg = OmegaConf.merge(cfg, src)
-            except OmegaConfBaseException as exc:
-                raise _wrap(exc, where) from None
-        return cfg
-
-
-def _user_values(sources: list[tuple[str, DictConfig]]) -> DictConfig | None:
-    """The user's sources merged on nothing (no schema, no defaults): what they set themselves.
-    None where they do not merge without the schema's types (the schema merge then names why)."""
-    try:
-        return OmegaConf.merge(OmegaConf.create({}), *(cfg for _, cfg in sources))
-    except OmegaConfBaseException:
-        return None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -215,17 +84,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     before the overrides; how the public strategy classes build their config from keyword
     arguments. ``own_model``: see `validate`.
     """
-    sources = _sources(path, overrides, values)
-    user = _user_values(sources)
+    sources = read_sources(path, overrides, values)
+    user = user_values(sources)
     if user is None:  # only the schema's types reconcile them: merge there first, for the name
-        name = _merge(_schema(), sources).strategy.name
+        name = merge_sources(schema(), sources).strategy.name
     else:
         name = (user.get("strategy") or {}).get("name", StrategySection.name)
     if name in METHODS:  # under the user's sources; a default naming a key the schema lacks is named as such
         defaults = OmegaConf.merge(OmegaConf.create(dict(METHODS[name].defaults)),
                                    OmegaConf.create(METHODS[name].settings.default_values()))
         sources = [(f"the defaults of strategy '{name}'", defaults), *sources]
-    cfg = _merge(_schema(), sources)
+    cfg = merge_sources(schema(), sources)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out, own_model=own_model)
     _check_strategy_keys(out.strategy, _user_strategy_keys(user, overrides))
@@ -293,41 +162,12 @@ def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
 def config_from_yaml_string(text: str) -> FlGeoConfig:
     """Rebuild a config from :func:`to_yaml` output (how the ServerApp receives it)."""
     try:
-        cfg = OmegaConf.merge(_schema(), OmegaConf.create(text))
+        cfg = OmegaConf.merge(schema(), OmegaConf.create(text))
     except OmegaConfBaseException as exc:
-        raise _wrap(exc, "run config") from None
+        raise wrap_error(exc, "run config") from None
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out)
     return out
-
-
-def to_yaml(cfg: FlGeoConfig) -> str:
-    """The config as YAML, sections and keys in schema order: `to_dict` dumped by PyYAML, the
-    text ``OmegaConf.to_yaml`` gives for it (tests/test_config.py compares the two on every
-    shipped config) at a tenth of the cost (~3 ms instead of ~27 ms; each run writes one)."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True, default_flow_style=False)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A config or one section as plain dicts, lists and scalars (what
-    ``OmegaConf.to_container(OmegaConf.structured(cfg))`` gives, without building the structured
-    config: that took ~30 ms, and a run asks several times; tests/test_config.py compares both)."""
-    return _plain(cfg)
-
-
-def _plain(value: Any) -> Any:
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def section_to_json(section: Any) -> str:
-    """Serialise one section for a Flower ConfigRecord (whose values must be scalars)."""
-    return json.dumps(to_dict(section), sort_keys=True)
 
 
 def _require_finite(cfg: FlGeoConfig) -> None:
@@ -463,7 +303,7 @@ def _check_model(cfg: FlGeoConfig, own_model: bool = False) -> None:
     ``max_seq_len``; the section is still checked, as fl-geo's built-in ClientApp builds it."""
     c, m = cfg.client, cfg.model
     if m.kind == "hf":  # a model the config names (fl-geo's client builds it): checked either way
-        _validate_hf(m, c.seq_len)
+        m.check_hf(c.seq_len)
     elif not own_model:
         require(c.seq_len <= m.max_seq_len, f"client.seq_len ({c.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     try:
@@ -499,28 +339,6 @@ def _resolve_vocab(d: DataSection, m: ModelConfig) -> None:
     m.vocab_size = size
 
 
-def _model_layers(m: ModelConfig) -> tuple[int, str]:
-    """The model's number of transformer blocks and how to name it in a message."""
-    if m.kind == "hf":
-        from fl_geo.inner.hf import hf_shape
-
-        shape = hf_shape(m)
-        return shape.layers, f"the layers of the model ({shape.source})"
-    return m.n_layers, "model.n_layers"
-
-
-def _validate_hf(m: ModelConfig, seq_len: int) -> None:
-    """``model.kind: hf``: the package is there, a known preset or a readable local checkpoint
-    whose vocabulary covers the tokenizer's, and room for client.seq_len positions (read
-    without importing ``transformers``; fl_geo.inner.hf)."""
-    from fl_geo.inner.hf import HF_EXTRA_HINT, hf_shape, transformers_available
-
-    require(transformers_available(), HF_EXTRA_HINT)
-    shape = hf_shape(m)
-    require(shape.max_positions is None or seq_len <= shape.max_positions,
-            f"client.seq_len ({seq_len}) exceeds the {shape.max_positions} positions of the model ({shape.source})")
-
-
 def _check_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
     """The ``streaming`` section against the others, for streaming_diloco / cocodc only (its
     ranges are `StreamingSection.check`): the schedule against H, the strategy knobs the
@@ -535,7 +353,7 @@ def _check_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
             f"wire.up at fp32 (got {cfg.wire.up})")
     P = st.fragments
     if not own_model:
-        layers, where = _model_layers(cfg.model)
+        layers, where = cfg.model.blocks()
         require(layers >= P,
                 f"streaming.fragments (P={P}) must be <= {where} ({layers}): "
                 "every fragment needs at least one transformer block")

@@ -72,6 +72,28 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{field} must be > 0, got {value!r}")
         return self
 
+    def blocks(self) -> tuple[int, str]:
+        """The model's number of transformer blocks and how to name it in a message (a Hugging
+        Face model's are read from its preset or checkpoint config, without building it)."""
+        if self.kind == "hf":
+            from fl_geo.inner.hf import hf_shape
+
+            shape = hf_shape(self)
+            return shape.layers, f"the layers of the model ({shape.source})"
+        return self.n_layers, "model.n_layers"
+
+    def check_hf(self, seq_len: int) -> None:
+        """``kind: hf``: the package is there, a known preset or a readable local checkpoint, and
+        room for ``seq_len`` positions (read without importing ``transformers``; fl_geo.inner.hf);
+        a `ConfigError` otherwise."""
+        from fl_geo.errors import require
+        from fl_geo.inner.hf import HF_EXTRA_HINT, hf_shape, transformers_available
+
+        require(transformers_available(), HF_EXTRA_HINT)
+        shape = hf_shape(self)
+        require(shape.max_positions is None or seq_len <= shape.max_positions,
+                f"client.seq_len ({seq_len}) exceeds the {shape.max_positions} positions of the model ({shape.source})")
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
