@@ -34,13 +34,14 @@ import torch
 from flwr.app import Message, MessageType, RecordDict
 
 from fl_geo.config import FlGeoConfig
+from fl_geo.core.claims import MIN_PEERS
 from fl_geo.core.halos import GlobalParameterServer, LocalParameterServer
 from fl_geo.runtime.dispatch import Event, JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
-from fl_geo.strategies.replies import ReplyError, Tally, read_reply
+from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 from fl_geo.strategies.server_model import ServerModel
 
 log = logging.getLogger("fl_geo")
@@ -80,6 +81,10 @@ class HalosLoop(OuterLoop):
         self._transfers: list[_Transfer] = []
         self._seq = itertools.count()
         self._scratch = torch.empty(self.spec.numel, dtype=torch.float32)
+        # Plain replies that arrived before any plain claim was accepted, held (not applied, their
+        # workers not sent new jobs) until MIN_PEERS of them can be judged together
+        # (`_judge_first_claims`).
+        self._unjudged: list[tuple[Event, TrainReply]] = []
         self.dispatched_samples = 0
         self.tally = Tally()
         self.local_updates = 0
@@ -118,7 +123,7 @@ class HalosLoop(OuterLoop):
             self.node_group[node] = g
 
     def idle_nodes(self) -> list[int]:
-        nodes = self.free_nodes(self.benched)
+        nodes = self.free_nodes(self.benched | {ev.job.node for ev, _ in self._unjudged})
         self._assign(nodes)
         return nodes
 
@@ -175,8 +180,6 @@ class HalosLoop(OuterLoop):
         node = ev.job.node
         if self.job_failed(self.tally, node, ev.ok, ev.error):
             return
-        g = int(ev.job.meta["group"])
-        lps = self.lps[g]
         try:
             # an undeclared (Flower-convention) reply: Δ against the model its job was sent with
             # the job's local-server version: a replayed reply, or one claiming a version this
@@ -184,13 +187,45 @@ class HalosLoop(OuterLoop):
             r = read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
                            base=ev.job.meta.get("base"), max_steps=self._inner_steps(node),
                            step_tokens=self.step_tokens(node))
-            if r.plain and not self.bound_claims(self.tally, [(node, r)]):
-                return
+        except ReplyError as exc:
+            self._reject(self.tally, node, str(exc))
+            return
+        if r.plain and self.claims_bounded() and not self.claims.has_history():
+            self._unjudged.append((ev, r))
+            if len(self._unjudged) >= MIN_PEERS or not self._others_training():
+                self._judge_first_claims()
+            return
+        if r.plain and not self.bound_claims(self.tally, [(node, r)]):
+            return
+        self._apply(ev, r)
+
+    def _others_training(self) -> bool:
+        """Whether a live worker is still training (one whose claim could join the first ones)."""
+        return bool({j.node for j in self.dispatcher.in_flight()} & set(self.dispatcher.live_nodes()))
+
+    def _judge_first_claims(self) -> None:
+        """Before any plain claim was accepted, the plain replies are held until `MIN_PEERS` of
+        them (or every one a live worker can still send) can be judged together, as the
+        asynchronous loop's first step does: one beyond 4 x their lower median is refused; fewer
+        than `MIN_PEERS` are believed. The kept ones are applied in arrival order."""
+        held, self._unjudged = self._unjudged, []
+        kept = {id(r) for _, r in self.bound_claims(self.tally, [(ev.job.node, r) for ev, r in held],
+                                                    whole_round=True)}
+        for ev, r in held:
+            if id(r) in kept:
+                self._apply(ev, r)
+
+    def _apply(self, ev: Event, r: TrainReply) -> None:
+        """Apply a valid reply's Δ to its local server (which may then send up to the global one)."""
+        node = ev.job.node
+        g = int(ev.job.meta["group"])
+        lps = self.lps[g]
+        try:
             delta = self._scratch
             for offset, piece in r.pieces:
                 delta[offset : offset + piece.numel()].copy_(piece)
             lps.apply(delta)  # validates finiteness before anything changes
-        except (ReplyError, ValueError) as exc:
+        except ValueError as exc:
             self._reject(self.tally, node, str(exc))
             return
         staleness = lps.version - 1 - int(ev.job.meta["version"])

@@ -261,6 +261,19 @@ def test_a_one_update_step_waits_for_three_first_claims_so_a_lone_lie_is_not_bel
     assert torch.isfinite(final).all()
 
 
+def test_halos_holds_its_first_plain_claims_until_three_can_be_judged(caplog):
+    """HALoS applies each reply as it arrives: before any plain claim was accepted it now holds
+    them (their workers get no new job meanwhile) until three can be judged together, so the
+    liar's first claim is refused too and no accepted reply counts more than its honest examples."""
+    caplog.set_level("WARNING", logger="fl_geo")
+    strategy, final, hook = _start(HALoS, lambda nodes: _claiming(nodes, _claim(2**40)), rounds=4,
+                                   accumulate=2, local_buffer=2, group_size=2)
+    assert hook.changed >= 2 and strategy.stats.rejected >= hook.changed - 1
+    assert "of the 3 claims this round" in caplog.text
+    assert strategy.stats.tokens == strategy.stats.accepted * plain.STEPS * plain.BATCH
+    assert torch.isfinite(final).all()
+
+
 def test_an_asynchronous_first_step_of_three_or_more_claims_refuses_the_lie():
     """FedBuff with K = 4: the first step holds four plain replies, so the liar's first claim is
     judged against the step's lower median of claims and refused, like a synchronous first round."""
