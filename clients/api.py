@@ -25,14 +25,25 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl_geo.clients.persist import load_inner_state, save_inner_state, state_path
+from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-exported: tools import them from here)
+    INNER_STATE_KEYS,
+    OPT_STATE_KEY,
+    PREV_OPT_STATE_KEY,
+    PREV_PROGRESS_KEY,
+    PROGRESS_KEY,
+    load_inner_state,
+    opt_from_record,
+    opt_record,
+    rewind_to_round,
+    save_inner_state,
+    state_file,
+)
 from fl_geo.clients.profile import first_device, partition_ids, profile_probe_mod, profile_reply
 from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
 from fl_geo.clients.site import Site, as_batch_source
@@ -70,12 +81,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("fl_geo")
-
-OPT_STATE_KEY = "inner_opt"
-PROGRESS_KEY = "inner_progress"
-PREV_OPT_STATE_KEY = "inner_opt_prev"  # the inner state before the last round (run.checkpoint_every)
-PREV_PROGRESS_KEY = "inner_progress_prev"
-INNER_STATE_KEYS = (OPT_STATE_KEY, PROGRESS_KEY, PREV_OPT_STATE_KEY, PREV_PROGRESS_KEY)
 
 ModelFn = Callable[[Site], torch.nn.Module]
 BatchesFn = Callable[[Site], Any]  # -> BatchSource | (step -> batch) | re-iterable of batches
@@ -139,33 +144,6 @@ def blocks_of(model: torch.nn.Module, blocks: str | BlocksFn) -> list[list[str]]
     return groups
 
 
-def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:
-    """A synchronous server that resumed from a checkpoint may send a round this node already
-    trained (it crashed after the node replied). With ``keep_prev`` the node kept the inner state
-    from before its last round: it goes back to it, so the round is redone from the same start and
-    the run stays bit-identical to one that never stopped. Anything older cannot be rewound: the
-    node continues from its current state and says so."""
-    if not req.keep_prev:
-        return
-    progress = state.config_records.get(PROGRESS_KEY)
-    if progress is None or "last_round" not in progress:
-        return
-    rnd, last = req.round, int(progress["last_round"])
-    if rnd > last:
-        return
-    prev = state.config_records.get(PREV_PROGRESS_KEY)
-    if rnd == last and prev is not None:
-        if PREV_OPT_STATE_KEY in state.array_records:
-            state[OPT_STATE_KEY] = state.array_records[PREV_OPT_STATE_KEY]
-        else:  # the round being redone was this node's first: it started with a fresh optimizer
-            del state[OPT_STATE_KEY]
-        state[PROGRESS_KEY] = prev
-        log.info("round %d sent again (server resumed): rewound the inner state to before it", rnd)
-        return
-    log.warning("round %d sent again but this node's state is from round %d and only one round can be "
-                "rewound: continuing from the current inner state (the run is no longer bit-identical)", rnd, last)
-
-
 def train_metrics(result: TrainResult, train_time: float, pid: int, noisy_steps: int,
                   **extra: int) -> MetricRecord:
     """The ``"metrics"`` record of a train reply (`protocol.TrainMetrics`; ``extra``: its
@@ -187,14 +165,6 @@ def noisy_steps(source: BatchSource, start: int, steps: int) -> int:
     """How many of the steps drew a deliberately corrupted batch (sources with ``is_noisy``)."""
     is_noisy = getattr(source, "is_noisy", None)
     return 0 if is_noisy is None else sum(bool(is_noisy(start + i)) for i in range(steps))
-
-
-def opt_record(trainer: InnerTrainer | DataParallelTrainer) -> ArrayRecord:
-    return ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
-
-
-def opt_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(a.numpy()) for k, a in record.items()}
 
 
 class DatacenterClient:
@@ -510,13 +480,6 @@ class DatacenterClient:
         count = int(site.sections["client"].get("eval_batches", 0))
         batches = self.eval_batches(site.for_eval("partition", count))
         return self.eval_reply(msg, model, batches, partition_id=site.partition_id)
-
-
-def state_file(context: Context, req: protocol.JobRequest, pid: int) -> Path | None:
-    """Where this node keeps its inner state on disk: its node config ``state-dir``, else the
-    run's ``run.client_state_dir`` (simulation); off when neither is set."""
-    state_dir = str(context.node_config.get("state-dir", "") or req.state_dir or "")
-    return state_path(state_dir, req.run_name, pid) if state_dir else None
 
 
 def make_client_app(

@@ -1,4 +1,6 @@
-"""A datacenter's inner state on its own disk, so that it survives a restarted server.
+"""A datacenter's inner state: its records in ``context.state`` (the AdamW moments and the
+schedule position, `opt_record`; the state from before the last round, `rewind_to_round`) and
+their copy on the node's own disk, so that they survive a restarted server.
 
 Flower keeps ``context.state`` per node *per run*: when a crashed ServerApp is started again with
 ``flwr run`` it is a new run, and every node would start over with fresh AdamW moments and step
@@ -15,13 +17,28 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fl_geo.core.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from fl_geo.runtime import protocol
+
+if TYPE_CHECKING:
+    from flwr.app import Context
+
+    from fl_geo.inner.distributed import DataParallelTrainer
+    from fl_geo.inner.training import InnerTrainer
 
 log = logging.getLogger("fl_geo")
+
+# The records of a node's inner state in ``context.state`` (and in its file on disk)
+OPT_STATE_KEY = "inner_opt"
+PROGRESS_KEY = "inner_progress"
+PREV_OPT_STATE_KEY = "inner_opt_prev"  # the inner state before the last round (run.checkpoint_every)
+PREV_PROGRESS_KEY = "inner_progress_prev"
+INNER_STATE_KEYS = (OPT_STATE_KEY, PROGRESS_KEY, PREV_OPT_STATE_KEY, PREV_PROGRESS_KEY)
 
 
 def state_path(state_dir: str, run_name: str, partition_id: int) -> Path:
@@ -62,3 +79,47 @@ def load_inner_state(state: RecordDict, path: Path) -> bool:
         state[k] = v
     log.info("restored the inner state from %s", path)
     return True
+
+
+def opt_record(trainer: InnerTrainer | DataParallelTrainer) -> ArrayRecord:
+    """The trainer's inner optimizer state as the ArrayRecord kept under `OPT_STATE_KEY`."""
+    return ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
+
+
+def opt_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """The optimizer state `opt_record` kept, as the tensors a trainer loads."""
+    return {k: torch.from_numpy(a.numpy()) for k, a in record.items()}
+
+
+def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:
+    """A synchronous server that resumed from a checkpoint may send a round this node already
+    trained (it crashed after the node replied). With ``keep_prev`` the node kept the inner state
+    from before its last round: it goes back to it, so the round is redone from the same start and
+    the run stays bit-identical to one that never stopped. Anything older cannot be rewound: the
+    node continues from its current state and says so."""
+    if not req.keep_prev:
+        return
+    progress = state.config_records.get(PROGRESS_KEY)
+    if progress is None or "last_round" not in progress:
+        return
+    rnd, last = req.round, int(progress["last_round"])
+    if rnd > last:
+        return
+    prev = state.config_records.get(PREV_PROGRESS_KEY)
+    if rnd == last and prev is not None:
+        if PREV_OPT_STATE_KEY in state.array_records:
+            state[OPT_STATE_KEY] = state.array_records[PREV_OPT_STATE_KEY]
+        else:  # the round being redone was this node's first: it started with a fresh optimizer
+            del state[OPT_STATE_KEY]
+        state[PROGRESS_KEY] = prev
+        log.info("round %d sent again (server resumed): rewound the inner state to before it", rnd)
+        return
+    log.warning("round %d sent again but this node's state is from round %d and only one round can be "
+                "rewound: continuing from the current inner state (the run is no longer bit-identical)", rnd, last)
+
+
+def state_file(context: Context, req: protocol.JobRequest, pid: int) -> Path | None:
+    """Where this node keeps its inner state on disk: its node config ``state-dir``, else the
+    run's ``run.client_state_dir`` (simulation); off when neither is set."""
+    state_dir = str(context.node_config.get("state-dir", "") or req.state_dir or "")
+    return state_path(state_dir, req.run_name, pid) if state_dir else None
