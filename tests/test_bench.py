@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fl_geo.bench.command import main
-from fl_geo.bench.outer import format_outer_bench, llama_spec, run_outer_bench
+from fl_geo.bench.outer import llama_spec, run_outer_bench
+from fl_geo.bench.outer_report import format_outer_bench
 
 
 def test_llama_spec_shapes() -> None:

@@ -12,7 +12,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fl_geo.bench.outer import QUICK_PARAMS, format_outer_bench, run_outer_bench
+from fl_geo.bench.outer import QUICK_PARAMS, run_outer_bench
+from fl_geo.bench.outer_report import format_outer_bench
 from fl_geo.runtime.wire import PRECISIONS
 
 __all__ = ["main"]

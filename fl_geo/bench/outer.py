@@ -22,10 +22,8 @@ Usage::
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import multiprocessing
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,12 +31,19 @@ from typing import Any
 
 import torch
 
+from fl_geo.bench.machine import (
+    PeakMemory,
+    cpu_busy,
+    measure_copy_bandwidth,
+    return_freed_memory_to_os,
+    timed,
+)
 from fl_geo.core.accumulate import WeightedAccumulator, weight_for
 from fl_geo.core.outer import Nesterov
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.wire import PRECISIONS, decode, encode, payload_nbytes
 
-__all__ = ["format_outer_bench", "llama_spec", "run_outer_bench"]
+__all__ = ["llama_spec", "run_outer_bench"]  # its text report: fl_geo/bench/outer_report.py
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -123,108 +128,6 @@ def _make_updates(
 
 
 # ---------------------------------------------------------------------------------------------
-# Measurement helpers
-
-
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as fh:
-            match = re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    return True
-
-
-class _PeakMemory:
-    """Peak RSS growth over a block: VmHWM after − VmRSS before (after resetting VmHWM)."""
-
-    def __enter__(self) -> _PeakMemory:
-        self.ok = _reset_peak_rss()
-        self.rss0 = _proc_status_kib("VmRSS")
-        self.extra_bytes: int | None = None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        hwm = _proc_status_kib("VmHWM")
-        if self.ok and hwm is not None and self.rss0 is not None:
-            self.extra_bytes = max(0, hwm - self.rss0) * 1024
-
-
-def _cpu_busy(interval: float = 1.0) -> float | None:
-    """Fraction of all CPUs busy over ``interval`` seconds (from /proc/stat), before we start.
-
-    Other processes on a shared machine make every timing here pessimistic; this says how much.
-    """
-    def snapshot() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as fh:
-                values = [int(v) for v in fh.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = values[3] + (values[4] if len(values) > 4 else 0)
-        return idle, sum(values)
-
-    first = snapshot()
-    time.sleep(interval)
-    second = snapshot()
-    if first is None or second is None or second[1] == first[1]:
-        return None
-    return 1.0 - (second[0] - first[0]) / (second[1] - first[1])
-
-
-def _return_freed_memory_to_os() -> None:
-    """glibc: serve allocations >= 64 KiB by mmap and trim the heap promptly (memory runs only).
-
-    By default glibc keeps freed heap blocks (up to 32 MiB each) resident and reuses them, so a
-    buffer freed while the replies were being built silently absorbs a later allocation and
-    hides it from VmHWM. With these settings RSS tracks live memory. Timing runs keep the
-    default allocator: fresh mmaps fault their pages in, which would slow Flower's path down.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_trim_threshold, 128 * 1024)
-
-
-def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def measure_copy_bandwidth(numel: int = COPY_ELEMS, repeats: int = 5) -> dict[str, float]:
-    """Best-of-``repeats`` ``dst.copy_(src)`` on fp32 tensors of ``numel`` elements.
-
-    ``copy_gbps`` = bytes copied per second (size of src / time); ``rw_gbps`` = bytes read +
-    written per second (2× that; a write-allocate read of dst, if the CPU does one, is not
-    counted).
-    """
-    src = torch.empty(numel, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in before timing
-    best = min(_timed(lambda: dst.copy_(src), repeats))
-    nbytes = numel * 4
-    return {"copy_bytes": nbytes, "copy_s": best, "copy_gbps": nbytes / best / 1e9,
-            "rw_gbps": 2 * nbytes / best / 1e9}
-
-
-# ---------------------------------------------------------------------------------------------
 # Our path and Flower's (each runs in its own process when isolated)
 
 
@@ -266,7 +169,7 @@ def _ours(num_params: int, num_updates: int, precision: str, repeats: int,
     the same sum bit for bit, as the accumulator promises.
     """
     if memory_run:
-        _return_freed_memory_to_os()
+        return_freed_memory_to_os()
     if threads:
         torch.set_num_threads(threads)
     out: dict[str, Any] = {"threads": torch.get_num_threads()}
@@ -298,13 +201,13 @@ def _ours(num_params: int, num_updates: int, precision: str, repeats: int,
     # window, so this peak is everything our path adds to the replies. Two steps, because the
     # accumulator alternates between its two buffers: the second step is the first to write
     # (hence fault in) the one allocated at construction.
-    with _PeakMemory() as cold:
+    with PeakMemory() as cold:
         server["acc"] = WeightedAccumulator(spec.numel)
         server["opt"] = Nesterov(spec.numel, lr=0.7, momentum=0.9)
         step("batched")
         step("batched")
     runs: dict[str, list[tuple[float, dict[str, float]]]] = {p: [] for p in PATHS}
-    with _PeakMemory() as warm:
+    with PeakMemory() as warm:
         for _ in range(repeats):
             for path in PATHS:  # interleaved, so background load hits both alike
                 t0 = time.perf_counter()
@@ -371,7 +274,7 @@ def _flower(num_params: int, num_updates: int, precision: str, repeats: int,
 
     logging.getLogger("flwr").setLevel(logging.WARNING)  # aggregate_train logs every call
     if memory_run:
-        _return_freed_memory_to_os()
+        return_freed_memory_to_os()
     if threads:
         torch.set_num_threads(threads)
     spec = llama_spec(num_params)
@@ -392,11 +295,11 @@ def _flower(num_params: int, num_updates: int, precision: str, repeats: int,
     def aggregate() -> None:
         result["arrays"], _ = strategy.aggregate_train(1, replies)
 
-    with _PeakMemory() as cold:
+    with PeakMemory() as cold:
         aggregate()  # first two calls, cold, like ours
         aggregate()
-    with _PeakMemory() as warm:
-        times = _timed(aggregate, repeats)
+    with PeakMemory() as warm:
+        times = timed(aggregate, repeats)
     out = {"times": times, "cold_extra_bytes": cold.extra_bytes,
            "warm_extra_bytes": warm.extra_bytes,
            "wire_bytes": sum(payload_nbytes(r) for r, _ in records)}
@@ -439,7 +342,7 @@ def _measure(
     Flower's raw result (None without ``with_flower``).
     """
     # Timing runs and memory runs are separate processes when isolated: memory runs change the
-    # allocator's policy (see _return_freed_memory_to_os), which must not touch the timings.
+    # allocator's policy (see return_freed_memory_to_os), which must not touch the timings.
     main = _call(isolate, _ours, num_params, num_updates, precision, repeats, threads,
                  copy_elems, False)
     memory: dict[int, dict[str, int | None]] = {}
@@ -543,7 +446,7 @@ def run_outer_bench(
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     if num_updates < 1 or repeats < 1:
         raise ValueError("num_updates and repeats must be >= 1")
-    busy_before = _cpu_busy()
+    busy_before = cpu_busy()
     main, memory, flower = _measure(num_params, num_updates, precision, repeats, threads,
                                     memory_counts, isolate, with_flower, copy_elems)
 
@@ -589,131 +492,3 @@ def _memory_check(memory: dict[int, dict[str, int | None]], update_bytes: float
     return {"slope": max(slopes.values()) if slopes else None, "slopes": slopes,
             "target": MEMORY_SLOPE_TARGET, "pass": ok}
 
-
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
-
-
-def _format_setup(cfg: dict[str, Any], bw: dict[str, Any]) -> list[str]:
-    """Lines on what was run (size, precision, threads, machine load) and the copy bandwidth."""
-    lines = [
-        f"outer step bench: {cfg['num_params']:,} params in {cfg['num_tensors']} tensors "
-        f"(Llama-style), {cfg['num_updates']} token-weighted updates, wire {cfg['precision']}, "
-        f"{cfg['threads']} torch threads on {cfg['cpus']} CPUs, best of {cfg['repeats']}"
-        + ("" if cfg["isolated"] else " (in-process)"),
-    ]
-    busy = cfg.get("busy_before")
-    if busy is not None:
-        lines.append(f"CPU busy in the second before the run: {busy:.0%}"
-                     + (" -- shared machine under load, timings are pessimistic"
-                        if busy > 0.2 else ""))
-    lines += [
-        "",
-        f"memory bandwidth: torch dst.copy_(src), fp32, {bw['copy_bytes'] / 1e9:.2f} GB, best of 5 "
-        f"per allocation; {len(bw['copy_gbps_each'])} fresh allocations before/after our "
-        f"timings: {', '.join(f'{g:.1f}' for g in bw['copy_gbps_each'])} GB/s copied; "
-        "the highest is the reference",
-        f"  bytes copied/s          {bw['copy_gbps']:8.2f} GB/s   (size of src / time)",
-        f"  bytes read+written/s    {bw['rw_gbps']:8.2f} GB/s   (2 x bytes copied)",
-    ]
-    return lines
-
-
-def _format_paths(ours: dict[str, Any], one: dict[str, Any], flower: dict[str, Any] | None,
-                  k: int) -> list[str]:
-    """The timing table (our two paths and Flower's), its legend and the per-phase split."""
-    row = "{:<48}{:>8.3f}s{:>12.3f}s{:>10.2f}{:>14.2f}"
-    lines = [
-        "",
-        f"{'path (one outer step)':<48}{'step':>9}{'aggregation':>13}{'wire GB/s':>10}"
-        f"{'fp32-eq GB/s':>14}",
-    ]
-    for path, res in (("batched", ours), ("one_at_a_time", one)):
-        lines.append(row.format(_path_label(path, k), res["best_s"], res["aggregation_s"],
-                                res["wire_gbps"], res["fp32_gbps"]))
-    if flower is not None:
-        lines.append(row.format("flower: FedAvg.aggregate_train, fp32 replies", flower["best_s"],
-                                flower["best_s"], flower["wire_bytes"] / flower["best_s"] / 1e9,
-                                flower["fp32_gbps"]))
-    lines += [
-        "  ours, step: decode (zero-copy) -> add_batch_checked (NaN/Inf check + norm + "
-        "token-weighted fold) -> mean -> Nesterov step;",
-        "  aggregation = the same without the Nesterov step; Flower's step is aggregation only "
-        "(no check, no norm, no outer step)",
-        "  GB/s over the step: wire = payload bytes incl. .npy headers, fp32-eq = 4 B x params x "
-        "updates",
-    ]
-    for path, res in (("batched", ours), ("one_at_a_time", one)):
-        lines.append(f"  {path} by phase (best repeat): " + ", ".join(
-            f"{name} {v * 1e3:.0f} ms" for name, v in res["phases"].items()))
-    lines.append("  sum of the replies, grouped all at once vs one at a time: "
-                 + ("bit-identical" if ours["bit_identical"] else "DIFFERENT (bug)"))
-    return lines
-
-
-def _format_memory(memory: dict[int, dict[str, int | None]], ours: dict[str, Any],
-                   flower: dict[str, Any] | None, k: int) -> list[str]:
-    """The peak-extra-memory table, then the cross-check against Flower's mean when it ran."""
-    lines = [
-        "",
-        "peak extra memory (VmHWM - VmRSS; the replies themselves are excluded):",
-        f"  {'':<22}{'first 2 steps (cold)':>22}{'later steps':>14}",
-    ]
-    for count, v in sorted(memory.items()):
-        lines.append(f"  {f'ours, {count} updates':<22}{_fmt_bytes(v['cold']):>22}"
-                     f"{_fmt_bytes(v['warm']):>14}")
-    if flower is not None:
-        label = f"flower, {k} updates"
-        lines.append(f"  {label:<22}{_fmt_bytes(flower['cold_extra_bytes']):>22}"
-                     f"{_fmt_bytes(flower['warm_extra_bytes']):>14}")
-    lines.append(f"  ours, cold, includes the server state (accumulator's two buffers + "
-                 f"momentum = {_fmt_bytes(ours['state_bytes'])})")
-    if flower is not None:
-        lines.append(f"check: max |our token-weighted mean - Flower's| on the same fp32 replies = "
-                     f"{flower['max_abs_diff_vs_ours']:.3g}")
-    return lines
-
-
-def _verdict(ok: bool) -> str:
-    """PASS or FAIL."""
-    return "PASS" if ok else "FAIL"
-
-
-def _format_targets(checks: dict[str, Any]) -> list[str]:
-    """One verdict line per target (throughput, speed-up when Flower ran, memory) with figures."""
-    lines: list[str] = []
-    t = checks["throughput"]
-    lines.append(f"  [{_verdict(t['pass'])}] throughput: fp32-eq GB/s / bytes-copied GB/s = "
-                 f"{t['ratio']:.3f} (target >= {t['target']}; vs the lowest copy sample "
-                 f"{t['ratio_vs_lowest']:.3f}; one at a time {t['one_at_a_time_ratio']:.3f})")
-    if "speedup" in checks:
-        s = checks["speedup"]
-        lines += [
-            f"  [{_verdict(s['pass'])}] speed-up vs Flower FedAvg, strict (our whole step incl. "
-            f"Nesterov vs Flower's aggregation): {s['ratio']:.2f}x (target >= "
-            f"{s['target']:.0f}x)",
-            f"         aggregation vs aggregation (decode + check + weighted mean): "
-            f"{s['aggregation_ratio']:.2f}x",
-            f"         replies one at a time: strict {s['one_at_a_time_ratio']:.2f}x, "
-            f"aggregation vs aggregation {s['one_at_a_time_aggregation_ratio']:.2f}x",
-        ]
-    m = checks["memory"]
-    slopes = ", ".join(f"{kind} {v:+.3f}" for kind, v in m["slopes"].items()) or "n/a"
-    lines.append(f"  [{_verdict(m['pass'])}] peak extra memory independent of update count: "
-                 f"growth per extra update = {slopes} x one update's wire size "
-                 f"(target <= {m['target']})")
-    return lines
-
-
-def format_outer_bench(result: dict[str, Any]) -> str:
-    """Human-readable table of a `run_outer_bench` result, with PASS/FAIL per target."""
-    cfg, bw, ours = result["config"], result["bandwidth"], result["ours"]
-    checks, flower, k = result["checks"], result.get("flower"), cfg["num_updates"]
-    lines = _format_setup(cfg, bw)
-    lines += _format_paths(ours, result["ours_one_at_a_time"], flower, k)
-    lines += _format_memory(result["memory"], ours, flower, k)
-    lines += ["", f"targets (judged on the server path with the {k} replies in one group):"]
-    lines += _format_targets(checks)
-    return "\n".join(lines)
