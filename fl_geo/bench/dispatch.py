@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,11 +52,12 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fl_geo.bench.section_timer import SectionTimer
 from fl_geo.config import ASYNC_STRATEGIES, STRATEGY_OPTIMIZERS, FlGeoConfig, load_config
 from fl_geo.inner.model import ModelConfig
 from fl_geo.registry import METHODS
 
-__all__ = ["format_dispatch_bench", "main", "model_overrides", "run_dispatch_bench"]
+__all__ = ["main", "model_overrides", "run_dispatch_bench"]  # its text report: dispatch_report.py
 
 log = logging.getLogger("fl_geo")
 
@@ -242,67 +242,6 @@ def dispatcher_round_trips(grid: Grid, nodes: Sequence[int], content: RecordDict
 
 # ---------------------------------------------------------------------------------------------
 # Phase 3: the full path, with section timers
-
-
-class SectionTimer:
-    """Inclusive/exclusive wall time of wrapped callables, on one thread only.
-
-    A tiny instrumenting profiler over chosen entry points: cProfile would slow every Python call
-    of the loop and blur the figure it explains; here only ~30 calls per update pay a few µs.
-    A call nested in a call of the same label counts once (``super().step()`` in an optimizer).
-    """
-
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
-        self.exclusive: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self._stack: list[list[Any]] = []  # [label, time spent in timed children]
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        timer = self
-
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != timer.thread or (timer._stack and timer._stack[-1][0] == label):
-                return fn(*args, **kwargs)
-            frame = [label, 0.0]
-            timer._stack.append(frame)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                timer._stack.pop()
-                timer.exclusive[label] += dt - frame[1]
-                timer.calls[label] += 1
-                if timer._stack:
-                    timer._stack[-1][1] += dt
-
-        return timed
-
-    def replace(self, owner: Any, name: str, value: Any) -> None:
-        """Set ``owner.name`` (class, module or instance attribute) until :meth:`restore`."""
-        self._saved.append((owner, name, vars(owner).get(name, _MISSING)))
-        setattr(owner, name, value)
-
-    def patch(self, owner: Any, name: str, label: str) -> None:
-        """Replace ``owner.name`` by its timed wrapper."""
-        self.replace(owner, name, self.wrap(label, getattr(owner, name)))
-
-    def restore(self) -> None:
-        for owner, name, original in reversed(self._saved):
-            if original is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self._saved.clear()
-
-    def snapshot(self) -> tuple[float, dict[str, float], dict[str, int]]:
-        return time.perf_counter(), dict(self.exclusive), dict(self.calls)
-
-
-_MISSING = object()
 
 
 class _SleepTimed:
@@ -509,64 +448,6 @@ def run_dispatch_bench(strategy: str = "async_diloco", updates: int = 50, client
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def format_dispatch_bench(result: dict[str, Any]) -> str:
-    """The table: both figures from one run, the overhead with PASS/FAIL, and where it goes."""
-    c = result["config"]
-    full = result["full"]
-    phase: Phase = full["phase"]
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
-
-    checks = result["checks"]
-
-    def figure(name: str, value: str, note: str = "") -> str:
-        return f"  {name:<58}{value:>11} ms/update{note}"
-
-    def row(name: str, p: Phase, note: str = "") -> str:
-        q50, q90 = p.quantile_ms(0.5), p.quantile_ms(0.9)
-        spread = f"{q50:>9.2f}{q90:>9.2f}" if p.samples_s else f"{'-':>9}{'-':>9}"
-        return f"  {name:<58}{p.per_update_ms:>11.2f}{spread}{note}"
-
-    lines = [
-        f"dispatch overhead bench: {c['strategy']} on the {c['backend']} backend, {c['clients']} no-op node(s), "
-        f"{result['num_params']:,} params (wire down {c['wire_down']}, up {c['wire_up']}), {c['updates']} updates, "
-        f"{c['server_threads']} server torch thread(s)",
-        f"  {'phase (ms)':<58}{'per update':>11}{'median*':>9}{'p90*':>9}",
-        row("Flower message cost, before (bare grid, push -> reply)", result["flower_before"]),
-        row("Flower message cost, after", result["flower_after"]),
-        row(f"dispatcher only (submit/next_event, {c['poll_interval_s'] * 1000:.0f} ms poll)", result["dispatcher"]),
-        row(f"full path (run_server + {c['strategy']}, steps 1 -> {c['updates'] - 1})", phase,
-            f"   ({phase.n} updates)"),
-        "  (* phases 1-2: one round trip, push -> reply pulled; full path: one step interval; "
-        "per update = wall time / updates)",
-        figure("Flower's own message cost (mean of before and after)", f"{result['flower_ms']:.2f}"),
-        figure("full path", f"{phase.per_update_ms:.2f}"),
-        figure(f"[{verdict(checks['overhead']['pass'])}] dispatcher + strategy overhead = full - Flower",
-               f"{result['overhead_ms']:+.2f}", f" (target < {TARGET_MS:.0f} ms)"),
-        figure(f"[{verdict(checks['server_work']['pass'])}] server work on the critical path (timers)",
-               f"{result['server_work_ms']:.2f}", f" (target < {TARGET_MS:.0f} ms)"),
-    ]
-    if c["backend"] == "ray":
-        lines.append("  note: Flower's simulation delivers messages on a 0.1 s tick, so server work within the "
-                     "tick's slack does not add end to end; the timer figure is the one that cannot hide.")
-    lines.append(f"  where the full path's time goes (exclusive, ms/update over {phase.n} updates; "
-                 f"calls per update):")
-    excl: dict[str, float] = full["exclusive_s"]
-    calls: dict[str, int] = full["calls"]
-    for label, secs in sorted(excl.items(), key=lambda kv: -kv[1]):
-        tag = "" if label in NOT_SERVER_WORK else "*"
-        per_call = f"{calls[label] / phase.n:>6.1f}" if label in calls else "      "
-        lines.append(f"   {tag:1} {label:<64}{1000.0 * secs / phase.n:>9.3f} {per_call}")
-    lines.append("    (* = server work: counted in the timer figure; window "
-                 f"{full['timed_window_s']:.3f} s by the timers)")
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``fl-geo bench dispatch [...]``; returns 1 only with --strict and a FAIL."""
     parser = argparse.ArgumentParser(
@@ -593,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_dispatch_bench(strategy=args.strategy, updates=args.updates, clients=args.clients,
                                 backend=args.backend, params=args.params, overrides=args.overrides,
                                 out_dir=args.out)
+    from fl_geo.bench.dispatch_report import format_dispatch_bench
+
     print(format_dispatch_bench(result))
     failed = not all(check["pass"] for check in result["checks"].values())
     return 1 if args.strict and failed else 0
