@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import Message, MessageType, RecordDict
 
-from fl_geo.core.penalty import StepWeightMix
 from fl_geo.core.robust import median_norm_outliers
+from fl_geo.core.step_weights import StepWeightMix
 from fl_geo.core.weights import staleness_weight
 from fl_geo.runtime.dispatch import NODE_DOWN, Event, JobTiming, RoundOutcome
 from fl_geo.runtime.progress import Progress

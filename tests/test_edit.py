@@ -13,8 +13,9 @@ from flwr.app import Message
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.config import ConfigError
 from fl_geo.core.groups import module_groups
-from fl_geo.core.penalty import Penalty, StepWeightMix
+from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.core.step_weights import StepWeightMix
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.runtime.wire import encode
