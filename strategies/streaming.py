@@ -47,7 +47,6 @@ from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.claims import ReportedTimes, robust_time
 from fl_geo.core.quantize import quantized_nbytes
-from fl_geo.core.state import ParamSpec
 from fl_geo.core.streaming import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -59,20 +58,14 @@ from fl_geo.core.streaming import (
 from fl_geo.runtime.dispatch import JobTiming
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import EvaluateRequest, StreamRequest
-from fl_geo.runtime.quantized import dequantize_record
-from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, decode, encode, payload_nbytes
+from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import NoLiveNode, OuterLoop
 from fl_geo.strategies.replies import (
-    MAX_STEP_TIME_S,
     ReplyError,
     Tally,
-    TrainReply,
-    metric_number,
-    metric_whole,
-    read_reply_metrics,
-    require_declaration,
 )
 from fl_geo.strategies.server_model import ServerModel
+from fl_geo.strategies.stream_replies import StreamReply, read_stream_reply
 from fl_geo.timing.scenario import payload_bytes
 
 log = logging.getLogger("fl_geo")
@@ -82,83 +75,6 @@ WORKER_EVAL_MESSAGE_TYPE = f"{MessageType.EVALUATE}.stream"  # -> @app.evaluate(
 # streaming.rule -> the ``stream_rule`` a train.stream message carries (docs/protocol.md; the wire
 # names predate the setting and deployed ClientApps read them).
 WIRE_RULES = {"blend": "streaming", "compensate": "cocodc"}
-
-
-@dataclass
-class StreamReply:
-    """A valid ``train.stream`` reply: its counts and one decoded Δ_p per synced fragment."""
-
-    reply: TrainReply  # metrics (``pieces`` unused)
-    deltas: dict[int, list[tuple[int, torch.Tensor]]]  # fragment -> zero-copy pieces (wire dtype)
-    nbytes: dict[int, int]  # fragment -> payload bytes
-    train_time_s: float = 0.0
-    overlap_count: int = 0
-    overlap_sum: int = 0
-    overlap_max: int = -1
-
-
-def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Sequence[int],
-                      steps: int, precision: str, quantize: str = "none", block: int = 128,
-                      step_tokens: int | None = None, stream_step: int | None = None,
-                      version: int | None = None) -> StreamReply:
-    """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them
-    (``quantize`` int8/int4: dequantise to one fp32 piece, `fl_geo.core.quantize`).
-
-    ``stream_step`` / ``version``: the tick's first step and the model version its message was
-    sent at; the reply must echo both (None: not checked). A reply of another tick, replayed or
-    duplicated into this one, fails here: the dispatcher matches a reply to its message by id,
-    but what the reply *says* it answers is only in its content.
-
-    Raises `ReplyError` naming what is wrong (missing record, keys, shapes, dtypes, metrics, a
-    step count other than the one asked for, another tick or version, a negative
-    ``train_time_s``; one longer than the steps at `MAX_STEP_TIME_S` each is capped there).
-    Finiteness is checked when folding.
-    """
-    require_declaration(reply, ("fragments", "none"))
-    content = reply.content
-    if "metrics" not in content.metric_records:
-        raise ReplyError("reply lacks the 'metrics' record")
-    m = content.metric_records["metrics"]
-    checked = read_reply_metrics(m, expected_version=version, max_steps=steps, step_tokens=step_tokens)
-    done = checked.steps
-    if done != steps:
-        raise ReplyError(f"reply ran {done} inner steps, the message asked for {steps}")
-    if stream_step is not None:
-        if "stream_step" not in m:
-            raise ReplyError("reply metrics lack 'stream_step' (the tick it answers)")
-        echoed = metric_whole(m, "stream_step", -(2**63))
-        if echoed != stream_step:
-            raise ReplyError(f"reply answers the tick starting at step {echoed}, this message started at step "
-                             f"{stream_step} (replayed or duplicated)")
-    train_time = metric_number(m, "train_time_s") if "train_time_s" in m else 0.0
-    if train_time < 0.0:
-        raise ReplyError(f"implausible metrics (train_time_s={train_time}, must be >= 0)")
-    # a time feeds only the schedule and the metrics: capped (here at what the steps may take,
-    # then by the loop's per-site bound), not a reason to refuse the update it came with
-    train_time = min(train_time, done * MAX_STEP_TIME_S)
-    deltas: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    nbytes: dict[int, int] = {}
-    for p in syncs:
-        name = fragment_record(p)
-        record = content.array_records.get(name)
-        if record is None:
-            raise ReplyError(f"reply lacks the fragment record {name!r}")
-        try:
-            if quantize == "none":
-                deltas[p] = decode(record, frag_specs[p], precision)
-            else:
-                deltas[p] = [(0, dequantize_record(record, frag_specs[p].numel, quantize, block))]
-        except PayloadError as exc:
-            raise ReplyError(f"{name}: {exc}") from None
-        nbytes[p] = payload_nbytes(record)
-    r = TrainReply([], checked.tokens, checked.loss, checked.step_time_s, sum(nbytes.values()), done, checked.noisy_steps)
-    return StreamReply(
-        r, deltas, nbytes,
-        train_time_s=train_time,
-        overlap_count=metric_whole(m, "overlap_count", 0) if "overlap_count" in m else 0,
-        overlap_sum=metric_whole(m, "overlap_sum", 0) if "overlap_sum" in m else 0,
-        overlap_max=int(m.get("overlap_max", -1)),
-    )
 
 
 @dataclass
