@@ -24,7 +24,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,6 +32,7 @@ from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.shards import ShardPlan, global_norm, sum_of_shard_norms
 from fl_geo.core.transfer_schedule import TransferScheduler
 from fl_geo.ps.follower import FollowerError, FollowerShard
+from fl_geo.ps.leader_view import RemoteFollower
 from fl_geo.runtime.dispatch import Event
 from fl_geo.runtime.progress import Progress
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
@@ -45,19 +46,6 @@ from fl_geo.strategies.replies import (
 from fl_geo.strategies.server_model import ServerModel, outer_optimizer_from_config
 
 log = logging.getLogger("fl_geo")
-
-
-class Follower(Protocol):
-    """What the leader asks of a follower, in process or over the data path."""
-
-    def has(self, job: str) -> bool: ...
-    def norms(self, job: str) -> list[float]: ...
-    def fold(self, job: str, weight: float, rescale: float = 1.0) -> None: ...
-    def drop(self, job: str) -> None: ...
-    def mean_sq_sums(self, total_weight: float) -> list[float]: ...
-    def step(self, clip_factor: float = 1.0, lr: float | None = None) -> int: ...
-    def reset_window(self, drop_pending: bool = False) -> None: ...
-    def theta_sq_sums(self) -> list[float]: ...
 
 
 def read_control_reply(ev: Event, expected_version: int, latest_version: int, max_steps: int | None = None,
@@ -505,38 +493,3 @@ def _clear_followers(workdir: Path) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-
-
-class RemoteFollower:
-    """The `Follower` interface over the data path's control calls (`fl_geo.ps.client`)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    def norms(self, job: str) -> list[float]:
-        return [float(x) for x in self.client.control("norms", job=job)["sq_sums"]]
-
-    def fold(self, job: str, weight: float, rescale: float = 1.0) -> None:
-        self.client.control("fold", job=job, weight=weight, rescale=rescale)
-
-    def drop(self, job: str) -> None:
-        self.client.control("drop", job=job)
-
-    def has(self, job: str) -> bool:
-        return bool(self.client.control("has", job=job)["has"])
-
-    def mean_sq_sums(self, total_weight: float) -> list[float]:
-        return [float(x) for x in self.client.control("mean_sq_sums", total_weight=total_weight)["sq_sums"]]
-
-    def step(self, clip_factor: float = 1.0, lr: float | None = None) -> int:
-        return int(self.client.control("step", clip_factor=clip_factor, lr=lr)["version"])
-
-    def reset_window(self, drop_pending: bool = False) -> None:
-        self.client.control("reset_window", drop_pending=drop_pending)
-
-    def theta_sq_sums(self) -> list[float]:
-        return [float(x) for x in self.client.control("theta_sq_sums")["sq_sums"]]
-
-    def pull_params(self, numel: int) -> tuple[int, torch.Tensor]:
-        version, theta = self.client.pull(0, numel, wire="fp32")
-        return int(version), theta
