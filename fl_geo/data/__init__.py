@@ -13,12 +13,10 @@ from fl_geo.data.corpus import (
     load_corpus,
 )
 from fl_geo.data.loader import BatchNoise, BatchSampler, eval_batches
+from fl_geo.data.memo import get_corpus, get_partitions, get_tokenizer
 from fl_geo.data.partition import (
     PARTITION_SCHEMES,
     Partition,
-    get_corpus,
-    get_partitions,
-    get_tokenizer,
     make_tokenizer,
     partition_corpus,
 )
