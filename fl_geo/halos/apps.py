@@ -28,27 +28,22 @@ counters that show updates crossed both tiers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import queue
 import shlex
-import socket
-import stat
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.core.halos import GlobalParameterServer
 from fl_geo.core.state import ParamSpec, flatten
-from fl_geo.halos.ipc import IpcError, payload_limit, recv_frame, send_frame, unix_path
+from fl_geo.halos.lps_service import LpsService
 from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
 from fl_geo.runtime.dispatch import TIMED_OUT, Dispatcher, Event, NodeProfile, late_report
@@ -56,7 +51,7 @@ from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import REQUEST_RECORD, BridgeRequest
 from fl_geo.runtime.session import RunSession
-from fl_geo.runtime.wire import PayloadError, decode_into, encode, payload_nbytes
+from fl_geo.runtime.wire import decode_into, encode, payload_nbytes
 from fl_geo.strategies.halos import HalosLoop
 from fl_geo.strategies.strategy import reply_deadline
 from fl_geo.timing.clock import WallClock
@@ -88,157 +83,6 @@ def _model(cfg: FlGeoConfig) -> tuple[ParamSpec, torch.Tensor]:
     model = make_model(cfg.model, cfg.run.seed)
     spec = ParamSpec.from_state_dict(model.state_dict())
     return spec, flatten(model.state_dict())
-
-
-# ---------------------------------------------------------------------------------------------
-# The LPS side of the IPC
-# ---------------------------------------------------------------------------------------------
-
-
-class LpsService:
-    """The regional ServerApp's Unix-socket endpoint for its bridge (one exchange per connection).
-
-    Runs in a daemon thread and never touches the LPS: it validates what arrives (keys, shapes,
-    precision ``wire.down``, finiteness) into a fresh fp32 tensor, queues it on `inbox` for the
-    training loop's merge, and waits up to ``reply_timeout_s`` for the loop to put the next update
-    (already encoded in ``wire.up``) on `outbox`. A rejected frame is answered with an error frame
-    naming the cause, and the loop is not disturbed. The socket file is created with mode 0600
-    (only this user's bridge can connect) and removed on `close`.
-    """
-
-    def __init__(self, address: str, spec: ParamSpec, precision_down: str, reply_timeout_s: float,
-                 request_timeout_s: float | None = None) -> None:
-        """``request_timeout_s``: how long one bridge may take to send its whole request (None: 60 s
-        plus 1 s per 100 MB of the largest frame). The service serves one connection at a time,
-        so this is what bounds the wait a slow or stuck bridge can impose on the next one."""
-        self.address = address
-        self.path = unix_path(address)
-        self.spec = spec
-        # the largest request frame: one model (wire.down) with a .npy header per parameter
-        self.max_payload_bytes = payload_limit(spec.numel, len(spec.names))
-        self.request_timeout_s = (60.0 + self.max_payload_bytes / 100e6 if request_timeout_s is None
-                                  else request_timeout_s)
-        self.precision_down = precision_down
-        self.reply_timeout_s = reply_timeout_s
-        self.inbox: queue.Queue[tuple[torch.Tensor | None, bool, int]] = queue.Queue()
-        self.outbox: queue.Queue[tuple[ArrayRecord, dict[str, int]]] = queue.Queue()
-        self.exchanges = 0
-        self.rejected = 0
-        self.last_contact = time.monotonic()
-        self.counters: dict[str, int] = {}  # the loop's counters, sent with an acknowledgement
-        self._closed = threading.Event()
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISSOCK(os.stat(self.path).st_mode):
-                raise IpcError(f"{self.path} exists and is not a socket; refusing to replace it")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.settimeout(1.0)
-                probe.connect(self.path)
-                raise IpcError(f"another LPS already listens on {self.address}")
-            except OSError:
-                os.unlink(self.path)  # stale socket of a previous run
-            finally:
-                probe.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old)
-        sock.listen(4)
-        sock.settimeout(0.5)
-        self._sock = sock
-        self._thread = threading.Thread(target=self._serve, name="halos-lps-ipc", daemon=True)
-        self._thread.start()
-        log.info("HALoS LPS service listening on %s", self.address)
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._sock is not None:
-            self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    def _serve(self) -> None:
-        assert self._sock is not None
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                try:
-                    self._handle(conn)
-                except Exception as exc:  # a broken connection must not kill the service
-                    log.warning("HALoS LPS service: exchange failed: %s", exc)
-
-    def _error(self, conn: socket.socket, reason: str) -> None:
-        self.rejected += 1
-        log.warning("HALoS LPS service: %s", reason)
-        send_frame(conn, {"op": "error", "error": reason})
-
-    def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(self.request_timeout_s)  # reading the request: the bridge sends at once
-        try:
-            header, record = recv_frame(conn, self.max_payload_bytes, timeout_s=self.request_timeout_s)
-        except IpcError as exc:
-            conn.settimeout(5.0)  # the read may have left a near-zero timeout: room for the answer
-            self._error(conn, f"malformed request: {exc}")
-            return
-        except TimeoutError:
-            conn.settimeout(5.0)
-            self._error(conn, f"request not complete within {self.request_timeout_s:g} s")
-            return
-        if header.get("op") != "exchange":
-            self._error(conn, f"unknown op {header.get('op')!r}")
-            return
-        stop = header.get("stop", False)
-        if not isinstance(stop, bool):
-            self._error(conn, f"'stop' must be a bool, got {stop!r}")
-            return
-        theta: torch.Tensor | None = None
-        if record is not None:
-            try:
-                theta = decode_into(record, self.spec, self.precision_down)
-            except (PayloadError, ValueError) as exc:
-                self._error(conn, f"global model rejected: {exc}")
-                return
-            if not bool(torch.isfinite(theta).all()):
-                self._error(conn, "global model rejected: non-finite values")
-                return
-        elif stop:
-            self._error(conn, "stop without the global model for the final merge")
-            return
-        self.last_contact = time.monotonic()
-        self.exchanges += 1
-        self.inbox.put((theta, stop, int(header.get("global_version", 0))))
-        if stop:
-            send_frame(conn, {"op": "result", **self.counters})
-            return
-        deadline = time.monotonic() + self.reply_timeout_s
-        while True:  # wait for the loop's next update, but not past close(): the bridge must hear
-            try:
-                update, counters = self.outbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-                break
-            except queue.Empty:
-                if self._closed.is_set():
-                    self._error(conn, "the regional ServerApp is shutting down (its run ended or failed)")
-                    return
-                if time.monotonic() >= deadline:
-                    self._error(conn, f"no update within {self.reply_timeout_s:g} s (workers stalled?)")
-                    return
-        conn.settimeout(self.reply_timeout_s)
-        send_frame(conn, {"op": "result", **counters}, update)
-        self.last_contact = time.monotonic()
 
 
 # ---------------------------------------------------------------------------------------------

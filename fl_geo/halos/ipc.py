@@ -4,7 +4,7 @@ In the Flower-native two-tier layout (docs/flower.md "Two tiers (HALoS) on Flowe
 regions") a region's bridge SuperNode sits on the *global* SuperLink while the local parameter
 server is a long-running ServerApp on the *regional* SuperLink. One process cannot be both, and
 ClientApp processes live for one message, so the two meet over a Unix-domain socket that the
-regional ServerApp hosts in a background thread (`fl_geo.halos.apps.LpsService`).
+regional ServerApp hosts in a background thread (`fl_geo.halos.lps_service.LpsService`).
 
 One connection = one exchange: the bridge sends the global model θ_g (absent on the first
 exchange) and a ``stop`` flag; the LPS queues θ_g for its merge and answers with its next update
