@@ -37,7 +37,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -48,7 +48,7 @@ from fl_geo.clients.settings import ClientSection
 from fl_geo.config import ConfigError, FlGeoConfig, load_config, validate
 from fl_geo.core.checkpoint import Checkpoint, CheckpointStore
 from fl_geo.core.deadline import ReplyDeadline
-from fl_geo.core.state import ParamSpec, flatten, unflatten
+from fl_geo.core.state import ParamSpec
 from fl_geo.registry import Method, method
 from fl_geo.runtime.dispatch import Dispatcher, NodeProfile
 from fl_geo.runtime.interrupt import RunInterrupted
@@ -56,71 +56,19 @@ from fl_geo.runtime.metrics import MemoryLogger
 from fl_geo.runtime.profiling import probe_timeout_s, profile_nodes
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.wire import encode
+from fl_geo.strategies.flower_model import (  # noqa: F401  (re-exported: tools import them from here)
+    EvaluateFn,
+    FlowerEvaluateFn,
+    ServerEvaluator,
+    arrays_from_flat,
+    spec_and_params,
+)
 from fl_geo.strategies.settings import MethodSettings, places
 from fl_geo.timing.scenario import Scenario
 
 log = logging.getLogger("fl_geo")
 
 CLIENT_KINDS = ("auto", "flower", "fl-geo")
-
-EvaluateFn = Callable[[int, ArrayRecord], "MetricRecord | None"]
-
-
-class ServerEvaluator(Protocol):
-    """What an outer loop asks of server-side evaluation: ``metrics(flat, step)`` of the global
-    model as a flat fp32 buffer at outer step ``step`` (``val/loss`` first of all)."""
-
-    def metrics(self, flat: torch.Tensor, step: int) -> dict[str, float]: ...
-
-
-class FlowerEvaluateFn:
-    """Adapts Flower's ``evaluate_fn(server_round, arrays) -> MetricRecord | None``.
-
-    Its ``"loss"`` becomes ``val/loss`` (what fl-geo's progress, tables and comparisons read);
-    every other key ``k`` is logged as ``val/k``. Each record is also kept for the `Result`.
-    """
-
-    def __init__(self, fn: EvaluateFn, spec: ParamSpec) -> None:
-        self.fn = fn
-        self.spec = spec
-        self.by_step: dict[int, MetricRecord] = {}
-
-    def metrics(self, flat: torch.Tensor, step: int) -> dict[str, float]:
-        record = self.fn(step, arrays_from_flat(flat, self.spec))
-        if record is None:
-            return {}
-        self.by_step[step] = record
-        out: dict[str, float] = {}
-        for key, value in record.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                out["val/loss" if key == "loss" else f"val/{key}"] = float(value)
-        if "val/loss" in out:
-            out["val/ppl"] = math.exp(min(out["val/loss"], 50.0))
-        return out
-
-
-def arrays_from_flat(flat: torch.Tensor, spec: ParamSpec) -> ArrayRecord:
-    """The model as Flower's ``ArrayRecord`` (one array per tensor, in the spec's dtypes)."""
-    state = {name: t.to(getattr(torch, dtype)) for (name, t), dtype in zip(unflatten(flat, spec).items(), spec.dtypes, strict=True)}
-    return ArrayRecord(state)
-
-
-def spec_and_params(initial_arrays: ArrayRecord) -> tuple[ParamSpec, torch.Tensor]:
-    """The model layout and its fp32 flat buffer from a Flower ``ArrayRecord``; a one-line
-    ConfigError for what an outer optimizer cannot hold (empty, non-floating tensors)."""
-    if not isinstance(initial_arrays, ArrayRecord) or len(initial_arrays) == 0:
-        raise ConfigError("initial_arrays must be a non-empty flwr.app.ArrayRecord (e.g. ArrayRecord(model.state_dict()))")
-    state = initial_arrays.to_torch_state_dict()
-    bad = [k for k, t in state.items() if not t.is_floating_point()]
-    if bad:
-        raise ConfigError(f"initial_arrays holds non-floating tensors {bad}: the outer optimizer steps floating "
-                          "tensors only; leave integer buffers (e.g. BatchNorm's num_batches_tracked) out")
-    spec = ParamSpec.from_state_dict(state)
-    params = flatten(state, spec)
-    if not bool(torch.isfinite(params).all()):
-        raise ConfigError("initial_arrays hold NaN or Inf values")
-    return spec, params
-
 
 def reply_deadline(cfg: FlGeoConfig) -> ReplyDeadline:
     """The wall-clock reply deadline of every job of a run (`fl_geo.core.deadline`): the explicit
