@@ -281,6 +281,12 @@ class HalosLoop(OuterLoop):
         self.dispatcher.wake_on_rejoin = True
         self.dispatch(self.idle_nodes())
         while not self._done():
+            if self._unjudged and not self._others_training():
+                # the other workers failed or were benched: no peer will join the held first
+                # claims, so judge them now (and give their workers new jobs)
+                self._judge_first_claims()
+                self.dispatch(self.idle_nodes())
+                continue
             deadline = self._transfers[0].finish if self._transfers else None
             busy = self.dispatcher.in_flight() or deadline is not None
             ev = self.dispatcher.next_event(deadline=deadline) if busy else None

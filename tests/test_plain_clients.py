@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.config import ConfigError
@@ -272,6 +272,24 @@ def test_halos_holds_its_first_plain_claims_until_three_can_be_judged(caplog):
     assert "of the 3 claims this round" in caplog.text
     assert strategy.stats.tokens == strategy.stats.accepted * plain.STEPS * plain.BATCH
     assert torch.isfinite(final).all()
+
+
+def test_halos_judges_its_held_first_claims_when_nobody_else_can_reply():
+    """HALoS holds a first plain claim while other workers train; when every other worker fails
+    (errors until benched), the held claim must be judged (alone: believed) and the run go on,
+    not wait for peers that will never reply nor stop with its only live worker held."""
+    def others_fail(node: int, msg: Message, reply: Message) -> Message:
+        if msg.metadata.message_type == "train" and node != min(nodes):
+            return Message(Error(code=0, reason="this site is down"), reply_to=msg)
+        return reply
+
+    grid = InlineGrid(plain.app, 4, seed=0)
+    nodes = list(grid.get_node_ids())
+    grid.reply_hook = others_fail
+    strategy = HALoS(inner_steps=plain.STEPS, weighting="tokens", accumulate=2, local_buffer=2, group_size=2)
+    result = strategy.start(grid, _initial(), num_rounds=2, evaluate_fn=plain.evaluate_fn)
+    assert strategy.stats.outer_steps == 2 and strategy.stats.stop_reason is None
+    assert strategy.stats.accepted >= 4 and torch.isfinite(_flat(result.arrays)).all()
 
 
 def test_an_asynchronous_first_step_of_three_or_more_claims_refuses_the_lie():
