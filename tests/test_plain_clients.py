@@ -289,7 +289,10 @@ def test_halos_judges_its_held_first_claims_when_nobody_else_can_reply():
     strategy = HALoS(inner_steps=plain.STEPS, weighting="tokens", accumulate=2, local_buffer=2, group_size=2)
     result = strategy.start(grid, _initial(), num_rounds=2, evaluate_fn=plain.evaluate_fn)
     assert strategy.stats.outer_steps == 2 and strategy.stats.stop_reason is None
-    assert strategy.stats.accepted >= 4 and torch.isfinite(_flat(result.arrays)).all()
+    # the lone live worker's honest claims were believed and applied: every accepted reply is its
+    assert strategy.stats.accepted >= 4 and strategy.stats.rejected == 0
+    assert strategy.stats.tokens == strategy.stats.accepted * plain.STEPS * plain.BATCH
+    assert torch.isfinite(_flat(result.arrays)).all()
 
 
 def test_an_asynchronous_first_step_of_three_or_more_claims_refuses_the_lie():

@@ -122,11 +122,15 @@ def test_the_running_consensus_is_seeded_by_the_first_groups_median_and_only_kep
 def test_the_running_consensus_survives_a_checkpoint_seeded_or_not():
     fresh, seeded = _running(), _running()
     seeded.judge([torch.ones(64), torch.ones(64), 2 * torch.ones(64)], [1.0] * 3, None)
+    assert seeded.seeded and not fresh.seeded  # both branches below are exercised
     for rule in (fresh, seeded):
         again = _running()
         again.load_state_dict(rule.state_dict())
         assert again.seeded == rule.seeded
-        assert (again.center is None and rule.center is None) or torch.equal(again.center, rule.center)
+        if rule.center is None:
+            assert again.center is None
+        else:
+            assert again.center is not None and torch.equal(again.center, rule.center)
     with pytest.raises(ValueError, match="does not fit this model"):
         _running().load_state_dict({**seeded.state_dict(), "center": torch.ones(3)})
     with pytest.raises(ValueError, match="does not fit this model"):  # a group cosine rule keeps no center
