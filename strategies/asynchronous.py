@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from typing import Any
 
 import torch
@@ -31,7 +30,6 @@ from fl_geo.core.grace import GraceTimer
 from fl_geo.core.robust import NormWindow
 from fl_geo.core.weights import staleness_weight
 from fl_geo.runtime.dispatch import TIMED_OUT, Event, JobTiming
-from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
@@ -131,11 +129,6 @@ class AsyncOuterLoop(OuterLoop):
             return int(self.scenario.dynupd_steps(h, self.profiles[node].partition_id))
         return h
 
-    def _nbytes(self, precision: str) -> int:
-        if self.scenario is not None:
-            return int(self.scenario.payload_bytes(precision, self.scenario.modelled_params(fallback=self.spec.numel)))
-        return self.spec.numel * (4 if precision == "fp32" else 2)
-
     def dispatch(self, nodes: list[int]) -> None:
         """Send the current model to idle nodes, each with its own budget and schedule position."""
         if not nodes:
@@ -158,7 +151,7 @@ class AsyncOuterLoop(OuterLoop):
                 node_records["arrays"] = self.arrays_for(node, records["arrays"], self.global_params)
             content = RecordDict({**node_records, **self.request_records(TrainRequest(**config), self.user_train_config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
-            timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down), self._nbytes(self.cfg.wire.up)))
+            timings.append(JobTiming(self.profiles[node].partition_id, steps, *self.cost.job_bytes(self.cfg.wire.down, self.cfg.wire.up)))
             meta.append({"version": self.version, "steps": steps, "job": job})
             if self._send == "pseudo_grad":  # (params mode: Δ is taken against the current model)
                 base = self.base_snapshot(node, self.global_params)
@@ -198,38 +191,24 @@ class AsyncOuterLoop(OuterLoop):
             self.discard(ev)
             return
         staleness = self.version - int(ev.job.meta["version"])
-        if r.plain and self.claims_bounded() and not self.claims.has_history():
+        if self.claims.holds_first(r):
             # Nothing accepted yet to judge this claim against: held until the step closes,
             # then judged with the step's other first claims (`_judge_first_claims`).
             self._unjudged.append((ev, r, staleness))
             return
-        if r.plain and not self.bound_claims(self.tally, [(node, r)], whole_round=True):
+        if r.plain and not self.claims.judge(self.tally, [(node, r)], whole_round=True):
             self.discard(ev)
             return
         self._admit(ev, r, staleness)
 
     def _judge_first_claims(self) -> None:
         """The step closes while the run has accepted no plain claim yet: judge the step's held
-        plain replies together, as a synchronous first round does. With at least `MIN_PEERS`
-        claims, one beyond 4 x their lower median is refused (`bound_claims`); with fewer (two
-        cannot outvote one) none is refused, but none counts for more than the lower median of
-        them (so of two, neither weighs more than the other); a lone claim is believed. Then the
-        kept replies go on as any reply does, in arrival order (`_admit`)."""
+        plain replies together (`PlainClaims.judge_first`); the kept ones go on as any
+        reply does, in arrival order (`_admit`)."""
         held, self._unjudged = self._unjudged, []
-        if not held:
-            return
-        claims = [r.tokens for _, r, _ in held]
-        if len(claims) < MIN_PEERS:
-            cap = statistics.median_low(claims)
-            for _, r, _ in held:
-                if r.tokens > cap:
-                    log.warning("plain claim num-examples=%d counted as %d: nothing accepted yet to judge it "
-                                "against, and %d claim(s) this step cannot outvote it", r.tokens, cap, len(claims))
-                    r.tokens = cap
-        kept = {id(r) for _, r in self.bound_claims(self.tally, [(ev.job.node, r) for ev, r, _ in held],
-                                                    whole_round=True)}
-        for ev, r, staleness in held:
-            if id(r) in kept:
+        kept = self.claims.judge_first(self.tally, [(ev.job.node, r) for ev, r, _ in held])
+        for (ev, r, staleness), keep in zip(held, kept, strict=True):
+            if keep:
                 self._admit(ev, r, staleness)
             else:
                 self.discard(ev)
@@ -313,9 +292,9 @@ class AsyncOuterLoop(OuterLoop):
 
     def _fold_one(self, node: int, update: Any, r: TrainReply, staleness: int, scored: Any = None) -> float | None:
         """Fold one update (penalty, or weight and the model-norm bound); its norm or None.
-        ``scored``: the update as it arrived, for the penalty's test (`fold_penalised`)."""
+        ``scored``: the update as it arrived, for the penalty's test (`PenalisedFold.fold`)."""
         if self.penalty is not None:
-            verdict = self.fold_penalised(self.tally, node, update, r.tokens, staleness, scored=scored)
+            verdict = self.penalised.fold(self.tally, node, update, r.tokens, staleness, scored=scored)
             return None if verdict is None else float(verdict.norms.norm())
         result = self.accumulator.add_batch_checked([update], [self._weight(r.tokens, staleness)], self.update_bound())
         if 0 in result.rejected:
@@ -344,13 +323,12 @@ class AsyncOuterLoop(OuterLoop):
     def should_step(self) -> bool:
         if self.buffered() == 0:
             return False
-        training = {j.node for j in self.dispatcher.in_flight()} & set(self.dispatcher.live_nodes())
         if self.awaiting_peers():
-            return not training  # unless nobody else can still reply
+            return not self.others_training()  # unless nobody else can still reply
         if self.tally.accepted + len(self._held) + len(self._unjudged) >= self.cfg.strategy.buffer_size:
             return True
         # every live worker has reported (a late node, whose job was given up, will not)
-        return not training
+        return not self.others_training()
 
     def awaiting_peers(self) -> bool:
         """True while the step may not close yet because it lacks the peers a first judgement
@@ -409,7 +387,7 @@ class AsyncOuterLoop(OuterLoop):
             metrics["outer/grace_s"] = self.grace()
         if self.penalty is not None:
             metrics["outer/max_z"] = t.max_z
-            metrics.update(self.clip_metrics())
+            metrics.update(self.penalised.clip_metrics())
         self.tally = Tally()
         self.waiting = []
         self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node
@@ -419,7 +397,7 @@ class AsyncOuterLoop(OuterLoop):
         """The outer step on this step's folded updates (at ``self.optimizer.lr``); False when
         nothing was stepped (the sharded loop: a follower restart voided the window)."""
         if self.penalty is not None:
-            self.penalised_step()
+            self.penalised.step()
             return True
         mean = self.accumulator.mean()
         if self.cfg.strategy.staleness_mixing:
@@ -434,62 +412,52 @@ class AsyncOuterLoop(OuterLoop):
         the grace timer learns from arrivals only and C_m is the measured step duration.
         """
         if self.scenario is not None and self.waiting:
-            nbytes = self._nbytes(self.cfg.wire.down)
             server = self.scenario.server_region
-            times = [self.scenario.transfer_time(server, self.scenario.node_region(self.profiles[n].partition_id), nbytes)
+            times = [self.cost.transfer_s(server, self.scenario.node_region(self.profiles[n].partition_id), self.cfg.wire.down)
                      for n in self.waiting if n in self.profiles]
             return sum(times) / len(times) if times else 0.0
         return self._last_step_wall
 
-    def _done(self) -> bool:
+    # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------
+    def done(self) -> bool:
         r = self.cfg.run
         return self.version >= r.rounds or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)
 
-    def run(self, progress: Progress | None = None) -> dict[str, Any]:
-        self.log_initial()
+    def begin(self) -> None:
         self.dispatcher.wake_on_rejoin = True  # a repaired node gets work the moment it is back
         self.dispatch(self.idle_nodes())
-        while not self._done():
-            pending = self.buffered() > 0
-            # Di-PS Algorithm 1: wait forever while the buffer is empty; after each arrival the
-            # step happens when no further reply comes within the grace time of the last one.
-            # (a first step that awaits its peers waits for replies instead: `awaiting_peers`)
-            windowed = pending and self.uses_grace and self.last_arrival is not None and not self.awaiting_peers()
-            deadline = self.last_arrival + self.grace() if windowed else None
-            ev = self.dispatcher.next_event(deadline=deadline)
-            if ev is None and self.dispatcher.take_rejoined():
-                self.dispatch(self.idle_nodes())  # the repaired node starts from the latest model
-                continue
-            if ev is None:
-                if pending:
-                    self._log_step(self.step(), progress)
-                    continue
-                idle = self.idle_nodes()
-                if not idle and not self.dispatcher.in_flight():
-                    if self.dispatcher.wait_for_repair():  # every node is down: on to the next repair
-                        continue
-                    self.stop("no live node to train on (all vanished or benched after repeated errors)")
-                    break
-                self.dispatch(idle)
-                continue
+
+    def advance(self) -> bool:
+        """One event: a reply folded (and the step it completes), a grace window closed, a
+        repaired node or an idle one given work. False once no node is left to train on."""
+        pending = self.buffered() > 0
+        # Di-PS Algorithm 1: wait forever while the buffer is empty; after each arrival the
+        # step happens when no further reply comes within the grace time of the last one.
+        # (a first step that awaits its peers waits for replies instead: `awaiting_peers`)
+        windowed = pending and self.uses_grace and self.last_arrival is not None and not self.awaiting_peers()
+        deadline = self.last_arrival + self.grace() if windowed else None
+        ev = self.dispatcher.next_event(deadline=deadline)
+        if ev is None and self.dispatcher.take_rejoined():
+            self.dispatch(self.idle_nodes())  # the repaired node starts from the latest model
+        elif ev is None and pending:
+            self._log_step(self.step())
+        elif ev is None:
+            idle = self.idle_nodes()
+            if not idle and not self.dispatcher.in_flight():
+                if self.dispatcher.wait_for_repair():  # every node is down: on to the next repair
+                    return True
+                self.stop("no live node to train on (all vanished or benched after repeated errors)")
+                return False
+            self.dispatch(idle)
+        else:
             self.handle(ev)
             if self.should_step():
-                self._log_step(self.step(), progress)
+                self._log_step(self.step())
             elif not ev.ok:
                 self.dispatch([n for n in self.idle_nodes() if n == ev.job.node])
-        # Clean drain: let in-flight jobs finish (nothing is folded) so no node is left mid-message;
-        # a job still without a reply at its deadline is given up (its node named as late).
-        while self.dispatcher.in_flight():
-            self.dispatcher.next_event()
-        return self.history[-1] if self.history else {}
+        return True
 
-    def _log_step(self, metrics: dict[str, float], progress: Progress | None) -> None:
-        r = self.cfg.run
-        if (r.eval_every and self.version % r.eval_every == 0) or self._done():
-            metrics.update(self.evaluate())
-        record = self.logger.log(self.version, metrics)
-        self.history.append(record)
-        self.maybe_checkpoint(self.version, self._done())
-        if progress is not None:
-            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"),
-                            tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
+    def _log_step(self, metrics: dict[str, float]) -> None:
+        """Log the step just taken (its nodes are training again: no client validation)."""
+        self.record_step(self.version, metrics, self.done(), client_eval=False,
+                         shown=min(self.version, self.cfg.run.rounds))

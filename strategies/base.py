@@ -1,15 +1,16 @@
 """What every outer loop holds and does the same way, synchronous or asynchronous.
 
-The global model (one fp32 flat buffer, stepped in place), the outer optimizer, the one running
-sum, the counters a run summary reports, the profile-aware node bookkeeping, rejection logging and
-server-side evaluation. The loops differ only in when they step and whom they send work to.
+The kernel (`OuterLoop.run`: begin, advance until done, finish; `record_step` for each logged
+step), the global model (one fp32 flat buffer, stepped in place), the outer optimizer, the one
+running sum, the counters a run summary reports, the profile-aware node bookkeeping, rejection
+logging and server-side evaluation. Collaborators do the rest: the cost model
+(`fl_geo.timing.cost`), checkpoint state and penalty folding. The loops differ only by their
+policy hooks: when they step and whom they send work to.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -17,17 +18,16 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
+from fl_geo.config import FlGeoConfig
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.checkpoint import CheckpointStore
-from fl_geo.core.claims import ClaimBound
 from fl_geo.core.outer import OuterOptimizer
-from fl_geo.core.penalty import Penalty
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.dispatch import NODE_DOWN, Dispatcher, JobTiming, NodeProfile, late_report
 from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.metrics import MetricsLogger
 from fl_geo.runtime.profiling import probe_timeout_s, profile_nodes
+from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import (
     REQUEST_RECORD,
     USER_CONFIG_RECORD,
@@ -36,69 +36,22 @@ from fl_geo.runtime.protocol import (
     user_config,
 )
 from fl_geo.runtime.wire import encode
-from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, metric_number, metric_whole
+from fl_geo.strategies import loop_checkpoint
+from fl_geo.strategies.client_record import client_config_record
+from fl_geo.strategies.penalised_fold import PenalisedFold, penalty_from_config
+from fl_geo.strategies.plain_claims import PlainClaims
+from fl_geo.strategies.replies import ReplyError, Tally, metric_number, metric_whole
 from fl_geo.strategies.server_model import ServerModel
+from fl_geo.timing.cost import CostModel
 
 log = logging.getLogger("fl_geo")
 
-CHECKPOINT_FORMAT = 1
 # An asynchronous loop stops sending jobs to a node after this many failed jobs in a row.
 MAX_CONSECUTIVE_ERRORS = 3
 
 
 class NoLiveNode(RuntimeError):
     """Raised inside a round when no node is left to train on; `run` turns it into `OuterLoop.stop`."""
-
-
-def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
-    """The part of the run config every ClientApp needs, as ConfigRecord scalars.
-
-    The server is the single source of truth: clients never read config files, so a deployment
-    across sites cannot drift out of sync with the experiment definition.
-    """
-    return {
-        "run_name": cfg.run.name,  # names the node's on-disk inner state (node config state-dir)
-        "state_dir": cfg.run.client_state_dir,
-        "inner_steps": cfg.strategy.inner_steps,
-        "schedule_total": schedule_length(cfg),
-        "wire_up": cfg.wire.up,
-        "wire_down": cfg.wire.down,
-        # inline clients run one at a time in this process and may use every core
-        "threads": cfg.run.sim_cpus if cfg.run.backend == "inline" else cfg.run.threads_per_client,
-        "seed": cfg.run.seed,
-        "client": json.dumps({**to_dict(cfg.client), "warmup_steps": warmup_length(cfg)}, sort_keys=True),
-        "model": section_to_json(cfg.model),
-        "data": data_section_json(cfg),
-    }
-
-
-def data_section_json(cfg: FlGeoConfig) -> str:
-    """The ``data`` section for the ClientApps; with a tokenizer other than bytes it also carries
-    ``tokenizer_sha256``, the server's tokenizer identity, which every ClientApp compares with the
-    tokenizer it built (a node with another tokenizer.json or cache would train on other ids)."""
-    if cfg.data.tokenizer == "byte":
-        return section_to_json(cfg.data)
-    from fl_geo.runtime.builders import tokenizer
-
-    return json.dumps({**to_dict(cfg.data), "tokenizer_sha256": tokenizer(cfg.data).sha256}, sort_keys=True)
-
-
-def penalty_from_config(cfg: FlGeoConfig, spec: ParamSpec) -> Penalty | None:
-    """The pseudo-gradient penalty of docs/algorithms.md §4, or None when ``penalty.enabled`` is off.
-
-    ``penalty.outlier: false`` (an ablation switch) keeps the statistics but never rejects.
-    """
-    p = cfg.penalty
-    if not p.enabled:
-        return None
-    return Penalty(
-        spec, granularity=p.granularity, rule=p.rule,
-        threshold=p.threshold, warmup=p.warmup, reject=p.outlier,
-        keying=p.keying, weighting=p.weighting.split("*"),
-        temperature="auto" if p.temperature == 0 else p.temperature,
-        clip=p.clip or None, clip_mode=p.clip_mode, clip_ratio=p.clip_ratio,
-        adaptive_threshold=p.adaptive_threshold,
-    )
 
 
 class OuterLoop:
@@ -130,6 +83,8 @@ class OuterLoop:
         self.logger = logger
         self.evaluator = evaluator
         self.scenario = scenario  # set with a virtual clock (fl_geo.timing.scenario.Scenario)
+        # job bytes and modelled times, one model for every loop (fl_geo.timing.cost)
+        self.cost = CostModel(spec.numel, scenario)
         self.model = self.server_model(cfg, global_params)
         self.version = 0  # outer steps applied
         self.total_tokens = 0
@@ -143,11 +98,12 @@ class OuterLoop:
         self._client_cfg = client_config_record(cfg)
         self.history: list[dict[str, Any]] = []
         self.penalty = penalty_from_config(cfg, spec)
-        self._clip_last: tuple[float, list[float]] | None = None  # the last outer step's clip (clip_metrics)
+        self.penalised = PenalisedFold(self)  # fold, clip and step with the penalty (when it is on)
         self.checkpoints: CheckpointStore | None = None  # set by the server when checkpointing is on
         self._bound: float | None = None
         self._bound_version = -1
         self.resumed = False
+        self.progress: Progress | None = None  # the run's progress line, set by `run`
         # Set by the public strategy's start(): nodes may run a plain Flower ClientApp (they are
         # probed, fl_geo.runtime.profiling; accepted only outside the CLI path), and the user's
         # Flower train_config / evaluate_config that every request carries for them.
@@ -156,7 +112,7 @@ class OuterLoop:
         self.user_train_config: ConfigRecord | None = None
         self.user_evaluate_config: ConfigRecord | None = None
         self._errors: dict[int, int] = {}  # consecutive failed jobs per node
-        self.claims = ClaimBound()  # plain Flower replies' num-examples against the accepted ones
+        self.claims = PlainClaims(self)  # plain Flower replies' num-examples against the accepted ones
         self.benched: set[int] = set()  # nodes that get no more jobs
         # A failure trace (virtual clock) names nodes by scenario slot = partition id.
         dispatcher.slot_of = self.partition_of
@@ -166,6 +122,86 @@ class OuterLoop:
         and a model-sized sum. Loops whose outer state lives in their own parts return
         `ServerModel.held_elsewhere`. Called once, from ``__init__``, before the loop's own set-up."""
         return ServerModel.from_config(cfg, global_params)
+
+    # ---- the kernel: every loop's run, told apart by its policy hooks ---------------------------
+    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        """Run the loop to its budget; the last logged record (empty when none was logged).
+
+        Log the untrained model's loss, `begin` (e.g. the first dispatch), then `advance` (one
+        round, event or tick) until `done` or until it returns False (the loop stopped early,
+        `stop` says why); a node loss no round can survive (`NoLiveNode`) stops it too. Then
+        `finish` (by default: let in-flight jobs end, `drain`). `close` runs last, even after an
+        error: what the loop started outside this process (the sharded PS's followers) stops.
+        """
+        self.progress = progress
+        try:
+            self.open()
+            self.log_initial()
+            self.begin()
+            while not self.done():
+                try:
+                    if not self.advance():
+                        break
+                except NoLiveNode as exc:
+                    self.stop(str(exc))
+                    break
+            self.finish()
+            return self.history[-1] if self.history else {}
+        finally:
+            self.close()
+
+    def open(self) -> None:
+        """Before the first evaluation: start what the loop needs outside this process."""
+
+    def begin(self) -> None:
+        """After the step-0 record: the loop's first move (an asynchronous loop's first dispatch)."""
+
+    def done(self) -> bool:
+        """Whether the budget (steps, rounds or tokens) is spent."""
+        raise NotImplementedError
+
+    def advance(self) -> bool:
+        """One move of the policy: a synchronous round, an asynchronous event, a streaming tick.
+        False when the loop must stop before its budget (after `stop`)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the last move: by default the clean `drain`."""
+        self.drain()
+
+    def close(self) -> None:
+        """Always last, also after an error: stop what `open` started."""
+
+    def drain(self) -> None:
+        """Let in-flight jobs finish (nothing is folded), so no node is left mid-message when the
+        run ends; a job still without a reply at its deadline is given up (its node named late)."""
+        while self.dispatcher.in_flight():
+            self.dispatcher.next_event()
+
+    def eval_due(self, step: int, last: bool) -> bool:
+        """Whether logged step ``step`` is validated: every ``run.eval_every`` steps and the last."""
+        every = self.cfg.run.eval_every
+        return bool(every and step % every == 0) or last
+
+    def step_evaluations(self, step: int, last: bool) -> dict[str, float]:
+        """The validation a logged step carries when `eval_due`: the server's, by default."""
+        return self.evaluate() if self.eval_due(step, last) else {}
+
+    def record_step(self, step: int, metrics: dict[str, Any], last: bool, *, client_eval: bool = True,
+                    shown: int | None = None) -> None:
+        """Log one outer step: `step_evaluations`, the clients' validation every
+        ``run.client_eval_every`` steps and the last (``client_eval``: for loops whose nodes are
+        idle between steps), the metrics record, the checkpoint ``run.checkpoint_every`` asks
+        for, and the progress line (at ``shown``, default ``step``)."""
+        r = self.cfg.run
+        metrics.update(self.step_evaluations(step, last))
+        if client_eval and r.client_eval_every and (step % r.client_eval_every == 0 or last):
+            metrics.update(self.client_eval(step))
+        self.history.append(self.logger.log(step, metrics))
+        self.maybe_checkpoint(step, last)
+        if self.progress is not None:
+            self.progress.update(step if shown is None else shown, metrics.get("train/loss"), metrics.get("val/loss"),
+                                 tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
 
     @property
     def global_params(self) -> torch.Tensor:
@@ -268,33 +304,9 @@ class OuterLoop:
             self.benched.add(node)
         return True
 
-    def claims_bounded(self) -> bool:
-        """Whether plain replies' example claims are judged (`bound_claims`): not with
-        ``strategy.token_cap=none``, which trusts every claim."""
-        return self.cfg.strategy.token_cap != "none"
-
-    def bound_claims(self, tally: Tally, items: Sequence[tuple[int, TrainReply]],
-                     whole_round: bool = False) -> list[tuple[int, TrainReply]]:
-        """Refuse (logged, counted) the plain replies whose ``num-examples`` claim is beyond
-        `ClaimBound` (fl_geo.core.claims: 4 × the median of the accepted claims; before any,
-        4 × the median of the round's claims when ``whole_round`` holds at least 3) and record
-        the claims that pass, by partition. fl-geo replies pass untouched: the token cap bounds
-        them. The kept items keep their order (the fold's bits depend on it)."""
-        if not self.claims_bounded():
-            return list(items)
-        round_claims = [r.tokens for _, r in items if r.plain] if whole_round else []
-        kept = []
-        for node, r in items:
-            reason = self.claims.judge(r.tokens, round_claims) if r.plain else None
-            if reason is not None:
-                self._reject(tally, node, reason)
-                continue
-            kept.append((node, r))
-        for node, r in kept:
-            if r.plain:
-                site = self.partition_of(node)  # -1: a node that answered no profile
-                self.claims.accepted(site if site >= 0 else f"node {node}", r.tokens)
-        return kept
+    def others_training(self) -> bool:
+        """Whether a live node is still training: one whose reply could still join this step."""
+        return bool({j.node for j in self.dispatcher.in_flight()} & set(self.dispatcher.live_nodes()))
 
     def _reject(self, tally: Tally, node: int, reason: str) -> None:
         """Log a rejected update with its node, partition and reason, and count it."""
@@ -407,35 +419,15 @@ class OuterLoop:
         meter.settle(accepted=folded)
         return meter.metrics(self.dispatcher.clock.now(), self.dispatcher.in_flight_s())
 
-    # ---- checkpoint and resume (fl_geo/core/checkpoint.py) -------------------------------------------
+    # ---- checkpoint and resume (strategies/loop_checkpoint.py) ---------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything the server needs to continue where it stopped: model, outer optimizer,
-        penalty statistics, counters, versions, clock and RNG. Loops add their own part in
-        `extra_state`. Jobs in flight are not part of it: a resumed server sends fresh work."""
-        clock = self.dispatcher.clock.state_dict()
-        if "jobs" in clock:
-            clock["jobs"] = []  # in-flight work is re-sent by the resumed server
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "strategy": self.cfg.strategy.name,
-            "param_spec": self.spec.to_json(),
-            **self.model_state(),
-            "penalty": self.penalty.state_dict() if self.penalty is not None else None,
-            "counters": {
-                "version": self.version,
-                "total_tokens": self.total_tokens,
-                "total_bytes_up": self.total_bytes_up,
-                "total_bytes_down": self.total_bytes_down,
-                "total_rejected": self.total_rejected,
-                "total_accepted": self.total_accepted,
-                "total_failed": self.total_failed,
-            },
-            "history": [json.dumps(h) for h in self.history],
-            "claims": self.claims.state_dict(),
-            "clock": clock,
-            "torch_rng": torch.get_rng_state(),
-            "loop": self.extra_state(),
-        }
+        """Everything the server needs to continue where it stopped (`loop_checkpoint.capture`)."""
+        return loop_checkpoint.capture(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict`; a checkpoint that does not fit this run raises ValueError and
+        leaves the loop as it was (`loop_checkpoint.restore`)."""
+        loop_checkpoint.restore(self, state)
 
     def model_state(self) -> dict[str, Any]:
         """``params`` and ``optimizer`` of a checkpoint (the sharded loop keeps them elsewhere)."""
@@ -450,52 +442,7 @@ class OuterLoop:
         return {}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore `extra_state` output (overridden by the loops)."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict`. Everything is validated against this run (format, strategy,
-        model layout, buffer size) before anything changes; a mismatch raises ValueError and
-        leaves the loop as it was."""
-        missing = [k for k in ("format", "strategy", "param_spec", "params", "optimizer", "counters",
-                               "history", "clock", "loop") if k not in state]
-        if missing:
-            raise ValueError(f"checkpoint lacks keys {missing}")
-        if state["format"] != CHECKPOINT_FORMAT:
-            raise ValueError(f"checkpoint format {state['format']} is not {CHECKPOINT_FORMAT}")
-        if state["strategy"] != self.cfg.strategy.name:
-            raise ValueError(f"checkpoint was written by strategy '{state['strategy']}', this run is '{self.cfg.strategy.name}'")
-        if state["param_spec"] != self.spec.to_json():
-            raise ValueError("checkpoint holds a model with a different parameter layout (model section changed?)")
-        # The pieces that validate themselves: load into scratch copies first, then swap in.
-        install_model = self.prepare_model_state(state)
-        penalty = None
-        if self.penalty is not None:
-            if state.get("penalty") is None:
-                raise ValueError("checkpoint has no penalty statistics but this run uses the penalty")
-            penalty = penalty_from_config(self.cfg, self.spec)
-            assert penalty is not None
-            penalty.load_state_dict(state["penalty"])
-        claims = ClaimBound()
-        if "claims" in state:  # checkpoints before 2026-11-28 lack them: the bound starts empty
-            claims.load_state_dict(dict(state["claims"]))
-        self.load_extra_state(dict(state["loop"]))  # validates before it sets anything
-        self.dispatcher.clock.load_state_dict(dict(state["clock"]))
-        install_model()
-        self.penalty = penalty
-        self.claims = claims
-        c = state["counters"]
-        self.version = int(c["version"])
-        self.total_tokens = int(c["total_tokens"])
-        self.total_bytes_up = int(c["total_bytes_up"])
-        self.total_bytes_down = int(c["total_bytes_down"])
-        self.total_rejected = int(c["total_rejected"])
-        self.total_accepted = int(c.get("total_accepted", 0))  # checkpoints before 2026-11 lack them
-        self.total_failed = int(c.get("total_failed", 0))
-        self.history = [json.loads(h) for h in state["history"]]
-        self._client_cfg["resumed"] = True  # nodes may reload their inner state from disk
-        if "torch_rng" in state:
-            torch.set_rng_state(state["torch_rng"])
-        self.resumed = True
+        """Restore `extra_state` output (overridden by the loops); validate before setting anything."""
 
     def partition_of(self, node: int) -> int:
         """A node's partition id: the key that survives restarts (Flower node ids do not)."""
@@ -544,88 +491,3 @@ class OuterLoop:
         first = self.evaluate()
         if first:
             self.history.append(self.logger.log(0, {**first, "outer/step": 0, "train/tokens": 0, **self._virtual_zero()}))
-
-    # ---- the pseudo-gradient penalty (docs/algorithms.md §4), shared by Di-PS, EDiT and HALoS --------
-    def fold_penalised(self, tally: Tally, node: int, update: Any, tokens: int, staleness: float = 0,
-                       scored: Any = None) -> Any:
-        """Norms -> outlier test against the step-start statistics -> weighted fold.
-
-        ``scored``: the update as it arrived, when ``update`` is what a robust rule made of it
-        (centered clipping): the outlier test, the statistics and the weights see the arrived
-        norms, so a clip cannot hide a ×10 update from the penalty; ``update`` is what folds.
-        Returns the verdict, or None when every group was rejected (logged with node and score).
-        Statistics are keyed by partition id: Flower's node ids change from run to run.
-        """
-        assert self.penalty is not None
-        norms = self.penalty.norms(update if scored is None else scored)
-        if not bool(torch.isfinite(norms).all()):
-            self._reject(tally, node, "update holds NaN or Inf values")
-            return None
-        bound = self.update_bound()
-        if bound is not None and float(norms.norm()) > bound:
-            self._reject(tally, node, f"update norm {float(norms.norm()):.4g} exceeds the bound {bound:.4g} (strategy.max_update_ratio)")
-            return None
-        key = self.profiles[node].partition_id if node in self.profiles else node
-        verdict = self.penalty.observe(key, norms, tokens=tokens, staleness=staleness)
-        if bool(verdict.scored.any()):
-            z = float(verdict.z[verdict.scored].max())
-            tally.max_z = z if math.isnan(tally.max_z) else max(tally.max_z, z)
-        if not verdict.any_accepted:
-            tally.rejected_groups += self.penalty.num_groups
-            z = float(verdict.z.max()) if verdict.z.numel() else float("nan")
-            self._reject(tally, node, f"outlier (z={z:.2f}, norm={float(norms.norm()):.4g}, rule {self.cfg.penalty.rule})")
-            return None
-        if not bool(verdict.accepted.all()):
-            bad = [n for n, ok in zip(self.penalty.group_names, verdict.accepted.tolist(), strict=True) if not ok]
-            zs = [f"{float(z):.2f}" for z, ok in zip(verdict.z.tolist(), verdict.accepted.tolist(), strict=True) if not ok]
-            log.warning("node %s (partition %s): modules %s rejected as outliers (z=%s)", node, key, ", ".join(bad), ", ".join(zs))
-            tally.rejected_groups += len(bad)
-        self.penalty.fold_(self.accumulator, update, verdict)
-        return verdict
-
-    def record_clip(self, pre_norm: float, factors: Sequence[float]) -> None:
-        """Remember how hard this outer step's clip φ bound, for `clip_metrics`.
-
-        ``pre_norm`` is ‖Δ̄‖ over the whole model before the clip; ``factors`` the per-group
-        min(1, φ/(‖Δ̄_g‖+ε)) applied (one for a global clip). Why it is logged: whether φ binds
-        depends on the model's scale (docs/benchmarks.md, "Scale ladder"), and nothing else in
-        the log says so.
-        """
-        self._clip_last = (float(pre_norm), [float(f) for f in factors])
-
-    def clip_metrics(self) -> dict[str, float]:
-        """``outer/clip_norm`` (‖Δ̄‖ before the clip), ``outer/clip_scale`` (the mean factor over
-        groups: 1 = φ did not bind, 0.1 = the step was cut to a tenth) and ``outer/clip_bound``
-        (the share of groups whose factor was below 1) of the last clipped step, then forgotten;
-        empty when no clip ran since the last call (clip off, or no step taken)."""
-        last, self._clip_last = self._clip_last, None
-        if last is None:
-            return {}
-        pre, factors = last
-        return {"outer/clip_norm": pre, "outer/clip_scale": sum(factors) / len(factors),
-                "outer/clip_bound": sum(f < 1.0 for f in factors) / len(factors)}
-
-    def penalised_step(self, buf: torch.Tensor | None = None) -> list[str]:
-        """Clip, then the outer step; modules every worker failed on are not stepped (rollback:
-        their parameters and outer momentum stay as they were). ``buf`` is the normalised mean
-        (``self.accumulator.buffer`` after `Penalty.normalise_` by default). Returns the
-        rolled-back module names."""
-        assert self.penalty is not None
-        if buf is None:
-            buf = self.accumulator.buffer
-            self.penalty.normalise_(buf)
-        if self.penalty.clip is not None:
-            pre = float(torch.linalg.vector_norm(buf))  # one read of Δ̄: the clip's input, for the log
-            self.record_clip(pre, self.penalty.clip_(buf).tolist())
-        rolled = self.penalty.rolled_back
-        skip = self.penalty.ranges(rolled)
-        live = [t for t in self.optimizer.state_dict().values() if torch.is_tensor(t) and t.numel() == self.spec.numel]
-        saved = [(b, e, [x[b:e].clone() for x in (self.global_params, *live)]) for b, e in skip]
-        self.optimizer.step(self.global_params, buf)
-        for b, e, copies in saved:
-            for x, c in zip((self.global_params, *live), copies, strict=True):
-                x[b:e].copy_(c)
-        if skip:
-            log.warning("outer step %d: modules %s had no accepted update and were not stepped",
-                        self.version + 1, ", ".join(rolled))
-        return rolled

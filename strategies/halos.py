@@ -37,7 +37,6 @@ from fl_geo.config import FlGeoConfig
 from fl_geo.core.claims import MIN_PEERS
 from fl_geo.core.halos import GlobalParameterServer, LocalParameterServer
 from fl_geo.runtime.dispatch import Event, JobTiming
-from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
@@ -128,17 +127,6 @@ class HalosLoop(OuterLoop):
         return nodes
 
     # ---- dispatch -------------------------------------------------------------------------------
-    def _payload_bytes(self, precision: str) -> int:
-        """Bytes of one model-sized payload of this model: the byte counters count what was
-        actually sent (as in the other loops), not the scenario's modelled model size, which only
-        times the transfer."""
-        return self.spec.numel * (4 if precision == "fp32" else 2)
-
-    def _nbytes(self, precision: str) -> int:
-        if self.scenario is not None:
-            return int(self.scenario.payload_bytes(precision, self.scenario.modelled_params(fallback=self.spec.numel)))
-        return self.spec.numel * (4 if precision == "fp32" else 2)
-
     def _inner_steps(self, node: int) -> int:
         h = self.cfg.strategy.inner_steps
         if self.cfg.strategy.dynupd and self.scenario is not None:
@@ -166,8 +154,8 @@ class HalosLoop(OuterLoop):
             content = RecordDict({"arrays": arrays, **self.request_records(TrainRequest(**config), self.user_train_config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             # worker <-> local server: the intra-region link (the LPS sits in the node's region)
-            timings.append(JobTiming(self.profiles[node].partition_id, steps, self._nbytes(self.cfg.wire.down),
-                                     self._nbytes(self.cfg.wire.up), peer_region=self.group_region[g]))
+            timings.append(JobTiming(self.profiles[node].partition_id, steps, *self.cost.job_bytes(self.cfg.wire.down, self.cfg.wire.up),
+                                     peer_region=self.group_region[g]))
             meta.append({"group": g, "version": self.lps[g].version})
             base = self.base_snapshot(node, self.lps[g].params)
             if base is not None:
@@ -190,29 +178,22 @@ class HalosLoop(OuterLoop):
         except ReplyError as exc:
             self._reject(self.tally, node, str(exc))
             return
-        if r.plain and self.claims_bounded() and not self.claims.has_history():
+        if self.claims.holds_first(r):
             self._unjudged.append((ev, r))
-            if len(self._unjudged) >= MIN_PEERS or not self._others_training():
+            if len(self._unjudged) >= MIN_PEERS or not self.others_training():
                 self._judge_first_claims()
             return
-        if r.plain and not self.bound_claims(self.tally, [(node, r)]):
+        if r.plain and not self.claims.judge(self.tally, [(node, r)]):
             return
         self._apply(ev, r)
 
-    def _others_training(self) -> bool:
-        """Whether a live worker is still training (one whose claim could join the first ones)."""
-        return bool({j.node for j in self.dispatcher.in_flight()} & set(self.dispatcher.live_nodes()))
-
     def _judge_first_claims(self) -> None:
-        """Before any plain claim was accepted, the plain replies are held until `MIN_PEERS` of
-        them (or every one a live worker can still send) can be judged together, as the
-        asynchronous loop's first step does: one beyond 4 x their lower median is refused; fewer
-        than `MIN_PEERS` are believed. The kept ones are applied in arrival order."""
+        """Judge the held first plain claims together (`PlainClaims.judge_first`), as the
+        asynchronous loop's first step does; the kept ones are applied in arrival order."""
         held, self._unjudged = self._unjudged, []
-        kept = {id(r) for _, r in self.bound_claims(self.tally, [(ev.job.node, r) for ev, r in held],
-                                                    whole_round=True)}
-        for ev, r in held:
-            if id(r) in kept:
+        kept = self.claims.judge_first(self.tally, [(ev.job.node, r) for ev, r in held])
+        for (ev, r), keep in zip(held, kept, strict=True):
+            if keep:
                 self._apply(ev, r)
 
     def _apply(self, ev: Event, r: TrainReply) -> None:
@@ -241,9 +222,9 @@ class HalosLoop(OuterLoop):
             return
         region, server = self.group_region[g], self.scenario.server_region
         now = self.dispatcher.clock.now()
-        t = now + self.scenario.transfer_time(region, server, self._nbytes(self.cfg.wire.up), start=now)
+        t = now + self.cost.transfer_s(region, server, self.cfg.wire.up, start=now)
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "up", g, update))
-        self.total_bytes_up += self._payload_bytes(self.cfg.wire.up)  # what was sent, as every loop counts
+        self.total_bytes_up += self.cost.sent_bytes(self.cfg.wire.up)  # what was sent, as every loop counts
 
     def _global_step(self, g: int, update: torch.Tensor) -> None:
         """U_k reached the global server: step, log, and send θ_g back to local server g."""
@@ -256,9 +237,9 @@ class HalosLoop(OuterLoop):
             return
         region, server = self.group_region[g], self.scenario.server_region
         now = self.dispatcher.clock.now()
-        t = now + self.scenario.transfer_time(server, region, self._nbytes(self.cfg.wire.down), start=now)
+        t = now + self.cost.transfer_s(server, region, self.cfg.wire.down, start=now)
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "down", g, self.gps.params.clone()))
-        self.total_bytes_down += self._payload_bytes(self.cfg.wire.down)
+        self.total_bytes_down += self.cost.sent_bytes(self.cfg.wire.down)
 
     def _transfer_done(self, tr: _Transfer) -> None:
         self.dispatcher.clock.advance_to(tr.finish)
@@ -267,54 +248,58 @@ class HalosLoop(OuterLoop):
         else:
             self.lps[tr.group].merge(tr.payload)
 
-    # ---- the loop -------------------------------------------------------------------------------
-    def _done(self) -> bool:
+    # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------
+    def done(self) -> bool:
         r = self.cfg.run
         return self.version >= r.rounds or (r.max_tokens > 0 and self.total_tokens + self.tally.tokens >= r.max_tokens)
 
-    def run(self, progress: Progress | None = None) -> dict[str, Any]:
-        self.log_initial()
-        self._progress = progress
+    def begin(self) -> None:
         # failure traces (virtual clock): a worker repaired while others train, or while only
         # server-side transfers are pending, is woken at its repair time and sent its local
         # server's current model; with nothing at all pending the clock moves to the next repair
         self.dispatcher.wake_on_rejoin = True
         self.dispatch(self.idle_nodes())
-        while not self._done():
-            if self._unjudged and not self._others_training():
-                # the other workers failed or were benched: no peer will join the held first
-                # claims, so judge them now (and give their workers new jobs)
-                self._judge_first_claims()
-                self.dispatch(self.idle_nodes())
-                continue
-            deadline = self._transfers[0].finish if self._transfers else None
-            busy = self.dispatcher.in_flight() or deadline is not None
-            ev = self.dispatcher.next_event(deadline=deadline) if busy else None
-            if ev is None and self.dispatcher.take_rejoined():
-                self.dispatch(self.idle_nodes())  # the repaired worker starts from its LPS's latest model
-                continue
-            if ev is not None:
-                self.handle(ev)
-                self.dispatch(self.idle_nodes())
-                continue
-            if self._transfers:
-                self._transfer_done(heapq.heappop(self._transfers))
-                continue
-            idle = self.idle_nodes()
-            if not idle:
-                if not self.dispatcher.in_flight() and self.dispatcher.wait_for_repair():
-                    continue  # every worker is down: on to the next repair
-                self.stop("no live node to train on (all vanished or benched after repeated errors)")
-                break
+
+    def advance(self) -> bool:
+        """One event: held first claims judged, a worker's reply applied to its local server, a
+        modelled transfer between the tiers landed, or idle workers given jobs. False once no
+        worker is left to train on."""
+        if self._unjudged and not self.others_training():
+            # the other workers failed or were benched: no peer will join the held first
+            # claims, so judge them now (and give their workers new jobs)
+            self._judge_first_claims()
+            self.dispatch(self.idle_nodes())
+            return True
+        deadline = self._transfers[0].finish if self._transfers else None
+        busy = self.dispatcher.in_flight() or deadline is not None
+        ev = self.dispatcher.next_event(deadline=deadline) if busy else None
+        if ev is None and self.dispatcher.take_rejoined():
+            self.dispatch(self.idle_nodes())  # the repaired worker starts from its LPS's latest model
+        elif ev is not None:
+            self.handle(ev)
+            self.dispatch(self.idle_nodes())
+        elif self._transfers:
+            self._transfer_done(heapq.heappop(self._transfers))
+        elif idle := self.idle_nodes():
             self.dispatch(idle)
+        elif not self.dispatcher.in_flight() and self.dispatcher.wait_for_repair():
+            pass  # every worker is down: on to the next repair
+        else:
+            self.stop("no live node to train on (all vanished or benched after repeated errors)")
+            return False
+        return True
+
+    def finish(self) -> None:
+        """The local updates since the last global update, logged and evaluated; then the drain
+        (nothing more is applied)."""
         self.dispatcher.wake_on_rejoin = False
         if self.tally.accepted or self.tally.rejected or self.tally.errors:
-            self._log_step(None)  # the local updates since the last global update, evaluated
-        while self.dispatcher.in_flight():  # clean drain: nothing more is applied
-            self.dispatcher.next_event()
-        return self.history[-1] if self.history else {}
+            self._log_step(None)
+        self.drain()
 
     def _log_step(self, group: int | None) -> None:
+        """A global update from local server ``group`` (None: the closing record, which shares
+        the last global update's step number and is always evaluated)."""
         t = self.tally
         metrics: dict[str, Any] = {
             **self.tally_metrics(t),
@@ -323,13 +308,6 @@ class HalosLoop(OuterLoop):
             "outer/staleness_max": t.staleness_max,
             "outer/group": -1 if group is None else group,
         }
-        r = self.cfg.run
-        if (r.eval_every and self.version % r.eval_every == 0) or self._done() or group is None:
-            metrics.update(self.evaluate())
-        # The closing record (group None) shares the last global update's step number.
-        self.history.append(self.logger.log(self.version, metrics))
         self.tally = Tally()
-        progress = getattr(self, "_progress", None)
-        if progress is not None:
-            progress.update(min(self.version, r.rounds), metrics.get("train/loss"), metrics.get("val/loss"),
-                            tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
+        self.record_step(self.version, metrics, self.done() or group is None, client_eval=False,
+                         shown=min(self.version, self.cfg.run.rounds))

@@ -51,7 +51,7 @@ def make_wall_faults(cfg: FlGeoConfig, num_params: int, scenario: Any = None) ->
         raise ConfigError(f"run.wall_faults=true: {exc}; add failures or a failure_process to it") from None
 
 
-def make_clock(cfg: FlGeoConfig, num_params: int, scenario: Any = None) -> tuple[Any, Any]:
+def make_clock(cfg: FlGeoConfig, scenario: Any = None) -> tuple[Any, Any]:
     """The run's clock, and its scenario when the clock is virtual (modelled WAN and speeds):
     ``scenario`` when given (a `Scenario` object), else the one ``run.scenario`` names."""
     from fl_geo.timing.clock import VirtualClock, WallClock
@@ -62,4 +62,4 @@ def make_clock(cfg: FlGeoConfig, num_params: int, scenario: Any = None) -> tuple
     from fl_geo.timing.scenario import scenario_for_nodes
 
     scenario = scenario_for_nodes(scenario or load_scenario(cfg.run.scenario), cfg.run.num_clients)
-    return VirtualClock(scenario, scenario.modelled_params(fallback=num_params)), scenario
+    return VirtualClock(scenario), scenario

@@ -34,7 +34,6 @@ from fl_geo.core.transfer_schedule import TransferScheduler
 from fl_geo.ps.follower import FollowerError, FollowerShard
 from fl_geo.ps.leader_view import RemoteFollower
 from fl_geo.runtime.dispatch import Event
-from fl_geo.runtime.progress import Progress
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.replies import (
     ReplyError,
@@ -251,10 +250,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
     def model_records(self) -> tuple[dict[str, Any], int]:
         if self.supervisor is None:
             return super().model_records()
-        return {}, self._nbytes_wire(self.cfg.wire.down)
-
-    def _nbytes_wire(self, precision: str) -> int:
-        return self.spec.numel * (4 if precision == "fp32" else 2)
+        return {}, self.cost.sent_bytes(self.cfg.wire.down)
 
     def job_config(self, node: int, job: str) -> dict[str, Any]:
         if self.supervisor is None:
@@ -426,7 +422,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
                 raise FloatingPointError("the averaged update is not finite; refusing to step")
             factor = min(1.0, float(self.penalty.clip_thresholds()[0]) / (norm + self.penalty.eps))
             self.penalty.record_clipped(torch.tensor([factor * norm], dtype=torch.float64))
-            self.record_clip(norm, [factor])
+            self.penalised.record_clip(norm, [factor])
         versions = {f.step(factor, self.optimizer.lr) for f in self.followers}
         if versions != {self.version + 1}:
             raise RuntimeError(f"followers disagree on the model version after the step: {sorted(versions)}")
@@ -449,16 +445,18 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             self.sync_model()
         return super().evaluate()
 
-    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+    # ---- kernel hooks: the follower processes live as long as the run -----------------------------
+    def open(self) -> None:
         if self.supervisor is not None:
             self._start_followers()
-        try:
-            out = super().run(progress)
-            self.sync_model()
-            return out
-        finally:
-            if self.supervisor is not None:
-                self.supervisor.stop()
+
+    def finish(self) -> None:
+        super().finish()
+        self.sync_model()
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
 
 def _data_path_errors() -> tuple[type[BaseException], ...]:

@@ -395,7 +395,7 @@ class FlGeoStrategy(Strategy):
         if self._from_kwargs:  # the schedule length and the scenario's node slots follow the grid
             cfg.run.num_clients = len(nodes)
             validate(cfg, own_model=True)
-        clock, scenario = make_clock(cfg, spec.numel, self._scenario)
+        clock, scenario = make_clock(cfg, self._scenario)
         dispatcher = Dispatcher(grid, clock)
         dispatcher.reply_deadline = reply_deadline(cfg)
         dispatcher.wall_faults = make_wall_faults(cfg, spec.numel, self._scenario)

@@ -46,7 +46,6 @@ from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.claims import ReportedTimes, robust_time
-from fl_geo.core.quantize import quantized_nbytes
 from fl_geo.core.streaming import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -56,7 +55,6 @@ from fl_geo.core.streaming import (
     fragment_spec,
 )
 from fl_geo.runtime.dispatch import JobTiming
-from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import EvaluateRequest, StreamRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import NoLiveNode, OuterLoop
@@ -66,7 +64,6 @@ from fl_geo.strategies.replies import (
 )
 from fl_geo.strategies.server_model import ServerModel
 from fl_geo.strategies.stream_replies import StreamReply, read_stream_reply
-from fl_geo.timing.scenario import payload_bytes
 
 log = logging.getLogger("fl_geo")
 
@@ -150,6 +147,8 @@ class StreamingLoop(OuterLoop):
         self._link_free = 0.0  # virtual time at which the WAN is free for the next all-reduce
         self._next_adaptive: int | None = None
         self.interval = self.H // self.P  # adaptive h (updated at every sync decision)
+        self._stats = _RoundStats()  # the round being trained (`advance`)
+        self._ended = False  # the round that reached run.max_tokens was logged
         self._measured_tc: float | None = None  # wall clock: slowest step time of the last tick
         self._measured_ts: float | None = None  # wall clock: exchange overhead of the last sync tick
         # wall clock: the sites' reported times, each capped by its own history (fl_geo.core.claims)
@@ -172,21 +171,14 @@ class StreamingLoop(OuterLoop):
     def _slots(self, nodes: Sequence[int]) -> list[int]:
         return [self.profiles[n].partition_id for n in nodes]
 
-    def _fragment_bytes(self, p: int) -> int:
-        """Modelled bytes of fragment p's pseudo-gradient: its share of the modelled model."""
-        assert self.scenario is not None
-        params = self.scenario.modelled_params(fallback=self.spec.numel)
-        share = round(params * self.fragments.numel(p) / self.spec.numel)
-        st = self.cfg.streaming
-        if st.quantize != "none":
-            return quantized_nbytes(st.quantize, share, st.quantize_block)
-        return payload_bytes(self.cfg.wire.up, share)  # not Scenario.payload_bytes: that is the whole model
-
     def _allreduce_s(self, p: int, slots: list[int], start: float | None = None) -> float:
-        """Fragment p's all-reduce; ``start`` (virtual s) lets the scenario's link windows act on it."""
+        """Fragment p's all-reduce of its share of the modelled model (quantised when the
+        fragments are); ``start`` (virtual s) lets the scenario's link windows act on it."""
         if self.scenario is None:
             return 0.0
-        return self.scenario.allreduce_time(slots, self._fragment_bytes(p), start=start)
+        st = self.cfg.streaming
+        nbytes = self.cost.charged_share_bytes(self.fragments.numel(p), self.cfg.wire.up, st.quantize, st.quantize_block)
+        return self.cost.allreduce_s(slots, nbytes, start=start)
 
     def _adaptive_interval(self, nodes: Sequence[int]) -> int:
         """h of CoCoDC Eq. 10 from T_c (one inner step) and T_s (one fragment sync, the mean over
@@ -455,43 +447,41 @@ class StreamingLoop(OuterLoop):
         return {"val/worker_loss": sum(losses) / len(losses), "val/worker_loss_min": min(losses),
                 "val/worker_loss_max": max(losses)}
 
-    def run(self, progress: Progress | None = None) -> dict[str, Any]:
-        r = self.cfg.run
-        self.log_initial()
-        total = r.rounds * self.H
+    # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------
+    def begin(self) -> None:
         if self.schedule is not None:
             self.interval = self._adaptive_interval(self.free_nodes())
             self._next_adaptive = self.interval
-        stats = _RoundStats()
-        while self.step < total:
-            rnd = self.step // self.H + 1
-            applies = self._take_applies()
-            period_end = self.H * rnd
-            end = min(period_end, self._next_sync_after(self.step),
-                      *(sync.apply for sync in self.in_flight.values()))
-            try:
-                self._tick(rnd, end, applies, stats)
-            except NoLiveNode as exc:
-                self.stop(str(exc))
-                break
-            if self.step < period_end:
-                continue
-            last = rnd == r.rounds or (r.max_tokens > 0 and self.total_tokens + stats.tally.tokens >= r.max_tokens)
-            metrics = self._round_metrics(stats)
-            stats = _RoundStats()
-            if (r.eval_every and rnd % r.eval_every == 0) or last:
-                metrics.update(self.evaluate())
-                if self.cfg.streaming.eval_workers:
-                    metrics.update(self.worker_eval(rnd))
-            if r.client_eval_every and (rnd % r.client_eval_every == 0 or last):
-                metrics.update(self.client_eval(rnd))
-            record = self.logger.log(rnd, metrics)
-            self.history.append(record)
-            if progress is not None:
-                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"),
-                                tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
-            if last:
-                break
-        if self.dispatcher.clock.is_virtual:  # the final model exists once its last sync is over
+
+    def done(self) -> bool:
+        """Every round's H inner steps are done, or the round that reached ``run.max_tokens`` is."""
+        return self._ended or self.step >= self.cfg.run.rounds * self.H
+
+    def advance(self) -> bool:
+        """One tick: the inner steps up to the next sync start, merge or round end; the round is
+        logged when its H-th step is reached."""
+        r = self.cfg.run
+        rnd = self.step // self.H + 1
+        applies = self._take_applies()
+        period_end = self.H * rnd
+        end = min(period_end, self._next_sync_after(self.step), *(sync.apply for sync in self.in_flight.values()))
+        self._tick(rnd, end, applies, self._stats)
+        if self.step < period_end:
+            return True
+        stats, self._stats = self._stats, _RoundStats()
+        self._ended = rnd == r.rounds or (r.max_tokens > 0 and self.total_tokens + stats.tally.tokens >= r.max_tokens)
+        self.record_step(rnd, self._round_metrics(stats), self._ended)
+        return True
+
+    def step_evaluations(self, step: int, last: bool) -> dict[str, float]:
+        """The server's validation and, with ``streaming.eval_workers``, the workers' own models'."""
+        metrics = super().step_evaluations(step, last)
+        if self.eval_due(step, last) and self.cfg.streaming.eval_workers:
+            metrics.update(self.worker_eval(step))
+        return metrics
+
+    def finish(self) -> None:
+        """No drain (every tick's jobs were collected); on a virtual clock the final model exists
+        once its last sync is over."""
+        if self.dispatcher.clock.is_virtual:
             self.dispatcher.clock.advance_to(self._model_time())
-        return self.history[-1] if self.history else {}

@@ -34,7 +34,6 @@ from fl_geo.core.robust import median_norm_outliers
 from fl_geo.core.step_weights import StepWeightMix
 from fl_geo.core.weights import staleness_weight
 from fl_geo.runtime.dispatch import NODE_DOWN, Event, JobTiming, RoundOutcome
-from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
 from fl_geo.strategies.base import NoLiveNode, OuterLoop
@@ -131,7 +130,7 @@ class SyncOuterLoop(OuterLoop):
         The fold checks every value for NaN/Inf before anything it carries reaches the sum, and
         gives the same bits as folding the accepted replies one by one in order, however the
         replies were grouped by arrival. With a penalty (outside the warm-up) each reply is
-        normed, tested and folded with its weight (``OuterLoop.fold_penalised``).
+        normed, tested and folded with its weight (``PenalisedFold.fold``).
         """
         valid: list[tuple[int, TrainReply]] = []
         for node, reply in group:
@@ -152,10 +151,10 @@ class SyncOuterLoop(OuterLoop):
         # the round's claims). Once anything is held, the rest of the round is held too, so the
         # fold keeps the arrival order (and its bits).
         if (self.cfg.strategy.robust != "none" or self._held
-                or (self.claims_bounded() and not self.claims.has_history() and any(r.plain for _, r in valid))):
+                or (self.claims.awaiting_first() and any(r.plain for _, r in valid))):
             self._held.extend(valid)
             return
-        valid = self.bound_claims(stats, valid)
+        valid = self.claims.judge(stats, valid)
         if valid:
             self._fold_valid(stats, valid, warm)
 
@@ -164,7 +163,7 @@ class SyncOuterLoop(OuterLoop):
         norm is beyond the bound of the round's median (fl_geo.core.robust), fold the others in the
         order they were received; the direction-aware rules: `_fold_directed`."""
         held, self._held = self._held, []
-        held = self.bound_claims(stats, held, whole_round=True)
+        held = self.claims.judge(stats, held, whole_round=True)
         if self.cfg.strategy.robust == "none":
             if held:
                 self._fold_valid(stats, held, warm)
@@ -214,7 +213,7 @@ class SyncOuterLoop(OuterLoop):
         stats.noisy_steps += sum(r.noisy_steps for _, r in valid)
         if self.penalty is not None and not warm:
             for node, r in valid:
-                verdict = self.fold_penalised(stats, node, r.pieces, r.tokens)
+                verdict = self.penalised.fold(stats, node, r.pieces, r.tokens)
                 if verdict is None:
                     continue
                 if self.step_mix is not None:
@@ -251,7 +250,7 @@ class SyncOuterLoop(OuterLoop):
         except ReplyError as exc:
             self._reject(stats, ev.job.node, str(exc))
             return
-        kept = self.bound_claims(stats, [(ev.job.node, r)])
+        kept = self.claims.judge(stats, [(ev.job.node, r)])
         if not kept:
             return
         accepted = stats.accepted
@@ -328,8 +327,8 @@ class SyncOuterLoop(OuterLoop):
         reduced = [self.profiles[n].partition_id for n in nodes
                    if outcome.errors.get(n) != NODE_DOWN and n not in pending]
         if self.scenario is not None and reduced:
-            nbytes = self.scenario.payload_bytes(self.cfg.wire.up, self.scenario.modelled_params(fallback=self.spec.numel))
-            clock.advance_to(clock.now() + self.scenario.allreduce_time(reduced, nbytes, start=clock.now()))
+            nbytes = self.cost.charged_bytes(self.cfg.wire.up)
+            clock.advance_to(clock.now() + self.cost.allreduce_s(reduced, nbytes, start=clock.now()))
 
     def _step_if_enough(self, rnd: int, stats: Tally, warm: bool) -> tuple[float, list[str]]:
         """The outer step when at least ``strategy.min_replies`` updates were accepted.
@@ -374,7 +373,7 @@ class SyncOuterLoop(OuterLoop):
             metrics["outer/rejected_modules"] = stats.rejected_groups
             metrics["outer/max_z"] = stats.max_z
             metrics["outer/rolled_back_modules"] = len(rolled)
-            metrics.update(self.clip_metrics())
+            metrics.update(self.penalised.clip_metrics())
         return metrics
 
     def train_round(self, rnd: int) -> dict[str, float]:
@@ -417,41 +416,25 @@ class SyncOuterLoop(OuterLoop):
             if self.step_mix is not None:
                 self.step_mix.mix_(buf)
             pg_norm = float(torch.linalg.vector_norm(buf))
-            return pg_norm, self.penalised_step(buf)
+            return pg_norm, self.penalised.step(buf)
         mean = self.accumulator.mean()
         pg_norm = float(torch.linalg.vector_norm(mean))
         self.optimizer.step(self.global_params, mean)
         return pg_norm, []
 
-    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+    # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------
+    def done(self) -> bool:
+        """Every round is trained (warm-up rounds included), or ``run.max_tokens`` is reached (the
+        round that reaches it is the last one); true at once when resumed from the final checkpoint."""
         r = self.cfg.run
-        self.log_initial()
         total = r.rounds + self.cfg.strategy.sync_warmup_steps
-        if self.rounds_done >= total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens):
-            return self.history[-1] if self.history else {}  # resumed from the final checkpoint
-        for rnd in range(self.rounds_done + 1, total + 1):
-            try:
-                metrics = self.train_round(rnd)
-            except NoLiveNode as exc:
-                self.stop(str(exc))
-                break
-            self.rounds_done = rnd
-            # run.max_tokens: the round that reaches the budget is the last one
-            last = rnd == total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)
-            if (r.eval_every and rnd % r.eval_every == 0) or last:
-                metrics.update(self.evaluate())
-            if r.client_eval_every and (rnd % r.client_eval_every == 0 or last):
-                metrics.update(self.client_eval(rnd))
-            record = self.logger.log(rnd, metrics)
-            self.history.append(record)
-            self.maybe_checkpoint(rnd, last)
-            if progress is not None:
-                progress.update(rnd, metrics.get("train/loss"), metrics.get("val/loss"),
-                                tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
-            if last:
-                break
-        # Quorum rounds leave jobs in flight: let them finish (nothing is folded) so no node is
-        # left mid-message when the run ends; each waits at most until its reply deadline.
-        while self.dispatcher.in_flight():
-            self.dispatcher.next_event()
-        return self.history[-1] if self.history else {}
+        return self.rounds_done >= total or (r.max_tokens > 0 and self.total_tokens >= r.max_tokens)
+
+    def advance(self) -> bool:
+        """One synchronous round, logged. Quorum rounds leave jobs in flight: the kernel's `drain`
+        lets them finish (nothing is folded) when the run ends."""
+        rnd = self.rounds_done + 1
+        metrics = self.train_round(rnd)
+        self.rounds_done = rnd
+        self.record_step(rnd, metrics, self.done())
+        return True

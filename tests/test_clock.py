@@ -10,6 +10,7 @@ import pytest
 
 from fl_geo.scenario_files import load_scenario, scenario_from_dict
 from fl_geo.timing.clock import VirtualClock, WallClock
+from fl_geo.timing.cost import CostModel
 from tests.conftest import tiny_scenario_dict
 
 
@@ -60,8 +61,8 @@ def test_due_order_does_not_depend_on_scheduling_or_arrival_order():
     for _ in range(20):
         jobs = _jobs()
         rng.shuffle(jobs)
-        c = VirtualClock(lan, num_params_modelled=1000)
-        nbytes = c.payload_bytes("fp32")
+        c = VirtualClock(lan)
+        nbytes = CostModel(1000, lan).charged_bytes("fp32")
         for jid, node, start, steps in jobs:
             c.schedule(jid, node, start, steps=steps, bytes_down=nbytes, bytes_up=nbytes)
         # Replies arrive in a random real order; the dispatcher hands one over only when it is due.
@@ -85,7 +86,7 @@ def test_due_order_does_not_depend_on_scheduling_or_arrival_order():
 
 
 def test_ties_break_by_node_index_then_dispatch_sequence():
-    c = VirtualClock(load_scenario("lan_uniform"), num_params_modelled=10)
+    c = VirtualClock(load_scenario("lan_uniform"))
     for node in (3, 1, 2, 0):
         c.schedule(f"n{node}", node, steps=5, bytes_down=40, bytes_up=40)
     c.schedule_at("late-twin", c.finish_time("n2"), node=2)  # same node, same time, later dispatch
@@ -170,11 +171,12 @@ def test_dynupd_jobs_finish_together():
 
 
 def test_sync_round_times_and_payload():
-    c = VirtualClock(tiny())
-    assert c.payload_bytes("fp32") == 4000 and c.payload_bytes("bf16") == 2000
-    assert c.sync_round_time([0, 1, 2], [10, 10, 10], 10**9) == pytest.approx(20 + 2 + 8 / 3)
-    assert c.sync_round_time_ps([0, 1, 2], [10, 10, 10], 10**9, 10**9) == pytest.approx(23.75)
-    assert c.now() == 0.0  # durations only: the caller advances the clock
+    s = tiny()
+    cost = CostModel(7, s)  # the scenario models 1000 parameters: the clock charges those
+    assert cost.charged_bytes("fp32") == 4000 and cost.charged_bytes("bf16") == 2000
+    assert cost.sent_bytes("fp32") == 28
+    assert s.sync_round_time([0, 1, 2], [10, 10, 10], 10**9) == pytest.approx(20 + 2 + 8 / 3)
+    assert s.sync_round_time_ps([0, 1, 2], [10, 10, 10], 10**9, 10**9) == pytest.approx(23.75)
 
 
 def test_virtual_state_round_trips_through_json():

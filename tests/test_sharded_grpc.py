@@ -73,8 +73,8 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
         self.supervisor.kill(1)
         seen["killed"] = True
 
-    def kill_after_step_2(self, metrics, progress):
-        log_step(self, metrics, progress)
+    def kill_after_step_2(self, metrics):
+        log_step(self, metrics)
         if when == "after_step" and self.version == 2 and "killed" not in seen:
             kill(self)
 

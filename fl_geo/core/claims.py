@@ -7,10 +7,11 @@ job could produce). A claim can still be judged against what the run has *accept
 sites of each site's median accepted claim, the claimant's included), and, before anything was
 accepted, above ``factor`` × the lower median of the claims of the round being judged when it
 has at least ``MIN_PEERS`` of them. One site's lie can then never own a synchronous round's
-weighted mean or end a token budget. An asynchronous loop holds the plain replies of a step
-until the first claim is accepted and judges them together when the step closes (with fewer
-than ``MIN_PEERS`` it caps each at their lower median instead: strategies/asynchronous.py,
-``_judge_first_claims``); from then on every claim is bounded against the accepted ones.
+weighted mean or end a token budget. The asynchronous loops (and HALoS) hold the plain
+replies that come before the first accepted claim and judge them together once ``MIN_PEERS``
+have come or no other site can still reply (with fewer they cap each at their lower median
+instead, `ClaimBound.cap_few`: strategies/plain_claims.py); from then on every claim is bounded
+against the accepted ones.
 
 :class:`ReportedTimes` does the same for the wall times a site reports (a step time, a training
 time): each is capped at ``factor`` × that site's own median of earlier reports, and the loop
@@ -77,6 +78,14 @@ class ClaimBound:
             return (f"num-examples={claim} is more than {self.factor:g} x the median {ref:g} of the {what} "
                     "(strategy.token_cap=none trusts it)")
         return None
+
+    def cap_few(self, claims: Sequence[int]) -> int | None:
+        """The most any of ``claims`` may count for when they are judged together with no history
+        and too few to outvote a lie (1 to `min_peers` - 1 of them): their lower median, so of
+        two neither weighs more than the other and a lone claim is believed. None otherwise."""
+        if self.has_history() or not 0 < len(claims) < self.min_peers:
+            return None
+        return int(statistics.median_low(claims))
 
     def accepted(self, site: Hashable, claim: int) -> None:
         """Record a claim the loop folded."""

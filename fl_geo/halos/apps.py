@@ -53,6 +53,7 @@ from fl_geo.runtime.protocol import REQUEST_RECORD, BridgeRequest
 from fl_geo.runtime.session import RunSession
 from fl_geo.runtime.wire import decode_into, encode, payload_nbytes
 from fl_geo.strategies.halos import HalosLoop
+from fl_geo.strategies.replies import Tally
 from fl_geo.strategies.strategy import reply_deadline
 from fl_geo.timing.clock import WallClock
 
@@ -125,8 +126,13 @@ class RegionalLoop(HalosLoop):
         log.info("HALoS LPS %s: update %d queued for the GPS (version %d)", self.region, self.lps[g].sends,
                  self.lps[g].version)
 
-    def _done(self) -> bool:
+    # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------
+    def done(self) -> bool:
+        """The GPS said stop (the global budget is spent)."""
         return self.stopped
+
+    def eval_due(self, step: int, last: bool) -> bool:
+        return True  # every merge is logged with the LPS model's validation loss
 
     def _drain_inbox(self) -> None:
         while True:
@@ -140,46 +146,48 @@ class RegionalLoop(HalosLoop):
                 self.lps[0].merge(theta)  # RuntimeError if nothing was outstanding: a protocol bug
                 self.merges += 1
                 self._last_global_version = global_version
-                self.total_bytes_down += theta.numel() * (4 if self.cfg.wire.down == "fp32" else 2)
+                self.total_bytes_down += self.cost.sent_bytes(self.cfg.wire.down)
                 self._log_step(0)
             if stop:
                 self.stopped = True
             self.service.counters = self._counters()
 
-    def run(self, progress: Progress | None = None) -> dict[str, Any]:
-        self.log_initial()
-        self._progress = progress
+    def begin(self) -> None:
         self.dispatch(self.idle_nodes())
-        clock = self.dispatcher.clock
-        while True:
-            self._drain_inbox()
-            if self.stopped:
-                break
-            if time.monotonic() - self.service.last_contact > self.ipc_timeout_s:
-                raise TimeoutError(f"no exchange with the global server for {self.ipc_timeout_s:.0f} s "
-                                   f"(bridge at {self.service.address}); giving up")
-            if self.dispatcher.in_flight():
-                ev: Event | None = self.dispatcher.next_event(deadline=clock.now() + 0.2)
-                if ev is not None:
-                    self.handle(ev)
-                    self.dispatch(self.idle_nodes())
-                continue
-            idle = self.idle_nodes()
-            if idle:
-                self.dispatch(idle)
-            elif not self.dispatcher.live_nodes():
-                raise RuntimeError("no live worker left in this region")
-            else:
-                time.sleep(0.2)  # every live worker is benched; the GPS may still stop us
+
+    def advance(self) -> bool:
+        """The GPS's replies merged, then one worker event (or idle workers given jobs). Raises
+        when the GPS has been silent for ``ipc_timeout_s`` or no live worker is left."""
+        self._drain_inbox()
+        if self.stopped:
+            return True
+        if time.monotonic() - self.service.last_contact > self.ipc_timeout_s:
+            raise TimeoutError(f"no exchange with the global server for {self.ipc_timeout_s:.0f} s "
+                               f"(bridge at {self.service.address}); giving up")
+        if self.dispatcher.in_flight():
+            ev: Event | None = self.dispatcher.next_event(deadline=self.dispatcher.clock.now() + 0.2)
+            if ev is not None:
+                self.handle(ev)
+                self.dispatch(self.idle_nodes())
+        elif idle := self.idle_nodes():
+            self.dispatch(idle)
+        elif not self.dispatcher.live_nodes():
+            raise RuntimeError("no live worker left in this region")
+        else:
+            time.sleep(0.2)  # every live worker is benched; the GPS may still stop us
+        return True
+
+    def finish(self) -> None:
+        """The local updates since the last merge, logged. Unlike the simulation, no drain: a
+        worker job takes seconds of deployment overhead and its result would not be applied
+        anyway; its late reply is dropped with the run."""
         if self.tally.accepted or self.tally.rejected or self.tally.errors:
             self._log_step(None)
-        # Unlike the simulation, no drain: a worker job takes seconds of deployment overhead and
-        # its result would not be applied anyway; its late reply is dropped with the run.
         for job in self.dispatcher.in_flight():
             self.dispatcher.abandon(job)
-        return self.history[-1] if self.history else {}
 
     def _log_step(self, group: int | None) -> None:
+        """A merge of θ_g (or the closing record): the LPS model's counters and validation loss."""
         self.version = self.merges
         if self.lps:
             self.global_params.copy_(self.lps[0].params)  # what `evaluate` scores: the LPS model
@@ -194,14 +202,8 @@ class RegionalLoop(HalosLoop):
             "halos/merges": self.merges,
             "halos/global_version": self._last_global_version,
         }
-        metrics.update(self.evaluate())
-        self.history.append(self.logger.log(self.version, metrics))
-        from fl_geo.strategies.replies import Tally
-
         self.tally = Tally()
-        progress = getattr(self, "_progress", None)
-        if progress is not None:
-            progress.update(self.merges, metrics.get("train/loss"), metrics.get("val/loss"), None)
+        self.record_step(self.version, metrics, False, client_eval=False)
 
 
 def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",

@@ -42,8 +42,9 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message
 
+from fl_geo.timing.cost import CostModel
 from fl_geo.timing.failures import FailureTimeline
-from fl_geo.timing.scenario import BYTES_PER_PARAM, Scenario
+from fl_geo.timing.scenario import Scenario
 
 __all__ = ["FAULT_RECORD", "WALL_FAULT_CODE", "Fault", "WallFaults", "wall_fault_mod"]
 
@@ -75,6 +76,7 @@ class WallFaults:
         self.timeline = timeline
         self.scale = float(scale)
         self.num_params = num_params
+        self.cost = CostModel(num_params, scenario)  # what a job's transfers and steps take
         self._time = time_fn
         self.cursor: dict[int, float] = {}  # slot -> modelled start of its next job
         self.down_until: dict[int, float] = {}  # grid node -> wall time it is back
@@ -90,13 +92,12 @@ class WallFaults:
         if not 0 <= slot < self.scenario.num_nodes:
             return None
         steps = int(request.get("inner_steps", 1) or 1)
-        down = self._bytes(str(request.get("wire_down", "fp32")))
-        up = self._bytes(str(request.get("wire_up", "fp32")))
         t0 = self.cursor.get(slot, 0.0)
         if math.isinf(t0):  # down for good
             fault = Fault(0.0, math.inf, t0, t0, math.inf)
         else:
-            total = self.scenario.job_time(slot, steps, down, up, start=t0).total
+            wire = str(request.get("wire_down", "fp32")), str(request.get("wire_up", "fp32"))
+            total = self.cost.job_time(slot, steps, *wire, start=t0).total
             # a node down when its job would start fails it at once (and stays down until its repair)
             failed = self.timeline.first_down(slot, t0, t0 + total)
             if failed is None:
@@ -109,8 +110,6 @@ class WallFaults:
         self.faults.append((slot, fault))
         return fault
 
-    def _bytes(self, precision: str) -> int:
-        return BYTES_PER_PARAM.get(precision, 4) * self.scenario.modelled_params(self.num_params)
 
     def failed(self, node: int, fault: Fault) -> None:
         """The server saw ``node``'s job fail now: it is down for the fault's repair time."""

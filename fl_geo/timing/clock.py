@@ -131,8 +131,8 @@ class VirtualClock:
     scheduled with :meth:`schedule_at` and ``node=-1`` first), then by dispatch sequence. A heap
     with lazy deletion: O(log n) per schedule / complete / cancel.
 
-    ``num_params_modelled`` is the parameter count used by :meth:`payload_bytes` when the
-    scenario does not model one (``model.num_params``); pass the trained model's count.
+    What a job costs in bytes and seconds is the cost model's answer
+    (:class:`fl_geo.timing.cost.CostModel`); the clock only orders the finish times.
 
     Failures (``fl_geo.timing.failures``): when the scenario models a failure trace, a job whose
     node goes down before its modelled finish is *lost*: its finish time becomes the failure time
@@ -142,9 +142,8 @@ class VirtualClock:
 
     is_virtual = True
 
-    def __init__(self, scenario: Scenario, num_params_modelled: int | None = None) -> None:
+    def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
-        self.num_params_modelled = num_params_modelled
         self._now = 0.0
         self._seq = 0
         self._jobs: dict[str, _Job] = {}
@@ -290,28 +289,6 @@ class VirtualClock:
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._jobs
-
-    # ---- modelled costs ----
-    def payload_bytes(self, precision: str) -> int:
-        """Bytes of a model-sized payload of the modelled model at a wire precision."""
-        return self.scenario.payload_bytes(precision, self.num_params_modelled)
-
-    def sync_round_time(self, nodes: list[int], steps_per_node: list[int], nbytes: int) -> float:
-        """Duration of a decentralised synchronous round: slowest compute + ring all-reduce.
-
-        What the DiLoCo papers and the HALoS simulator model. Returns a duration; move the
-        clock with ``advance_to(now() + ...)``.
-        """
-        return self.scenario.sync_round_time(nodes, steps_per_node, nbytes)
-
-    def sync_round_time_ps(
-        self, nodes: list[int], steps_per_node: list[int], bytes_down: int, bytes_up: int
-    ) -> float:
-        """Duration of a parameter-server synchronous round: ``max_i(down_i + compute_i + up_i)``.
-
-        What DiLoCo in Flower actually does (the ServerApp is the parameter server).
-        """
-        return self.scenario.sync_round_time_ps(nodes, steps_per_node, bytes_down, bytes_up)
 
     # ---- checkpoints ----
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,98 @@
+"""The cost model: what a job sends, and how long the modelled WAN takes to carry it.
+
+Every outer loop (synchronous, asynchronous, streaming, HALoS, the sharded parameter server)
+and the wall-clock fault planner ask the same questions: how many bytes does a model-sized
+payload take at a wire precision, and how long do a job, a transfer or a ring all-reduce take
+on the scenario. They ask one :class:`CostModel`, so the answers cannot drift apart.
+
+Two byte counts, deliberately different:
+
+- :meth:`CostModel.sent_bytes`: the *trained* model's payload, what actually crosses the wire.
+  The byte counters (``comm/bytes_up``, ``summary.json``) report it.
+- :meth:`CostModel.charged_bytes`: what the virtual clock charges: the scenario's *modelled*
+  model (``model.num_params``, e.g. Pythia-70M's 70 M parameters for a proxy a thousand times
+  smaller), so the communication/compute ratio is the paper's; the trained model's count when
+  the scenario models none, or when there is no scenario (a wall clock measures, it charges
+  nothing, but the count still sizes the job for the dispatcher).
+
+Framework-free: no Flower, no omegaconf; the scenario answers the link and speed questions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fl_geo.timing.scenario import JobTime, Scenario, payload_bytes
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Bytes and modelled times of one run's jobs.
+
+    ``numel``: the trained model's parameter count. ``scenario``: the modelled hardware and WAN
+    (None with a wall clock: every time is then 0 and ``charged_bytes == sent_bytes``).
+    """
+
+    numel: int
+    scenario: Scenario | None = None
+
+    def __post_init__(self) -> None:
+        if self.numel < 0:
+            raise ValueError(f"numel must be >= 0, got {self.numel}")
+
+    @property
+    def modelled_params(self) -> int:
+        """The parameter count the clock charges for: the scenario's, else the trained model's."""
+        if self.scenario is None:
+            return self.numel
+        return self.scenario.modelled_params(fallback=self.numel)
+
+    # ---- bytes ----------------------------------------------------------------------------------
+    def sent_bytes(self, precision: str) -> int:
+        """Bytes of the trained model's payload (model or pseudo-gradient) at a wire precision."""
+        return payload_bytes(precision, self.numel)
+
+    def charged_bytes(self, precision: str) -> int:
+        """Bytes the virtual clock charges for one model-sized payload at a wire precision."""
+        return payload_bytes(precision, self.modelled_params)
+
+    def charged_share_bytes(self, share_numel: int, precision: str, quantize: str = "none", block: int = 0) -> int:
+        """Bytes charged for a part of the model (a Streaming DiLoCo fragment of ``share_numel``
+        trained parameters): its share of the modelled model, at the wire precision or, with
+        ``quantize`` (``int8`` / ``int4``), blockwise-quantised codes plus one scale per block."""
+        if not 0 <= share_numel <= self.numel:
+            raise ValueError(f"a share of {share_numel} parameters is not part of a {self.numel}-parameter model")
+        share = round(self.modelled_params * share_numel / self.numel) if self.numel else 0
+        if quantize != "none":
+            from fl_geo.core.quantize import quantized_nbytes
+
+            return quantized_nbytes(quantize, share, block)
+        return payload_bytes(precision, share)
+
+    def job_bytes(self, wire_down: str, wire_up: str) -> tuple[int, int]:
+        """(down, up) bytes charged for one job: the model out, the update back."""
+        return self.charged_bytes(wire_down), self.charged_bytes(wire_up)
+
+    # ---- time -----------------------------------------------------------------------------------
+    def job_time(self, slot: int, steps: int, wire_down: str, wire_up: str,
+                 peer_region: str | int | None = None, start: float | None = None) -> JobTime:
+        """A job's download, ``steps`` inner steps on node ``slot`` and upload, on the scenario
+        (all zero without one). ``peer_region``: where the server it talks to sits."""
+        if self.scenario is None:
+            return JobTime(0.0, 0.0, 0.0)
+        down, up = self.job_bytes(wire_down, wire_up)
+        return self.scenario.job_time(slot, steps, down, up, peer_region, start=start)
+
+    def transfer_s(self, src_region: str | int, dst_region: str | int, precision: str,
+                   start: float | None = None) -> float:
+        """One model-sized payload from ``src_region`` to ``dst_region`` (0 without a scenario)."""
+        if self.scenario is None:
+            return 0.0
+        return self.scenario.transfer_time(src_region, dst_region, self.charged_bytes(precision), start=start)
+
+    def allreduce_s(self, slots: Sequence[int], nbytes: int, start: float | None = None) -> float:
+        """A ring all-reduce of ``nbytes`` among the nodes ``slots`` (0 without a scenario)."""
+        if self.scenario is None or not slots:
+            return 0.0
+        return self.scenario.allreduce_time(list(slots), nbytes, start=start)
