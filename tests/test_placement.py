@@ -212,3 +212,17 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     assert "unknown candidate region 'nowhere'" in capsys.readouterr().err
     assert main(["place", "no_such_scenario"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_with_a_modelled_model_each_candidate_shows_the_slowest_round_trip(tmp_path, capsys):
+    """The cost model the loops use times the model's trip both ways: 1 M fp32 parameters are
+    32 Mbit, so W -> Y at 2 Gbit/s takes 16 ms each way, X <-> Y at 1 Gbit/s 32 ms."""
+    path = _three_region_yaml(tmp_path)
+    path.write_text(path.read_text().replace("model: {step_time_s: 1.0}", "model: {step_time_s: 1.0, num_params: 1000000}"))
+    pl = place_from_scenario(load_scenario(path))
+    assert pl.round_trip_s == pytest.approx([2 * 32e6 / 2e9, 2 * 32e6 / 1e9, 2 * 32e6 / 1e9])
+    assert pl.scores == pytest.approx(THREE_SCORES)  # the demand score does not depend on it
+    assert main(["place", str(path)]) == 0
+    assert "| W | 121 | 2 | current server_region | 0.032 |" in capsys.readouterr().out
+    path.write_text(path.read_text().replace(", num_params: 1000000", ""))
+    assert place_from_scenario(load_scenario(path)).round_trip_s is None

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fl_geo.timing.cost import CostModel
 from fl_geo.timing.scenario import Scenario, ScenarioError
 
 __all__ = [
@@ -117,6 +118,9 @@ class Placement:
     node_regions: list[str]
     throughput: list[float]  # p_j, inner steps per second
     bandwidth: list[list[float]]  # B, Gbit/s, candidates x nodes
+    # Per candidate, the slowest node's modelled model round trip (down + up, `CostModel`, fp32)
+    # with the server there; None when the scenario models no parameter count.
+    round_trip_s: list[float] | None = None
 
     @property
     def matches(self) -> bool:
@@ -158,6 +162,10 @@ def place_from_scenario(scenario: Scenario, candidates: Sequence[str] | None = N
                 )
     throughput = [1.0 / scenario.step_time(j) for j in nodes]
     scores = placement_scores(bw, throughput)
+    round_trip = None
+    if scenario.models_params():  # the scenario's own question: no trained model behind it
+        cost = CostModel(0, scenario)
+        round_trip = [max(cost.job_time(j, 0, "fp32", "fp32", peer_region=c).total for j in nodes) for c in cands]
     ranks = placement_ranks(scores)
     best = int((ranks == 1).nonzero()[0, 0])
     return Placement(
@@ -172,6 +180,7 @@ def place_from_scenario(scenario: Scenario, candidates: Sequence[str] | None = N
         node_regions=node_regions,
         throughput=throughput,
         bandwidth=bw,
+        round_trip_s=round_trip,
     )
 
 
@@ -182,12 +191,14 @@ def format_placement(pl: Placement) -> str:
         "throughput p (inner steps/s): "
         + ", ".join(f"{n} ({r}) {p:.4g}" for n, r, p in zip(pl.nodes, pl.node_regions, pl.throughput, strict=True)),
         "",
-        "| candidate | score B_i . p (Gbit/s x steps/s) | rank | |",
-        "|---|---|---|---|",
+        "| candidate | score B_i . p (Gbit/s x steps/s) | rank | |"
+        + (" slowest fp32 model round trip (s) |" if pl.round_trip_s is not None else ""),
+        "|---|---|---|---|" + ("---|" if pl.round_trip_s is not None else ""),
     ]
-    for c, s, r in zip(pl.candidates, pl.scores, pl.ranks, strict=True):
+    for i, (c, s, r) in enumerate(zip(pl.candidates, pl.scores, pl.ranks, strict=True)):
         notes = [n for n, on in (("chosen", c == pl.best), ("current server_region", c == pl.server_region)) if on]
-        lines.append(f"| {c} | {s:.6g} | {r} | {', '.join(notes)} |")
+        trip = f" {pl.round_trip_s[i]:.4g} |" if pl.round_trip_s is not None else ""
+        lines.append(f"| {c} | {s:.6g} | {r} | {', '.join(notes)} |{trip}")
     lines += [
         "",
         f"chosen: {pl.best}; scenario server_region: {pl.server_region} "

@@ -290,9 +290,13 @@ class Scenario:
         up_start = None if start is None else start + down + compute
         return JobTime(down, compute, self.transfer_time(region, peer, bytes_up, start=up_start, node=node))
 
+    def models_params(self) -> bool:
+        """Whether the scenario models a parameter count of its own (``model.num_params``)."""
+        return self._spec.model.num_params > 0
+
     def modelled_params(self, fallback: int | None = None) -> int:
         """The modelled parameter count: ``model.num_params``, else ``fallback`` (the real model's)."""
-        if self._spec.model.num_params > 0:
+        if self.models_params():
             return self._spec.model.num_params
         if fallback is None:
             raise ScenarioError(
