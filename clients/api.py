@@ -25,6 +25,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
@@ -167,6 +168,9 @@ def noisy_steps(source: BatchSource, start: int, steps: int) -> int:
     return 0 if is_noisy is None else sum(bool(is_noisy(start + i)) for i in range(steps))
 
 
+# The constructor is generated from the fields below (the user's code, two positional, the rest
+# keyword-only). eq/repr off: a client is compared, hashed and shown by identity like any object.
+@dataclass(eq=False, repr=False)
 class DatacenterClient:
     """A user's model, data, optimizer and loss as fl-geo's datacenter ClientApp (:attr:`app`).
 
@@ -195,26 +199,19 @@ class DatacenterClient:
     For the data-parallel job every callable must be picklable (module-level functions).
     """
 
-    def __init__(
-        self,
-        model_fn: ModelFn,
-        batches_fn: BatchesFn,
-        *,
-        eval_batches_fn: EvalBatchesFn | None = None,
-        optimizer_fn: OptimizerFn | None = None,
-        lr_schedule: ScheduleFn | None = lr_at,
-        loss_fn: LossFn | None = None,
-        tokens_fn: TokensFn | None = None,
-        blocks: str | BlocksFn | None = None,
-    ) -> None:
-        self.model_fn = model_fn
-        self.batches_fn = batches_fn
-        self.eval_batches_fn = eval_batches_fn
-        self.optimizer_fn = optimizer_fn
-        self.lr_schedule = lr_schedule
-        self.loss_fn = loss_fn
-        self.tokens_fn = tokens_fn
-        self.blocks = blocks
+    model_fn: ModelFn
+    batches_fn: BatchesFn
+    _: KW_ONLY
+    eval_batches_fn: EvalBatchesFn | None = None
+    optimizer_fn: OptimizerFn | None = None
+    lr_schedule: ScheduleFn | None = lr_at
+    loss_fn: LossFn | None = None
+    tokens_fn: TokensFn | None = None
+    blocks: str | BlocksFn | None = None
+
+    def __post_init__(self) -> None:
+        """The caches and the ClientApp with every handler registered (the user's code above is
+        only called from the handlers)."""
         self._models: OrderedDict[str, tuple[torch.nn.Module, ParamSpec]] = OrderedDict()
         self._fragments: OrderedDict[tuple[str, int], tuple[Fragments, tuple[ParamSpec, ...]]] = OrderedDict()
         self.pulled_version = -1  # the model version the last pull from the follower PSs returned
@@ -482,19 +479,13 @@ class DatacenterClient:
         return self.eval_reply(msg, model, batches, partition_id=site.partition_id)
 
 
-def make_client_app(
-    model_fn: ModelFn,
-    batches_fn: BatchesFn,
-    *,
-    eval_batches_fn: EvalBatchesFn | None = None,
-    optimizer_fn: OptimizerFn | None = None,
-    lr_schedule: ScheduleFn | None = lr_at,
-    loss_fn: LossFn | None = None,
-    tokens_fn: TokensFn | None = None,
-    blocks: str | BlocksFn | None = None,
-) -> ClientApp:
-    """The Flower ``ClientApp`` of a user's model (see `DatacenterClient` for the arguments)."""
-    return DatacenterClient(
-        model_fn, batches_fn, eval_batches_fn=eval_batches_fn, optimizer_fn=optimizer_fn,
-        lr_schedule=lr_schedule, loss_fn=loss_fn, tokens_fn=tokens_fn, blocks=blocks,
-    ).app
+def make_client_app(model_fn: ModelFn, batches_fn: BatchesFn, **options: Any) -> ClientApp:
+    """The Flower ``ClientApp`` of a user's model: ``DatacenterClient(model_fn, batches_fn,
+    **options).app``.
+
+    ``options`` are `DatacenterClient`'s keyword-only fields (``eval_batches_fn``,
+    ``optimizer_fn``, ``lr_schedule``, ``loss_fn``, ``tokens_fn``, ``blocks``), with its defaults:
+    the class is the one place they are declared, so the two cannot drift apart. An unknown
+    option is a TypeError naming it.
+    """
+    return DatacenterClient(model_fn, batches_fn, **options).app
