@@ -135,6 +135,32 @@ def _deploy_halos(args: argparse.Namespace) -> int:
     raise AssertionError(args.deploy_cmd)
 
 
+def _up_arguments(parser: argparse.ArgumentParser) -> None:
+    """``up`` and ``halos-up``: the topology, and how long to wait for it to come up."""
+    parser.add_argument("topology")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health and node registration")
+
+
+def _run_arguments(parser: argparse.ArgumentParser, *, items: str, switches: dict[str, str] | None = None,
+                   out: str, timeout: str) -> None:
+    """``run`` and ``halos-run``: the topology, one config file with overrides (``items``: its
+    help), the command's own on/off ``switches`` (flag -> help), the runs' out_dir and the time
+    limit. Only the help texts differ between the two commands: one SuperLink's run or every
+    tier's."""
+    parser.add_argument("topology")
+    parser.add_argument("items", nargs="+", help=items)
+    for flag, text in (switches or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
+    parser.add_argument("--out", default=None, help=out)
+    parser.add_argument("--timeout", type=float, default=0.0, help=timeout)
+
+
+def _down_arguments(parser: argparse.ArgumentParser) -> None:
+    """``down`` and ``halos-down``: the topology, and the grace before SIGKILL."""
+    parser.add_argument("topology")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+
+
 def add_parser(sub: Any) -> None:
     """Add ``fl-geo deploy`` and its subcommands to the ``fl-geo`` parser's subparsers."""
     dp = sub.add_parser("deploy", help="deployment across sites: certificates, SuperLink/SuperNodes, runs")
@@ -145,35 +171,26 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--nodes", default="dc0,dc1,dc2", help="SuperNode names, one key pair each")
     c.add_argument("--topology", help="take node names and the SuperLink host from this topology")
     c.add_argument("--days", type=int, default=365, help="validity of the SuperLink certificate")
-    u = dsub.add_parser("up", help="start the SuperLink and SuperNodes of a topology on this host")
-    u.add_argument("topology")
-    u.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health and node registration")
-    r = dsub.add_parser("run", help="submit a config with `flwr run` and wait for it")
-    r.add_argument("topology")
-    r.add_argument("items", nargs="+", help="one config file and key=value overrides")
-    r.add_argument("--stream", action="store_true", help="stream the run's logs while waiting")
-    r.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
-    r.add_argument("--out", default=None, help="run.out_dir for the ServerApp (default <project>/runs)")
-    r.add_argument("--timeout", type=float, default=0.0, help="stop the run after this many seconds (0 = none)")
+    _up_arguments(dsub.add_parser("up", help="start the SuperLink and SuperNodes of a topology on this host"))
+    _run_arguments(dsub.add_parser("run", help="submit a config with `flwr run` and wait for it"),
+                   items="one config file and key=value overrides",
+                   switches={"--stream": "stream the run's logs while waiting",
+                             "--no-wait": "print the run id and return at once"},
+                   out="run.out_dir for the ServerApp (default <project>/runs)",
+                   timeout="stop the run after this many seconds (0 = none)")
     s = dsub.add_parser("status", help="recorded processes, SuperLink health and nodes")
     s.add_argument("topology")
     s.add_argument("--json", action="store_true")
-    d = dsub.add_parser("down", help="stop every recorded process (SIGTERM, then SIGKILL)")
-    d.add_argument("topology")
-    d.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-    hu = dsub.add_parser("halos-up", help="HALoS two tiers: global SuperLink + bridges, regional SuperLinks + workers")
-    hu.add_argument("topology")
-    hu.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health and node registration")
+    _down_arguments(dsub.add_parser("down", help="stop every recorded process (SIGTERM, then SIGKILL)"))
+    _up_arguments(dsub.add_parser("halos-up",
+                                  help="HALoS two tiers: global SuperLink + bridges, regional SuperLinks + workers"))
     hr = dsub.add_parser("halos-run", help="submit the regional ServerApps (LPS) and the global ServerApp (GPS), wait")
-    hr.add_argument("topology")
-    hr.add_argument("items", nargs="+", help="one config file (strategy.name=halos) and key=value overrides")
-    hr.add_argument("--out", default=None, help="run.out_dir of every tier (default <project>/runs)")
-    hr.add_argument("--timeout", type=float, default=0.0, help="stop the runs after this many seconds (0 = none)")
+    _run_arguments(hr, items="one config file (strategy.name=halos) and key=value overrides",
+                   out="run.out_dir of every tier (default <project>/runs)",
+                   timeout="stop the runs after this many seconds (0 = none)")
     hr.add_argument("--ipc-timeout", type=float, default=600.0,
                     help="seconds an LPS/bridge waits for the other tier before giving up")
     hs = dsub.add_parser("halos-status", help="processes, health and nodes of every tier (JSON)")
     hs.add_argument("topology")
-    hd = dsub.add_parser("halos-down", help="stop every tier's recorded processes")
-    hd.add_argument("topology")
-    hd.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    _down_arguments(dsub.add_parser("halos-down", help="stop every tier's recorded processes"))
     dp.set_defaults(func=cmd_deploy)
