@@ -1,14 +1,15 @@
 """``fl-geo bench``: routes to the benchmark named first; each benchmark module owns its options.
 
 ``outer`` is the outer step on the server path against memory bandwidth and Flower's FedAvg
-(`fl_geo.bench.outer`); ``dispatch``, ``ps`` and ``flower-path`` hand the rest of the command
-line to their own modules, which are imported only when asked for (they start processes or
-import Flower's simulation).
+(`fl_geo.bench.outer`); the others (``dispatch``, ``ps``, ``attack``, ``inner``, ``gpu``,
+``flower-path``: `_ROUTED`) hand the rest of the command line to their own modules, which are
+imported only when asked for (they start processes or import Flower's simulation).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -18,35 +19,26 @@ from fl_geo.runtime.wire import PRECISIONS
 
 __all__ = ["main"]
 
+# The benchmarks that own their options: name -> its help line. `main` hands the rest of the
+# command line to ``fl_geo.bench.<name>.main`` (a dash in the name is an underscore in the module),
+# importing that module only then: several start processes or import Flower's simulation.
+_ROUTED: dict[str, str] = {
+    "dispatch": "server overhead per update vs Flower's message cost (no-op client)",
+    "ps": "sharded parameter server: follower memory, outer-step time, data path vs Flower",
+    "attack": "one hostile site of four: honest vs undefended vs defended final loss",
+    "inner": "inner loop tokens/s vs a plain torch loop; inner training's share of a simulation",
+    "gpu": "accelerator check: Pythia-70M-shaped DiLoCo vs Di-PS, tokens/s, MFU, outer step",
+    "flower-path": "Flower's own message path on a loopback SuperLink + SuperNode (MB/s each way)",
+}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``fl-geo bench {outer,dispatch,ps,attack,inner,gpu,flower-path} [...]`` (or ``python -m fl_geo.bench ...``);
     returns 1 only with --strict and a FAIL."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["dispatch"]:  # server overhead per update; fl_geo.bench.dispatch owns its options
-        from fl_geo.bench.dispatch import main as dispatch_main
-
-        return dispatch_main(argv[1:])
-    if argv[:1] == ["ps"]:  # the sharded parameter server on loopback; fl_geo.bench.ps owns its options
-        from fl_geo.bench.ps import main as ps_main
-
-        return ps_main(argv[1:])
-    if argv[:1] == ["attack"]:  # one hostile site: honest / undefended / defended; fl_geo.bench.attack owns its options
-        from fl_geo.bench.attack import main as attack_main
-
-        return attack_main(argv[1:])
-    if argv[:1] == ["inner"]:  # the inner loop vs plain torch, and its share of a simulation; fl_geo.bench.inner
-        from fl_geo.bench.inner import main as inner_main
-
-        return inner_main(argv[1:])
-    if argv[:1] == ["gpu"]:  # the accelerator check (make gpu-check); fl_geo.bench.gpu owns its options
-        from fl_geo.bench.gpu import main as gpu_main
-
-        return gpu_main(argv[1:])
-    if argv[:1] == ["flower-path"]:  # Flower's loopback deployment path; fl_geo.bench.flower_path owns its options
-        from fl_geo.bench.flower_path import main as flower_path_main
-
-        return flower_path_main(argv[1:])
+    if argv[:1] and argv[0] in _ROUTED:  # a benchmark that owns its options gets the rest of the line
+        module = importlib.import_module(f"fl_geo.bench.{argv[0].replace('-', '_')}")
+        return module.main(argv[1:])
     parser = argparse.ArgumentParser(prog="fl-geo bench",
                                      description="fl-geo benchmarks")
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -60,18 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     outer.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     outer.add_argument("--no-flower", action="store_true", help="skip the Flower baseline")
     outer.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
-    sub.add_parser("dispatch", add_help=False,
-                   help="server overhead per update vs Flower's message cost (no-op client)")
-    sub.add_parser("ps", add_help=False,
-                   help="sharded parameter server: follower memory, outer-step time, data path vs Flower")
-    sub.add_parser("attack", add_help=False,
-                   help="one hostile site of four: honest vs undefended vs defended final loss")
-    sub.add_parser("inner", add_help=False,
-                   help="inner loop tokens/s vs a plain torch loop; inner training's share of a simulation")
-    sub.add_parser("gpu", add_help=False,
-                   help="accelerator check: Pythia-70M-shaped DiLoCo vs Di-PS, tokens/s, MFU, outer step")
-    sub.add_parser("flower-path", add_help=False,
-                   help="Flower's own message path on a loopback SuperLink + SuperNode (MB/s each way)")
+    for name, text in _ROUTED.items():  # listed in the help; parsed by their own modules
+        sub.add_parser(name, add_help=False, help=text)
     args = parser.parse_args(argv)
     num_params = QUICK_PARAMS if args.quick else args.params
     result = run_outer_bench(num_params=num_params, num_updates=args.updates,
