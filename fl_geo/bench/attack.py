@@ -42,19 +42,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.errors import ConfigError
 from fl_geo.paths import CONFIGS_DIR
 
-__all__ = ["AttackResult", "hostile_reply_hook", "main", "run_attack_bench"]
+__all__ = ["AttackResult", "hostile_reply_hook", "main", "rewritten_reply", "run_attack_bench"]
 
 DEFAULT_CONFIG = CONFIGS_DIR / "bench" / "attack_diloco.yaml"
 TARGET_RATIO = 1.05
 
 ReplyHook = Callable[[int, Message, Message], Message]
+
+
+def rewritten_reply(msg: Message, reply: Message, arrays: ArrayRecord, metrics: dict[str, Any]) -> Message:
+    """``reply`` to ``msg`` as a hostile site sends it: ``arrays`` and ``metrics`` in place of its
+    own, its config records kept (an fl-geo reply's declaration of what ``arrays`` holds), so the
+    server reads it as it would have read the honest one. Shared by the attack hooks here and in
+    `fl_geo.bench.attack_matrix`."""
+    records: dict[str, Any] = {"arrays": arrays, "metrics": MetricRecord(metrics)}
+    records.update(reply.content.config_records.items())
+    return Message(RecordDict(records), reply_to=msg)
 
 
 def hostile_reply_hook(cfg: FlGeoConfig, attacker: int, scale: float, claim: int) -> ReplyHook:
@@ -64,7 +73,7 @@ def hostile_reply_hook(cfg: FlGeoConfig, attacker: int, scale: float, claim: int
     passes untouched."""
     from fl_geo.core.state import ParamSpec
     from fl_geo.runtime.builders import make_model
-    from fl_geo.runtime.wire import decode, encode
+    from fl_geo.runtime.wire import decode_into, encode
 
     spec = ParamSpec.from_state_dict(make_model(cfg.model, cfg.run.seed).state_dict())
     precision = cfg.wire.up
@@ -75,14 +84,10 @@ def hostile_reply_hook(cfg: FlGeoConfig, attacker: int, scale: float, claim: int
         metrics = dict(reply.content.metric_records["metrics"])
         if metrics.get("partition_id") != attacker:
             return reply
-        flat = torch.zeros(spec.numel, dtype=torch.float32)
-        for offset, piece in decode(reply.content.array_records["arrays"], spec, precision):
-            flat[offset : offset + piece.numel()] = piece.reshape(-1).to(torch.float32)
+        flat = decode_into(reply.content.array_records["arrays"], spec, precision)
         if claim:
             metrics["tokens"] = claim
-        records: dict[str, Any] = {"arrays": encode(flat * scale, spec, precision), "metrics": MetricRecord(metrics)}
-        records.update((k, v) for k, v in reply.content.config_records.items())  # keep the fl-geo declaration
-        return Message(RecordDict(records), reply_to=msg)
+        return rewritten_reply(msg, reply, encode(flat * scale, spec, precision), metrics)
 
     return hook
 

@@ -35,12 +35,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fl_geo.bench.attack import rewritten_reply
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.errors import ConfigError
 from fl_geo.paths import CONFIGS_DIR
@@ -125,8 +124,8 @@ def turned_reply_hook(cfg: FlGeoConfig, hostile: Iterable[int], scale: float, cl
     metrics). Other replies pass untouched."""
     from fl_geo.core.state import ParamSpec
     from fl_geo.runtime.builders import make_model
-    from fl_geo.runtime.protocol import PROFILE_KEY, REQUEST_RECORD, declaration_of
-    from fl_geo.runtime.wire import decode, encode
+    from fl_geo.runtime.protocol import PROFILE_KEY, declaration_of
+    from fl_geo.runtime.wire import decode_into, encode
 
     if claim not in CLAIMS:
         raise ConfigError(f"claim must be one of {', '.join(CLAIMS)}, got {claim!r}")
@@ -135,12 +134,6 @@ def turned_reply_hook(cfg: FlGeoConfig, hostile: Iterable[int], scale: float, cl
 
     def claimed(true: int) -> int:
         return {"honest": true, "2^40": HUGE_CLAIM, "4096-device": DEVICES_CLAIM * true}[claim]
-
-    def flat_of(record: ArrayRecord, precision: str) -> torch.Tensor:
-        flat = torch.empty(spec.numel, dtype=torch.float32)
-        for offset, piece in decode(record, spec, precision):
-            flat[offset : offset + piece.numel()] = piece.reshape(-1).to(torch.float32)
-        return flat
 
     def hook(node: int, msg: Message, reply: Message) -> Message:
         if node not in hostile or reply.has_error():
@@ -164,18 +157,16 @@ def turned_reply_hook(cfg: FlGeoConfig, hostile: Iterable[int], scale: float, cl
             if claim == "4096-device":
                 metrics["devices"] = DEVICES_CLAIM
             return Message(RecordDict({"arrays": ArrayRecord(turned), "metrics": MetricRecord(metrics)}), reply_to=msg)
-        up = flat_of(reply.content.array_records["arrays"], decl.precision)
+        up = decode_into(reply.content.array_records["arrays"], spec, decl.precision)
         if decl.payload == "pseudo_grad":
             out = -scale * up
         elif decl.payload == "params":
-            sent_flat = flat_of(msg.content.array_records["arrays"], cfg.wire.down)
+            sent_flat = decode_into(msg.content.array_records["arrays"], spec, cfg.wire.down)
             out = sent_flat - scale * (up - sent_flat)
         else:
             raise ConfigError(f"the attack matrix turns pseudo_grad or params replies, not {decl.payload!r}")
         metrics["tokens"] = claimed(int(metrics["tokens"]))
-        records: dict[str, Any] = {"arrays": encode(out, spec, decl.precision), "metrics": MetricRecord(metrics),
-                                   REQUEST_RECORD: reply.content.config_records[REQUEST_RECORD]}
-        return Message(RecordDict(records), reply_to=msg)
+        return rewritten_reply(msg, reply, encode(out, spec, decl.precision), metrics)
 
     return hook
 
