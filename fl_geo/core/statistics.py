@@ -71,6 +71,18 @@ def _push_rows(history: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) 
     return torch.where(mask[:, None], shifted, history)
 
 
+def _check_state_kind(state: Mapping[str, Any], owner: str, key: str, value: str, num_groups: int) -> None:
+    """Refuse a ``state_dict`` made by another kind of ``owner`` (its ``key``, e.g. the keying or
+    the rule, and its ``num_groups`` must be this one's) before any of it is loaded: ValueError
+    naming both."""
+    if state.get(key) != value or state.get("num_groups") != num_groups:
+        raise ValueError(
+            f"{owner} state is for {key} {state.get(key)!r} with "
+            f"{state.get('num_groups')} groups; this one has {value!r} with "
+            f"{num_groups}"
+        )
+
+
 class EmaStats:
     """EMA mean/std of pseudo-gradient norms per (key, group) (docs/algorithms.md §4.2).
 
@@ -174,12 +186,7 @@ class EmaStats:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict` output (validated first; α and warm-up stay the constructor's)."""
-        if state.get("keying") != self.keying or state.get("num_groups") != self.num_groups:
-            raise ValueError(
-                f"EmaStats state is for keying {state.get('keying')!r} with "
-                f"{state.get('num_groups')} groups; this one has {self.keying!r} with "
-                f"{self.num_groups}"
-            )
+        _check_state_kind(state, "EmaStats", "keying", self.keying, self.num_groups)
         keys = [str(k) for k in state["keys"]]
         shape = (len(keys), self.num_groups)
         tensors = [torch.as_tensor(state[name]) for name in ("mean", "std", "count")]
@@ -287,12 +294,7 @@ class OutlierTest:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict` output; window sizes must match the constructor's."""
-        if state.get("rule") != self.rule or state.get("num_groups") != self.num_groups:
-            raise ValueError(
-                f"OutlierTest state is for rule {state.get('rule')!r} with "
-                f"{state.get('num_groups')} groups; this one has {self.rule!r} with "
-                f"{self.num_groups}"
-            )
+        _check_state_kind(state, "OutlierTest", "rule", self.rule, self.num_groups)
         scores = torch.as_tensor(state["scores"], dtype=torch.float64)
         if tuple(scores.shape) != (self.num_groups, self.window):
             raise ValueError(f"OutlierTest scores have shape {tuple(scores.shape)}, expected "
