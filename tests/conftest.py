@@ -261,6 +261,28 @@ def site_reply_hook(partition: int, *, tokens=None, scale: float | None = None):
     return hook
 
 
+def partition_reply_hook(partition: int, change, message_type: str = "train"):
+    """A reply hook for an InlineGrid: the ``message_type`` replies (``train``, or
+    ``train.stream`` for the streaming loops) of the site of ``partition`` pass through
+    ``change(n, reply, msg, earlier)`` (n: the site's reply count from 1; earlier: its replies so
+    far, oldest first); error replies and other sites' replies pass untouched. ``hook.changed``
+    counts the replies ``change`` altered (returned something other than ``reply``)."""
+    earlier = []
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != message_type or reply.has_error():
+            return reply
+        if reply.content.metric_records["metrics"]["partition_id"] != partition:
+            return reply
+        earlier.append(reply)
+        out = change(len(earlier), reply, msg, earlier[:-1])
+        hook.changed += out is not reply
+        return out
+
+    hook.changed = 0
+    return hook
+
+
 
 @pytest.fixture
 def flower_task_identity(monkeypatch):

@@ -12,7 +12,7 @@ from fl_geo.clients.datacenter import app as client_app
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
-from tests.conftest import keep_declaration, tiny_scenario_dict
+from tests.conftest import keep_declaration, partition_reply_hook, tiny_scenario_dict
 
 HALOS = ("strategy.name=halos", "halos.accumulate=2", "halos.local_buffer=2", "strategy.delay_buffer=2",
          "strategy.inner_steps=2", "run.rounds=3", "run.clock=virtual")
@@ -112,22 +112,6 @@ def test_dynupd_needs_a_virtual_clock(tiny):
 # ---- replies that answer no job in flight (issue 26) -------------------------------------------
 
 
-def _partition_hook(partition, change):
-    """Reply hook: the train replies of the site of ``partition`` pass through ``change(n, reply,
-    msg, earlier)`` (n: the site's reply count from 1; earlier: its replies so far)."""
-    earlier: list[Message] = []
-
-    def hook(node, msg, reply):
-        if msg.metadata.message_type != "train" or reply.has_error():
-            return reply
-        if reply.content.metric_records["metrics"]["partition_id"] != partition:
-            return reply
-        earlier.append(reply)
-        return change(len(earlier), reply, msg, earlier[:-1])
-
-    return hook
-
-
 def _nan_reply(reply, msg):
     """The same reply with a NaN in its update: refused for another reason (the baseline)."""
     items = dict(reply.content.array_records["arrays"].items())
@@ -157,10 +141,10 @@ def test_replayed_replies_are_refused_and_the_model_is_the_one_without_them(tiny
                                               "metrics": MetricRecord(dict(old.content.metric_records["metrics"]))}),
                        reply_to=msg)
 
-    summary, final, _ = _run(cfg, tmp_path, "replayed", hook=_partition_hook(1, replay))
+    summary, final, _ = _run(cfg, tmp_path, "replayed", hook=partition_reply_hook(1, replay))
     assert summary["rejected"] == 2 and summary["outer_steps"] == 3
     assert caplog.text.count("reply says it trained from model version") == 2
-    nan_summary, without, _ = _run(cfg, tmp_path, "nan", hook=_partition_hook(
+    nan_summary, without, _ = _run(cfg, tmp_path, "nan", hook=partition_reply_hook(
         1, lambda n, reply, msg, earlier: _nan_reply(reply, msg) if n in (2, 3) else reply))
     assert nan_summary["rejected"] == 2
     assert torch.equal(final, without)
@@ -180,8 +164,8 @@ def test_a_reply_claiming_a_version_never_sent_is_refused(tiny, tmp_path, caplog
         return Message(keep_declaration(reply, {"arrays": reply.content.array_records["arrays"],
                                                 "metrics": metrics}), reply_to=msg)
 
-    summary, final, _ = _run(cfg, tmp_path, "forged", hook=_partition_hook(1, forge))
+    summary, final, _ = _run(cfg, tmp_path, "forged", hook=partition_reply_hook(1, forge))
     assert summary["rejected"] == 1 and "trained from model version 12345" in caplog.text
-    _, without, _ = _run(cfg, tmp_path, "nan", hook=_partition_hook(
+    _, without, _ = _run(cfg, tmp_path, "nan", hook=partition_reply_hook(
         1, lambda n, reply, msg, earlier: _nan_reply(reply, msg) if n == 2 else reply))
     assert torch.equal(final, without)

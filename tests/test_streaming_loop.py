@@ -27,7 +27,7 @@ from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.server_app import run_server
-from tests.conftest import keep_declaration
+from tests.conftest import keep_declaration, partition_reply_hook
 
 STREAM = ["run.sim_cpus=1", "model.n_layers=2"]
 # CoCoDC on the fixed schedule (its default is the adaptive one, CoCoDC Algorithm 2)
@@ -536,26 +536,6 @@ def test_lying_fragment_metrics_are_rejected_and_the_model_untouched(tiny, tmp_p
 # ---- replies that answer another tick, and reported times (issue 26) ----------------------------
 
 
-def _site_hook(partition, change):
-    """Reply hook: the ``train.stream`` replies of the site of ``partition`` pass through
-    ``change(n, reply, msg, earlier)`` (n: the site's reply count from 1, earlier: its replies
-    so far); ``changed`` counts the replies it altered."""
-    earlier: list[Message] = []
-
-    def hook(node, msg, reply):
-        if msg.metadata.message_type != "train.stream" or reply.has_error():
-            return reply
-        if reply.content.metric_records["metrics"]["partition_id"] != partition:
-            return reply
-        earlier.append(reply)
-        out = change(len(earlier), reply, msg, earlier[:-1])
-        hook.changed += out is not reply
-        return out
-
-    hook.changed = 0
-    return hook
-
-
 def _with_metrics(reply, msg, **values):
     from flwr.app import MetricRecord
 
@@ -573,11 +553,13 @@ def test_replayed_fragment_replies_are_refused_and_the_model_is_the_one_without_
     caplog.set_level("WARNING", logger="fl_geo")
     cfg = _cfg(tiny, f"strategy.name={name}", "strategy.inner_steps=4", "streaming.fragments=2",
                "streaming.overlap=1", "streaming.adaptive=false")
-    replay = _site_hook(0, lambda n, reply, msg, earlier: _with_metrics(earlier[-1], msg) if n >= 2 else reply)
+    replay = partition_reply_hook(0, lambda n, reply, msg, earlier: _with_metrics(earlier[-1], msg) if n >= 2 else reply,
+                                   "train.stream")
     summary, final, _, _ = _run(cfg, tmp_path, "replayed", hook=replay)
     assert replay.changed >= 5 and summary["rejected"] == replay.changed
     assert "replayed or duplicated" in caplog.text or "trained from model version" in caplog.text
-    nan = _site_hook(0, lambda n, reply, msg, earlier: _with_metrics(reply, msg, tokens=float("nan")) if n >= 2 else reply)
+    nan = partition_reply_hook(0, lambda n, reply, msg, earlier: _with_metrics(reply, msg, tokens=float("nan")) if n >= 2 else reply,
+                                "train.stream")
     nan_summary, without, _, _ = _run(cfg, tmp_path, "nan", hook=nan)
     assert nan_summary["rejected"] == replay.changed and nan_summary["outer_steps"] == summary["outer_steps"]
     assert torch.equal(final, without)
@@ -587,7 +569,8 @@ def test_a_fragment_reply_of_another_version_is_refused(tiny, tmp_path, caplog):
     caplog.set_level("WARNING", logger="fl_geo")
     cfg = _cfg(tiny, "strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=2",
                "streaming.overlap=1")
-    forged = _site_hook(0, lambda n, reply, msg, earlier: _with_metrics(reply, msg, base_version=12345) if n == 3 else reply)
+    forged = partition_reply_hook(0, lambda n, reply, msg, earlier: _with_metrics(reply, msg, base_version=12345) if n == 3 else reply,
+                                   "train.stream")
     summary, _, _, _ = _run(cfg, tmp_path, hook=forged)
     assert summary["rejected"] == 1 and "trained from model version 12345" in caplog.text
 
