@@ -350,20 +350,30 @@ def test_a_huge_token_claim_is_refused_so_it_neither_owns_the_mean_nor_ends_the_
     assert trusted["rejected"] == 0 and trusted["outer_steps"] == 1  # the claim ended the token budget
 
 
+def _devices_claim_hook(devices: int, *, tokens: int):
+    """Reply hook: the site of partition 0 says in its profile (its ``query`` answer) that it has
+    ``devices`` devices, and its train replies claim ``tokens`` tokens."""
+    from flwr.app import ConfigRecord
+
+    from fl_geo.runtime.protocol import PROFILE_KEY
+
+    claims = site_reply_hook(0, tokens=tokens)
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "query" and not reply.has_error():
+            profile = dict(reply.content.config_records[PROFILE_KEY])
+            if profile["partition_id"] == 0:
+                profile["devices"] = devices
+            return Message(keep_declaration(reply, {PROFILE_KEY: ConfigRecord(profile)}), reply_to=msg)
+        return claims(node, msg, reply)
+
+    return hook
+
+
 def test_a_site_with_more_devices_may_claim_more_tokens(tiny, tmp_path):
     """The cap follows the devices a site declares in its profile (node config ``devices``), up to
     what the server's operator allows a site (``strategy.site_devices``)."""
-    def devices(node, msg, reply):
-        if msg.metadata.message_type == "query" and not reply.has_error():
-            from flwr.app import ConfigRecord
-
-            from fl_geo.runtime.protocol import PROFILE_KEY
-            profile = dict(reply.content.config_records[PROFILE_KEY])
-            if profile["partition_id"] == 0:
-                profile["devices"] = 2
-            return Message(keep_declaration(reply, {PROFILE_KEY: ConfigRecord(profile)}), reply_to=msg)
-        return site_reply_hook(0, tokens=2 * 3 * 4 * 32)(node, msg, reply)  # twice what one device gives in H = 3 steps
-
+    devices = _devices_claim_hook(2, tokens=2 * 3 * 4 * 32)  # twice what one device gives in H = 3 steps
     summary, _, _ = _run(tiny("run.rounds=1", "strategy.site_devices=2"), tmp_path, hook=devices)
     assert summary["rejected"] == 0
     # without the operator's allowance the profile's claim cannot raise the cap
@@ -377,18 +387,7 @@ def test_a_profile_claiming_4096_devices_cannot_own_the_token_weighted_mean(tiny
     """Issue 26: the devices come from the operator (``strategy.site_devices``), not from the
     site's profile. A site whose profile says 4096 devices and whose replies claim 4096 × the
     tokens of one device is refused every round; the model is the one without that site."""
-    from flwr.app import ConfigRecord
-
-    from fl_geo.runtime.protocol import PROFILE_KEY
-    claim = 4096 * 3 * 4 * 32  # 4096 devices' worth of H = 3 steps of 4 x 32 tokens
-
-    def liar(node, msg, reply):
-        if msg.metadata.message_type == "query" and not reply.has_error():
-            profile = dict(reply.content.config_records[PROFILE_KEY])
-            if profile["partition_id"] == 0:
-                profile["devices"] = 4096
-            return Message(keep_declaration(reply, {PROFILE_KEY: ConfigRecord(profile)}), reply_to=msg)
-        return site_reply_hook(0, tokens=claim)(node, msg, reply)
+    liar = _devices_claim_hook(4096, tokens=4096 * 3 * 4 * 32)  # 4096 devices' worth of H = 3 steps of 4 x 32 tokens
 
     cfg = tiny("run.rounds=2", "strategy.weighting=tokens")
     summary, final, _ = _run(cfg, tmp_path, "liar", hook=liar)
