@@ -123,12 +123,6 @@ class AsyncOuterLoop(OuterLoop):
         self._errors = {n: errors[p.partition_id] for n, p in self.profiles.items() if p.partition_id in errors}
 
     # ---- dispatch -----------------------------------------------------------------------------
-    def _inner_steps(self, node: int) -> int:
-        h = self.cfg.strategy.inner_steps
-        if self.cfg.strategy.dynupd and self.scenario is not None:
-            return int(self.scenario.dynupd_steps(h, self.profiles[node].partition_id))
-        return h
-
     def dispatch(self, nodes: list[int]) -> None:
         """Send the current model to idle nodes, each with its own budget and schedule position."""
         if not nodes:
@@ -138,7 +132,7 @@ class AsyncOuterLoop(OuterLoop):
         # position in worker steps: samples dispatched to all workers / one worker's batch
         global_batch = self.cfg.client.batch_size
         for node in nodes:
-            steps = self._inner_steps(node)
+            steps = self.job_steps(node)
             job = f"v{self.version}-p{self.partition_of(node)}-{self._job_seq}"
             self._job_seq += 1
             config = dict(self._client_cfg, round=self.version, base_version=self.version, inner_steps=steps, send=self._send,
@@ -235,7 +229,7 @@ class AsyncOuterLoop(OuterLoop):
         or (params mode) against the current model, which is what ``g`` is then."""
         base = ev.job.meta.get("base", self.global_params if self._send == "params" else None)
         return read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
-                          base=base, payloads=(self._send,), max_steps=self._inner_steps(ev.job.node),
+                          base=base, payloads=(self._send,), max_steps=self.job_steps(ev.job.node),
                           step_tokens=self.step_tokens(ev.job.node))
 
     def within_norm_bound(self, ev: Event, r: TrainReply) -> bool:

@@ -1,7 +1,7 @@
 """What every outer loop holds and does the same way, synchronous or asynchronous.
 
-The kernel (`OuterLoop.run`: begin, advance until done, finish; `record_step` for each logged
-step), the global model (one fp32 flat buffer, stepped in place), the outer optimizer, the one
+On top of the kernel (`strategies/kernel.py`: the one `run`, told apart by policy hooks): the
+global model (one fp32 flat buffer, stepped in place), the outer optimizer, the one
 running sum, the counters a run summary reports, the profile-aware node bookkeeping, rejection
 logging and server-side evaluation. Collaborators do the rest: the cost model
 (`fl_geo.timing.cost`), checkpoint state and penalty folding. The loops differ only by their
@@ -38,6 +38,7 @@ from fl_geo.runtime.protocol import (
 from fl_geo.runtime.wire import encode
 from fl_geo.strategies import loop_checkpoint
 from fl_geo.strategies.client_record import client_config_record
+from fl_geo.strategies.kernel import LoopKernel
 from fl_geo.strategies.penalised_fold import PenalisedFold, penalty_from_config
 from fl_geo.strategies.plain_claims import PlainClaims
 from fl_geo.strategies.replies import ReplyError, Tally, metric_number, metric_whole
@@ -50,11 +51,7 @@ log = logging.getLogger("fl_geo")
 MAX_CONSECUTIVE_ERRORS = 3
 
 
-class NoLiveNode(RuntimeError):
-    """Raised inside a round when no node is left to train on; `run` turns it into `OuterLoop.stop`."""
-
-
-class OuterLoop:
+class OuterLoop(LoopKernel):
     """Shared state and helpers of `SyncOuterLoop` and `AsyncOuterLoop`."""
 
     # Whether a plain Flower ClientApp (model in, trained model out) can take part. Not for
@@ -123,86 +120,6 @@ class OuterLoop:
         `ServerModel.held_elsewhere`. Called once, from ``__init__``, before the loop's own set-up."""
         return ServerModel.from_config(cfg, global_params)
 
-    # ---- the kernel: every loop's run, told apart by its policy hooks ---------------------------
-    def run(self, progress: Progress | None = None) -> dict[str, Any]:
-        """Run the loop to its budget; the last logged record (empty when none was logged).
-
-        Log the untrained model's loss, `begin` (e.g. the first dispatch), then `advance` (one
-        round, event or tick) until `done` or until it returns False (the loop stopped early,
-        `stop` says why); a node loss no round can survive (`NoLiveNode`) stops it too. Then
-        `finish` (by default: let in-flight jobs end, `drain`). `close` runs last, even after an
-        error: what the loop started outside this process (the sharded PS's followers) stops.
-        """
-        self.progress = progress
-        try:
-            self.open()
-            self.log_initial()
-            self.begin()
-            while not self.done():
-                try:
-                    if not self.advance():
-                        break
-                except NoLiveNode as exc:
-                    self.stop(str(exc))
-                    break
-            self.finish()
-            return self.history[-1] if self.history else {}
-        finally:
-            self.close()
-
-    def open(self) -> None:
-        """Before the first evaluation: start what the loop needs outside this process."""
-
-    def begin(self) -> None:
-        """After the step-0 record: the loop's first move (an asynchronous loop's first dispatch)."""
-
-    def done(self) -> bool:
-        """Whether the budget (steps, rounds or tokens) is spent."""
-        raise NotImplementedError
-
-    def advance(self) -> bool:
-        """One move of the policy: a synchronous round, an asynchronous event, a streaming tick.
-        False when the loop must stop before its budget (after `stop`)."""
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """After the last move: by default the clean `drain`."""
-        self.drain()
-
-    def close(self) -> None:
-        """Always last, also after an error: stop what `open` started."""
-
-    def drain(self) -> None:
-        """Let in-flight jobs finish (nothing is folded), so no node is left mid-message when the
-        run ends; a job still without a reply at its deadline is given up (its node named late)."""
-        while self.dispatcher.in_flight():
-            self.dispatcher.next_event()
-
-    def eval_due(self, step: int, last: bool) -> bool:
-        """Whether logged step ``step`` is validated: every ``run.eval_every`` steps and the last."""
-        every = self.cfg.run.eval_every
-        return bool(every and step % every == 0) or last
-
-    def step_evaluations(self, step: int, last: bool) -> dict[str, float]:
-        """The validation a logged step carries when `eval_due`: the server's, by default."""
-        return self.evaluate() if self.eval_due(step, last) else {}
-
-    def record_step(self, step: int, metrics: dict[str, Any], last: bool, *, client_eval: bool = True,
-                    shown: int | None = None) -> None:
-        """Log one outer step: `step_evaluations`, the clients' validation every
-        ``run.client_eval_every`` steps and the last (``client_eval``: for loops whose nodes are
-        idle between steps), the metrics record, the checkpoint ``run.checkpoint_every`` asks
-        for, and the progress line (at ``shown``, default ``step``)."""
-        r = self.cfg.run
-        metrics.update(self.step_evaluations(step, last))
-        if client_eval and r.client_eval_every and (step % r.client_eval_every == 0 or last):
-            metrics.update(self.client_eval(step))
-        self.history.append(self.logger.log(step, metrics))
-        self.maybe_checkpoint(step, last)
-        if self.progress is not None:
-            self.progress.update(step if shown is None else shown, metrics.get("train/loss"), metrics.get("val/loss"),
-                                 tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
-
     @property
     def global_params(self) -> torch.Tensor:
         """θ: the fp32 flat buffer the outer step updates in place."""
@@ -236,6 +153,15 @@ class OuterLoop:
         busy = self.dispatcher.busy_nodes() | set(exclude)
         nodes = [n for n in live if n in self.profiles and n not in busy]
         return sorted(nodes, key=lambda n: self.profiles[n].rank)
+
+    def job_steps(self, node: int) -> int:
+        """The inner steps of ``node``'s next job: H, or with ``strategy.dynupd`` on a scenario
+        DynUpd's ``max(1, ceil(H · speed_i / max speed))`` (HALoS Table 1), so slow sites are not
+        waited for."""
+        h = self.cfg.strategy.inner_steps
+        if self.cfg.strategy.dynupd and self.scenario is not None:
+            return int(self.scenario.dynupd_steps(h, self.profiles[node].partition_id))
+        return h
 
     def request_records(self, request: Request, user: ConfigRecord | None) -> dict[str, ConfigRecord]:
         """The records a request travels in: the typed fl-geo request under ``"fl-geo"`` (built, so

@@ -127,12 +127,6 @@ class HalosLoop(OuterLoop):
         return nodes
 
     # ---- dispatch -------------------------------------------------------------------------------
-    def _inner_steps(self, node: int) -> int:
-        h = self.cfg.strategy.inner_steps
-        if self.cfg.strategy.dynupd and self.scenario is not None:
-            return int(self.scenario.dynupd_steps(h, self.profiles[node].partition_id))
-        return h
-
     def dispatch(self, nodes: list[int]) -> None:
         """Send each node its local server's current model (snapshotted now, in the wire format)."""
         if not nodes:
@@ -144,7 +138,7 @@ class HalosLoop(OuterLoop):
             g = self.node_group[node]
             if g not in encoded:
                 encoded[g] = encode(self.lps[g].params, self.spec, self.cfg.wire.down)
-            steps = self._inner_steps(node)
+            steps = self.job_steps(node)
             config = dict(self._client_cfg, round=self.gps.version, base_version=self.lps[g].version,
                           inner_steps=steps, send="pseudo_grad")
             if self.cfg.strategy.schedule_clock == "global":
@@ -173,7 +167,7 @@ class HalosLoop(OuterLoop):
             # the job's local-server version: a replayed reply, or one claiming a version this
             # node was never sent, is refused (its staleness would be a lie)
             r = read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
-                           base=ev.job.meta.get("base"), max_steps=self._inner_steps(node),
+                           base=ev.job.meta.get("base"), max_steps=self.job_steps(node),
                            step_tokens=self.step_tokens(node))
         except ReplyError as exc:
             self._reject(self.tally, node, str(exc))

@@ -290,7 +290,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             return super().read_reply(ev)
         node = ev.job.node
         r, pulled = read_control_reply(ev, int(ev.job.meta["version"]), self.version,
-                                       max_steps=self._inner_steps(node), step_tokens=self.step_tokens(node))
+                                       max_steps=self.job_steps(node), step_tokens=self.step_tokens(node))
         ev.job.meta["version"] = pulled  # staleness counts from the model the client really pulled
         return r
 

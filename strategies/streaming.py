@@ -57,7 +57,8 @@ from fl_geo.core.streaming import (
 from fl_geo.runtime.dispatch import JobTiming
 from fl_geo.runtime.protocol import EvaluateRequest, StreamRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
-from fl_geo.strategies.base import NoLiveNode, OuterLoop
+from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.kernel import NoLiveNode
 from fl_geo.strategies.replies import (
     ReplyError,
     Tally,

@@ -36,7 +36,8 @@ from fl_geo.core.weights import staleness_weight
 from fl_geo.runtime.dispatch import NODE_DOWN, Event, JobTiming, RoundOutcome
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import PayloadError, check_finite_and_norm, encode, payload_nbytes
-from fl_geo.strategies.base import NoLiveNode, OuterLoop
+from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.kernel import NoLiveNode
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 from fl_geo.strategies.robust_rules import DIRECTION_RULES, DirectionRule
 
@@ -111,9 +112,7 @@ class SyncOuterLoop(OuterLoop):
             return 1
         if s.time_budget_s > 0 and self.scenario is not None:
             return self.scenario.time_budget_steps(s.time_budget_s, self.profiles[node].partition_id)
-        if s.dynupd and self.scenario is not None:  # DiLoCo + DynUpd (HALoS Table 1)
-            return self.scenario.dynupd_steps(s.inner_steps, self.profiles[node].partition_id)
-        return s.inner_steps
+        return self.job_steps(node)  # DiLoCo + DynUpd (HALoS Table 1) with strategy.dynupd
 
     def _message(self, node: int, arrays: Any, rnd: int, mtype: str, **extra: Any) -> Message:
         # With checkpoints on, clients keep their inner state from before this round so that a

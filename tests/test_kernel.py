@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from fl_geo.core.claims import ClaimBound
-from fl_geo.strategies.base import NoLiveNode, OuterLoop
+from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.kernel import NoLiveNode
 
 
 class _Recorder(OuterLoop):
