@@ -1,8 +1,9 @@
 """Push/pull of jobs on a Flower ``Grid``, with the bookkeeping every strategy needs.
 
 Flower's ``send_and_receive`` polls every 3 s in deployment and hands back all replies at once, so
-fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (docs/flower.md). One
-:class:`Dispatcher` serves every strategy:
+fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (docs/flower.md). The jobs and
+events it trades in and the clock protocol are ``fl_geo.runtime.jobs``'s (importable from here
+too). One :class:`Dispatcher` serves every strategy:
 
 - at most one message in flight per node (two messages to one node race on ``context.state``);
 - error replies and nodes that vanish from ``grid.get_node_ids()`` become events the strategy sees
@@ -12,11 +13,12 @@ fl-geo drives ``grid.push_messages``/``grid.pull_messages`` itself (docs/flower.
   the same event order, and the same model, however the real processes happen to finish;
 - asynchronous strategies consume :meth:`Dispatcher.next_event` one event at a time; a synchronous
   round is the special case :meth:`Dispatcher.run_jobs`: "hand everything over once every job of
-  the round is resolved";
-- under a scenario's failure trace (``fl_geo.timing.failures``, virtual clock only) a node that is
-  down is not live, a job whose node fails before it finishes is handed over at the failure time
-  as a failed job (error `NODE_DOWN`; the real ClientApp's reply, when it comes, is discarded), and
-  a node that is repaired is live again and free, so its next job carries the latest model;
+  the round is resolved" (``fl_geo.runtime.rounds``);
+- under a scenario's failure trace (``fl_geo.timing.failures``, virtual clock only; the dispatcher's
+  side of it is ``fl_geo.runtime.outages``) a node that is down is not live, a job whose node
+  fails before it finishes is handed over at the failure time as a failed job (error `NODE_DOWN`;
+  the real ClientApp's reply, when it comes, is discarded), and a node that is repaired is live
+  again and free, so its next job carries the latest model;
 - every train job's modelled time is booked for goodput (``fl_geo.runtime.goodput``, virtual clock);
 - with a wall clock and ``run.wall_faults`` (``fl_geo.runtime.wall_faults``) the same trace makes
   real faults: a train job its node's failure ends is sent with a fault record (its ClientApp
@@ -32,8 +34,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
@@ -41,123 +42,19 @@ from flwr.serverapp import Grid
 from fl_geo.core.deadline import LateLog, ReplyDeadline
 from fl_geo.runtime import interrupt, profiling
 from fl_geo.runtime.goodput import GoodputMeter, JobCost
+from fl_geo.runtime.jobs import NODE_DOWN, TIMED_OUT, Clock, Event, Job, JobTiming
 from fl_geo.runtime.membership import Membership, NodeProfile
+from fl_geo.runtime.outages import OutagesMixin
 from fl_geo.runtime.protocol import REQUEST_RECORD, is_profile_probe
+from fl_geo.runtime.rounds import RoundOutcome, run_round
 from fl_geo.runtime.wall_faults import FAULT_RECORD, Fault, WallFaults, fault_record
 
+__all__ = [
+    "NODE_DOWN", "POLL_IN_PROCESS_S", "POLL_OVER_NETWORK_S", "TIMED_OUT", "Clock", "Dispatcher", "Event",
+    "Job", "JobTiming", "NodeProfile", "RoundOutcome", "default_poll_interval", "late_report",
+]
+
 log = logging.getLogger("fl_geo")
-
-# The error of a job lost because its node failed under the scenario's failure trace.
-NODE_DOWN = "node down (failure trace)"
-# The error of a job given up at its deadline (no reply in time; the node is alive but late).
-TIMED_OUT = "no reply within the deadline"
-
-
-class Clock(Protocol):
-    """What the dispatcher needs from ``fl_geo.timing.clock.WallClock`` / ``VirtualClock``."""
-
-    is_virtual: bool
-
-    def now(self) -> float: ...
-    def schedule(self, job_id: str, node: int, start: float | None = None, *, steps: int,
-                 bytes_down: int, bytes_up: int, peer_region: str | int | None = None,
-                 traced: bool = True) -> float: ...
-    def due(self) -> str | None: ...
-    def finish_time(self, job_id: str) -> float: ...
-    def complete(self, job_id: str) -> float: ...
-    def cancel(self, job_id: str) -> None: ...
-    def advance_to(self, t: float) -> None: ...
-    def lost(self, job_id: str) -> bool: ...
-
-
-@dataclass(frozen=True)
-class JobTiming:
-    """What a virtual clock needs to know about a job when it is dispatched."""
-
-    slot: int  # the node's index in the scenario (its partition id)
-    steps: int = 0
-    bytes_down: int = 0
-    bytes_up: int = 0
-    peer_region: str | None = None  # where the server it talks to sits (None: the scenario's server)
-    # a measurement (evaluation) that costs no modelled time: on a virtual clock it finishes at
-    # dispatch, so asking for a figure does not move the time axis the figure is plotted against
-    free: bool = False
-
-
-@dataclass
-class Job:
-    """One message in flight to one node."""
-
-    id: str
-    node: int
-    kind: str
-    seq: int
-    submitted_at: float
-    meta: dict[str, Any] = field(default_factory=dict)
-    slot: int = -1  # the scenario node it runs on (JobTiming.slot)
-    compute_s: float = 0.0  # its modelled compute time (virtual clock; for goodput)
-    fault: Fault | None = None  # a wall fault ends it (run.wall_faults)
-    steps: int = 0  # inner steps (JobTiming.steps): jobs are compared with those of the same kind and steps
-    sent_wall: float = 0.0  # time.monotonic() when it was pushed: its deadline runs from here
-    timeout_s: float | None = None  # its own wall deadline (run_jobs(timeout_s=...)); None: the dispatcher's rule
-
-
-@dataclass
-class Event:
-    """A job resolved: a reply, an error reply, or its node vanished (``reply`` is then None)."""
-
-    job: Job
-    reply: Message | None
-    error: str | None
-    time: float
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.reply is not None
-
-
-@dataclass
-class RoundOutcome:
-    """What happened to the jobs of one synchronous round."""
-
-    replied: list[int] = field(default_factory=list)
-    errors: dict[int, str] = field(default_factory=dict)
-    vanished: list[int] = field(default_factory=list)
-    timed_out: list[int] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)  # still in flight when the quorum came
-
-
-def _hand_over(queue: list[int], resolved: dict[int, Message | None], outcome: RoundOutcome,
-               on_replies: Callable[[Sequence[tuple[int, Message]]], None]) -> None:
-    """Pass on, as one group, the good replies of the resolved nodes at the head of ``queue``.
-
-    Stops at the first node in ``queue`` that has not resolved yet; the nodes passed are taken
-    off ``queue`` and ``resolved``, and those with a reply are added to ``outcome.replied``.
-    """
-    group: list[tuple[int, Message]] = []
-    while queue and queue[0] in resolved:
-        nid = queue.pop(0)
-        reply = resolved.pop(nid)
-        if reply is not None:
-            group.append((nid, reply))
-            outcome.replied.append(nid)
-    if group:
-        on_replies(group)
-
-
-def _record_event(ev: Event, remaining: set[str], resolved: dict[int, Message | None],
-                  outcome: RoundOutcome) -> None:
-    """Note a resolved job of this round: no longer remaining, its fault (if any) in ``outcome``,
-    and its reply (None unless it succeeded) in ``resolved``."""
-    remaining.discard(ev.job.id)
-    if ev.error == "vanished":
-        outcome.vanished.append(ev.job.node)
-    elif ev.error == TIMED_OUT:
-        outcome.timed_out.append(ev.job.node)
-    elif ev.error is not None:
-        outcome.errors[ev.job.node] = ev.error
-    resolved[ev.job.node] = ev.reply if ev.ok else None
-
 
 _VANISHED = object()
 
@@ -202,8 +99,9 @@ def late_report(late: LateLog, profiles: Mapping[int, NodeProfile]) -> list[dict
     return out
 
 
-class Dispatcher:
-    """Sends jobs to nodes and hands their outcomes over in clock order."""
+class Dispatcher(OutagesMixin):
+    """Sends jobs to nodes and hands their outcomes over in clock order. What it knows of the
+    failure trace (`is_down`, `wait_for_repair`, `take_rejoined`) is `OutagesMixin`'s."""
 
     def __init__(
         self,
@@ -253,71 +151,6 @@ class Dispatcher:
         if failures is None:
             return GoodputMeter(lambda t: len(slots) * t)
         return GoodputMeter(lambda t: sum(failures.uptime(n, 0.0, t) for n in slots))
-
-    # ---- failure trace (virtual clock) ---------------------------------------------------------
-    def _trace(self) -> bool:
-        return self.clock.is_virtual and getattr(self.clock, "failures", None) is not None
-
-    def _slot(self, node: int) -> int:
-        return self.slot_of(node) if self.slot_of is not None else -1
-
-    def is_down(self, node: int) -> bool:
-        """Whether ``node`` is down now under the failure trace (with a wall clock: only under
-        ``run.wall_faults``, between a failed job and the node's repair)."""
-        if self.wall_faults is not None:
-            return self.wall_faults.is_down(node)
-        if not self._trace():
-            return False
-        slot = self._slot(node)
-        return slot >= 0 and self.clock.is_down(slot)  # type: ignore[attr-defined]
-
-    def _next_up(self) -> float | None:
-        slots = [s for s in (self._slot(n) for n in self.grid.get_node_ids()) if s >= 0]
-        return self.clock.next_up(slots)  # type: ignore[attr-defined]
-
-    def wait_for_repair(self) -> bool:
-        """Nothing in flight and nodes down: move virtual time to the next repair (wall faults:
-        sleep until it). False when there is no trace, work is still in flight, or no down node
-        ever comes back."""
-        if self.wall_faults is not None and not self._jobs:
-            t_up = self.wall_faults.next_up(sorted(self.grid.get_node_ids()))
-            if t_up is None:
-                return False
-            log.info("every live node is busy or down: waiting %.2f s for a repair (wall faults)",
-                     max(0.0, t_up - time.monotonic()))
-            while time.monotonic() < t_up:
-                interrupt.check()
-                time.sleep(min(0.05, max(0.0, t_up - time.monotonic())))
-            return True
-        if not self._trace() or self._jobs:
-            return False
-        t_up = self._next_up()
-        if t_up is None:
-            return False
-        log.info("virtual clock moves to %.1f s: a node is repaired", t_up)
-        self.clock.advance_to(t_up)
-        return True
-
-    def take_rejoined(self) -> bool:
-        """True once after `next_event` returned None because a repaired node came back."""
-        woke, self._rejoined = self._rejoined, False
-        return woke
-
-    def _rejoin_first(self, deadline: float | None) -> bool:
-        """Move virtual time to a repair that comes before the next job's finish and ``deadline``."""
-        if not self._trace() or (not self._jobs and deadline is None):
-            return False
-        t_up = self._next_up()
-        if t_up is None:
-            return False
-        due = self.clock.due()
-        first = min(self.clock.finish_time(due) if due is not None else math.inf,
-                    deadline if deadline is not None else math.inf)
-        if not t_up < first:
-            return False
-        log.info("virtual time %.1f s: a repaired node rejoins", t_up)
-        self.clock.advance_to(t_up)
-        return True
 
     def in_flight_s(self) -> float:
         """Modelled time so far of the train jobs in flight (goodput's ``in_flight`` bucket)."""
@@ -447,6 +280,12 @@ class Dispatcher:
         """Sleep before the next pull; short right after a reply, longer while nothing comes."""
         time.sleep(self._poll)
         self._poll = min(self._poll * 2, self.poll_interval_s)
+
+    def pause(self) -> None:
+        """Nothing can be handed over yet: notice nodes that vanished, then sleep before the next
+        pull (how a synchronous round waits, `fl_geo.runtime.rounds`)."""
+        self._check_liveness()
+        self._wait()
 
     def poll(self) -> bool:
         """Pull once without waiting (replies are held for their turn). A transport whose
@@ -626,64 +465,11 @@ class Dispatcher:
                     return None
                 self._wait()
 
-    def run_jobs(
-        self,
-        messages: list[Message],
-        on_replies: Callable[[Sequence[tuple[int, Message]]], None],
-        order: list[int] | None,
-        timeout_s: float = 0.0,
-        timings: Sequence[JobTiming] | None = None,
-        meta: Sequence[dict[str, Any]] | None = None,
-        quorum: int = 0,
-        on_late: Callable[[Event], None] | None = None,
-        keep_foreign: bool = False,
-    ) -> RoundOutcome:
-        """A synchronous round: push one message per node, hand good replies over in groups.
+    def hand_over_next(self, events: list[Event]) -> None:
+        """Hand ``events`` over, in order and before any other, by the next `next_event` calls
+        (a synchronous round's events of other jobs, ``run_jobs(keep_foreign=True)``)."""
+        self._kept[:0] = events
 
-        A group is every reply that can be handed over at once: the strategy folds a group in one
-        pass over its buffers, several times cheaper than one pass per reply. ``order`` lists the
-        nodes in hand-over order: a reply that resolves early waits until every node before it
-        has replied or failed (deterministic folding whatever the clock). ``None`` hands replies
-        over in clock order. ``timeout_s`` > 0 (wall seconds) abandons jobs still running then;
-        0 leaves each job to the dispatcher's deadline rule (`deadline_s`; no rule: no limit). A
-        job given up at its deadline is listed in ``outcome.timed_out``.
-
-        ``quorum`` > 0: the round ends as soon as that many replies came (in clock order; with a
-        virtual clock, at the quorum-th modelled finish time); the other jobs stay in flight,
-        their nodes busy, and are listed in ``outcome.pending``. Their events come in a later
-        round and go to ``on_late`` (dropped when None), as do those of any job not of this round.
-        ``keep_foreign``: events of jobs not of this round are kept instead, in order, and handed
-        over by the next `next_event` calls (a profile probe or query in the middle of an
-        asynchronous run must not lose the replies that come meanwhile).
-        """
-        jobs = self.submit(messages, timings, meta, timeout_s=timeout_s)
-        outcome = RoundOutcome()
-        queue = [j.node for j in jobs] if order is None else list(order)
-        resolved: dict[int, Message | None] = {}
-        remaining = {j.id for j in jobs}
-        replies = 0
-        foreign: list[Event] = []
-        while remaining and not (quorum and replies >= quorum):
-            ev = self.next_event(block=False)
-            if ev is not None and ev.job.id not in remaining:  # a job of an earlier round
-                if keep_foreign:
-                    foreign.append(ev)
-                elif on_late is not None:
-                    on_late(ev)
-                continue
-            if ev is None:
-                _hand_over(queue, resolved, outcome, on_replies)
-                self._check_liveness()
-                self._wait()
-                continue
-            _record_event(ev, remaining, resolved, outcome)
-            replies += int(ev.ok)
-            if order is None:
-                queue.sort(key=lambda n: n not in resolved)  # clock order (stable sort)
-        if remaining:  # the quorum came first: the rest are late, their nodes stay busy
-            pending = {j.node for j in jobs if j.id in remaining}
-            outcome.pending = sorted(pending)
-            queue[:] = [n for n in queue if n not in pending]
-        _hand_over(queue, resolved, outcome, on_replies)
-        self._kept[:0] = foreign
-        return outcome
+    # A synchronous round (`fl_geo.runtime.rounds.run_round`): push one message per node, hand
+    # good replies over in groups, and return what happened to every job.
+    run_jobs = run_round
