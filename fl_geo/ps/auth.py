@@ -15,8 +15,8 @@ that one can never be passed off as the other:
   moved to another request; a client, which holds only tokens, cannot make one.
 
 Every comparison of a MAC is `hmac.compare_digest` (constant time). What the follower does with
-a verified token (one push per job, refused once the job is folded or dropped) is the service's
-business (`fl_geo.ps.service`). The key travels to follower processes in a 0600 file
+a verified token (one push per job, refused once the job is folded or dropped) is for the
+follower service to decide (`fl_geo.ps.access`). The key travels to follower processes in a 0600 file
 (`write_key_file`, ``--key-file``) or the environment variable `KEY_ENV`, never on a command
 line, where ``ps`` would show it.
 """

@@ -12,14 +12,14 @@ follower's checkpoint is on disk, so a restarted follower resumes from every ste
 acknowledged. The service holds no model code: a follower's state and arithmetic are
 `fl_geo.ps.follower.FollowerShard`.
 
-Authentication (`fl_geo.ps.auth`), when the service has the shared key: a push's header frame
-must carry a job token for that job and this shard, a pull a job token for this shard (or the
-leader's MAC), and every control request the leader's MAC. Each stream is checked once, on its
-header, never per data frame. A job that the leader folded or dropped (or whose pending push a
-``reset_window(drop_pending)`` discarded) is *closed*: its token can neither push nor pull again,
-so a replayed token cannot overwrite or re-add an update. Every refusal is logged and leaves the
-follower's state as it was. Without a key (in-process tests) the data path is open, and says so
-in the log.
+Authentication (`fl_geo.ps.auth`; the rules are `fl_geo.ps.access.FollowerAccess`'s), when the
+service has the shared key: a push's header frame must carry a job token for that job and this
+shard, a pull a job token for this shard (or the leader's MAC), and every control request the
+leader's MAC. Each stream is checked once, on its header, never per data frame. A job that the
+leader folded or dropped (or whose pending push a ``reset_window(drop_pending)`` discarded) is
+*closed*: its token can neither push nor pull again, so a replayed token cannot overwrite or
+re-add an update. Every refusal is logged and leaves the follower's state as it was. Without a
+key (in-process tests) the data path is open, and says so in the log.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import collections
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -37,7 +36,8 @@ import grpc
 import torch
 
 from fl_geo.core.checkpoint import CheckpointStore
-from fl_geo.ps.auth import LEADER_MAC_HEADER, AuthError, DataPathAuth, JobClaims
+from fl_geo.ps.access import FollowerAccess
+from fl_geo.ps.auth import AuthError, DataPathAuth
 from fl_geo.ps.follower import WIRE_DTYPES, FollowerError, FollowerShard, PushBuffer
 from fl_geo.ps.frames import (
     CONTROL_OPS,
@@ -64,7 +64,6 @@ __all__ = ["FollowerService"]
 
 T = TypeVar("T")
 log = logging.getLogger("fl_geo")
-MAX_CLOSED_JOBS = 1 << 16  # closed job ids remembered (beyond their token's expiry: none)
 
 
 # ---- follower service ---------------------------------------------------------------------------
@@ -99,13 +98,7 @@ class FollowerService:
                  incarnation: str = INCARNATION, queue_frames: int = QUEUE_FRAMES,
                  remember: int = 1024, auth: DataPathAuth | None = None) -> None:
         self.follower = follower
-        self.auth = auth
-        if auth is None:
-            log.warning("follower %d: the data path is NOT authenticated (no key): anyone who reaches "
-                        "its port can push, pull and send control requests", follower.index)
-        # job -> its token's expiry: jobs the leader folded or dropped; their tokens are spent
-        self._closed: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._expiry: dict[str, float] = {}  # job -> its token's expiry, while its push is pending
+        self.access = FollowerAccess(auth, follower.index)  # credentials and closed jobs
         self.store = store
         self.incarnation = incarnation
         self.queue_frames = queue_frames
@@ -150,7 +143,7 @@ class FollowerService:
         check_keys(header, "push header", ("job", "shard", "dtype", "numel"), ("meta", "token"))
         job = str_field(header, "job", "push header")
         shard = int_field(header, "shard", "push header")
-        claims = self._check_token(header.get("token"), job, f"push of job {job!r}", peer)
+        claims = self.access.check_token(header.get("token"), job, f"push of job {job!r}", peer)
         wire = wire_field(header["dtype"], "push header")
         numel = int_field(header, "numel", "push header")
         meta = header.get("meta") or {}
@@ -165,14 +158,13 @@ class FollowerService:
 
         token = object()
         with self.lock:
-            self._check_open(job, f"push of job {job!r}", peer)
+            self.access.check_open(job, f"push of job {job!r}", peer)
             try:
                 buf = f.open_push(job, meta)
             except FollowerError as exc:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
             self._owners[job] = token  # a newer stream of the same job takes over from us
-            if claims is not None:
-                self._expiry[job] = claims.expires
+            self.access.opened(job, claims)
         state = _PushState()
         q: queue.Queue[bytes | None] = queue.Queue(self.queue_frames)
         consumer = threading.Thread(target=self._consume, args=(q, job, token, buf, state),
@@ -253,10 +245,10 @@ class FollowerService:
         leader's protocol makes rare (clients pull after a step, not during one)."""
         f = self.follower
         try:
-            leader = self._is_leader("Pull", request, context)
+            leader = self.access.is_leader("Pull", request, context)
             req = parse_json(request, "pull request")
             check_keys(req, "pull request", ("begin", "end"), ("wire", "expect_version", "chunk_bytes", "token"))
-            claims = None if leader else self._check_token(req.get("token"), None, "pull", context.peer())
+            claims = None if leader else self.access.check_token(req.get("token"), None, "pull", context.peer())
             begin, end = int_field(req, "begin", "pull request"), int_field(req, "end", "pull request")
             if not begin <= end <= f.numel:
                 raise bad_request(f"pull [{begin}, {end}) outside shard {f.index} of {f.numel} elements")
@@ -273,7 +265,7 @@ class FollowerService:
             with self.lock:
                 version = f.version
                 if claims is not None:
-                    self._check_pull_scope(claims, version, context.peer())
+                    self.access.check_pull_scope(claims, version, context.peer())
             if expect is not None and expect != version:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"follower {f.index} is at version {version}, the pull expects {expect}")
@@ -320,9 +312,9 @@ class FollowerService:
     # -- Control -------------------------------------------------------------------------------
     def _control(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            if not self._is_leader("Control", request, context):
-                raise self._refuse(AuthError("control request without a leader credential", forged=True),
-                                   "control request", context.peer())
+            if not self.access.is_leader("Control", request, context):
+                raise self.access.refuse(AuthError("control request without a leader credential", forged=True),
+                                         "control request", context.peer())
             req = parse_json(request, "control request")
             check_keys(req, "control request", ("op",), ("args", "id", "incarnation"))
             op, args, rid = req["op"], req.get("args") or {}, req.get("id")
@@ -403,7 +395,7 @@ class FollowerService:
                 else:
                     with self.lock:
                         f.drop(job)
-                        self._close([job])
+                        self.access.close([job])
                     out = {"ok": True}
             elif op == "fold":
                 check_keys(args, what, ("job", "weight"), ("rescale",))
@@ -411,7 +403,7 @@ class FollowerService:
                 rescale = number_field(args, "rescale", what) if "rescale" in args else 1.0
                 with self.lock:
                     f.fold(job, weight, rescale)
-                    self._close([job])
+                    self.access.close([job])
                 out = {"ok": True}
             elif op == "mean_sq_sums":
                 check_keys(args, what, ("total_weight",))
@@ -430,74 +422,11 @@ class FollowerService:
                 with self.lock:
                     dropped = list(f.pending) if drop else []
                     f.reset_window(drop_pending=drop)
-                    self._close(dropped)
+                    self.access.close(dropped)
                 out = {"ok": True}
         except FollowerError as exc:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         return json_frame(out)
-
-    # -- authentication (fl_geo.ps.auth) -------------------------------------------------------
-    def _refuse(self, exc: AuthError, what: str, peer: str) -> RequestError:
-        """Log a refused request and turn it into its gRPC status: UNAUTHENTICATED for a missing,
-        garbled or forged credential, PERMISSION_DENIED for a genuine one used beyond its scope."""
-        code = grpc.StatusCode.UNAUTHENTICATED if exc.forged else grpc.StatusCode.PERMISSION_DENIED
-        log.warning("follower %d refused %s from %s: %s (%s)", self.follower.index, what, peer, exc, code.name)
-        return RequestError(code, f"follower {self.follower.index} refused {what}: {exc}")
-
-    def _check_token(self, token: object, job: str | None, what: str, peer: str) -> JobClaims | None:
-        """The claims of a job token valid for ``job`` (any job for None) on this shard; None
-        without a key (open data path). Raises the refusal otherwise."""
-        if self.auth is None:
-            return None
-        try:
-            claims = self.auth.verify_job(token, job, self.follower.index)
-        except AuthError as exc:
-            raise self._refuse(exc, what, peer) from None
-        return claims
-
-    def _check_open(self, job: str, what: str, peer: str) -> None:
-        """Refuse a job the leader has closed (its token is spent). Call under ``lock``."""
-        if self.auth is not None and job in self._closed:
-            raise self._refuse(AuthError(f"job {job!r} was already folded or dropped: its token is spent "
-                                         "(replay?)", forged=False), what, peer)
-
-    def _check_pull_scope(self, claims: JobClaims, version: int, peer: str) -> None:
-        """A job pulls while it is open, models no older than the one it was given. Under ``lock``."""
-        what = f"pull of job {claims.job!r}"
-        self._check_open(claims.job, what, peer)
-        if version < claims.version:
-            raise self._refuse(AuthError(f"job token is for model version {claims.version}, this follower "
-                                         f"holds the older {version}", forged=False), what, peer)
-
-    def _is_leader(self, method: str, request: bytes, context: grpc.ServicerContext) -> bool:
-        """True when the request carries a valid leader MAC, or when there is no key (open data
-        path); False when it carries none. A MAC that does not verify is refused outright."""
-        if self.auth is None:
-            return True
-        mac = dict(context.invocation_metadata() or ()).get(LEADER_MAC_HEADER)
-        if mac is None:
-            return False
-        try:
-            self.auth.verify_leader(method, request, mac)
-        except AuthError as exc:
-            raise self._refuse(exc, f"{method} request", context.peer()) from None
-        return True
-
-    def _close(self, jobs: list[str]) -> None:
-        """Mark ``jobs`` closed (their tokens are spent). Call under ``lock``. Entries are kept
-        until their token expires (a spent, expired token is refused anyway); at most
-        `MAX_CLOSED_JOBS`, oldest first out."""
-        if self.auth is None:
-            return
-        now = time.time()
-        for job in jobs:
-            self._closed[job] = self._expiry.pop(job, float("inf"))
-            self._closed.move_to_end(job)
-        if len(self._closed) > MAX_CLOSED_JOBS // 2:
-            for job in [j for j, exp in self._closed.items() if exp <= now]:
-                del self._closed[job]
-        while len(self._closed) > MAX_CLOSED_JOBS:
-            self._closed.popitem(last=False)
 
     def _locked(self, fn: Callable[[], T]) -> T:
         with self.lock:
