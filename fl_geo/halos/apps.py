@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fl_geo.config import FlGeoConfig, load_config
@@ -268,6 +268,61 @@ def _regional_main(grid: Grid, context: Context) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _global_server(cfg: FlGeoConfig, params: torch.Tensor) -> GlobalParameterServer:
+    """The GPS on θ_0, stepping with the strategy's delayed Nesterov settings."""
+    s = cfg.strategy
+    return GlobalParameterServer(params, lr=s.outer_lr, momentum=s.outer_momentum,
+                                 buffer_size=s.delay_buffer, activation=s.delay_activation)
+
+
+def _bridges(dispatcher: Dispatcher, cfg: FlGeoConfig, regions: int) -> dict[int, NodeProfile]:
+    """Wait for one bridge SuperNode per region; the profile each answers names its region."""
+    # A bridge that stays connected but never answers (its LPS hung, its SuperNode wedged) is
+    # given up at the derived deadline (k x the median exchange, with a floor; the first
+    # exchange gets strategy.reply_deadline_first_s): its region leaves the run, the others
+    # finish their quotas, and the summary names it. Any other bridge error ends the run.
+    dispatcher.reply_deadline = reply_deadline(cfg)
+    nodes = dispatcher.wait_for_nodes(regions, cfg.run.wait_nodes_timeout_s)
+    profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
+    if len(profiles) < regions:
+        raise RuntimeError(f"only {len(profiles)} of {regions} bridges answered the region query")
+    return profiles
+
+
+def _region_update(ev: Event, region: str) -> tuple[dict[str, int], ArrayRecord] | None:
+    """What a bridge's reply brings: the LPS's counters when it sent U_k, and U_k. None when the
+    region is done: its bridge missed its deadline (the region leaves the run, the others go on)
+    or acknowledged ``stop``. Any other bridge error, or a reply without an update, ends the run."""
+    node = ev.job.node
+    if ev.error == TIMED_OUT:
+        log.warning("HALoS GPS: the bridge of region %s (node %s) did not answer within its deadline; "
+                    "the region leaves the run, the others go on", region, node)
+        return None
+    if not ev.ok:
+        raise RuntimeError(f"bridge of region {region} (node {node}) failed: {ev.error}")
+    if ev.job.meta["stop"]:
+        return None  # acknowledged: that region merged θ_g and ends its run
+    m = ev.reply.content.metric_records.get("metrics")
+    counters = {k: int(v) for k, v in (m or {}).items()}  # the LPS when it sent U_k
+    if "arrays" not in ev.reply.content.array_records:
+        raise RuntimeError(f"bridge of region {region} replied without an update")
+    return counters, ev.reply.content.array_records["arrays"]
+
+
+def _update_metrics(version: int, loss: float, *, region: int, region_updates: int, lps: dict[str, int],
+                    bytes_up: int, bytes_down: int) -> dict[str, Any]:
+    """The metrics record of global update ``version`` (``loss`` NaN where it was not evaluated):
+    which region sent it (its partition id), its how-manyth that was, the LPS counters it came
+    with, and the bytes moved so far."""
+    return {
+        "outer/step": version, "val/loss": loss, "val/ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss,
+        "halos/region": region, "halos/region_updates": region_updates,
+        "halos/lps_version": lps.get("lps_version", -1),
+        "halos/lps_sends": lps.get("sends", -1),
+        "comm/bytes_up_total": bytes_up, "comm/bytes_down_total": bytes_down,
+    }
+
+
 def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: float = DEFAULT_IPC_TIMEOUT_S,
                connect_timeout_s: float = 120.0, run_dir: str | Path | None = None) -> dict[str, Any]:
     """The GPS: one bridge message in flight per region until ``run.rounds`` global updates."""
@@ -276,20 +331,10 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
         assert logger is not None
         t0 = time.perf_counter()
         spec, params = _model(cfg)
-        s = cfg.strategy
-        gps = GlobalParameterServer(params, lr=s.outer_lr, momentum=s.outer_momentum,
-                                    buffer_size=s.delay_buffer, activation=s.delay_activation)
+        gps = _global_server(cfg, params)
         evaluator = GlobalEvaluator(cfg, cfg.run.num_clients)
         dispatcher = Dispatcher(grid, WallClock())
-        # A bridge that stays connected but never answers (its LPS hung, its SuperNode wedged) is
-        # given up at the derived deadline (k x the median exchange, with a floor; the first
-        # exchange gets strategy.reply_deadline_first_s): its region leaves the run, the others
-        # finish their quotas, and the summary names it. Any other bridge error ends the run.
-        dispatcher.reply_deadline = reply_deadline(cfg)
-        nodes = dispatcher.wait_for_nodes(regions, cfg.run.wait_nodes_timeout_s)
-        profiles = dispatcher.query_profiles(nodes, timeout_s=cfg.run.wait_nodes_timeout_s)
-        if len(profiles) < regions:
-            raise RuntimeError(f"only {len(profiles)} of {regions} bridges answered the region query")
+        profiles = _bridges(dispatcher, cfg, regions)
         quota = math.ceil(cfg.run.rounds / len(profiles))
         region_of = {n: p.site for n, p in profiles.items()}
         sends = dict.fromkeys(profiles, 0)
@@ -319,30 +364,18 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             if ev is None:
                 continue
             node, region = ev.job.node, region_of[ev.job.node]
-            if ev.error == TIMED_OUT:
-                log.warning("HALoS GPS: the bridge of region %s (node %s) did not answer within its deadline; "
-                            "the region leaves the run, the others go on", region, node)
-                continue
-            if not ev.ok:
-                raise RuntimeError(f"bridge of region {region} (node {node}) failed: {ev.error}")
-            if ev.job.meta["stop"]:
-                continue  # acknowledged: that region merged θ_g and ends its run
-            m = ev.reply.content.metric_records.get("metrics")
-            counters[region] = {k: int(v) for k, v in (m or {}).items()}  # the LPS when it sent U_k
-            if "arrays" not in ev.reply.content.array_records:
-                raise RuntimeError(f"bridge of region {region} replied without an update")
-            update = decode_into(ev.reply.content.array_records["arrays"], spec, cfg.wire.up, out=scratch)
+            got = _region_update(ev, region)
+            if got is None:
+                continue  # the region is done
+            counters[region], arrays = got
+            update = decode_into(arrays, spec, cfg.wire.up, out=scratch)
             gps.apply(update)  # validates finiteness; ValueError stops the run with the cause
-            bytes_up += payload_nbytes(ev.reply.content.array_records["arrays"])
+            bytes_up += payload_nbytes(arrays)
             sends[node] += 1
             loss = evaluator.evaluate(gps.params) if (cfg.run.eval_every and gps.version % cfg.run.eval_every == 0) else float("nan")
-            history.append(logger.log(gps.version, {
-                "outer/step": gps.version, "val/loss": loss, "val/ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss,
-                "halos/region": profiles[node].partition_id, "halos/region_updates": sends[node],
-                "halos/lps_version": counters[region].get("lps_version", -1),
-                "halos/lps_sends": counters[region].get("sends", -1),
-                "comm/bytes_up_total": bytes_up, "comm/bytes_down_total": bytes_down,
-            }))
+            history.append(logger.log(gps.version, _update_metrics(
+                gps.version, loss, region=profiles[node].partition_id, region_updates=sends[node],
+                lps=counters[region], bytes_up=bytes_up, bytes_down=bytes_down)))
             log.info("HALoS GPS: update %d from region %s (its #%d)", gps.version, region, sends[node])
             push(node, stop=sends[node] >= quota)
         final = evaluator.evaluate(gps.params)
