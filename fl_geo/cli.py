@@ -229,11 +229,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(bench_main(args.bench_argv) or 0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fl-geo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
+def _add_experiment_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``run``, ``compare``, ``sweep`` and ``flwr-run``: the commands that train."""
     r = sub.add_parser("run", help="run one or more configs as Flower simulations")
     r.add_argument("items", nargs="*", help="config files and key=value overrides (applied to every config)")
     r.add_argument("--out", help="put each run in OUT/<run.name> instead of run.out_dir/<name>-<time> "
@@ -275,10 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("items", nargs="*", help="a config file (default configs/quickstart_diloco.yaml) and key=value overrides")
     fr.set_defaults(func=cmd_flwr_run)
 
-    c = sub.add_parser("config", help="print a resolved config")
-    c.add_argument("items", nargs="*")
-    c.set_defaults(func=cmd_config)
 
+def _add_finished_run_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``eval`` and ``sample``: the commands that read a finished run's final model."""
     ev = sub.add_parser("eval", help="validation loss of a finished run's final model (its own held-out text)")
     ev.add_argument("run_dir", help="a run directory (holds config.yaml and final_model.*)")
     ev.add_argument("--batches", type=int, default=None,
@@ -294,6 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest bytes (0 = all)")
     sa.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
     sa.set_defaults(func=cmd_sample)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fl-geo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    _add_experiment_parsers(sub)
+
+    c = sub.add_parser("config", help="print a resolved config")
+    c.add_argument("items", nargs="*")
+    c.set_defaults(func=cmd_config)
+
+    _add_finished_run_parsers(sub)
 
     d = sub.add_parser("data", help="offline corpora")
     dsub = d.add_subparsers(dest="data_cmd", required=True)
