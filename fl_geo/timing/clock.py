@@ -1,6 +1,6 @@
 """Clocks: what decides the order in which replies are handed to a strategy, and what "time" is.
 
-Two implementations of one interface (the ``Clock`` protocol of :mod:`fl_geo.runtime.dispatch`):
+Two implementations of one interface (the ``Clock`` protocol of :mod:`fl_geo.runtime.jobs`):
 
 - :class:`WallClock` (deployment, plain simulation): time is real elapsed time and replies are
   handed over as they arrive; the clock cannot predict anything, so ``due()`` is ``None`` and
