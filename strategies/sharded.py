@@ -13,16 +13,16 @@ touched model-sized data moves to the followers (`fl_geo.ps.follower.FollowerSha
 
 Followers live in this process (``ps.transport=local``: updates still come in Flower replies;
 with one follower this is the single-server Di-PS) or are processes behind the gRPC data path
-(``grpc``: clients pull and push shards there, Flower carries only control). Both run the same
-`FollowerShard` code, so every F gives the same bits for a seed (docs/sharded_ps.md).
+(``grpc``: clients pull and push shards there, Flower carries only control). The leader reaches
+them only through its backend (`fl_geo.ps.backend`). Both run the same `FollowerShard` code, so
+every F gives the same bits for a seed (docs/sharded_ps.md).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,9 +30,8 @@ import torch
 
 from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.shards import ShardPlan, global_norm, sum_of_shard_norms
-from fl_geo.core.transfer_schedule import TransferScheduler
-from fl_geo.ps.follower import FollowerError, FollowerShard
-from fl_geo.ps.leader_view import RemoteFollower
+from fl_geo.ps.backend import FollowerBackend, follower_backend
+from fl_geo.ps.follower import FollowerError
 from fl_geo.runtime.dispatch import Event
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
 from fl_geo.strategies.replies import (
@@ -94,106 +93,34 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             raise ConfigError(f"ps.followers={ps.followers}: {exc}") from None
         self._plain_total = 0.0  # Σ weights without the penalty (with it, the penalty keeps it)
         self._bound_key = -1
-        self.supervisor: Any = None
-        self._ca_pem = ""  # the data path's CA certificate, sent to clients (TLS)
-        self._resume_version = 0
         self.voided = 0
-        self.scheduler = TransferScheduler(list(range(ps.followers)), ps.followers)
         send = "params" if self._send == "params" else "pseudo_grad"
-        if ps.transport == "local":
-            # Views into the leader's buffer: evaluation and the final model need no gather.
-            self.followers: list[Any] = [
-                FollowerShard(self.plan, s.index, outer_optimizer_from_config(cfg, s.numel),
-                              params=self.global_params[s.begin:s.end], wire=cfg.wire.up, send=send,
-                              max_pending=ps.max_pending)
-                for s in self.plan.shards]
-        else:
-            from fl_geo.ps.channel import TlsFiles
-            from fl_geo.ps.supervisor import FollowerSupervisor
-
-            workdir = Path(ps.workdir) if ps.workdir else Path(self.logger.run_dir) / "ps"
-            opt = outer_optimizer_from_config(cfg, 1)
-            kwargs = {k: v for k, v in opt.state_dict().items() if k not in ("numel", "steps")}
-            tls = None
-            if ps.tls_certs_dir:
-                certs = Path(ps.tls_certs_dir)
-                tls = TlsFiles(certs / "ca.crt", certs / "server.crt", certs / "server.key")
-            self._ca_pem = tls.ca_pem().decode() if tls is not None else ""
-            self.supervisor = FollowerSupervisor(
-                self.plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=cfg.wire.up,
-                send=send, keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
-                torch_threads=cfg.run.server_threads, host=ps.host, tls=tls, key=_data_path_key(ps.key_file),
-                allow_plaintext_remote=ps.allow_insecure_remote)
-            self.followers = []  # connected when the run starts (`_start_followers`)
+        self.backend: FollowerBackend = follower_backend(
+            self.plan, ps, self.global_params, lambda numel: outer_optimizer_from_config(cfg, numel), wire=cfg.wire.up,
+            send=send, torch_threads=cfg.run.server_threads, run_dir=lambda: Path(self.logger.run_dir))
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))
+
+    @property
+    def followers(self) -> list[Any]:
+        """The followers' `fl_geo.ps.leader_view.Follower` views, in shard order (the backend's)."""
+        return self.backend.followers
 
     # ---- checkpoint and resume of the leader -------------------------------------------------------
     def model_state(self) -> dict[str, Any]:
         """In process: θ (views of the followers' shards) and each shard's outer state. Follower
         processes: only the version they must resume from; θ and the outer state are in their
         own checkpoints, written after every step (Di-PS §4.3: the leader saves metadata)."""
-        if self.supervisor is None:
-            return {"params": self.global_params,
-                    "optimizer": {"shards": [f.optimizer.state_dict() for f in self.followers]}}
-        return {"params": torch.empty(0), "optimizer": {"followers_version": self.version}}
+        return self.backend.model_state(self.version)
 
-    def prepare_model_state(self, state: dict[str, Any]) -> Any:
-        opt = dict(state["optimizer"])
-        version = int(state["counters"]["version"])
-        if self.supervisor is not None:
-            if "followers_version" not in opt or int(opt["followers_version"]) != version:
-                raise ValueError("checkpoint was not written by a leader of follower processes (ps.transport=grpc)")
+    def prepare_model_state(self, state: dict[str, Any]) -> Callable[[], None]:
+        return self.backend.prepare_model_state(state)
 
-            def resume_followers() -> None:
-                self._resume_version = version
-
-            return resume_followers
-        shards = opt.get("shards")
-        if not isinstance(shards, list) or len(shards) != self.plan.num_shards:
-            raise ValueError(f"checkpoint does not hold the outer state of {self.plan.num_shards} in-process "
-                             "followers (written with another ps.followers or transport?)")
-        params = state["params"]
-        if not torch.is_tensor(params) or params.shape != self.global_params.shape or params.dtype != torch.float32:
-            raise ValueError(f"checkpoint params are not an fp32 tensor of {self.spec.numel} elements")
-        states = [{"format": 1, "index": s.index, "begin": s.begin, "end": s.end, "version": version,
-                   "params": params[s.begin:s.end], "optimizer": dict(st)} for s, st in zip(self.plan.shards, shards, strict=True)]
-        for f, st in zip(self.followers, states, strict=True):  # validate on scratch copies first
-            scratch = FollowerShard(self.plan, f.index, copy.copy(f.optimizer), params=f.params.clone(),
-                                    wire=f.wire, send=f.send)
-            scratch.load_state_dict(st)
-
-        def install() -> None:
-            for f, st in zip(self.followers, states, strict=True):
-                f.load_state_dict(st)
-
-        return install
-
-    def _start_followers(self) -> None:
-        """Launch the follower processes: fresh from this run's model, or, for a resumed
-        leader, from their checkpoints of the leader's step."""
-        ps = self.cfg.ps
-        if self.resumed:
-            self.supervisor.start(self.global_params, resume_version=self._resume_version)
-        else:
-            _clear_followers(self.supervisor.workdir)  # a new run starts from this run's model
-            self.supervisor.start(self.global_params)
-        self.followers = [self._connect(i) for i in range(ps.followers)]
-
-    # ---- follower failures (gRPC transport) -------------------------------------------------------
-    def _connect(self, i: int) -> RemoteFollower:
-        """A control client for follower i, pinned to its current incarnation: a call that reaches
-        a restarted process fails instead of running on its reloaded state. The leader retries
-        briefly (the supervisor restarts dead followers); clients retry for ``ps.retry_s``."""
-
-        client = self.supervisor.client(i, retry_s=max(3 * self.cfg.ps.heartbeat_s, 5.0))
-        client.incarnation = client.health()["incarnation"]
-        return RemoteFollower(client)
-
+    # ---- follower failures ---------------------------------------------------------------------
     def _followers_ok(self) -> bool:
         """Restart dead followers (heartbeats missed or process gone); False when this window
         was voided because one of them lost what it held."""
-        if self.supervisor is None or not self.supervisor.check():
+        if self.backend.healthy():
             return True
         self._recover()
         return False
@@ -207,23 +134,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         completed is lost, and no half-applied window is stepped. Pushes for jobs not handled yet
         stay on the live followers; a job whose push the restarted follower lost fails when its
         reply is handled, and its worker gets the current model."""
-        from fl_geo.ps.frames import DataPathError
-
-        restarted = self.supervisor.ensure_alive()
-        for i in range(len(self.followers)):
-            try:
-                self.followers[i].client.health()
-                if i in restarted or self.followers[i].client.address != self.supervisor.addresses[i]:
-                    raise DataPathError("health", self.followers[i].client.address, "restarted")
-            except DataPathError:
-                self.followers[i].client.close()
-                self.followers[i] = self._connect(i)
-        versions = [int(f.client.health()["version"]) for f in self.followers]
-        if set(versions) != {self.version}:
-            raise RuntimeError(
-                f"after restarting follower(s) {restarted} the followers hold versions {versions} and the leader "
-                f"{self.version}: a follower failed during the step itself; their checkpoints are under "
-                f"{self.supervisor.workdir}")
+        restarted = self.backend.recover(self.version)
         for f in self.followers:
             f.reset_window()
         if self.penalty is not None:
@@ -241,52 +152,23 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         t.loss_tokens = 0
         self._plain_total = 0.0
 
-    # ---- dispatch: with the gRPC transport a train message carries control only ------------------
+    # ---- dispatch: on the data path a train message carries control only --------------------------
     def dispatch(self, nodes: list[int]) -> None:
         super().dispatch(nodes)
-        if nodes and self.supervisor is not None:
+        if nodes and self.backend.data_path:
             self.dispatcher.poll()  # let clients start (and pull) at the version they were sent
 
     def model_records(self) -> tuple[dict[str, Any], int]:
-        if self.supervisor is None:
+        if not self.backend.data_path:
             return super().model_records()
         return {}, self.cost.sent_bytes(self.cfg.wire.down)
 
     def job_config(self, node: int, job: str) -> dict[str, Any]:
-        if self.supervisor is None:
-            return {}
-        ps = self.cfg.ps
-        return {
-            "ps_job": job,
-            "ps_addresses": json.dumps(self.supervisor.addresses),
-            "ps_shards": json.dumps([[s.begin, s.end] for s in self.plan.shards]),
-            "ps_push_order": json.dumps(self.push_order(job)),
-            "ps_chunk_bytes": ps.chunk_mib << 20,
-            "ps_retry_s": ps.retry_s,
-            "ps_tls_ca": self._ca_pem,  # the CA's public certificate: clients verify the followers with it
-            # this job may push to and pull from every shard, from the version it is sent, until
-            # its update is folded or dropped (fl_geo.ps.auth); the key itself never leaves the leader
-            "ps_token": self.supervisor.auth.mint_job(job, range(self.plan.num_shards), self.version,
-                                                      ttl_s=ps.token_ttl_s),
-        }
-
-    def push_order(self, job: str) -> list[int]:
-        """The order this job sends its shards in, planned with Di-PS Appendix A's scheduler
-        among the jobs in flight: it starts on the first follower that no planned transfer uses
-        in the plan's first step, then goes round, and joins the plan without moving anyone
-        else's transfers (`TransferScheduler.add_worker`). A job leaves the plan when its reply
-        (or failure) is handled."""
-        f = self.plan.num_shards
-        steps = self.scheduler.steps
-        busy = {t.follower for t in steps[0]} if steps else set()
-        start = next((i for i in range(f) if i not in busy), 0)
-        order = [(start + i) % f for i in range(f)]
-        self.scheduler.add_worker(job, order)
-        return order
+        return self.backend.job_config(job, self.version)
 
     # ---- replies ---------------------------------------------------------------------------------
     def read_reply(self, ev: Event) -> TrainReply:
-        if self.supervisor is None:
+        if not self.backend.data_path:
             return super().read_reply(ev)
         node = ev.job.node
         r, pulled = read_control_reply(ev, int(ev.job.meta["version"]), self.version,
@@ -295,7 +177,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         return r
 
     def handle(self, ev: Event) -> None:
-        self.scheduler.remove_worker(str(ev.job.meta.get("job", "")))
+        self.backend.release(str(ev.job.meta.get("job", "")))
         self._followers_ok()
         if not ev.ok:
             self.discard(ev)  # a client may have pushed before it failed
@@ -307,23 +189,10 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             for f in self.followers:
                 f.drop(job)
 
-    def _push_local(self, job: str, pieces: list[tuple[int, torch.Tensor]]) -> None:
-        """In-process transport: the reply's pieces (spec order) stream into each shard's buffer."""
-        pieces = sorted(pieces, key=lambda p: p[0])
-        k = 0
-        for f, s in zip(self.followers, self.plan.shards, strict=True):
-            buf = f.open_push(job)
-            while k < len(pieces) and pieces[k][0] < s.end:
-                offset, piece = pieces[k]
-                buf.write(offset - s.begin, piece.reshape(-1))
-                k += 1
-            f.close_push(job)
-
     def fold_update(self, ev: Event, r: TrainReply, staleness: int) -> float | None:
         node, job = ev.job.node, str(ev.job.meta["job"])
         try:
-            if self.supervisor is None:
-                self._push_local(job, r.pieces)
+            self.backend.push(job, r.pieces)
             missing = [i for i, f in enumerate(self.followers) if not f.has(job)]
             if missing:
                 # pushed to a follower that has since restarted (or never arrived): the job failed
@@ -335,7 +204,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             self._reject(self.tally, node, f"update not usable on the followers: {exc}")
             self.discard(ev)
             return None
-        except _data_path_errors() as exc:
+        except self.backend.unreachable as exc:
             log.warning("follower unreachable while handling job %s: %s", job, exc)
             self._recover()
             self._redo(ev)
@@ -368,7 +237,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         try:
             for f in self.followers:
                 f.fold(job, weight, rescale)
-        except _data_path_errors() as exc:
+        except self.backend.unreachable as exc:
             log.warning("follower unreachable while folding job %s: %s", job, exc)
             self._recover()  # voids the window, this update included
             self.discard(ev)
@@ -407,7 +276,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
             return False  # voided by a follower restart
         try:
             return self._sharded_step()
-        except _data_path_errors() as exc:
+        except self.backend.unreachable as exc:
             log.warning("follower unreachable during outer step %d: %s", self.version + 1, exc)
             self._recover()
             return False
@@ -431,14 +300,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
 
     # ---- model access and life cycle -------------------------------------------------------------
     def sync_model(self) -> None:
-        """Gather θ from follower processes into the leader's buffer (evaluation, the end)."""
-        if self.supervisor is None:
-            return
-        for f, s in zip(self.followers, self.plan.shards, strict=True):
-            version, theta = f.pull_params(s.numel)
-            if version != self.version:
-                raise RuntimeError(f"follower {s.index} holds version {version}, the leader {self.version}")
-            self.global_params[s.begin:s.end].copy_(theta)
+        """Make the leader's buffer hold the followers' θ (evaluation, the end)."""
+        self.backend.sync_model(self.version)
 
     def evaluate(self) -> dict[str, float]:
         if self.evaluator is not None:
@@ -447,47 +310,14 @@ class ShardedDiPSLoop(AsyncOuterLoop):
 
     # ---- kernel hooks: the follower processes live as long as the run -----------------------------
     def open(self) -> None:
-        if self.supervisor is not None:
-            self._start_followers()
+        """Start the followers: a fresh run's from this run's model, a resumed leader's from their
+        state of its restored step (the checkpoint's version, which `prepare_model_state` checked
+        is the one the followers were told to resume from)."""
+        self.backend.start(self.version if self.resumed else None)
 
     def finish(self) -> None:
         super().finish()
         self.sync_model()
 
     def close(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
-
-
-def _data_path_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean a follower could not be reached (none without the data path)."""
-    try:
-        from fl_geo.ps.frames import DataPathError
-    except ImportError:  # pragma: no cover - grpcio is a dependency
-        return ()
-    return (DataPathError,)
-
-
-def _data_path_key(key_file: str) -> bytes:
-    """The leader/follower shared key: from ``ps.key_file`` (followers started separately read
-    the same file), else a fresh random one for this run (`fl_geo.ps.auth.new_key`)."""
-    from fl_geo.ps.auth import new_key, read_key_file
-
-    if not key_file:
-        return new_key()
-    try:
-        return read_key_file(key_file)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"ps.key_file: {exc}") from None
-
-
-def _clear_followers(workdir: Path) -> None:
-    """Remove the follower files a previous run left in ``workdir`` (only those: it may be a
-    directory the user chose). Leader resume is not supported, so none of them is wanted."""
-    import shutil
-
-    for path in [*workdir.glob("follower-*"), workdir / "plan.json"]:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+        self.backend.stop()

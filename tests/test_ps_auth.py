@@ -324,12 +324,12 @@ def test_key_file_is_private_and_never_on_the_command_line(tmp_path, monkeypatch
         load_auth(argparse.Namespace(key_file=str(loose), index=0))
     # the leader: ps.key_file, else a fresh key per run
     from fl_geo.config import ConfigError
-    from fl_geo.strategies.sharded import _data_path_key
+    from fl_geo.ps.backend import data_path_key
 
-    assert _data_path_key(str(path)) == KEY and len(_data_path_key("")) == 32
-    assert _data_path_key("") != _data_path_key("")  # fresh each time
+    assert data_path_key(str(path)) == KEY and len(data_path_key("")) == 32
+    assert data_path_key("") != data_path_key("")  # fresh each time
     with pytest.raises(ConfigError, match="ps.key_file: .*chmod 600"):
-        _data_path_key(str(loose))
+        data_path_key(str(loose))
 
 
 def test_a_leader_mac_wrong_only_at_its_end_is_refused():

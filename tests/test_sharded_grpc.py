@@ -69,8 +69,8 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
     def kill(self):
         shard = self.plan.shards[1]
         seen["before"] = self.followers[1].pull_params(shard.numel)
-        seen["pid"] = self.supervisor.pid(1)
-        self.supervisor.kill(1)
+        seen["pid"] = self.backend.supervisor.pid(1)
+        self.backend.supervisor.kill(1)
         seen["killed"] = True
 
     def kill_after_step_2(self, metrics):
@@ -87,7 +87,7 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
     def watch_recover(self):
         recover(self)
         seen.setdefault("after", self.followers[1].pull_params(self.plan.shards[1].numel))
-        seen["new_pid"] = self.supervisor.pid(1)
+        seen["new_pid"] = self.backend.supervisor.pid(1)
 
     monkeypatch.setattr(ShardedDiPSLoop, "_log_step", kill_after_step_2)
     monkeypatch.setattr(ShardedDiPSLoop, "_recover", watch_recover)
