@@ -97,7 +97,7 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         send = "params" if self._send == "params" else "pseudo_grad"
         self.backend: FollowerBackend = follower_backend(
             self.plan, ps, self.global_params, lambda numel: outer_optimizer_from_config(cfg, numel), wire=cfg.wire.up,
-            send=send, torch_threads=cfg.run.server_threads, run_dir=lambda: Path(self.logger.run_dir))
+            send=send, torch_threads=cfg.run.server_threads, run_dir=self._follower_root)
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))
 
@@ -106,6 +106,14 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         """The followers' `fl_geo.ps.leader_view.Follower` views, in shard order (the backend's)."""
         return self.backend.followers
 
+    def _follower_root(self) -> Path:
+        """Where follower processes keep their files without ``ps.workdir``: the run directory.
+        A public strategy whose logger keeps no directory must name one."""
+        run_dir = getattr(self.logger, "run_dir", None)
+        if run_dir is None:
+            raise ConfigError("ps.transport=grpc needs a directory for the follower processes' checkpoints: set "
+                              "ps.workdir (this run's logger keeps no run directory)")
+        return Path(run_dir)
     # ---- checkpoint and resume of the leader -------------------------------------------------------
     def model_state(self) -> dict[str, Any]:
         """In process: θ (views of the followers' shards) and each shard's outer state. Follower

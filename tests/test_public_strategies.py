@@ -158,6 +158,14 @@ def test_bad_keyword_values_are_one_line_errors():
         DiLoCo().start(InlineGrid(client_app, 1), _initial(DiLoCo()), num_rounds=0)
 
 
+def test_follower_processes_without_a_directory_are_a_one_line_error():
+    """A public strategy's default logger keeps no run directory: follower processes (ps.transport
+    grpc) need ps.workdir for their checkpoints, said before any process starts."""
+    dips = DiPS(warmup=1, followers=2, transport="grpc", inner_steps=2, options=TINY_OPTIONS)
+    with pytest.raises(ConfigError, match="set ps.workdir"):
+        dips.start(InlineGrid(client_app, 2, seed=0), _initial(dips), num_rounds=1)
+
+
 def test_initial_arrays_are_checked():
     with pytest.raises(ConfigError, match="non-empty"):
         spec_and_params(ArrayRecord())

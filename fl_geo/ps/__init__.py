@@ -11,6 +11,9 @@ followers directly over gRPC.
 - `auth`: the shared key, per-job tokens (clients) and the leader's request MAC (control);
 - `server`, `follower_main`: a follower process; `heartbeat`: the leader's heartbeat service;
 - `supervisor`: starts, watches and restarts follower processes from their checkpoints (§4.3).
+- `backend`: what the leader calls, whichever the transport: followers in its process
+  (``ps.transport=local``) or as supervised processes (``grpc``); `leader_view`: the leader's view
+  of a follower process; `access`: the follower service's credential checks.
 
 Import rule (tested by ``tests/test_layers.py``): ``fl_geo.core``, this package, gRPC, torch and
 numpy; no Flower.
