@@ -1,4 +1,4 @@
-"""Blockwise int8 / 4-bit quantisation of pseudo-gradient fragments (issue 6, item 3).
+"""Blockwise int8 / 4-bit / 2-bit quantisation of pseudo-gradients (issue 6, item 3).
 
 Streaming DiLoCo shows that the outer gradients a worker exchanges survive coarse quantisation:
 what is averaged and then scaled by an outer learning rate does not need fp32 mantissas. Here a
@@ -8,8 +8,8 @@ sent as one fp32 scale plus one signed integer code per element:
     scale_b = max_{i∈b} |x_i| / q_max,   code_i = round(x_i / scale_b) ∈ [−q_max, q_max],
     x̂_i = code_i · scale_b,
 
-with q_max = 127 for ``int8`` and 7 for ``int4`` (symmetric: zero is exact, the grid has no
-extra negative level). A block of zeros has scale 0 and codes 0. The error per element is at most
+with q_max = 2^(bits−1) − 1: 127 for ``int8``, 7 for ``int4`` and 1 for ``int2`` (ternary
+{−1, 0, 1}·scale_b), symmetric: zero is exact, the grid has no extra negative level. A block of zeros has scale 0 and codes 0. The error per element is at most
 scale_b / 2, so a block's largest element is exact and the relative error is bounded by the
 block's dynamic range; small blocks (the default 128) keep an outlier from flattening its
 neighbours. Rounding is to nearest (ties to even), deterministic, so runs stay reproducible.
@@ -18,8 +18,16 @@ Payload layout (two arrays; `fl_geo.runtime.quantized` puts them in an ``ArrayRe
 these names):
 
 * ``codes``: ``int8``, one per element (``int4``: ``uint8``, two per byte, element 2k in the low
-  nibble and 2k+1 in the high one, each stored as code + 8 ∈ [1, 15]; an odd tail pads with 8);
+  nibble and 2k+1 in the high one, each stored as code + 8 ∈ [1, 15]; an odd tail pads with 8.
+  ``int2``: ``uint8``, four per byte, element 4k+j in bits 2j..2j+1, each stored as
+  code + 2 ∈ [1, 3]; a tail short of a whole byte pads with 2);
 * ``scales``: ``float32``, one per block, finite and ≥ 0.
+
+Two sets of kinds: `QUANT_BITS` (int8, int4) are those the streaming wire carries
+(`quantize`, `dequantize`, `q_max`, `quantized_nbytes`; ``streaming.quantize`` and
+``fl_geo.runtime.quantized`` refuse any other), `CODE_BITS` adds int2 for the compression codecs
+of `fl_geo.core.compress` (`quantize_codes`, `dequantize_codes`, `code_q_max`, `code_nbytes`).
+The int8 and int4 payloads are the same bytes through either entry point.
 
 `dequantize` validates all of it (dtypes, lengths, scales, code range, the padding nibble) and
 raises `PayloadError`, so a malformed or hostile reply is rejected like any other
@@ -35,27 +43,45 @@ import torch
 
 from fl_geo.errors import PayloadError
 
-__all__ = ["CODES", "QUANT_BITS", "SCALES", "dequantize", "q_max", "quantize", "quantized_nbytes"]
+__all__ = ["CODES", "CODE_BITS", "QUANT_BITS", "SCALES", "code_nbytes", "code_q_max", "dequantize",
+           "dequantize_codes", "q_max", "quantize", "quantize_codes", "quantized_nbytes"]
 
 QUANT_BITS = {"int8": 8, "int4": 4}
+CODE_BITS = {**QUANT_BITS, "int2": 2}
 CODES, SCALES = "codes", "scales"
 
 
-def q_max(kind: str, block: int) -> int:
-    """The largest code of ``kind`` (127 or 7); raises ValueError for an unknown kind or a bad block."""
-    if kind not in QUANT_BITS:
-        raise ValueError(f"unknown quantisation {kind!r}; valid: {', '.join(QUANT_BITS)}")
+def _top(kind: str, block: int, kinds: dict[str, int]) -> int:
+    if kind not in kinds:
+        raise ValueError(f"unknown quantisation {kind!r}; valid: {', '.join(kinds)}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be an int >= 1, got {block!r}")
-    return 2 ** (QUANT_BITS[kind] - 1) - 1
+    return 2 ** (kinds[kind] - 1) - 1
+
+
+def q_max(kind: str, block: int) -> int:
+    """The largest code of a wire ``kind`` (127 or 7); raises ValueError for an unknown kind
+    (int2 included: the streaming wire does not carry it) or a bad block."""
+    return _top(kind, block, QUANT_BITS)
+
+
+def code_q_max(kind: str, block: int) -> int:
+    """The largest code of ``kind`` in `CODE_BITS` (127, 7 or 1); ValueError as `q_max`."""
+    return _top(kind, block, CODE_BITS)
+
+
+def code_nbytes(kind: str, numel: int, block: int) -> int:
+    """Payload bytes of ``numel`` elements of any `CODE_BITS` kind: ⌈numel·bits/8⌉ code bytes plus
+    one fp32 scale per block (no container overhead)."""
+    code_q_max(kind, block)
+    return math.ceil(numel * CODE_BITS[kind] / 8) + 4 * math.ceil(numel / block)
 
 
 def quantized_nbytes(kind: str, numel: int, block: int) -> int:
     """Payload bytes of ``numel`` elements (codes + scales, without container overhead): what
     the virtual clock charges for one quantised fragment."""
     q_max(kind, block)
-    code_bytes = numel if kind == "int8" else (numel + 1) // 2
-    return code_bytes + 4 * math.ceil(numel / block)
+    return code_nbytes(kind, numel, block)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -67,13 +93,35 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.view(-1, block)
 
 
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sub-byte codes (int8 in [−q_max, q_max]) as ``uint8``, 8/bits fields per byte, low field
+    first, each stored as code + 2^(bits−1); the tail pads with the field that encodes 0."""
+    per, offset = 8 // bits, 1 << (bits - 1)
+    fields = (codes.to(torch.int16) + offset).to(torch.uint8)
+    pad = (-fields.numel()) % per
+    if pad:
+        fields = torch.cat([fields, fields.new_full((pad,), offset)])
+    groups = fields.view(-1, per)
+    packed = groups[:, 0].clone()
+    for j in range(1, per):
+        packed |= groups[:, j] << (bits * j)
+    return packed
+
+
 def quantize(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """Quantise a flat fp32 tensor into the ``(codes, scales)`` arrays of the module docstring.
+    """Quantise a flat fp32 tensor into the ``(codes, scales)`` arrays of the module docstring,
+    for a wire kind (int8, int4).
 
     Non-finite input is not refused here: its block's scale becomes NaN/Inf, which the receiver
     rejects, exactly as it rejects a non-finite fp32 payload.
     """
-    top = q_max(kind, block)
+    q_max(kind, block)
+    return quantize_codes(x, kind, block)
+
+
+def quantize_codes(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """`quantize` for any `CODE_BITS` kind (int2 included); same contract and layout."""
+    top = code_q_max(kind, block)
     if x.dim() != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a 1-D floating tensor, got {x.dtype} {tuple(x.shape)}")
     n = x.numel()
@@ -82,46 +130,66 @@ def quantize(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, 
         scales = xb.abs().amax(dim=1) / top
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(xb / safe[:, None]).clamp_(-top, top).to(torch.int8).reshape(-1)[:n]
-        if kind == "int4":
-            nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
-            if n % 2:
-                nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
-            pairs = nibbles.view(-1, 2)
-            codes = pairs[:, 0] | (pairs[:, 1] << 4)
+        if kind != "int8":
+            codes = _pack(codes, CODE_BITS[kind])
     return codes.contiguous().numpy(), scales.contiguous().numpy()
 
 
 def dequantize(codes_np: np.ndarray, scales_np: np.ndarray, numel: int, kind: str,
                block: int = 128) -> torch.Tensor:
-    """The fp32 tensor of ``numel`` elements that a `quantize` payload stands for.
+    """The fp32 tensor of ``numel`` elements that a `quantize` payload (int8, int4) stands for.
 
     Raises `PayloadError` naming what is wrong: a dtype or length that does not fit
     ``numel``/``kind``/``block``, a non-finite or negative scale, an int8 code of −128 or an int4
     nibble of 0 (levels the encoder never writes), or a padding nibble other than 8.
     """
     q_max(kind, block)
-    n_blocks = math.ceil(numel / block)
-    want_codes = (np.dtype("i1"), numel) if kind == "int8" else (np.dtype("u1"), (numel + 1) // 2)
-    if codes_np.dtype != want_codes[0] or codes_np.shape != (want_codes[1],):
-        raise PayloadError(f"{kind} codes must be {want_codes[0]} of shape ({want_codes[1]},), got "
-                           f"{codes_np.dtype} {codes_np.shape}")
+    return dequantize_codes(codes_np, scales_np, numel, kind, block)
+
+
+def _check_scales(scales_np: np.ndarray, n_blocks: int) -> torch.Tensor:
     if scales_np.dtype != np.dtype("<f4") or scales_np.shape != (n_blocks,):
         raise PayloadError(f"scales must be float32 of shape ({n_blocks},), got {scales_np.dtype} {scales_np.shape}")
     scales = torch.from_numpy(np.ascontiguousarray(scales_np))
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise PayloadError("scales must be finite and >= 0 (a non-finite update quantises to a non-finite scale)")
+    return scales
+
+
+def _unpack(raw: torch.Tensor, numel: int, kind: str) -> torch.Tensor:
+    """The fp32 codes of a packed sub-byte payload; refuses the field 0 and bad padding."""
+    bits = CODE_BITS[kind]
+    per, offset, mask = 8 // bits, 1 << (bits - 1), (1 << bits) - 1
+    fields = torch.stack([(raw >> (bits * j)) & mask for j in range(per)], dim=1).reshape(-1)
+    unit = "nibble" if bits == 4 else f"{bits}-bit field"
+    if bool((fields[numel:] != offset).any()):
+        if bits == 4:
+            raise PayloadError("the padding nibble of an odd-length int4 payload must encode 0")
+        raise PayloadError(f"the padding {unit}s of a {numel}-element {kind} payload must encode 0")
+    fields = fields[:numel]
+    if bool((fields == 0).any()):
+        top = offset - 1
+        raise PayloadError(f"{kind} {unit} 0 (code -{offset}) is outside the symmetric grid [-{top}, {top}]")
+    return fields.to(torch.float32) - float(offset)
+
+
+def dequantize_codes(codes_np: np.ndarray, scales_np: np.ndarray, numel: int, kind: str,
+                     block: int = 128) -> torch.Tensor:
+    """`dequantize` for any `CODE_BITS` kind: the same checks, and for int2 a 2-bit field of 0
+    (code −2) or padding fields other than 2 raise `PayloadError`."""
+    code_q_max(kind, block)
+    n_blocks = math.ceil(numel / block)
+    want = (np.dtype("i1"), numel) if kind == "int8" else (np.dtype("u1"), math.ceil(numel * CODE_BITS[kind] / 8))
+    if codes_np.dtype != want[0] or codes_np.shape != (want[1],):
+        raise PayloadError(f"{kind} codes must be {want[0]} of shape ({want[1]},), got "
+                           f"{codes_np.dtype} {codes_np.shape}")
+    scales = _check_scales(scales_np, n_blocks)
     raw = torch.from_numpy(np.ascontiguousarray(codes_np))
     if kind == "int8":
         if bool((raw == -128).any()):
             raise PayloadError("int8 code -128 is outside the symmetric grid [-127, 127]")
         codes = raw.to(torch.float32)
     else:
-        nibbles = torch.stack([raw & 0x0F, raw >> 4], dim=1).reshape(-1)
-        if numel % 2 and int(nibbles[-1]) != 8:
-            raise PayloadError("the padding nibble of an odd-length int4 payload must encode 0")
-        nibbles = nibbles[:numel]
-        if bool((nibbles == 0).any()):
-            raise PayloadError("int4 nibble 0 (code -8) is outside the symmetric grid [-7, 7]")
-        codes = nibbles.to(torch.float32) - 8.0
+        codes = _unpack(raw, numel, kind)
     out = _blocks(codes, block) * scales[:, None]
     return out.reshape(-1)[:numel].contiguous()
