@@ -1,15 +1,18 @@
 """The compression core (fl_geo.core.compress, codecs, sparse; int2 in quantize) against hand
-computations and slow references, and its payload checks."""
+computations and slow references, its payload checks, and ``fl-geo bench compress`` at a tiny size."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from fl_geo.bench.command import main as bench_main
 from fl_geo.core.codecs import CodedValues, DenseValues
 from fl_geo.core.compress import CompressSettings, build_compressor, payload_nbytes
 from fl_geo.core.quantize import dequantize, dequantize_codes, quantize, quantize_codes
@@ -373,3 +376,37 @@ def test_settings_check_gives_one_line_errors(kw, needle):
 def test_build_compressor_refuses_an_unknown_setting():
     with pytest.raises(ConfigError, match=r"unknown compress setting\(s\) \['topk'\]"):
         build_compressor(topk=3)
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+
+def test_bench_compress_prints_each_codec_with_its_byte_ratio(capsys):
+    assert bench_main(["compress", "--params", "4096", "--steps", "3", "--cpu-only"]) == 0
+    out = capsys.readouterr().out
+    lines = {m[1].strip(): m for m in re.finditer(r"^  (\S+(?: \S+)*?)\s+([\d,]+) .*?([\d.]+)x fewer bytes than fp32$",
+                                                   out, re.M)}
+    assert len(lines) == 17
+    int8 = lines["int8"]
+    assert int(int8[2].replace(",", "")) == 4096 + 4 * 32
+    assert int8[3] == f"{4 * 4096 / (4096 + 4 * 32):.1f}" == "3.9"
+    topk = lines["topk 41/4096 int2 +EF"]  # 41 uint16 indices, 41 int2 codes in 11 bytes, one scale
+    assert int(topk[2].replace(",", "")) == 82 + 11 + 4 and topk[3] == f"{16384 / 97:.1f}"
+    assert lines["fp32"][3] == "1.0"
+
+
+def test_bench_compress_json_and_error_feedback_keeps_the_sum_close(capsys):
+    assert bench_main(["compress", "--params", "3000", "--steps", "4", "--cpu-only", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["label"]: r for r in result["variants"]}
+    assert rows["fp32"]["sum_err"] == [0.0] * 4 and rows["fp32"]["bytes"] == 12_000
+    # EF: the running sum misses only the last residual, never more than the codec without EF
+    for codec in ("int2", "topk 41/4096 fp32"):
+        assert rows[f"{codec} +EF"]["sum_err"][-1] < rows[codec]["sum_err"][-1]
+    assert result["config"]["params"] == 3000 and len(rows["int4"]["rel_err"]) == 4
+
+
+def test_bench_compress_bad_size_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["compress", "--params", "0"])
+    assert exc.value.code == 2 and "--params >= 1" in capsys.readouterr().err
