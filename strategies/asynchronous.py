@@ -384,7 +384,8 @@ class AsyncOuterLoop(OuterLoop):
             metrics.update(self.penalised.clip_metrics())
         self.tally = Tally()
         self.waiting = []
-        self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node
+        if not self.done():  # after the last step no job is sent whose update nothing would fold
+            self.dispatch(self.idle_nodes())  # this step's pushers and any new or idle node
         return metrics
 
     def apply_update(self) -> bool:
