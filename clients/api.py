@@ -29,12 +29,14 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-exported: tools import them from here)
+    EF_RESIDUAL_KEY,
     INNER_STATE_KEYS,
     OPT_STATE_KEY,
+    PREV_EF_RESIDUAL_KEY,
     PREV_OPT_STATE_KEY,
     PREV_PROGRESS_KEY,
     PROGRESS_KEY,
@@ -67,8 +69,10 @@ from fl_geo.inner.training import (
 )
 from fl_geo.runtime import protocol
 from fl_geo.runtime.builders import inner_config
+from fl_geo.runtime.compressed import compress_record
 from fl_geo.runtime.wall_faults import wall_fault_mod
 from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
+from fl_geo.runtime.wire_settings import uplink_from_json
 
 __all__ = [
     "INNER_STATE_KEYS",
@@ -412,8 +416,12 @@ class DatacenterClient:
             update = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
         records: dict[str, Any] = {}
         pushed: dict[str, int] = {}
+        start_residual = state.array_records.get(EF_RESIDUAL_KEY)
+        compressed = req.wire_compress is not None and req.send == "pseudo_grad"
         if has_followers(req):  # the update goes to the follower PSs; the reply carries control only
             pushed = {"ps_pushed_bytes": push_update(req, update), "ps_version": self.pulled_version}
+        elif compressed:  # wire.compress: Δ as a compressed payload, with error feedback (docs/compression.md)
+            records["arrays"] = compress_uplink(state, req, update)
         else:
             records["arrays"] = encode(update, spec, req.wire_up)
 
@@ -422,6 +430,10 @@ class DatacenterClient:
             # sends this round again gets the same result (rewind_to_round).
             if start_opt is not None:
                 state[PREV_OPT_STATE_KEY] = start_opt
+            if start_residual is not None:
+                state[PREV_EF_RESIDUAL_KEY] = start_residual
+            elif PREV_EF_RESIDUAL_KEY in state.array_records:
+                del state[PREV_EF_RESIDUAL_KEY]
             state[PREV_PROGRESS_KEY] = ConfigRecord(dict(start_progress))
         state[OPT_STATE_KEY] = opt_record(trainer)
         state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1,
@@ -430,7 +442,7 @@ class DatacenterClient:
             save_inner_state(state, INNER_STATE_KEYS, disk)
 
         metrics = train_metrics(result, train_time, pid, noisy, base_version=req.base_version, **pushed)
-        payload = "control" if pushed else req.send
+        payload = "control" if pushed else "compressed" if compressed else req.send
         records = declared(records, payload, req.wire_up)
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
@@ -477,6 +489,34 @@ class DatacenterClient:
         count = int(site.sections["client"].get("eval_batches", 0))
         batches = self.eval_batches(site.for_eval("partition", count))
         return self.eval_reply(msg, model, batches, partition_id=site.partition_id)
+
+
+def compress_uplink(state: RecordDict, req: protocol.TrainRequest, update: torch.Tensor) -> ArrayRecord:
+    """The pseudo-gradient Δ as the request's compressed payload (``wire_compress``), with this site's
+    error-feedback residual: Δ + e is compressed and e' = Δ + e − Δ̂ replaces e in ``context.state``
+    (`EF_RESIDUAL_KEY`, fp32 on the CPU). No residual (a site's first compressed job, or one that
+    restarted without its inner state) is a zero one; one of another size (another model) is
+    dropped with a warning. A non-finite Δ is refused (ValueError: an error reply) and leaves the
+    residual as it was."""
+    from fl_geo.core.compress import Compressor
+
+    settings = uplink_from_json(req.wire_compress)
+    assert settings is not None
+    compressor = Compressor(settings)
+    residual = None
+    kept = state.array_records.get(EF_RESIDUAL_KEY)
+    if settings.error_feedback and kept is not None:
+        residual = torch.from_numpy(kept["residual"].numpy()).to(update.device)
+        if residual.dtype != torch.float32 or residual.shape != update.shape:
+            log.warning("the kept uplink residual (%s %s) does not fit this model's update (%d): starting from zero",
+                        residual.dtype, tuple(residual.shape), update.numel())
+            residual = None
+    payload, new_residual = compressor.compress(update, residual)
+    if new_residual is not None:
+        state[EF_RESIDUAL_KEY] = ArrayRecord({"residual": Array(new_residual.detach().cpu().numpy())})
+    elif EF_RESIDUAL_KEY in state.array_records:
+        del state[EF_RESIDUAL_KEY]
+    return compress_record(payload)
 
 
 def make_client_app(model_fn: ModelFn, batches_fn: BatchesFn, **options: Any) -> ClientApp:

@@ -5,7 +5,8 @@ their copy on the node's own disk, so that they survive a restarted server.
 Flower keeps ``context.state`` per node *per run*: when a crashed ServerApp is started again with
 ``flwr run`` it is a new run, and every node would start over with fresh AdamW moments and step
 count. A SuperNode started with ``--node-config 'state-dir="/var/lib/fl-geo"'`` writes its inner
-state (the AdamW moments, the schedule position and, with checkpoints on, the state from before
+state (the AdamW moments, the schedule position, the compressed uplink's error-feedback residual
+and, with checkpoints on, the state from before
 its last round) after every train job to ``<state-dir>/<run name>/partition-<id>.pt`` (atomic
 write then rename, sha256-verified like the server's checkpoints) and reads it back only when a
 server that *resumed from a checkpoint* sends it work with an empty ``context.state``. A new run
@@ -38,7 +39,13 @@ OPT_STATE_KEY = "inner_opt"
 PROGRESS_KEY = "inner_progress"
 PREV_OPT_STATE_KEY = "inner_opt_prev"  # the inner state before the last round (run.checkpoint_every)
 PREV_PROGRESS_KEY = "inner_progress_prev"
-INNER_STATE_KEYS = (OPT_STATE_KEY, PROGRESS_KEY, PREV_OPT_STATE_KEY, PREV_PROGRESS_KEY)
+# The error-feedback residual of the compressed uplink (wire.compress, docs/compression.md): one fp32
+# array "residual" of the model's numel, per site and per run; absent = zero (a site that joins or
+# restarts without it starts from zero). With checkpoints on, the residual from before the last round too.
+EF_RESIDUAL_KEY = "uplink_residual"
+PREV_EF_RESIDUAL_KEY = "uplink_residual_prev"
+INNER_STATE_KEYS = (OPT_STATE_KEY, PROGRESS_KEY, PREV_OPT_STATE_KEY, PREV_PROGRESS_KEY, EF_RESIDUAL_KEY,
+                    PREV_EF_RESIDUAL_KEY)
 
 
 def state_path(state_dir: str, run_name: str, partition_id: int) -> Path:
@@ -111,6 +118,10 @@ def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:
             state[OPT_STATE_KEY] = state.array_records[PREV_OPT_STATE_KEY]
         else:  # the round being redone was this node's first: it started with a fresh optimizer
             del state[OPT_STATE_KEY]
+        if PREV_EF_RESIDUAL_KEY in state.array_records:  # the compressed uplink's residual, likewise
+            state[EF_RESIDUAL_KEY] = state.array_records[PREV_EF_RESIDUAL_KEY]
+        elif EF_RESIDUAL_KEY in state.array_records:
+            del state[EF_RESIDUAL_KEY]
         state[PROGRESS_KEY] = prev
         log.info("round %d sent again (server resumed): rewound the inner state to before it", rnd)
         return

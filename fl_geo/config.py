@@ -211,11 +211,28 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
     cfg.ps.check()
     _check_sharded_ps(cfg)
     cfg.wire.check()
+    _check_wire(cfg)
     cfg.data.check()
     _check_data(cfg)
     cfg.client.check()
     _check_model(cfg, own_model)
     METHODS[cfg.strategy.name].settings.from_config(cfg)  # the method's own checks (its settings' check())
+
+
+def _check_wire(cfg: FlGeoConfig) -> None:
+    """``wire.compress`` (after `WireSection.check`): wired for the pseudo-gradient replies of the
+    synchronous and asynchronous loops only (docs/compression.md)."""
+    w, s = cfg.wire, cfg.strategy
+    if w.compress == "none":
+        return
+    family = METHODS[s.name].family
+    require(family in ("sync", "async"),
+            f"wire.compress={w.compress} is wired for the synchronous and asynchronous loops only, not strategy "
+            f"'{s.name}' ({family}); use wire.compress=none")
+    require(not cfg.ps.followers, f"wire.compress={w.compress} does not reach the sharded parameter server's data "
+                                  "path (ps.followers > 0); use wire.compress=none")
+    require(s.pseudo_grad_base != "current", f"wire.compress={w.compress} compresses pseudo-gradients: "
+                                              "strategy.pseudo_grad_base=current has the sites send their parameters")
 
 
 def _check_checkpoints(cfg: FlGeoConfig) -> None:

@@ -230,7 +230,7 @@ class AsyncOuterLoop(OuterLoop):
         base = ev.job.meta.get("base", self.global_params if self._send == "params" else None)
         return read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
                           base=base, payloads=(self._send,), max_steps=self.job_steps(ev.job.node),
-                          step_tokens=self.step_tokens(ev.job.node))
+                          step_tokens=self.step_tokens(ev.job.node), compressor=self.uplink)
 
     def within_norm_bound(self, ev: Event, r: TrainReply) -> bool:
         """``strategy.robust=median_norm``: False (logged, counted) for an update whose norm is

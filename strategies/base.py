@@ -21,6 +21,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from fl_geo.config import FlGeoConfig
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.compress import Compressor
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.dispatch import NODE_DOWN, Dispatcher, JobTiming, NodeProfile, late_report
@@ -81,7 +82,11 @@ class OuterLoop(LoopKernel):
         self.evaluator = evaluator
         self.scenario = scenario  # set with a virtual clock (fl_geo.timing.scenario.Scenario)
         # job bytes and modelled times, one model for every loop (fl_geo.timing.cost)
-        self.cost = CostModel(spec.numel, scenario)
+        # wire.compress: the sites' pseudo-gradients arrive compressed (fl_geo.runtime.compressed);
+        # read_reply decompresses them and the clock charges the compressed bytes
+        uplink = cfg.wire.uplink()
+        self.uplink: Compressor | None = Compressor(uplink) if uplink is not None else None
+        self.cost = CostModel(spec.numel, scenario, uplink=uplink)
         self.model = self.server_model(cfg, global_params)
         self.version = 0  # outer steps applied
         self.total_tokens = 0

@@ -1,7 +1,7 @@
 """Reading a train reply, shared by every strategy: one place decides what a valid reply is.
 
 A reply must carry an ``arrays`` ArrayRecord (the update in the configured uplink precision, keys
-and shapes of the model's ParamSpec) and a ``metrics`` MetricRecord with the keys the datacenter
+and shapes of the model's ParamSpec; or, with ``wire.compress``, the arrays of a compressed payload) and a ``metrics`` MetricRecord with the keys the datacenter
 client writes. Anything else is a :class:`ReplyError` whose message is what the server logs.
 Finiteness is checked later, in the same pass that folds the values (fl_geo.core.accumulate).
 """
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 from flwr.app import Message, MetricRecord
 
+from fl_geo.core.compress import Compressor
 from fl_geo.core.state import ParamSpec
+from fl_geo.runtime.compressed import decompress_record
 from fl_geo.runtime.protocol import TRAIN_METRICS_REQUIRED, ProtocolError, declaration_of
 from fl_geo.runtime.wire import PayloadError, decode, payload_nbytes
 
@@ -113,9 +115,12 @@ def read_reply_metrics(metrics: MetricRecord, expected_version: int | None = Non
 
 
 def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
-                     max_steps: int | None = None, step_tokens: int | None = None) -> TrainReply:
+                     max_steps: int | None = None, step_tokens: int | None = None,
+                     compressor: Compressor | None = None) -> TrainReply:
     """Validate records, metrics (`read_reply_metrics`), keys, shapes, dtypes and sizes; decode
-    without copying.
+    without copying. With ``compressor`` the arrays are a compressed payload (wire.compress),
+    decompressed into one fp32 Δ̂ of ``spec.numel`` (`fl_geo.runtime.compressed`); ``nbytes`` is
+    then the payload's arrays as they travelled (.npy headers included, as for every payload).
 
     ``expected_version``: the model version the job was sent with. A reply that says it trained
     from another one (a stale reply replayed, or a version from the future) is refused: its
@@ -127,7 +132,10 @@ def read_train_reply(reply: Message, spec: ParamSpec, precision: str, expected_v
     m = read_reply_metrics(content.metric_records["metrics"], expected_version, max_steps, step_tokens)
     record = content.array_records["arrays"]
     try:
-        pieces = decode(record, spec, precision)
+        if compressor is not None:
+            pieces = [(0, decompress_record(record, compressor, spec.numel))]
+        else:
+            pieces = decode(record, spec, precision)
     except PayloadError as exc:
         raise ReplyError(str(exc)) from None
     return TrainReply(pieces, m.tokens, m.loss, m.step_time_s, payload_nbytes(record), m.steps, m.noisy_steps)
@@ -238,11 +246,15 @@ def read_model_reply(reply: Message, spec: ParamSpec, base: torch.Tensor) -> Tra
 
 def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version: int | None = None,
                base: torch.Tensor | None = None, payloads: tuple[str, ...] = ("pseudo_grad",),
-               max_steps: int | None = None, step_tokens: int | None = None) -> TrainReply:
+               max_steps: int | None = None, step_tokens: int | None = None,
+               compressor: Compressor | None = None) -> TrainReply:
     """Read a train reply by what it declares (fl_geo.runtime.protocol), never by guessing.
 
     A reply with fl-geo's ``"fl-geo"`` declaration must speak this protocol version, carry one of
-    ``payloads`` in the agreed ``precision``, and is read by `read_train_reply`. A reply without
+    ``payloads`` in the agreed ``precision``, and is read by `read_train_reply`. ``compressor``:
+    the run's compressed uplink (wire.compress): a ``pseudo_grad`` job's reply must then declare a
+    ``compressed`` payload (an uncompressed one is refused: it is not what the run sends), which is
+    decompressed here, so every loop that reads replies this way gets Δ̂ as fp32 pieces. A reply without
     one is a Flower-convention reply (the trained model and ``num-examples``): its Δ is taken
     against ``base``, the model the job was sent with; with no ``base`` kept it is refused.
     """
@@ -255,12 +267,16 @@ def read_reply(reply: Message, spec: ParamSpec, precision: str, expected_version
             raise ReplyError("the reply declares no fl-geo protocol (a Flower-convention reply), and the server kept "
                              "no copy of the model its job was sent with to compute the pseudo-gradient from")
         return read_model_reply(reply, spec, base)
+    if compressor is not None and "pseudo_grad" in payloads:
+        payloads = tuple("compressed" if p == "pseudo_grad" else p for p in payloads)
     if decl.payload not in payloads:
         raise ReplyError(f"the reply declares a {decl.payload!r} payload, this job asked for {' or '.join(payloads)}")
     if decl.precision != precision:
         raise ReplyError(f"the reply declares {decl.precision} arrays, the run's uplink is {precision}")
-    r = read_train_reply(reply, spec, precision, expected_version, max_steps, step_tokens)
-    r.payload = decl.payload
+    compressed = decl.payload == "compressed"
+    r = read_train_reply(reply, spec, precision, expected_version, max_steps, step_tokens,
+                         compressor=compressor if compressed else None)
+    r.payload = "pseudo_grad" if compressed else decl.payload
     return r
 
 

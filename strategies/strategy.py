@@ -419,6 +419,10 @@ class FlGeoStrategy(Strategy):
                 f"{type(self).__name__} needs fl-geo's ClientApp on every node (fl_geo.clients): "
                 f"{loop_cls.plain_clients_refusal}; nodes {plain} run a plain Flower "
                 "ClientApp (they did not answer the profile probe with an fl-geo profile)")
+        if plain and cfg.wire.compress != "none":
+            raise ConfigError(
+                f"wire.compress={cfg.wire.compress} compresses the uplink of fl-geo's ClientApp only: nodes {plain} run a "
+                "plain Flower ClientApp (they did not answer the profile probe with an fl-geo profile); use wire.compress=none")
         logger = self.logger if self.logger is not None else MemoryLogger()
         loop = loop_cls(cfg, spec, params, dispatcher, profiles, logger, evaluator, scenario)
         loop.accept_plain = self.clients != "fl-geo" and loop_cls.supports_plain_clients

@@ -140,7 +140,7 @@ class SyncOuterLoop(OuterLoop):
                 valid.append((node, read_reply(reply, self.spec, self.cfg.wire.up, expected_version=self.version,
                                                base=base, payloads=self.reply_payloads,
                                                max_steps=self._inner_steps(node, warm),
-                                               step_tokens=self.step_tokens(node))))
+                                               step_tokens=self.step_tokens(node), compressor=self.uplink)))
             except ReplyError as exc:
                 self._reject(stats, node, str(exc))
         if not valid:
@@ -245,7 +245,8 @@ class SyncOuterLoop(OuterLoop):
             return
         try:
             r = read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=version,
-                           base=ev.job.meta.get("base"), max_steps=steps, step_tokens=self.step_tokens(ev.job.node))
+                           base=ev.job.meta.get("base"), max_steps=steps, step_tokens=self.step_tokens(ev.job.node),
+                           compressor=self.uplink)
         except ReplyError as exc:
             self._reject(stats, ev.job.node, str(exc))
             return
@@ -326,7 +327,7 @@ class SyncOuterLoop(OuterLoop):
         reduced = [self.profiles[n].partition_id for n in nodes
                    if outcome.errors.get(n) != NODE_DOWN and n not in pending]
         if self.scenario is not None and reduced:
-            nbytes = self.cost.charged_bytes(self.cfg.wire.up)
+            nbytes = self.cost.charged_up_bytes(self.cfg.wire.up)  # compressed with wire.compress
             clock.advance_to(clock.now() + self.cost.allreduce_s(reduced, nbytes, start=clock.now()))
 
     def _step_if_enough(self, rnd: int, stats: Tally, warm: bool) -> tuple[float, list[str]]:

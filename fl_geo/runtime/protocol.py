@@ -42,7 +42,7 @@ REQUEST_RECORD = "fl-geo"  # the fl-geo request in a message; the reply's declar
 PROFILE_KEY = "profile"  # the ConfigRecord of a profile reply (`ProfileQuery`)
 USER_CONFIG_RECORD = "config"  # the user's Flower train_config / evaluate_config
 # Fields that hold JSON text (checked to parse on both sides).
-JSON_FIELDS = frozenset({"client", "model", "data", "stream_apply", "stream_sync", "ps_addresses", "ps_shards",
+JSON_FIELDS = frozenset({"client", "model", "data", "wire_compress", "stream_apply", "stream_sync", "ps_addresses", "ps_shards",
                          "ps_push_order"})
 
 
@@ -148,7 +148,10 @@ class JobRequest(Request):
     ``client`` / ``model`` / ``data``: the run's sections as JSON (the server is the single source
     of truth: sites never read config files). ``schedule_total``: inner LR schedule length.
     ``threads``: torch threads the client may use. ``resumed``: the server resumed from a
-    checkpoint (clients may reload their inner state from ``state_dir``).
+    checkpoint (clients may reload their inner state from ``state_dir``). ``wire_compress``: the
+    uplink's compression (JSON of `fl_geo.core.compress.CompressSettings`, from ``wire.compress``),
+    absent when the uplink is not compressed; a ``pseudo_grad`` train reply is then a
+    ``compressed`` payload (docs/compression.md).
     """
 
     run_name: str
@@ -165,6 +168,7 @@ class JobRequest(Request):
     round: int
     base_version: int
     resumed: bool = False
+    wire_compress: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,7 +291,8 @@ class BridgeRequest(Request):
 class ReplyDeclaration(Request):
     """What an fl-geo ClientApp's reply says about itself: ``payload`` is what ``"arrays"`` holds
     (``pseudo_grad``: Δ; ``params``: θ_local; ``grad``: one batch's gradient at the model sent;
-    ``control``: nothing, the update went over the sharded PS data path; ``fragments``: Streaming DiLoCo fragment updates; ``none``: no arrays),
+    ``control``: nothing, the update went over the sharded PS data path; ``fragments``: Streaming DiLoCo fragment updates; ``none``: no arrays;
+    ``compressed``: Δ as the arrays of a `fl_geo.core.compress` payload, `fl_geo.runtime.compressed`),
     in ``precision``."""
 
     payload: str
@@ -295,7 +300,8 @@ class ReplyDeclaration(Request):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.payload not in ("pseudo_grad", "params", "grad", "control", "fragments", "none"):
+        if self.payload not in ("pseudo_grad", "params", "grad", "control", "fragments", "none",
+                                "compressed"):
             raise ProtocolError(f"ReplyDeclaration.payload {self.payload!r} is unknown")
 
 

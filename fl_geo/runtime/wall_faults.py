@@ -97,7 +97,14 @@ class WallFaults:
             fault = Fault(0.0, math.inf, t0, t0, math.inf)
         else:
             wire = str(request.get("wire_down", "fp32")), str(request.get("wire_up", "fp32"))
-            total = self.cost.job_time(slot, steps, *wire, start=t0).total
+            cost = self.cost
+            if request.get("wire_compress"):  # wire.compress: the update is charged compressed
+                from dataclasses import replace
+
+                from fl_geo.runtime.wire_settings import uplink_from_json
+
+                cost = replace(cost, uplink=uplink_from_json(str(request["wire_compress"])))
+            total = cost.job_time(slot, steps, *wire, start=t0).total
             # a node down when its job would start fails it at once (and stays down until its repair)
             failed = self.timeline.first_down(slot, t0, t0 + total)
             if failed is None:

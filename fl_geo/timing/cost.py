@@ -10,7 +10,8 @@ Two byte counts, deliberately different:
 - :meth:`CostModel.sent_bytes`: the *trained* model's payload, what actually crosses the wire.
   The byte counters (``comm/bytes_up``, ``summary.json``) report it.
 - :meth:`CostModel.charged_bytes`: what the virtual clock charges: the scenario's *modelled*
-  model (``model.num_params``, e.g. Pythia-70M's 70 M parameters for a proxy a thousand times
+  model (for an update compressed by ``wire.compress``, :meth:`CostModel.charged_up_bytes`: the
+  compressed payload of the modelled model) (``model.num_params``, e.g. Pythia-70M's 70 M parameters for a proxy a thousand times
   smaller), so the communication/compute ratio is the paper's; the trained model's count when
   the scenario models none, or when there is no scenario (a wall clock measures, it charges
   nothing, but the count still sizes the job for the dispatcher).
@@ -22,8 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fl_geo.timing.scenario import JobTime, Scenario, payload_bytes
+
+if TYPE_CHECKING:
+    from fl_geo.core.compress import CompressSettings
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class CostModel:
 
     numel: int
     scenario: Scenario | None = None
+    # wire.compress: the uplink's compression (None: the uplink is a model-sized payload at wire.up)
+    uplink: CompressSettings | None = None
 
     def __post_init__(self) -> None:
         if self.numel < 0:
@@ -70,9 +77,20 @@ class CostModel:
             return quantized_nbytes(quantize, share, block)
         return payload_bytes(precision, share)
 
+    def charged_up_bytes(self, wire_up: str) -> int:
+        """Bytes the virtual clock charges for one update (a site's pseudo-gradient): the compressed
+        payload of the modelled model with ``uplink`` (`fl_geo.core.compress.payload_nbytes`, the
+        arrays' bytes), else a model-sized payload at ``wire_up``."""
+        if self.uplink is None:
+            return self.charged_bytes(wire_up)
+        from fl_geo.core.compress import payload_nbytes as compressed_nbytes
+
+        return compressed_nbytes(self.uplink, self.modelled_params) if self.modelled_params else 0
+
     def job_bytes(self, wire_down: str, wire_up: str) -> tuple[int, int]:
-        """(down, up) bytes charged for one job: the model out, the update back."""
-        return self.charged_bytes(wire_down), self.charged_bytes(wire_up)
+        """(down, up) bytes charged for one job: the model out, the update back (compressed with
+        ``uplink``, `charged_up_bytes`)."""
+        return self.charged_bytes(wire_down), self.charged_up_bytes(wire_up)
 
     # ---- time -----------------------------------------------------------------------------------
     def job_time(self, slot: int, steps: int, wire_down: str, wire_up: str,

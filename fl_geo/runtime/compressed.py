@@ -1,0 +1,72 @@
+"""Compressed uplink payloads on the wire: a `fl_geo.core.compress` payload's arrays in a Flower
+``ArrayRecord``.
+
+The record holds exactly the payload's named arrays (``payload.arrays()``: ``values``;
+``codes`` + ``scales``; ``indices`` plus either), each a standard ``.npy`` byte string; the header
+ints (codec, element count, chunk, k, block) do not travel: both ends know them from the run's
+``wire`` section (the request's ``wire_compress``) and the model's `ParamSpec`. Reading one checks
+the key set and that every array decodes, rebuilds the payload from the receiver's own settings and
+lets `Compressor.decompress` check dtypes, lengths, index ranges and order, codes and scales;
+anything wrong raises `PayloadError`, so a malformed or hostile reply is rejected like any other
+bad payload (docs/compression.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fl_geo.core.codecs import CodedValues, DenseValues, Values
+from fl_geo.core.compress import Compressor, Payload
+from fl_geo.core.sparse import SparsePayload, kept_count
+from fl_geo.errors import PayloadError
+
+__all__ = ["compress_record", "decompress_record", "expected_keys"]
+
+
+def compress_record(payload: Payload) -> ArrayRecord:
+    """The payload's arrays as an ArrayRecord (one ``.npy`` Array each)."""
+    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in payload.arrays().items()})
+
+
+def _value_keys(kind: str) -> tuple[str, ...]:
+    return ("values",) if kind in ("fp32", "bf16") else ("codes", "scales")
+
+
+def expected_keys(compressor: Compressor) -> tuple[str, ...]:
+    """The array names a payload of these settings holds."""
+    s = compressor.settings
+    if s.sparse:
+        return ("indices", *_value_keys(s.values))
+    return _value_keys(s.codec)
+
+
+def _values(kind: str, m: int, block: int, arrays: dict[str, np.ndarray]) -> Values:
+    if kind in ("fp32", "bf16"):
+        return DenseValues(kind, m, arrays["values"])
+    return CodedValues(kind, m, block, arrays["codes"], arrays["scales"])
+
+
+def decompress_record(record: ArrayRecord, compressor: Compressor, numel: int) -> torch.Tensor:
+    """The fp32 Δ̂ of ``numel`` elements (CPU) a `compress_record` payload stands for; `PayloadError`
+    for other keys, an unreadable array or anything `Compressor.decompress` refuses."""
+    s = compressor.settings
+    want = set(expected_keys(compressor))
+    keys = set(record.keys())
+    if keys != want:
+        raise PayloadError(f"a {s.describe()} payload holds exactly {sorted(want)}, got {sorted(keys)[:8]}")
+    arrays: dict[str, np.ndarray] = {}
+    for key in sorted(want):
+        try:
+            arrays[key] = record[key].numpy()
+        except Exception as exc:  # noqa: BLE001 - a corrupt .npy is bad input, whatever numpy raises
+            raise PayloadError(f"unreadable {s.codec} payload array {key!r}: {exc}"[:300]) from None
+    payload: Payload
+    if s.sparse:
+        m = kept_count(s.codec, numel, s.chunk_size, s.k_per_chunk)
+        payload = SparsePayload(s.codec, numel, s.chunk_size, s.k_per_chunk, arrays["indices"],
+                                _values(s.values, m, s.block, arrays))
+    else:
+        payload = _values(s.codec, numel, s.block, arrays)
+    return compressor.decompress(payload, numel=numel)
