@@ -26,7 +26,7 @@ raises `PayloadError` (one line) rather than return a wrong tensor. `Compressor.
 a non-finite delta or residual (ValueError): shipped, it would be refused by the receiver anyway,
 and under EF it would enter the residual and spoil every later step.
 
-Not yet used by the outer loops or the wire: see docs/compression.md.
+Wired for the uplink of fl-geo's ClientApp (wire.compress): see docs/compression.md.
 """
 
 from __future__ import annotations
