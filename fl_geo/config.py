@@ -154,9 +154,16 @@ def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
     for section, values in to_dict(cfg).items():
         for key, value in values.items():
             name = f"{section}.{key}"
-            if name not in RESUME_MAY_CHANGE:
+            if name not in RESUME_MAY_CHANGE and not (name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none"):
                 flat[name] = value
     return flat
+
+
+# With wire.compress=none these keys change nothing a run does: left out of its identity, so the run
+# id of an uncompressed run is the one it had before the uplink could be compressed (its checkpoints
+# stay its own).
+UNCOMPRESSED_IDLE = frozenset({"wire.compress", "wire.compress_ratio", "wire.compress_chunk", "wire.compress_values",
+                               "wire.compress_block", "wire.error_feedback"})
 
 
 def config_from_yaml_string(text: str) -> FlGeoConfig:

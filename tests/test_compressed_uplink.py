@@ -258,3 +258,13 @@ def test_restarted_server_reloads_the_residual_from_disk(tiny, tmp_path):
     run_server(fresh, tiny(*common, "run.resume=true"), tmp_path / "r")
     assert torch.equal(full, torch.load(tmp_path / "r" / "final_model.pt")["params"])
     assert all(EF_RESIDUAL_KEY in c.state.array_records for c in fresh.contexts.values())
+
+
+def test_compress_none_keeps_the_run_identity(tiny):
+    """The compress keys enter a run's identity (its checkpoints' run id) only when compression is
+    on: an uncompressed run keeps the run id it had before, so its checkpoints stay its own."""
+    from fl_geo.config import run_identity
+
+    assert not any(k.startswith(("wire.compress", "wire.error_feedback")) for k in run_identity(tiny()))
+    assert run_identity(tiny(*TOPK))["wire.compress"] == "topk"
+    assert run_identity(tiny(*TOPK)) != run_identity(tiny(*TOPK, "wire.compress_values=int4"))
