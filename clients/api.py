@@ -29,14 +29,13 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-exported: tools import them from here)
     EF_RESIDUAL_KEY,
     INNER_STATE_KEYS,
     OPT_STATE_KEY,
-    PREV_EF_RESIDUAL_KEY,
     PREV_OPT_STATE_KEY,
     PREV_PROGRESS_KEY,
     PROGRESS_KEY,
@@ -50,6 +49,7 @@ from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-expor
 from fl_geo.clients.profile import first_device, partition_ids, profile_probe_mod, profile_reply
 from fl_geo.clients.ps_transfer import has_followers, pull_model, push_update
 from fl_geo.clients.site import Site, as_batch_source
+from fl_geo.clients.uplink import compress_uplink, keep_prev_residual
 from fl_geo.core.state import ParamSpec, flatten, load_flat_into, pseudo_grad
 from fl_geo.core.streaming_fragments import Fragments, fragment_spec
 from fl_geo.inner.device import pick_device
@@ -69,10 +69,8 @@ from fl_geo.inner.training import (
 )
 from fl_geo.runtime import protocol
 from fl_geo.runtime.builders import inner_config
-from fl_geo.runtime.compressed import compress_record
 from fl_geo.runtime.wall_faults import wall_fault_mod
 from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
-from fl_geo.runtime.wire_settings import uplink_from_json
 
 __all__ = [
     "INNER_STATE_KEYS",
@@ -414,26 +412,15 @@ class DatacenterClient:
             # (with send=params, Di-PS's "current" base of Algorithm 1 line 10, the server subtracts
             # from its own current model, so the worker ships its parameters)
             update = pseudo_grad(base, local, out=local)  # reuse the local buffer: no extra model copy
-        records: dict[str, Any] = {}
-        pushed: dict[str, int] = {}
         start_residual = state.array_records.get(EF_RESIDUAL_KEY)
-        compressed = req.wire_compress is not None and req.send == "pseudo_grad"
-        if has_followers(req):  # the update goes to the follower PSs; the reply carries control only
-            pushed = {"ps_pushed_bytes": push_update(req, update), "ps_version": self.pulled_version}
-        elif compressed:  # wire.compress: Δ as a compressed payload, with error feedback (docs/compression.md)
-            records["arrays"] = compress_uplink(state, req, update)
-        else:
-            records["arrays"] = encode(update, spec, req.wire_up)
+        records, pushed, payload = self._reply_update(state, req, spec, update)
 
         if req.keep_prev:
             # What this round started from (the same objects, no copy): a resumed server that
             # sends this round again gets the same result (rewind_to_round).
             if start_opt is not None:
                 state[PREV_OPT_STATE_KEY] = start_opt
-            if start_residual is not None:
-                state[PREV_EF_RESIDUAL_KEY] = start_residual
-            elif PREV_EF_RESIDUAL_KEY in state.array_records:
-                del state[PREV_EF_RESIDUAL_KEY]
+            keep_prev_residual(state, start_residual)
             state[PREV_PROGRESS_KEY] = ConfigRecord(dict(start_progress))
         state[OPT_STATE_KEY] = opt_record(trainer)
         state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1,
@@ -442,9 +429,19 @@ class DatacenterClient:
             save_inner_state(state, INNER_STATE_KEYS, disk)
 
         metrics = train_metrics(result, train_time, pid, noisy, base_version=req.base_version, **pushed)
-        payload = "control" if pushed else "compressed" if compressed else req.send
         records = declared(records, payload, req.wire_up)
         return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
+
+    def _reply_update(self, state: RecordDict, req: protocol.TrainRequest, spec: ParamSpec,
+                      update: torch.Tensor) -> tuple[dict[str, Any], dict[str, int], str]:
+        """What a train reply carries for ``update`` and the payload it declares: control only
+        when the update went to the follower PSs; with ``wire.compress`` a compressed payload
+        with error feedback (`fl_geo.clients.uplink`); else the update at the wire precision."""
+        if has_followers(req):
+            return {}, {"ps_pushed_bytes": push_update(req, update), "ps_version": self.pulled_version}, "control"
+        if req.wire_compress is not None and req.send == "pseudo_grad":
+            return {"arrays": compress_uplink(state, req, update)}, {}, "compressed"
+        return {"arrays": encode(update, spec, req.wire_up)}, {}, req.send
 
     def _gradient(self, msg: Message, req: protocol.TrainRequest, site: Site, count: int) -> Message:
         """A ``grad`` job (the data-parallel method ``ddp``): the gradient of the loss of batch
@@ -489,34 +486,6 @@ class DatacenterClient:
         count = int(site.sections["client"].get("eval_batches", 0))
         batches = self.eval_batches(site.for_eval("partition", count))
         return self.eval_reply(msg, model, batches, partition_id=site.partition_id)
-
-
-def compress_uplink(state: RecordDict, req: protocol.TrainRequest, update: torch.Tensor) -> ArrayRecord:
-    """The pseudo-gradient Δ as the request's compressed payload (``wire_compress``), with this site's
-    error-feedback residual: Δ + e is compressed and e' = Δ + e − Δ̂ replaces e in ``context.state``
-    (`EF_RESIDUAL_KEY`, fp32 on the CPU). No residual (a site's first compressed job, or one that
-    restarted without its inner state) is a zero one; one of another size (another model) is
-    dropped with a warning. A non-finite Δ is refused (ValueError: an error reply) and leaves the
-    residual as it was."""
-    from fl_geo.core.compress import Compressor
-
-    settings = uplink_from_json(req.wire_compress)
-    assert settings is not None
-    compressor = Compressor(settings)
-    residual = None
-    kept = state.array_records.get(EF_RESIDUAL_KEY)
-    if settings.error_feedback and kept is not None:
-        residual = torch.from_numpy(kept["residual"].numpy()).to(update.device)
-        if residual.dtype != torch.float32 or residual.shape != update.shape:
-            log.warning("the kept uplink residual (%s %s) does not fit this model's update (%d): starting from zero",
-                        residual.dtype, tuple(residual.shape), update.numel())
-            residual = None
-    payload, new_residual = compressor.compress(update, residual)
-    if new_residual is not None:
-        state[EF_RESIDUAL_KEY] = ArrayRecord({"residual": Array(new_residual.detach().cpu().numpy())})
-    elif EF_RESIDUAL_KEY in state.array_records:
-        del state[EF_RESIDUAL_KEY]
-    return compress_record(payload)
 
 
 def make_client_app(model_fn: ModelFn, batches_fn: BatchesFn, **options: Any) -> ClientApp:

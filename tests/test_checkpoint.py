@@ -103,19 +103,43 @@ def _final(run_dir):
     return torch.load(run_dir / "final_model.pt")["params"]
 
 
+def crash_and_resume(tiny, common: list[str], run_dir, crash_round: int = 4) -> dict:
+    """Run ``common`` (with ``run.checkpoint_every=1``) until the server dies at the second train
+    reply of ``crash_round``, check it left a checkpoint for every round before, then resume
+    on the same nodes (the SuperNodes outlive the server); the resumed run's summary."""
+    grid = InlineGrid(client_app, 3, seed=0)
+    grid.reply_hook = _crash_on(crash_round, 2)
+    with pytest.raises(Crash):
+        run_server(grid, tiny(*common), run_dir)
+    assert CheckpointStore(run_dir / "checkpoints").steps() == list(range(1, crash_round))
+    grid.reply_hook = None
+    return run_server(grid, tiny(*common, "run.resume=true"), run_dir)
+
+
+def crash_and_restart_with_state_dirs(tiny, common: list[str], tmp_path, run_dir) -> InlineGrid:
+    """Deployment: the server dies in round 3 and comes back as a new Flower run, so every node's
+    context.state starts empty; nodes with node config ``state-dir`` reload their inner state from
+    disk. The nodes of the resumed run (their contexts, for checks)."""
+    def nodes(d):
+        return [{"partition-id": i, "num-partitions": 3, "state-dir": str(d)} for i in range(3)]
+
+    grid = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=0)
+    grid.reply_hook = _crash_on(3, 2)
+    with pytest.raises(Crash):
+        run_server(grid, tiny(*common), run_dir)
+    assert sorted(p.name for p in (tmp_path / "state" / "run").iterdir()) == [
+        "partition-0.pt", "partition-1.pt", "partition-2.pt"]
+    fresh = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=1)  # new run: empty contexts
+    run_server(fresh, tiny(*common, "run.resume=true"), run_dir)
+    return fresh
+
+
 @pytest.mark.parametrize("strategy", ["diloco", "edit"])
 def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(tiny, tmp_path, strategy):
     common = [f"strategy.name={strategy}", "run.rounds=5", "run.clock=virtual", "run.checkpoint_every=1"]
     cfg = tiny(*common)
     full = run_server(InlineGrid(client_app, 3, seed=0), cfg, tmp_path / "full")
-
-    grid = InlineGrid(client_app, 3, seed=0)  # the SuperNodes: they outlive the server
-    grid.reply_hook = _crash_on(4, 2)
-    with pytest.raises(Crash):
-        run_server(grid, cfg, tmp_path / "resumed")
-    assert CheckpointStore(tmp_path / "resumed" / "checkpoints").steps() == [1, 2, 3]
-    grid.reply_hook = None
-    resumed = run_server(grid, tiny(*common, "run.resume=true"), tmp_path / "resumed")
+    resumed = crash_and_resume(tiny, common, tmp_path / "resumed")
 
     assert torch.equal(_final(tmp_path / "full"), _final(tmp_path / "resumed"))
     assert resumed["outer_steps"] == full["outer_steps"] == 5
@@ -353,18 +377,7 @@ def test_restart_as_a_new_flower_run_reloads_the_inner_state_from_disk(tiny, tmp
     with node config ``state-dir`` reload their inner state and the run stays bit-identical."""
     common = ["run.rounds=4", "run.clock=virtual", "run.checkpoint_every=1"]
     run_server(InlineGrid(client_app, 3, seed=0), tiny(*common), tmp_path / "full")
-
-    def nodes(d):
-        return [{"partition-id": i, "num-partitions": 3, "state-dir": str(d)} for i in range(3)]
-
-    grid = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=0)
-    grid.reply_hook = _crash_on(3, 2)
-    with pytest.raises(Crash):
-        run_server(grid, tiny(*common), tmp_path / "r")
-    assert sorted(p.name for p in (tmp_path / "state" / "run").iterdir()) == [
-        "partition-0.pt", "partition-1.pt", "partition-2.pt"]
-    fresh = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=1)  # new run: empty contexts
-    run_server(fresh, tiny(*common, "run.resume=true"), tmp_path / "r")
+    crash_and_restart_with_state_dirs(tiny, common, tmp_path, tmp_path / "r")
     assert torch.equal(_final(tmp_path / "full"), _final(tmp_path / "r"))
 
     # without the state files the resumed run still finishes, from fresh inner optimizers

@@ -224,38 +224,22 @@ def test_resume_with_compression_is_bit_identical(tiny, tmp_path):
     """The residual is part of a site's inner state: a server killed after a site trained round 4
     and resumed from its checkpoint sends round 4 again, the site rewinds its residual with its
     optimizer (``keep_prev``), and the run ends on the bits of the uninterrupted one."""
-    from fl_geo.core.checkpoint import CheckpointStore
-    from tests.test_checkpoint import Crash, _crash_on
+    from tests.test_checkpoint import crash_and_resume
 
     common = ["run.rounds=5", "run.clock=virtual", "run.checkpoint_every=1", *TOPK]
     _, full, _ = _run(tiny(*common), tmp_path, "full")
-    grid = InlineGrid(client_app, 3, seed=0)
-    grid.reply_hook = _crash_on(4, 2)
-    with pytest.raises(Crash):
-        run_server(grid, tiny(*common), tmp_path / "resumed")
-    assert CheckpointStore(tmp_path / "resumed" / "checkpoints").steps() == [1, 2, 3]
-    grid.reply_hook = None
-    run_server(grid, tiny(*common, "run.resume=true"), tmp_path / "resumed")
+    crash_and_resume(tiny, common, tmp_path / "resumed")
     assert torch.equal(full, torch.load(tmp_path / "resumed" / "final_model.pt")["params"])
 
 
 def test_restarted_server_reloads_the_residual_from_disk(tiny, tmp_path):
     """A restarted ServerApp is a new Flower run (empty context.state): nodes with ``state-dir``
     reload the residual with the rest of their inner state, and the run stays bit-identical."""
-    from tests.test_checkpoint import Crash, _crash_on
+    from tests.test_checkpoint import crash_and_restart_with_state_dirs
 
     common = ["run.rounds=4", "run.clock=virtual", "run.checkpoint_every=1", *TOPK]
     _, full, _ = _run(tiny(*common), tmp_path, "full")
-
-    def nodes(d):
-        return [{"partition-id": i, "num-partitions": 3, "state-dir": str(d)} for i in range(3)]
-
-    grid = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=0)
-    grid.reply_hook = _crash_on(3, 2)
-    with pytest.raises(Crash):
-        run_server(grid, tiny(*common), tmp_path / "r")
-    fresh = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=1)
-    run_server(fresh, tiny(*common, "run.resume=true"), tmp_path / "r")
+    fresh = crash_and_restart_with_state_dirs(tiny, common, tmp_path, tmp_path / "r")
     assert torch.equal(full, torch.load(tmp_path / "r" / "final_model.pt")["params"])
     assert all(EF_RESIDUAL_KEY in c.state.array_records for c in fresh.contexts.values())
 

@@ -189,19 +189,12 @@ def test_the_server_adamw_state_round_trips_through_a_checkpoint():
 
 def test_a_resumed_ddp_run_is_bit_identical_to_an_uninterrupted_one(tiny, tmp_path):
     """The server's AdamW moments and step count are in the checkpoint (the sites hold no state)."""
-    from fl_geo.core.checkpoint import CheckpointStore
-    from tests.test_checkpoint import Crash, _crash_on
+    from tests.test_checkpoint import crash_and_resume
 
     common = ["strategy.name=ddp", "strategy.inner_steps=1", "run.rounds=5", "run.clock=virtual",
               "run.checkpoint_every=1"]
     full = run_server(InlineGrid(client_app, 3, seed=0), tiny(*common), tmp_path / "full")
-    grid = InlineGrid(client_app, 3, seed=0)
-    grid.reply_hook = _crash_on(4, 2)
-    with pytest.raises(Crash):
-        run_server(grid, tiny(*common), tmp_path / "resumed")
-    assert CheckpointStore(tmp_path / "resumed" / "checkpoints").steps() == [1, 2, 3]
-    grid.reply_hook = None
-    resumed = run_server(grid, tiny(*common, "run.resume=true"), tmp_path / "resumed")
+    resumed = crash_and_resume(tiny, common, tmp_path / "resumed")
     final = {name: torch.load(tmp_path / name / "final_model.pt")["params"] for name in ("full", "resumed")}
     assert torch.equal(final["full"], final["resumed"])
     assert resumed["outer_steps"] == full["outer_steps"] == 5 and resumed["tokens"] == full["tokens"]
