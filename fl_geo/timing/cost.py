@@ -10,11 +10,12 @@ Two byte counts, deliberately different:
 - :meth:`CostModel.sent_bytes`: the *trained* model's payload, what actually crosses the wire.
   The byte counters (``comm/bytes_up``, ``summary.json``) report it.
 - :meth:`CostModel.charged_bytes`: what the virtual clock charges: the scenario's *modelled*
-  model (for an update compressed by ``wire.compress``, :meth:`CostModel.charged_up_bytes`: the
-  compressed payload of the modelled model) (``model.num_params``, e.g. Pythia-70M's 70 M parameters for a proxy a thousand times
+  model (``model.num_params``, e.g. Pythia-70M's 70 M parameters for a proxy a thousand times
   smaller), so the communication/compute ratio is the paper's; the trained model's count when
   the scenario models none, or when there is no scenario (a wall clock measures, it charges
-  nothing, but the count still sizes the job for the dispatcher).
+  nothing, but the count still sizes the job for the dispatcher). An update compressed by
+  ``wire.compress`` is charged as the compressed payload of the modelled model
+  (:meth:`CostModel.charged_up_bytes`).
 
 Framework-free: no Flower, no omegaconf; the scenario answers the link and speed questions.
 """
