@@ -228,14 +228,14 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
 
 def _check_wire(cfg: FlGeoConfig) -> None:
     """``wire.compress`` (after `WireSection.check`): wired for the pseudo-gradient replies of the
-    synchronous and asynchronous loops only (docs/compression.md)."""
+    synchronous and asynchronous loops and of HALoS's workers (docs/compression.md)."""
     w, s = cfg.wire, cfg.strategy
     if w.compress == "none":
         return
     family = METHODS[s.name].family
-    require(family in ("sync", "async"),
-            f"wire.compress={w.compress} is wired for the synchronous and asynchronous loops only, not strategy "
-            f"'{s.name}' ({family}); use wire.compress=none")
+    require(family in ("sync", "async", "halos"),
+            f"wire.compress={w.compress} is wired for the synchronous and asynchronous loops and HALoS's workers "
+            f"only, not strategy '{s.name}' ({family}); use wire.compress=none")
     require(not cfg.ps.followers, f"wire.compress={w.compress} does not reach the sharded parameter server's data "
                                   "path (ps.followers > 0); use wire.compress=none")
     require(s.pseudo_grad_base != "current", f"wire.compress={w.compress} compresses pseudo-gradients: "

@@ -168,7 +168,7 @@ class HalosLoop(OuterLoop):
             # node was never sent, is refused (its staleness would be a lie)
             r = read_reply(ev.reply, self.spec, self.cfg.wire.up, expected_version=int(ev.job.meta["version"]),
                            base=ev.job.meta.get("base"), max_steps=self.job_steps(node),
-                           step_tokens=self.step_tokens(node))
+                           step_tokens=self.step_tokens(node), compressor=self.uplink)
         except ReplyError as exc:
             self._reject(self.tally, node, str(exc))
             return

@@ -174,6 +174,34 @@ def test_malformed_compressed_payload_is_rejected(tiny, tmp_path, change, strate
     assert torch.equal(final, refused)
 
 
+HALOS = ["strategy.name=halos", "halos.accumulate=2", "halos.local_buffer=2", "strategy.delay_buffer=2",
+         "strategy.inner_steps=2", "run.rounds=3", *VIRTUAL]
+
+
+def test_halos_workers_send_compressed_updates_to_their_local_servers(tiny, tmp_path):
+    """HALoS: each worker's update reaches its local server compressed (counted as sent, charged
+    on the worker's upload); what a local server sends the global one is not compressed. The
+    uplink's share of the run's bytes is the workers' payloads, and the compressed run's virtual
+    time is shorter, its uploads being 1/170 of fp32."""
+    plain, _, _ = _run(tiny(*HALOS), tmp_path, "plain")
+    comp, final, _ = _run(tiny(*HALOS, *TOPK), tmp_path, "comp")
+    assert comp["outer_steps"] == plain["outer_steps"] == 3 and comp["rejected"] == 0
+    assert torch.isfinite(final).all()
+    sends = comp["bytes_up"] - comp["accepted_updates"] * (_topk_bytes() + 3 * NPY_HEADER)
+    # what the local servers sent the global one: fp32 models (wire.up), one per global update
+    # and any still in transfer when the run ended
+    assert sends % (4 * NUMEL) == 0 and sends // (4 * NUMEL) >= 3, sends
+    assert comp["virtual_s"] < plain["virtual_s"]
+
+
+@pytest.mark.parametrize("change", [_index_out_of_range, _nan_scale], ids=["index-out-of-range", "nan-scale"])
+def test_halos_refuses_a_malformed_compressed_update(tiny, tmp_path, change):
+    cfg = tiny(*HALOS, *TOPK)
+    summary, final, _ = _run(cfg, tmp_path, "hostile", hook=_tamper(0, change))
+    _, refused, _ = _run(cfg, tmp_path, "refused", hook=site_reply_hook(0, tokens=float("nan")))
+    assert summary["rejected"] >= 1 and torch.equal(final, refused)
+
+
 def test_an_uncompressed_reply_is_refused_when_the_uplink_is_compressed(tiny, tmp_path):
     from flwr.app import ConfigRecord
 
@@ -201,9 +229,8 @@ def test_an_uncompressed_reply_is_refused_when_the_uplink_is_compressed(tiny, tm
     (["wire.compress=int8", "wire.compress_block=0"], "wire.compress_block must be an int >= 1"),
     (["wire.compress=dct_topk", "wire.compress_chunk=8192"], "wire.compress_chunk must be an int in [1, 4096]"),
     (["wire.compress=int8", "wire.up=bf16"], "replaces wire.up"),
-    (["wire.compress=topk", "strategy.name=streaming_diloco", "model.n_layers=2"], "synchronous and asynchronous loops only"),
-    (["wire.compress=topk", "strategy.name=halos"], "synchronous and asynchronous loops only"),
-    (["wire.compress=topk", "strategy.name=ddp"], "synchronous and asynchronous loops only"),
+    (["wire.compress=topk", "strategy.name=streaming_diloco", "model.n_layers=2"], "asynchronous loops and HALoS"),
+    (["wire.compress=topk", "strategy.name=ddp"], "asynchronous loops and HALoS"),
     (["wire.compress=topk", "strategy.name=dips", "strategy.pseudo_grad_base=current"], "pseudo_grad_base=current"),
 ])
 def test_config_refuses(tiny, overrides, message):
