@@ -47,6 +47,7 @@ from fl_geo.halos.settings import HalosSection
 from fl_geo.inner.model import ModelConfig
 from fl_geo.ps.settings import PsSection
 from fl_geo.registry import METHODS
+from fl_geo.run_identity import RESUME_MAY_CHANGE, run_identity  # noqa: F401  (re-exported: its historical home)
 from fl_geo.run_settings import RunSection
 from fl_geo.runtime.wire_settings import WIRE_PRECISIONS, WireSection
 from fl_geo.strategy_settings import (
@@ -121,49 +122,6 @@ def _check_strategy_keys(strategy: StrategySection, keys: set[str]) -> None:
                     if not hasattr(default, k) or getattr(strategy, k) != getattr(default, k))
     require(not unused, f"strategy.{unused[0] if unused else ''} is not a setting of strategy '{strategy.name}' "
                         f"({settings.__name__}); its strategy keys: {', '.join(sorted(settings.strategy_keys()))}")
-
-
-# Keys a resumed run may change without becoming another run (`run_identity` leaves them out):
-# extending the budget (run.rounds, run.max_tokens; with client.total_steps=0 the inner LR
-# schedule's length follows the new budget, so an extended run is not bit-identical to one
-# started with the longer budget), where files go and how the run is watched (directories, run
-# name, loggers, progress), how often checkpoints are written and kept, and the process and
-# waiting settings of this machine (backend, threads, CPUs, node waits, the client device:
-# a restart may land on another host), and the derived reply deadlines (a run whose slow site was
-# taken for a hung one is resumed with a higher floor or factor). Everything else - strategy, optimizers, penalty, model,
-# data, inner loop, wire precision, seeds, evaluation - shapes the model or its metrics history,
-# so a checkpoint written under other values is another run's.
-RESUME_MAY_CHANGE = frozenset({
-    "run.resume", "run.rounds", "run.max_tokens", "run.name", "run.out_dir", "run.progress",
-    "run.tensorboard", "run.loggers", "run.checkpoint_every", "run.checkpoint_keep", "run.checkpoint_dir",
-    "run.client_state_dir", "run.backend", "run.sim_cpus", "run.server_threads", "run.threads_per_client",
-    "run.ray_address", "run.client_cpus", "run.client_gpus",
-    "run.min_nodes", "run.wait_nodes_timeout_s", "run.min_live_nodes", "run.min_live_wait_s",
-    "strategy.reply_deadline_factor", "strategy.reply_deadline_floor_s", "strategy.reply_deadline_first_s",
-    "client.device", "data.data_dir", "ps.workdir", "ps.retry_s", "ps.heartbeat_s", "ps.host",
-    "ps.tls_certs_dir", "ps.allow_insecure_remote",
-})
-
-
-def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
-    """The run identity a checkpoint carries (`fl_geo.core.checkpoint`): every resolved config
-    value as ``{"section.key": value}`` except `RESUME_MAY_CHANGE`. Two configs with the same
-    identity train the same model (strategy, model layout, data, seeds), so a resume may use
-    the other's checkpoints; any difference makes them different runs."""
-    flat: dict[str, Any] = {}
-    for section, values in to_dict(cfg).items():
-        for key, value in values.items():
-            name = f"{section}.{key}"
-            if name not in RESUME_MAY_CHANGE and not (name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none"):
-                flat[name] = value
-    return flat
-
-
-# With wire.compress=none these keys change nothing a run does: left out of its identity, so the run
-# id of an uncompressed run is the one it had before the uplink could be compressed (its checkpoints
-# stay its own).
-UNCOMPRESSED_IDLE = frozenset({"wire.compress", "wire.compress_ratio", "wire.compress_chunk", "wire.compress_values",
-                               "wire.compress_block", "wire.error_feedback"})
 
 
 def config_from_yaml_string(text: str) -> FlGeoConfig:

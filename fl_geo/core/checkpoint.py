@@ -10,7 +10,7 @@ Why this shape:
   something else fails the check and is skipped with a logged warning;
   :meth:`CheckpointStore.load_latest` falls back to the newest one that verifies.
 - **Owned**: a store may carry a run identity (a JSON object: for the ServerApp, the resolved
-  config minus what may change on resume, `fl_geo.config.run_identity`). Its sha256, the run id,
+  config minus what may change on resume, `fl_geo.run_identity.run_identity`). Its sha256, the run id,
   sits in every file's header next to the identity itself, so who wrote a file is known from its
   first bytes, without loading a model-sized payload. A store only ever deletes or overwrites
   files that carry its own run id; a store without an identity is "anonymous" (run id all zeros)
