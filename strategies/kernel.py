@@ -11,6 +11,7 @@ state (`log_initial`, `evaluate`, `client_eval`, `maybe_checkpoint`, `stop`).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from fl_geo.runtime.progress import Progress
@@ -25,7 +26,7 @@ class NoLiveNode(RuntimeError):
     """Raised inside a move when no node is left to train on; `run` turns it into `stop`."""
 
 
-class LoopKernel:
+class LoopKernel(ABC):
     """The template of every outer loop (see the module docstring)."""
 
     cfg: FlGeoConfig
@@ -62,26 +63,29 @@ class LoopKernel:
             self.close()
 
     def open(self) -> None:
-        """Before the first evaluation: start what the loop needs outside this process."""
+        """Before the first evaluation: start what the loop needs outside this process. Nothing by default."""
+        return None
 
     def begin(self) -> None:
-        """After the step-0 record: the loop's first move (an asynchronous loop's first dispatch)."""
+        """After the step-0 record: the loop's first move (an asynchronous loop's first dispatch). Nothing by default."""
+        return None
 
+    @abstractmethod
     def done(self) -> bool:
         """Whether the budget (steps, rounds or tokens) is spent."""
-        raise NotImplementedError
 
+    @abstractmethod
     def advance(self) -> bool:
         """One move of the policy: a synchronous round, an asynchronous event, a streaming tick.
         False when the loop must stop before its budget (after `stop`)."""
-        raise NotImplementedError
 
     def finish(self) -> None:
         """After the last move: by default the clean `drain`."""
         self.drain()
 
     def close(self) -> None:
-        """Always last, also after an error: stop what `open` started."""
+        """Always last, also after an error: stop what `open` started. Nothing by default."""
+        return None
 
     def drain(self) -> None:
         """Let in-flight jobs finish (nothing is folded), so no node is left mid-message when the
@@ -115,22 +119,22 @@ class LoopKernel:
                                  tokens=self.total_tokens, virtual_s=metrics.get("time/virtual_s"))
 
     # ---- what the kernel calls on the loop's state (`OuterLoop`) ----------------------------------
+    @abstractmethod
     def log_initial(self) -> None:
         """The step-0 record: the untrained model's validation loss."""
-        raise NotImplementedError
 
+    @abstractmethod
     def evaluate(self) -> dict[str, float]:
         """The server's validation of the current model."""
-        raise NotImplementedError
 
+    @abstractmethod
     def client_eval(self, rnd: int) -> dict[str, float]:
         """The clients' validation on their partitions."""
-        raise NotImplementedError
 
+    @abstractmethod
     def maybe_checkpoint(self, step: int, last: bool = False) -> None:
         """A checkpoint after ``step`` when ``run.checkpoint_every`` asks for one."""
-        raise NotImplementedError
 
+    @abstractmethod
     def stop(self, reason: str, quiet: bool = False) -> None:
         """End the run before its budget, for ``reason``."""
-        raise NotImplementedError
