@@ -27,6 +27,7 @@ import yaml
 
 from fl_geo import cli
 from fl_geo.deploy import certificates, flower_config, launch, lifecycle, processes, topology
+from fl_geo.deploy.control import ControlUnavailable, query_nodes, query_run_status
 from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import down_and_assert_clean, free_ports, tiny_overrides
 
@@ -537,7 +538,46 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     for r in processes.load_records(topo):
         if r.role == "supernode" and r.name != "intruder":
             assert _received(r.log) >= 1, r.log  # the asynchronous loop dispatched to every site
+    # The launcher asked Flower's Control API in-process (fl_geo.deploy.control): over TLS its
+    # answers are the CLI's, word for word.
+    shown = processes._json_out(processes.flwr_cli(topo, ["ls", topo.name, "--run-id", str(res.run_id),
+                                                          "--format", "json"]))["runs"][0]
+    assert query_run_status(topo, res.run_id) == (shown["status"], shown["status-details"]) == ("finished:completed",
+                                                                                                shown["status-details"])
+    listed = processes._json_out(processes.flwr_cli(topo, ["supernode", "ls", topo.name, "--format", "json"]))
+    assert query_nodes(topo) == [{k: n[k] for k in ("node-id", "owner-name", "status")} for n in listed["nodes"]]
     print(f"\n[e2e fedbuff tls+auth] run {res.wall_s:.1f} s, ServerApp {s['wall_s']:.1f} s", file=sys.stderr)
+
+
+def test_the_cli_answers_when_the_control_api_cannot_be_asked_here(tmp_path, monkeypatch):
+    """Without an in-process answer (another Flower, a refused call) the run status and the
+    node table come from the ``flwr`` CLI, as before: nothing is lost, only CPU."""
+    import fl_geo.deploy.control as control
+
+    def unavailable(topo):
+        raise ControlUnavailable("no client here")
+
+    asked: list[list[str]] = []
+
+    def cli(topo, args, timeout_s=60.0):
+        asked.append(list(args))
+        out = ('{"success": true, "runs": [{"status": "finished:failed", "status-details": "boom"}]}' if args[0] == "ls"
+               else '{"success": true, "nodes": [{"node-id": "7", "owner-name": "none", "status": "online"}]}')
+        return subprocess.CompletedProcess(["flwr", *args], 0, stdout="banner\n" + out, stderr="")
+
+    from flwr.proto.control_pb2 import ListNodesRequest
+
+    data = _base()
+    data["superlink"]["port"] = free_ports(1)[0]  # nothing listens there
+    topo = _topo(data, tmp_path)
+    with pytest.raises(ControlUnavailable, match="Control API ListNodes failed"):
+        control._call(topo, "ListNodes", ListNodesRequest())  # refused: an answer for the CLI, not a raw error
+    monkeypatch.setattr(control, "_client", unavailable)
+    monkeypatch.setattr(launch, "flwr_cli", cli)
+    monkeypatch.setattr(processes, "flwr_cli", cli)
+    assert launch.run_status(topo, 7) == ("finished:failed", "boom")
+    assert processes.list_nodes(topo) == [{"node-id": "7", "owner-name": "none", "status": "online"}]
+    assert [a[:2] for a in asked] == [["ls", topo.name], ["supernode", "ls"]]
 
 
 def test_a_status_query_that_times_out_is_unknown_not_fatal(tmp_path, monkeypatch):

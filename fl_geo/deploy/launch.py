@@ -13,6 +13,7 @@ which submits an fl-geo config with ``flwr run``, waits for it, and finds the ru
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -27,6 +28,8 @@ from fl_geo.deploy.app_stage import staged_app
 from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
 from fl_geo.deploy.processes import _json_out, flower_env, flower_exe, flwr_cli
 from fl_geo.deploy.topology import DeployError, Topology
+
+log = logging.getLogger("fl_geo")
 
 __all__ = ["RunResult", "StatusPacer", "run_experiment", "run_status", "summary_written", "wait_for_run"]
 
@@ -76,7 +79,14 @@ def _config_arg(config: Path, app_dir: Path) -> str:
 def run_status(topo: Topology, run_id: int) -> tuple[str, str]:
     """(status, details) of one run, e.g. ("finished:completed", ""); ("unknown", why) when Flower
     could not say, e.g. ``flwr ls`` did not answer in time on a loaded host (the caller asks again
-    at its next poll: a slow answer is no reason to abandon a run)."""
+    at its next poll: a slow answer is no reason to abandon a run). Asked in this process
+    through the Control API (`fl_geo.deploy.control`), else by ``flwr ls``."""
+    from fl_geo.deploy.control import ControlUnavailable, query_run_status
+
+    try:
+        return query_run_status(topo, run_id)
+    except ControlUnavailable as exc:
+        log.debug("run status through the flwr CLI: %s", exc)
     try:
         proc = flwr_cli(topo, ["ls", topo.name, "--run-id", str(run_id), "--format", "json"])
     except subprocess.TimeoutExpired as exc:

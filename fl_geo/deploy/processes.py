@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.deploy.topology import NO_DEPS_ENV, DeployError, NodeSpec, Topology
+
+log = logging.getLogger("fl_geo")
 
 __all__ = [
     "ProcRecord",
@@ -271,7 +274,15 @@ def _json_out(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 
 def list_nodes(topo: Topology) -> list[dict[str, Any]]:
-    """The SuperLink's node table (``flwr supernode ls``); empty when it cannot be read."""
+    """The SuperLink's node table (as ``flwr supernode ls`` lists it); empty when it cannot be
+    read. Asked in this process through the Control API (`fl_geo.deploy.control`), else by the
+    CLI."""
+    from fl_geo.deploy.control import ControlUnavailable, query_nodes
+
+    try:
+        return query_nodes(topo)
+    except ControlUnavailable as exc:
+        log.debug("node table through the flwr CLI: %s", exc)
     out = _json_out(flwr_cli(topo, ["supernode", "ls", topo.name, "--format", "json"]))
     return list(out.get("nodes", [])) if out.get("success") else []
 
