@@ -32,6 +32,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fl_geo.clients.downlink import receive_public
 from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-exported: tools import them from here)
     EF_RESIDUAL_KEY,
     INNER_STATE_KEYS,
@@ -285,14 +286,15 @@ class DatacenterClient:
                 self._fragments.popitem(last=False)
         return self._fragments[key]
 
-    def receive_model(self, msg: Message, req: protocol.JobRequest, spec: ParamSpec, out: torch.Tensor) -> torch.Tensor:
-        """The received global model, decoded into ``out`` and validated against ``spec``.
-
-        Wrong keys, shapes or precision are refused by the wire codec; a NaN or ±Inf here is
-        refused too (training from it would only send garbage back).
-        """
+    def receive_model(self, msg: Message, req: protocol.JobRequest, spec: ParamSpec, out: torch.Tensor,
+                      state: RecordDict | None = None) -> torch.Tensor:
+        """The received global model (``wire.compress_down``: the server's public model, whole or as
+        deltas of the one in ``state``, `fl_geo.clients.downlink`) decoded into ``out``; wrong keys,
+        shapes or precision, or a NaN/±Inf (training would only send garbage back), are refused."""
         if has_followers(req):  # sharded Di-PS: the model comes over the data path, not in the message
             self.pulled_version = pull_model(req, out)
+        elif getattr(req, "wire_compress_down", None) is not None and state is not None:
+            receive_public(state, msg.content.array_records.get("arrays"), req, spec, out)
         else:
             if "arrays" not in msg.content.array_records:
                 raise ValueError("the message carries no model ('arrays')")
@@ -330,16 +332,16 @@ class DatacenterClient:
         """Tell the server who we are: partition, device and site (`profile_reply`)."""
         return profile_reply(msg, context)
 
-    def _single(self, msg: Message, req: protocol.TrainRequest,
-                site: Site) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:
+    def _single(self, msg: Message, req: protocol.TrainRequest, site: Site,
+                state: RecordDict | None = None) -> tuple[InnerTrainer, ParamSpec, torch.Tensor]:
         model, spec = self.model(site)
-        base = self.receive_model(msg, req, spec, torch.empty(spec.numel, dtype=torch.float32))
+        base = self.receive_model(msg, req, spec, torch.empty(spec.numel, dtype=torch.float32), state)
         load_flat_into(model, base, spec)
         model.to(self.device(site))
         return self.trainer(model, site), spec, base
 
-    def _data_parallel(self, msg: Message, req: protocol.TrainRequest, site: Site,
-                       count: int) -> tuple[DataParallelTrainer, ParamSpec, torch.Tensor]:
+    def _data_parallel(self, msg: Message, req: protocol.TrainRequest, site: Site, count: int,
+                       state: RecordDict) -> tuple[DataParallelTrainer, ParamSpec, torch.Tensor]:
         """A data-parallel job of ``count`` ranks (fl_geo.inner.distributed).
 
         This process builds no trainable model: the received model is decoded straight into the
@@ -351,14 +353,12 @@ class DatacenterClient:
             raise ValueError("client.devices > 1 runs the default AdamW inner optimizer only "
                              "(its state lives in the job's shared buffers); drop optimizer_fn")
         device = str(site.node_config.get("device", site.inner.device))
-        client = site.sections["client"]
-        devices, backend = resolve_devices(device, count, str(client.get("dist_backend", "auto")))
+        devices, backend = resolve_devices(device, count, str(site.sections["client"].get("dist_backend", "auto")))
         factory = functools.partial(self.model_fn, site)
         spec = spec_of(factory)
-        trainer = DataParallelTrainer(factory, site.inner, spec, devices, backend,
-                                      threads=req.threads, loss_fn=self.loss_fn,
-                                      lr_schedule=self.lr_schedule, tokens_fn=self.tokens_fn)
-        self.receive_model(msg, req, spec, trainer.params)
+        trainer = DataParallelTrainer(factory, site.inner, spec, devices, backend, threads=req.threads,
+                                      loss_fn=self.loss_fn, lr_schedule=self.lr_schedule, tokens_fn=self.tokens_fn)
+        self.receive_model(msg, req, spec, trainer.params, state)
         return trainer, spec, trainer.params.clone()
 
     def train(self, msg: Message, context: Context) -> Message:
@@ -378,11 +378,11 @@ class DatacenterClient:
         if req.send == "grad":
             return self._gradient(msg, req, site, count)
         trainer: InnerTrainer | DataParallelTrainer
-        if count > 1:
-            trainer, spec, base = self._data_parallel(msg, req, site, count)
-        else:
-            trainer, spec, base = self._single(msg, req, site)
         state = context.state
+        if count > 1:
+            trainer, spec, base = self._data_parallel(msg, req, site, count, state)
+        else:
+            trainer, spec, base = self._single(msg, req, site, state)
         pid = site.partition_id
         disk = state_file(context, req, pid)
         if disk is not None and req.resumed and PROGRESS_KEY not in state.config_records:

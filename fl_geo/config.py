@@ -185,19 +185,22 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
 
 
 def _check_wire(cfg: FlGeoConfig) -> None:
-    """``wire.compress`` (after `WireSection.check`): wired for the pseudo-gradient replies of the
-    synchronous and asynchronous loops and of HALoS's workers (docs/compression.md)."""
+    """``wire.compress`` / ``wire.compress_down`` (after `WireSection.check`): wired for the
+    pseudo-gradient jobs of the synchronous and asynchronous loops and of HALoS's workers
+    (docs/compression.md)."""
     w, s = cfg.wire, cfg.strategy
-    if w.compress == "none":
-        return
-    family = METHODS[s.name].family
-    require(family in ("sync", "async", "halos"),
-            f"wire.compress={w.compress} is wired for the synchronous and asynchronous loops and HALoS's workers "
-            f"only, not strategy '{s.name}' ({family}); use wire.compress=none")
-    require(not cfg.ps.followers, f"wire.compress={w.compress} does not reach the sharded parameter server's data "
-                                  "path (ps.followers > 0); use wire.compress=none")
-    require(s.pseudo_grad_base != "current", f"wire.compress={w.compress} compresses pseudo-gradients: "
-                                              "strategy.pseudo_grad_base=current has the sites send their parameters")
+    for key, codec in (("wire.compress", w.compress), ("wire.compress_down", w.compress_down)):
+        if codec == "none":
+            continue
+        family = METHODS[s.name].family
+        require(family in ("sync", "async", "halos"),
+                f"{key}={codec} is wired for the synchronous and asynchronous loops and HALoS's workers "
+                f"only, not strategy '{s.name}' ({family}); use {key}=none")
+        require(not cfg.ps.followers, f"{key}={codec} does not reach the sharded parameter server's data "
+                                      f"path (ps.followers > 0); use {key}=none")
+        # down: a site trains from x̂ while g = θ_current − θ_site would be taken against x
+        require(s.pseudo_grad_base != "current", f"{key}={codec} works with pseudo-gradients: "
+                                                  "strategy.pseudo_grad_base=current has the sites send their parameters")
 
 
 def _check_checkpoints(cfg: FlGeoConfig) -> None:

@@ -47,7 +47,9 @@ def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
     for section, values in to_dict(cfg).items():
         for key, value in values.items():
             name = f"{section}.{key}"
-            if name not in RESUME_MAY_CHANGE and not (name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none"):
+            idle = ((name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none")
+                    or (name in DOWN_UNCOMPRESSED_IDLE and cfg.wire.compress_down == "none"))
+            if name not in RESUME_MAY_CHANGE and not idle:
                 flat[name] = value
     return flat
 
@@ -57,3 +59,6 @@ def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
 # stay its own).
 UNCOMPRESSED_IDLE = frozenset({"wire.compress", "wire.compress_ratio", "wire.compress_chunk", "wire.compress_values",
                                "wire.compress_block", "wire.error_feedback"})
+# Likewise the downlink's keys with wire.compress_down=none.
+DOWN_UNCOMPRESSED_IDLE = frozenset({"wire.compress_down", "wire.compress_down_ratio", "wire.compress_down_chunk",
+                                    "wire.compress_down_values", "wire.compress_down_block"})

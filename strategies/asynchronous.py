@@ -127,7 +127,8 @@ class AsyncOuterLoop(OuterLoop):
         """Send the current model to idle nodes, each with its own budget and schedule position."""
         if not nodes:
             return
-        records, down = self.model_records()
+        # wire.compress_down: each node gets x̂ whole or its deltas (strategies/downlink.py)
+        records, down = self.model_records() if self.downlink is None else ({}, 0)
         msgs, timings, meta = [], [], []
         # position in worker steps: samples dispatched to all workers / one worker's batch
         global_batch = self.cfg.client.batch_size
@@ -135,24 +136,29 @@ class AsyncOuterLoop(OuterLoop):
             steps = self.job_steps(node)
             job = f"v{self.version}-p{self.partition_of(node)}-{self._job_seq}"
             self._job_seq += 1
+            sent = self.down_message(self.downlink, node, self.global_params, self.version)
+            node_records, fields, nbytes, deltas = dict(records), {}, down, None
+            if sent is not None:
+                node_records["arrays"], fields, nbytes, deltas = sent
+            elif self.downlink is not None:  # a plain Flower ClientApp: the model whole
+                node_records, nbytes = self.model_records()
             config = dict(self._client_cfg, round=self.version, base_version=self.version, inner_steps=steps, send=self._send,
-                          **self.job_config(node, job))
+                          **self.job_config(node, job), **fields)
             if self.cfg.strategy.schedule_clock == "global":
                 config["start_step"] = self.dispatched_samples // global_batch
             self.dispatched_samples += steps * global_batch
-            node_records = dict(records)
-            if "arrays" in records:
-                node_records["arrays"] = self.arrays_for(node, records["arrays"], self.global_params)
+            if "arrays" in node_records and sent is None:
+                node_records["arrays"] = self.arrays_for(node, node_records["arrays"], self.global_params)
             content = RecordDict({**node_records, **self.request_records(TrainRequest(**config), self.user_train_config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
-            timings.append(JobTiming(self.profiles[node].partition_id, steps, *self.cost.job_bytes(self.cfg.wire.down, self.cfg.wire.up)))
+            timings.append(JobTiming(self.profiles[node].partition_id, steps, *self.cost.job_bytes(self.cfg.wire.down, self.cfg.wire.up, deltas)))
             meta.append({"version": self.version, "steps": steps, "job": job})
             if self._send == "pseudo_grad":  # (params mode: Δ is taken against the current model)
                 base = self.base_snapshot(node, self.global_params)
                 if base is not None:
                     meta[-1]["base"] = base
+            self.total_bytes_down += nbytes
         self.dispatcher.submit(msgs, timings, meta)
-        self.total_bytes_down += down * len(nodes)
 
     def model_records(self) -> tuple[dict[str, Any], int]:
         """What a train message carries besides its config: the model (and its bytes). The
@@ -176,6 +182,8 @@ class AsyncOuterLoop(OuterLoop):
             if self.grace_timer is not None:
                 self.grace_timer.observe_arrival(ev.time)
         if self.job_failed(self.tally, node, ev.ok, ev.error):
+            if self.downlink is not None:  # it may not hold what it was sent: x̂ whole next time
+                self.downlink.forget(node)
             return  # error reply or vanished node: nothing to fold; it is re-dispatched if alive
         self.waiting.append(node)  # Di-PS: pushers get the new model, rejected ones included
         try:

@@ -39,6 +39,7 @@ from fl_geo.runtime.protocol import (
 from fl_geo.runtime.wire import encode
 from fl_geo.strategies import loop_checkpoint
 from fl_geo.strategies.client_record import client_config_record
+from fl_geo.strategies.downlink import Downlink, DownMessage
 from fl_geo.strategies.kernel import LoopKernel
 from fl_geo.strategies.penalised_fold import PenalisedFold, penalty_from_config
 from fl_geo.strategies.plain_claims import PlainClaims
@@ -86,8 +87,10 @@ class OuterLoop(LoopKernel):
         # read_reply decompresses them and the clock charges the compressed bytes
         uplink = cfg.wire.uplink()
         self.uplink: Compressor | None = Compressor(uplink) if uplink is not None else None
-        self.cost = CostModel(spec.numel, scenario, uplink=uplink)
+        # wire.compress_down: sites are sent compressed deltas of a public model x̂ (strategies/downlink.py)
+        self.cost = CostModel(spec.numel, scenario, uplink=uplink, downlink=cfg.wire.downlink())
         self.model = self.server_model(cfg, global_params)
+        self.downlink = self.global_downlink(cfg, spec, global_params)
         self.version = 0  # outer steps applied
         self.total_tokens = 0
         self.total_bytes_up = 0
@@ -124,6 +127,23 @@ class OuterLoop(LoopKernel):
         and a model-sized sum. Loops whose outer state lives in their own parts return
         `ServerModel.held_elsewhere`. Called once, from ``__init__``, before the loop's own set-up."""
         return ServerModel.from_config(cfg, global_params)
+
+    def global_downlink(self, cfg: FlGeoConfig, spec: ParamSpec, global_params: torch.Tensor) -> Downlink | None:
+        """The public model of θ that sites are sent deltas of (``wire.compress_down``), or None:
+        off, or a loop whose sites train from other models (HALoS: one per local server)."""
+        settings = cfg.wire.downlink()
+        return None if settings is None else Downlink(settings, spec, cfg.wire.down, global_params, 0)
+
+    def down_message(self, downlink: Downlink | None, node: int, x: torch.Tensor, key: Any) -> DownMessage | None:
+        """``node``'s compressed-downlink message (`Downlink.message`), or None: the downlink is
+        off, or the node runs a plain Flower ClientApp (it gets x whole, `arrays_for`)."""
+        if downlink is None or self.is_plain(node):
+            return None
+        return downlink.message(node, x, key)
+
+    def downlink_metrics(self) -> dict[str, float]:
+        """The downlink's path counts (`Downlink.metrics`), none when it is off."""
+        return self.downlink.metrics() if self.downlink is not None else {}
 
     @property
     def global_params(self) -> torch.Tensor:
@@ -338,6 +358,7 @@ class OuterLoop(LoopKernel):
             "comm/bytes_up": t.bytes_up,
             "comm/bytes_up_total": self.total_bytes_up,
             "comm/bytes_down_total": self.total_bytes_down,
+            **self.downlink_metrics(),
             "time/virtual_s": self._virtual_now(),
         }
 

@@ -40,11 +40,18 @@ from fl_geo.runtime.dispatch import Event, JobTiming
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
+from fl_geo.strategies.downlink import Downlink
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
 from fl_geo.strategies.server_model import ServerModel
 
 log = logging.getLogger("fl_geo")
 
+
+
+def _lps_key(lps: LocalParameterServer) -> tuple[int, int]:
+    """What changes whenever a local server's model does: an applied update (``version``) or a
+    merge of θ_g (one per send, once the send is no longer outstanding)."""
+    return lps.version, lps.sends - int(lps.outstanding)
 
 
 @dataclass(order=True)
@@ -76,6 +83,7 @@ class HalosLoop(OuterLoop):
         self.lps: list[LocalParameterServer] = []
         self.group_region: list[str] = []
         self.node_group: dict[int, int] = {}
+        self.lps_down: list[Downlink | None] = []  # wire.compress_down: x̂ of each local server's model
         self._h = h
         self._transfers: list[_Transfer] = []
         self._seq = itertools.count()
@@ -90,6 +98,17 @@ class HalosLoop(OuterLoop):
         self._region_of_partition = (
             {i: self.scenario.node_region(i) for i in range(self.scenario.num_nodes)} if self.scenario is not None else {}
         )
+
+    def global_downlink(self, cfg: FlGeoConfig, spec: Any, global_params: torch.Tensor) -> None:
+        """Workers train from their local server's model: one `Downlink` per local server (`lps_down`)."""
+        return None
+
+    def downlink_metrics(self) -> dict[str, float]:
+        """The path counts summed over the local servers' downlinks."""
+        downs = [d for d in self.lps_down if d is not None]
+        if not downs:
+            return {}
+        return {k: sum(d.metrics()[k] for d in downs) for k in downs[0].metrics()}
 
     # ---- membership -----------------------------------------------------------------------------
     def _region(self, node: int) -> str:
@@ -118,6 +137,9 @@ class HalosLoop(OuterLoop):
                     accumulate=self._h.accumulate, alpha=self._h.alpha,
                 ))
                 self.group_region.append(region)
+                settings = self.cfg.wire.downlink()  # wire.compress_down: one public model per local server
+                self.lps_down.append(None if settings is None else
+                                     Downlink(settings, self.spec, self.cfg.wire.down, self.gps.params, _lps_key(self.lps[-1])))
                 log.info("HALoS: local server %d in region %s", g, region)
             self.node_group[node] = g
 
@@ -136,31 +158,36 @@ class HalosLoop(OuterLoop):
         encoded: dict[int, Any] = {}
         for node in nodes:
             g = self.node_group[node]
-            if g not in encoded:
+            sent = self.down_message(self.lps_down[g], node, self.lps[g].params, _lps_key(self.lps[g]))
+            if sent is None and g not in encoded:
                 encoded[g] = encode(self.lps[g].params, self.spec, self.cfg.wire.down)
             steps = self.job_steps(node)
             config = dict(self._client_cfg, round=self.gps.version, base_version=self.lps[g].version,
-                          inner_steps=steps, send="pseudo_grad")
+                          inner_steps=steps, send="pseudo_grad", **(sent[1] if sent is not None else {}))
             if self.cfg.strategy.schedule_clock == "global":
                 config["start_step"] = self.dispatched_samples // batch
             self.dispatched_samples += steps * batch
-            arrays = self.arrays_for(node, encoded[g], self.lps[g].params)
+            arrays = self.arrays_for(node, encoded[g], self.lps[g].params) if sent is None else sent[0]
             content = RecordDict({"arrays": arrays, **self.request_records(TrainRequest(**config), self.user_train_config)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
             # worker <-> local server: the intra-region link (the LPS sits in the node's region)
-            timings.append(JobTiming(self.profiles[node].partition_id, steps, *self.cost.job_bytes(self.cfg.wire.down, self.cfg.wire.up),
+            timings.append(JobTiming(self.profiles[node].partition_id, steps, *self.cost.job_bytes(self.cfg.wire.down, self.cfg.wire.up,
+                                                                                     None if sent is None else sent[3]),
                                      peer_region=self.group_region[g]))
             meta.append({"group": g, "version": self.lps[g].version})
             base = self.base_snapshot(node, self.lps[g].params)
             if base is not None:
                 meta[-1]["base"] = base
-            self.total_bytes_down += payload_nbytes(encoded[g])
+            self.total_bytes_down += payload_nbytes(encoded[g]) if sent is None else sent[2]
         self.dispatcher.submit(msgs, timings, meta)
 
     # ---- events ---------------------------------------------------------------------------------
     def handle(self, ev: Event) -> None:
         node = ev.job.node
         if self.job_failed(self.tally, node, ev.ok, ev.error):
+            down = self.lps_down[self.node_group[node]] if node in self.node_group else None
+            if down is not None:  # it may not hold what it was sent: x̂ whole next time
+                down.forget(node)
             return
         try:
             # an undeclared (Flower-convention) reply: Δ against the model its job was sent with

@@ -49,6 +49,10 @@ def capture(loop: OuterLoop) -> dict[str, Any]:
         "clock": clock,
         "torch_rng": torch.get_rng_state(),
         "loop": loop.extra_state(),
+        # wire.compress_down: x̂ and its version are kept (not reset), so a resumed run trains from
+        # the very x̂ an uninterrupted one would; what each node holds is not (every node is sent
+        # x̂ whole first: node ids change, and a site may hold a later x̂ than the checkpoint's)
+        **({"downlink": loop.downlink.state_dict()} if loop.downlink is not None else {}),
     }
 
 
@@ -79,7 +83,14 @@ def restore(loop: OuterLoop, state: dict[str, Any]) -> None:
     counters = {name: int(state["counters"][name]) if name not in _OPTIONAL_COUNTERS
                 else int(state["counters"].get(name, 0)) for name in COUNTERS}
     history = [json.loads(h) for h in state["history"]]
+    install_downlink = None
+    if loop.downlink is not None:
+        if "downlink" not in state:
+            raise ValueError("checkpoint has no downlink public model but this run compresses the downlink")
+        install_downlink = loop.downlink.prepare_load(dict(state["downlink"]))
     loop.load_extra_state(dict(state["loop"]))  # validates before it sets anything
+    if install_downlink is not None:
+        install_downlink()
     loop.dispatcher.clock.load_state_dict(dict(state["clock"]))
     install_model()
     loop.penalty = penalty

@@ -62,6 +62,7 @@ class SyncOuterLoop(OuterLoop):
         if self.penalty is not None and s.step_weight_ratio > 0:
             self.step_mix = StepWeightMix(self.penalty, s.step_weight_ratio)
         self.rounds_done = 0
+        self._round_deltas: dict[int, int | None] = {}  # wire.compress_down: each node's deltas this round
         self.direction: DirectionRule | None = None  # strategy.robust's direction-aware rules
         if s.robust in DIRECTION_RULES:
             self.direction = DirectionRule(s.robust, self.spec.numel, trim=s.robust_trim, iters=s.robust_clip_iters,
@@ -235,6 +236,8 @@ class SyncOuterLoop(OuterLoop):
         the job it answers (its version, its steps)."""
         if not ev.ok:
             stats.late_failed += 1
+            if self.downlink is not None:
+                self.downlink.forget(ev.job.node)
             return
         version, steps = int(ev.job.meta["version"]), int(ev.job.meta["steps"])
         if self.cfg.strategy.late_replies == "drop":
@@ -274,13 +277,24 @@ class SyncOuterLoop(OuterLoop):
                         ) -> tuple[list[Message], dict[int, int], int]:
         """The round's train messages, each node's inner steps, and the bytes sent down in all."""
         s = self.cfg.strategy
-        arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
-        down = payload_nbytes(arrays) * len(nodes)
+        arrays = encode(self.global_params, self.spec, self.cfg.wire.down) if self.downlink is None else None
         steps = {n: self._inner_steps(n, warm) for n in nodes}
         # A-EDiT on a wall clock: the client trains for the budget (H caps it)
         budget = s.time_budget_s if (s.time_budget_s > 0 and self.scenario is None and not warm) else 0.0
-        msgs = [self._message(n, self.arrays_for(n, arrays, self.global_params), rnd, MessageType.TRAIN,
-                              inner_steps=steps[n], time_budget_s=budget) for n in nodes]
+        msgs, down = [], 0
+        self._round_deltas = {}
+        for n in nodes:
+            sent = self.down_message(self.downlink, n, self.global_params, self.version)
+            if sent is None:  # the model whole (wire.compress_down off, or a plain Flower ClientApp)
+                if arrays is None:
+                    arrays = encode(self.global_params, self.spec, self.cfg.wire.down)
+                record, fields, nbytes = self.arrays_for(n, arrays, self.global_params), {}, payload_nbytes(arrays)
+                self._round_deltas[n] = None
+            else:  # x̂ whole or its deltas (strategies/downlink.py)
+                record, fields, nbytes, self._round_deltas[n] = sent
+            down += nbytes
+            msgs.append(self._message(n, record, rnd, MessageType.TRAIN, inner_steps=steps[n], time_budget_s=budget,
+                                      **fields))
         return msgs, steps, down
 
     def _run_train_jobs(self, nodes: list[int], msgs: list[Message], steps: dict[int, int],
@@ -328,6 +342,13 @@ class SyncOuterLoop(OuterLoop):
                    if outcome.errors.get(n) != NODE_DOWN and n not in pending]
         if self.scenario is not None and reduced:
             nbytes = self.cost.charged_up_bytes(self.cfg.wire.up)  # compressed with wire.compress
+            if self.downlink is not None:
+                # wire.compress_down: the ring's all-gather half carries what the sites are sent
+                # (the largest of the round: x̂ whole for a site that needs it), its reduce-scatter
+                # half the update; a ring's time is linear in its bytes, so one ring of the mean
+                down = max(self.cost.charged_down_bytes(self.cfg.wire.down, self._round_deltas.get(n))
+                           for n in nodes if self.profiles[n].partition_id in reduced)
+                nbytes = (nbytes + down + 1) // 2
             clock.advance_to(clock.now() + self.cost.allreduce_s(reduced, nbytes, start=clock.now()))
 
     def _step_if_enough(self, rnd: int, stats: Tally, warm: bool) -> tuple[float, list[str]]:
@@ -391,6 +412,9 @@ class SyncOuterLoop(OuterLoop):
             self.fold_held(stats, warm)
         self._model_allreduce(nodes, outcome)
         failed = len(outcome.errors) + len(outcome.vanished) + len(outcome.timed_out)
+        if self.downlink is not None:  # a failed job's node may not hold what it was sent
+            for n in (*outcome.errors, *outcome.vanished, *outcome.timed_out):
+                self.downlink.forget(n)
         pg_norm, rolled = self._step_if_enough(rnd, stats, warm)
         if self.penalty is not None and not warm:
             self.penalty.commit()  # statistics learn from the accepted updates only

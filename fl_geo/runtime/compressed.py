@@ -1,4 +1,4 @@
-"""Compressed uplink payloads on the wire: a `fl_geo.core.compress` payload's arrays in a Flower
+"""Compressed payloads on the wire (the uplink's update, the downlink's deltas): a `fl_geo.core.compress` payload's arrays in a Flower
 ``ArrayRecord``.
 
 The record holds exactly the payload's named arrays (``payload.arrays()``: ``values``;
@@ -22,7 +22,7 @@ from fl_geo.core.compress import Compressor, Payload
 from fl_geo.core.sparse import SparsePayload, kept_count
 from fl_geo.errors import PayloadError
 
-__all__ = ["compress_record", "decompress_record", "expected_keys"]
+__all__ = ["chain_record", "compress_record", "decompress_record", "expected_keys", "read_chain"]
 
 
 def compress_record(payload: Payload) -> ArrayRecord:
@@ -70,3 +70,24 @@ def decompress_record(record: ArrayRecord, compressor: Compressor, numel: int) -
     else:
         payload = _values(s.codec, numel, s.block, arrays)
     return compressor.decompress(payload, numel=numel)
+
+
+def chain_record(steps: list[tuple[int, Payload]]) -> ArrayRecord:
+    """Downlink deltas in one ArrayRecord: payload ``v``'s arrays under ``d<v>.<name>`` (``v``: the
+    public-model version the delta leads to), in order (`fl_geo.core.downlink`)."""
+    return ArrayRecord({f"d{v}.{name}": Array(np.ascontiguousarray(a))
+                        for v, payload in steps for name, a in payload.arrays().items()})
+
+
+def read_chain(record: ArrayRecord, compressor: Compressor, numel: int, first: int, last: int) -> list[torch.Tensor]:
+    """The decoded deltas of a `chain_record` leading from version ``first`` to ``last`` (one per
+    version, in order); `PayloadError` for any other key set or a payload `decompress_record` refuses."""
+    names = expected_keys(compressor)
+    want = {f"d{v}.{n}" for v in range(first + 1, last + 1) for n in names}
+    keys = set(record.keys())
+    if keys != want:
+        extra, missing = sorted(keys - want)[:4], sorted(want - keys)[:4]
+        raise PayloadError(f"a downlink chain {first}->{last} holds {len(want)} arrays; unexpected {extra}, "
+                           f"missing {missing}")
+    return [decompress_record(ArrayRecord({n: record[f"d{v}.{n}"] for n in names}), compressor, numel)
+            for v in range(first + 1, last + 1)]

@@ -42,7 +42,7 @@ REQUEST_RECORD = "fl-geo"  # the fl-geo request in a message; the reply's declar
 PROFILE_KEY = "profile"  # the ConfigRecord of a profile reply (`ProfileQuery`)
 USER_CONFIG_RECORD = "config"  # the user's Flower train_config / evaluate_config
 # Fields that hold JSON text (checked to parse on both sides).
-JSON_FIELDS = frozenset({"client", "model", "data", "wire_compress", "stream_apply", "stream_sync", "ps_addresses", "ps_shards",
+JSON_FIELDS = frozenset({"client", "model", "data", "wire_compress", "wire_compress_down", "stream_apply", "stream_sync", "ps_addresses", "ps_shards",
                          "ps_push_order"})
 
 
@@ -137,7 +137,7 @@ def _check(cls: type, name: str, value: Any) -> None:
     if name in ("wire_up", "wire_down") and value not in WIRE_PRECISIONS:
         raise ProtocolError(f"{cls.__name__}.{name} must be one of {WIRE_PRECISIONS}, got {value!r}")
     if name in ("inner_steps", "schedule_total", "threads", "round", "base_version", "stream_step", "stream_steps",
-                "fragments", "tau", "H", "eval_batches", "start_step") and value < 0:
+                "fragments", "tau", "H", "eval_batches", "start_step", "down_version", "down_from") and value < 0:
         raise ProtocolError(f"{cls.__name__}.{name} must be >= 0, got {value}")
 
 
@@ -184,6 +184,11 @@ class TrainRequest(JobRequest):
     before this round (a resumed server re-sends it). ``ps_*``: the sharded parameter server's
     data path (follower addresses, shard bounds, push order, frame size, retry time, the CA
     certificate the followers are verified with, the job's id and its token, `fl_geo.ps.auth`).
+    ``wire_compress_down`` (JSON of the downlink's `CompressSettings`, from ``wire.compress_down``;
+    absent when the downlink is not compressed), ``down_version``: the version of the server's public
+    model x̂ this job trains from, ``down_from``: the version the ``"arrays"`` deltas start from
+    (``down_version − down_from`` payloads, none when equal), or absent: ``"arrays"`` is x̂ whole
+    in ``wire_down`` precision (`fl_geo.core.downlink`, docs/compression.md).
     """
 
     MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train",)
@@ -199,9 +204,17 @@ class TrainRequest(JobRequest):
     ps_retry_s: float | None = None
     ps_tls_ca: str | None = None
     ps_token: str | None = None
+    wire_compress_down: str | None = None
+    down_version: int | None = None
+    down_from: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if (self.wire_compress_down is None) != (self.down_version is None):
+            raise ProtocolError("TrainRequest.wire_compress_down and down_version come together")
+        if self.down_from is not None and (self.down_version is None or self.down_from > self.down_version):
+            raise ProtocolError(f"TrainRequest.down_from={self.down_from} needs a down_version at or after it, "
+                                f"got {self.down_version}")
         if self.send not in ("pseudo_grad", "params", "grad"):
             raise ProtocolError(f"TrainRequest.send must be pseudo_grad, params or grad, got {self.send!r}")
         if self.send == "grad" and (self.inner_steps != 1 or self.start_step is None):

@@ -97,14 +97,18 @@ class WallFaults:
             fault = Fault(0.0, math.inf, t0, t0, math.inf)
         else:
             wire = str(request.get("wire_down", "fp32")), str(request.get("wire_up", "fp32"))
-            cost = self.cost
+            cost, deltas = self.cost, None
+            from dataclasses import replace
+
+            from fl_geo.runtime.wire_settings import uplink_from_json
+
             if request.get("wire_compress"):  # wire.compress: the update is charged compressed
-                from dataclasses import replace
-
-                from fl_geo.runtime.wire_settings import uplink_from_json
-
                 cost = replace(cost, uplink=uplink_from_json(str(request["wire_compress"])))
-            total = cost.job_time(slot, steps, *wire, start=t0).total
+            if request.get("wire_compress_down"):  # wire.compress_down: the deltas the job carries
+                cost = replace(cost, downlink=uplink_from_json(str(request["wire_compress_down"]), "wire_compress_down"))
+                if request.get("down_from") is not None:
+                    deltas = int(request["down_version"]) - int(request["down_from"])
+            total = cost.job_time(slot, steps, *wire, start=t0, deltas=deltas).total
             # a node down when its job would start fails it at once (and stays down until its repair)
             failed = self.timeline.first_down(slot, t0, t0 + total)
             if failed is None:

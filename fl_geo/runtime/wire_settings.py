@@ -1,10 +1,12 @@
-"""The ``wire`` section: the precision model-sized payloads travel in, and the uplink's compression.
+"""The ``wire`` section: the precision model-sized payloads travel in, and the compression of the
+uplink (``compress*``) and of the downlink (``compress_down*``).
 
 `fl_geo.runtime.wire` encodes and decodes at these precisions; with ``compress`` set, the uplink
 (a site's pseudo-gradient) travels as a `fl_geo.core.compress` payload instead
 (`fl_geo.runtime.compressed`, docs/compression.md). The section lives in its own module, not in
 ``wire.py``, so that the config schema can hold it without importing Flower and torch's codec;
-the check of its values lives with it.
+the check of its values lives with it. The downlink's keys mirror the uplink's; its error
+feedback is the server's x − x̂ (`fl_geo.core.downlink`), so it has no ``error_feedback`` key.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 # wire.compress: none (the uplink in wire.up precision, as before) or a codec of fl_geo.core.compress
 # (fp32 / bf16 are wire.up's own precisions: not offered here)
 UPLINK_CODECS = ("none", "int8", "int4", "int2", "topk", "dct_topk")
+# wire.compress_down: the same codecs for the model delta the server sends (fl_geo.core.downlink)
+DOWNLINK_CODECS = UPLINK_CODECS
+_SETTINGS_KEYS = ("codec", "ratio", "chunk", "values", "block", "error_feedback")
 
 
 @dataclass
@@ -42,6 +47,11 @@ class WireSection:
     compress_values: str = "int2"  # sparse codecs: the kind of the kept values
     compress_block: int = 128  # int codes: elements per fp32 scale
     error_feedback: bool = True  # keep each site's residual (per run, in its inner state)
+    compress_down: str = "none"  # the model delta the server sends (none: the whole model at wire.down)
+    compress_down_ratio: float = 0.01
+    compress_down_chunk: int | None = None
+    compress_down_values: str = "int2"
+    compress_down_block: int = 128
 
     def check(self) -> None:
         """Raise `ConfigError` for a precision the codec does not know or a compression setting
@@ -51,20 +61,24 @@ class WireSection:
             require(val in WIRE_PRECISIONS, f"wire.{side} must be one of {WIRE_PRECISIONS}, got '{val}'")
         require(self.compress in UPLINK_CODECS, f"wire.compress must be one of {', '.join(UPLINK_CODECS)}, "
                                                 f"got {self.compress!r}")
-        if self.compress == "none":
-            return
-        require(self.up == "fp32", f"wire.compress={self.compress} replaces wire.up for the uplink; leave wire.up at "
-                                   f"fp32 (got {self.up})")
-        settings = self.uplink()
-        assert settings is not None
-        try:
-            settings.check()
-        except ConfigError as exc:  # named by the wire section's keys
-            msg = str(exc)
-            for key in ("ratio", "chunk", "values", "block"):
-                msg = msg.replace(f"compress.{key}", f"wire.compress_{key}")
-            msg = msg.replace("compress.error_feedback", "wire.error_feedback").replace("compress.codec", "wire.compress")
-            raise ConfigError(msg) from None
+        require(self.compress_down in DOWNLINK_CODECS,
+                f"wire.compress_down must be one of {', '.join(DOWNLINK_CODECS)}, got {self.compress_down!r}")
+        if self.compress != "none":
+            require(self.up == "fp32", f"wire.compress={self.compress} replaces wire.up for the uplink; leave wire.up "
+                                       f"at fp32 (got {self.up})")
+            _check_named(self.uplink(), "wire.compress")
+        _check_named(self.downlink(), "wire.compress_down")
+
+    def downlink(self) -> CompressSettings | None:
+        """The downlink's `CompressSettings` (its error feedback off: it is x − x̂ on the server),
+        None when ``compress_down`` is none."""
+        if self.compress_down == "none":
+            return None
+        from fl_geo.core.compress import CompressSettings
+
+        return CompressSettings(codec=self.compress_down, ratio=self.compress_down_ratio,
+                                chunk=self.compress_down_chunk, values=self.compress_down_values,
+                                block=self.compress_down_block, error_feedback=False)
 
     def uplink(self) -> CompressSettings | None:
         """The uplink's `CompressSettings`, None when ``compress`` is none."""
@@ -77,24 +91,47 @@ class WireSection:
                                 error_feedback=self.error_feedback)
 
 
-def uplink_json(wire: WireSection) -> str | None:
-    """The uplink compression as the JSON a request carries (``wire_compress``), None when off."""
-    s = wire.uplink()
+def _check_named(settings: CompressSettings | None, key: str) -> None:
+    """`CompressSettings.check`, its errors named by the wire section's keys (``key``: the codec's)."""
+    if settings is None:
+        return
+    try:
+        settings.check()
+    except ConfigError as exc:
+        msg = str(exc)
+        for name in ("ratio", "chunk", "values", "block"):
+            msg = msg.replace(f"compress.{name}", f"{key}_{name}")
+        msg = msg.replace("compress.error_feedback", "wire.error_feedback").replace("compress.codec", key)
+        raise ConfigError(msg) from None
+
+
+def settings_json(s: CompressSettings | None) -> str | None:
+    """Compression settings as the JSON a request carries, None when off."""
     if s is None:
         return None
-    return json.dumps({"codec": s.codec, "ratio": s.ratio, "chunk": s.chunk, "values": s.values, "block": s.block,
-                       "error_feedback": s.error_feedback}, sort_keys=True)
+    return json.dumps({k: getattr(s, k) for k in _SETTINGS_KEYS}, sort_keys=True)
 
 
-def uplink_from_json(text: str | None) -> CompressSettings | None:
-    """`CompressSettings` from a request's ``wire_compress`` (checked: `ConfigError` when out of range)."""
+def uplink_json(wire: WireSection) -> str | None:
+    """The uplink compression as the JSON a request carries (``wire_compress``), None when off."""
+    return settings_json(wire.uplink())
+
+
+def downlink_json(wire: WireSection) -> str | None:
+    """The downlink compression as the JSON a request carries (``wire_compress_down``), None when off."""
+    return settings_json(wire.downlink())
+
+
+def uplink_from_json(text: str | None, field: str = "wire_compress") -> CompressSettings | None:
+    """`CompressSettings` from a request's ``wire_compress`` (or ``wire_compress_down``: ``field``);
+    checked: `ConfigError` when out of range or not the six keys."""
     if text is None:
         return None
     from fl_geo.core.compress import CompressSettings
 
     values = json.loads(text)
-    if not isinstance(values, dict) or set(values) != {"codec", "ratio", "chunk", "values", "block", "error_feedback"}:
-        raise ConfigError(f"wire_compress must hold codec, ratio, chunk, values, block, error_feedback; got {text:.120}")
+    if not isinstance(values, dict) or set(values) != set(_SETTINGS_KEYS):
+        raise ConfigError(f"{field} must hold {', '.join(_SETTINGS_KEYS)}; got {text:.120}")
     settings = CompressSettings(**values)
     settings.check()
     return settings

@@ -15,7 +15,8 @@ Two byte counts, deliberately different:
   the scenario models none, or when there is no scenario (a wall clock measures, it charges
   nothing, but the count still sizes the job for the dispatcher). An update compressed by
   ``wire.compress`` is charged as the compressed payload of the modelled model
-  (:meth:`CostModel.charged_up_bytes`).
+  (:meth:`CostModel.charged_up_bytes`); the model a job sends down, with ``wire.compress_down``,
+  as the compressed delta(s) it carries or the whole model (:meth:`CostModel.charged_down_bytes`).
 
 Framework-free: no Flower, no omegaconf; the scenario answers the link and speed questions.
 """
@@ -44,6 +45,8 @@ class CostModel:
     scenario: Scenario | None = None
     # wire.compress: the uplink's compression (None: the uplink is a model-sized payload at wire.up)
     uplink: CompressSettings | None = None
+    # wire.compress_down: the downlink's compression (None: the whole model at wire.down, always)
+    downlink: CompressSettings | None = None
 
     def __post_init__(self) -> None:
         if self.numel < 0:
@@ -88,19 +91,33 @@ class CostModel:
 
         return compressed_nbytes(self.uplink, self.modelled_params) if self.modelled_params else 0
 
-    def job_bytes(self, wire_down: str, wire_up: str) -> tuple[int, int]:
-        """(down, up) bytes charged for one job: the model out, the update back (compressed with
-        ``uplink``, `charged_up_bytes`)."""
-        return self.charged_bytes(wire_down), self.charged_up_bytes(wire_up)
+    def charged_down_bytes(self, wire_down: str, deltas: int | None = None) -> int:
+        """Bytes the virtual clock charges for the model a job is sent: ``deltas`` compressed
+        downlink payloads of the modelled model (`fl_geo.core.downlink`: 0 for a site already up
+        to date), or with ``deltas`` None (and always without ``downlink``) the whole model at
+        ``wire_down``."""
+        if deltas is None or self.downlink is None:
+            return self.charged_bytes(wire_down)
+        if deltas < 0:
+            raise ValueError(f"deltas must be >= 0, got {deltas}")
+        from fl_geo.core.compress import payload_nbytes as compressed_nbytes
+
+        return deltas * compressed_nbytes(self.downlink, self.modelled_params) if self.modelled_params else 0
+
+    def job_bytes(self, wire_down: str, wire_up: str, deltas: int | None = None) -> tuple[int, int]:
+        """(down, up) bytes charged for one job: the model out (`charged_down_bytes`), the update
+        back (compressed with ``uplink``, `charged_up_bytes`)."""
+        return self.charged_down_bytes(wire_down, deltas), self.charged_up_bytes(wire_up)
 
     # ---- time -----------------------------------------------------------------------------------
     def job_time(self, slot: int, steps: int, wire_down: str, wire_up: str,
-                 peer_region: str | int | None = None, start: float | None = None) -> JobTime:
+                 peer_region: str | int | None = None, start: float | None = None, deltas: int | None = None) -> JobTime:
         """A job's download, ``steps`` inner steps on node ``slot`` and upload, on the scenario
-        (all zero without one). ``peer_region``: where the server it talks to sits."""
+        (all zero without one). ``peer_region``: where the server it talks to sits. ``deltas``:
+        the compressed downlink deltas the job carries (`charged_down_bytes`)."""
         if self.scenario is None:
             return JobTime(0.0, 0.0, 0.0)
-        down, up = self.job_bytes(wire_down, wire_up)
+        down, up = self.job_bytes(wire_down, wire_up, deltas)
         return self.scenario.job_time(slot, steps, down, up, peer_region, start=start)
 
     def transfer_s(self, src_region: str | int, dst_region: str | int, precision: str,
