@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fl_geo.clients.datacenter import app as client_app
 from fl_geo.clients.downlink import PUBLIC_KEY, PUBLIC_VERSION_KEY, held_version, receive_public
