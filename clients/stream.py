@@ -5,13 +5,16 @@ attached to it, (2) train `stream_steps` inner steps, (3) start syncing the frag
 `stream_sync`: reply with Δ_p = θ^g_p − θ^m_p and keep θ^m_p as the snapshot CoCoDC needs when
 the new θ^g_p comes back. The worker's own model lives in context.state between messages
 (deployment starts a fresh process per message), next to the optimizer state and step counter of
-the plain `train` handler. Fragments are strided over the *user's* blocks
+the plain `train` handler. With ``wire_compress`` each Δ_p travels as a `fl_geo.core.compress`
+payload, with one error-feedback residual per fragment kept in context.state beside the model
+(`STREAM_RESIDUAL_KEY`); a worker (re)initialised from the full model starts from zero residuals. Fragments are strided over the *user's* blocks
 (`DatacenterClient.fragments`), so any model with repeated blocks streams.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -30,21 +33,26 @@ from fl_geo.clients.api import (
     set_threads,
     train_metrics,
 )
+from fl_geo.core.compress import Compressor
 from fl_geo.core.state import flatten, load_flat_into
 from fl_geo.core.streaming import cocodc_compensate, fragment_record, streaming_merge
 from fl_geo.runtime import protocol
-from fl_geo.runtime.quantized import quantize_record
+from fl_geo.runtime.compressed import compress_record
 from fl_geo.runtime.wire import check_finite_and_norm, decode_into, encode
+from fl_geo.runtime.wire_settings import uplink_from_json
 
 if TYPE_CHECKING:
     from fl_geo.clients.api import DatacenterClient
     from fl_geo.core.state import ParamSpec
     from fl_geo.core.streaming import Fragments
 
+log = logging.getLogger("fl_geo")
+
 __all__ = [
     "STREAM_GLOBAL_KEY",
     "STREAM_LOCAL_KEY",
     "STREAM_META_KEY",
+    "STREAM_RESIDUAL_KEY",
     "STREAM_SNAPSHOT_KEY",
     "evaluate_stream",
     "merge_fragment",
@@ -55,6 +63,9 @@ STREAM_LOCAL_KEY = "stream_local"  # ArrayRecord {"flat": θ^m}: the worker's fu
 STREAM_GLOBAL_KEY = "stream_global"  # ArrayRecord {"flat": θ^g}: fragment p = the last θ^g_p received
 STREAM_SNAPSHOT_KEY = "stream_snapshot"  # ArrayRecord {"<p>": θ^m_p(t_p)} per fragment in flight
 STREAM_META_KEY = "stream_meta"  # ConfigRecord: fragments, numel, snapshot_steps (JSON {p: local step})
+# ArrayRecord {"<p>": e_p}: the error-feedback residual of fragment p's compressed Δ_p (wire.compress),
+# fp32, one per fragment that has synced; absent = zero
+STREAM_RESIDUAL_KEY = "stream_residual"
 
 
 def merge_fragment(
@@ -177,23 +188,49 @@ def _start_syncs(
     global_copy: torch.Tensor,
     snapshots: _Snapshots,
     step_after: int,
+    compressor: Compressor | None,
+    residuals: dict[int, torch.Tensor],
 ) -> dict[str, Any]:
     """Step (3): the reply records Δ_p = θ^g_p − θ^m_p for each fragment in ``stream_sync``.
 
-    Each Δ_p is encoded in ``wire_up`` precision, or quantized when ``stream_quantize`` asks for
-    it; θ^m_p and ``step_after`` are kept in ``snapshots`` for the merge when θ^g_p returns.
+    Each Δ_p is encoded in ``wire_up`` precision or, with ``compressor`` (the request's
+    ``wire_compress``), compressed with
+    fragment p's error-feedback residual from ``residuals`` (updated in place: e_p ← Δ_p + e_p − Δ̂_p;
+    a missing one is zero); θ^m_p and ``step_after`` are kept in ``snapshots`` for the merge when
+    θ^g_p returns.
     """
     content: dict[str, Any] = {}
-    quantize = req.stream_quantize
     for p in json.loads(req.stream_sync):
         local_p = fragments.gather(local, p)
         delta = torch.sub(fragments.gather(global_copy, p), local_p)
-        if quantize == "none":
+        if compressor is None:
             content[fragment_record(p)] = encode(delta, frag_specs[p], wire_up)
         else:
-            content[fragment_record(p)] = quantize_record(delta, quantize, req.stream_quantize_block)
+            payload, residual = compressor.compress(delta, residuals.get(p))
+            content[fragment_record(p)] = compress_record(payload)
+            if residual is not None:
+                residuals[p] = residual
         snapshots[p] = (local_p, step_after)
     return content
+
+
+def _restore_residuals(arrays: Mapping[str, ArrayRecord], state: RecordDict, fragments: Fragments,
+                       error_feedback: bool) -> dict[int, torch.Tensor]:
+    """Each fragment's kept residual; none after a (re)initialisation from the full model (a
+    worker that joins or rejoins starts from zero, by rule), with error feedback off, or for a
+    fragment whose residual does not fit it (dropped with a warning)."""
+    kept = state.array_records.get(STREAM_RESIDUAL_KEY)
+    if "arrays" in arrays or kept is None or not error_feedback:
+        return {}
+    out: dict[int, torch.Tensor] = {}
+    for key, array in kept.items():
+        p, residual = int(key), torch.from_numpy(array.numpy())
+        if p < fragments.num_fragments and residual.dtype == torch.float32 and residual.shape == (fragments.numel(p),):
+            out[p] = residual
+        else:
+            log.warning("the kept residual of fragment %s (%s %s) does not fit this model: starting it from zero",
+                        key, residual.dtype, tuple(residual.shape))
+    return out
 
 
 def _store_stream_state(
@@ -255,7 +292,15 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     step_after = local_step + result.steps
 
     # (3) start the requested syncs: Δ_p = θ^g_p − θ^m_p against our copy of the global fragment
-    content = _start_syncs(req, fragments, frag_specs, wire_up, local, global_copy, snapshots, step_after)
+    settings = uplink_from_json(req.wire_compress)
+    compressor = Compressor(settings) if settings is not None else None
+    residuals = _restore_residuals(arrays, state, fragments, settings is not None and settings.error_feedback)
+    content = _start_syncs(req, fragments, frag_specs, wire_up, local, global_copy, snapshots, step_after,
+                           compressor, residuals)
+    if residuals:
+        state[STREAM_RESIDUAL_KEY] = ArrayRecord({str(p): _flat_array(r) for p, r in sorted(residuals.items())})
+    elif STREAM_RESIDUAL_KEY in state.array_records:
+        del state[STREAM_RESIDUAL_KEY]
 
     _store_stream_state(state, local, global_copy, snapshots, fragments.num_fragments, spec.numel)
     state[OPT_STATE_KEY] = opt_record(trainer)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ __all__ = [
     "ClientSection", "ConfigError", "DataSection", "FlGeoConfig", "HalosSection", "ModelConfig",
     "PenaltySection", "PsSection", "RunSection", "StrategySection", "StreamingSection",
     "WireSection", "config_from_yaml_string", "load_config", "run_identity", "schedule_length",
-    "section_to_json", "to_dict", "to_yaml", "validate", "warmup_length"
+    "section_to_json", "to_dict", "to_yaml", "uplink_wire", "validate", "warmup_length"
 ]
 
 
@@ -185,22 +185,37 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
 
 
 def _check_wire(cfg: FlGeoConfig) -> None:
-    """``wire.compress`` / ``wire.compress_down`` (after `WireSection.check`): wired for the
-    pseudo-gradient jobs of the synchronous and asynchronous loops and of HALoS's workers
-    (docs/compression.md)."""
+    """``wire.compress`` / ``wire.compress_down`` (after `WireSection.check`): the uplink is wired
+    for the pseudo-gradient replies of the synchronous and asynchronous loops, of HALoS's workers
+    and of the streaming fragments; the downlink for the synchronous and asynchronous loops and
+    HALoS's workers (docs/compression.md)."""
     w, s = cfg.wire, cfg.strategy
-    for key, codec in (("wire.compress", w.compress), ("wire.compress_down", w.compress_down)):
+    family = METHODS[s.name].family
+    for key, codec, families, where in (
+            ("wire.compress", w.compress, ("sync", "async", "halos", "streaming"),
+             "the synchronous, asynchronous and streaming loops and HALoS's workers"),
+            ("wire.compress_down", w.compress_down, ("sync", "async", "halos"),
+             "the synchronous and asynchronous loops and HALoS's workers")):
         if codec == "none":
             continue
-        family = METHODS[s.name].family
-        require(family in ("sync", "async", "halos"),
-                f"{key}={codec} is wired for the synchronous and asynchronous loops and HALoS's workers "
-                f"only, not strategy '{s.name}' ({family}); use {key}=none")
+        require(family in families, f"{key}={codec} is wired for {where} only, not strategy '{s.name}' ({family}); "
+                                    f"use {key}=none")
         require(not cfg.ps.followers, f"{key}={codec} does not reach the sharded parameter server's data "
                                       f"path (ps.followers > 0); use {key}=none")
         # down: a site trains from x̂ while g = θ_current − θ_site would be taken against x
         require(s.pseudo_grad_base != "current", f"{key}={codec} works with pseudo-gradients: "
                                                   "strategy.pseudo_grad_base=current has the sites send their parameters")
+
+
+def uplink_wire(cfg: FlGeoConfig) -> WireSection:
+    """The ``wire`` section the sites' uplink follows: ``cfg.wire``, or for a streaming method with
+    the old ``streaming.quantize: int8 | int4`` the section it is an alias of (``wire.compress`` of
+    that codec, ``wire.compress_block = streaming.quantize_block``, no error feedback: the bytes
+    and the decoded values of the old fragment quantiser, docs/compression.md)."""
+    st = cfg.streaming
+    if cfg.strategy.name not in STREAMING_STRATEGIES or st.quantize == "none":
+        return cfg.wire
+    return replace(cfg.wire, compress=st.quantize, compress_block=st.quantize_block, error_feedback=False)
 
 
 def _check_checkpoints(cfg: FlGeoConfig) -> None:
@@ -336,6 +351,9 @@ def _check_streaming(cfg: FlGeoConfig, own_model: bool) -> None:
     require(st.quantize == "none" or cfg.wire.up == "fp32",
             f"streaming.quantize={st.quantize} replaces wire.up for the fragment updates; leave "
             f"wire.up at fp32 (got {cfg.wire.up})")
+    require(st.quantize == "none" or cfg.wire.compress == "none",
+            f"streaming.quantize={st.quantize} is an alias of wire.compress={st.quantize} "
+            f"wire.compress_block={st.quantize_block} wire.error_feedback=false; set wire.compress only")
     P = st.fragments
     if not own_model:
         layers, where = cfg.model.blocks()

@@ -48,7 +48,8 @@ def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
         for key, value in values.items():
             name = f"{section}.{key}"
             idle = ((name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none")
-                    or (name in DOWN_UNCOMPRESSED_IDLE and cfg.wire.compress_down == "none"))
+                    or (name in DOWN_UNCOMPRESSED_IDLE and cfg.wire.compress_down == "none")
+                    or (name in GLOBAL_UNCOMPRESSED_IDLE and cfg.halos.compress == "none"))
             if name not in RESUME_MAY_CHANGE and not idle:
                 flat[name] = value
     return flat
@@ -62,3 +63,6 @@ UNCOMPRESSED_IDLE = frozenset({"wire.compress", "wire.compress_ratio", "wire.com
 # Likewise the downlink's keys with wire.compress_down=none.
 DOWN_UNCOMPRESSED_IDLE = frozenset({"wire.compress_down", "wire.compress_down_ratio", "wire.compress_down_chunk",
                                     "wire.compress_down_values", "wire.compress_down_block"})
+# Likewise the compression of HALoS's local-server -> global-server updates with halos.compress=none.
+GLOBAL_UNCOMPRESSED_IDLE = frozenset({"halos.compress", "halos.compress_ratio", "halos.compress_chunk",
+                                      "halos.compress_values", "halos.compress_block", "halos.error_feedback"})

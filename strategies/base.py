@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fl_geo.config import FlGeoConfig
+from fl_geo.config import FlGeoConfig, uplink_wire
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.compress import Compressor
@@ -85,7 +85,7 @@ class OuterLoop(LoopKernel):
         # job bytes and modelled times, one model for every loop (fl_geo.timing.cost)
         # wire.compress: the sites' pseudo-gradients arrive compressed (fl_geo.runtime.compressed);
         # read_reply decompresses them and the clock charges the compressed bytes
-        uplink = cfg.wire.uplink()
+        uplink = uplink_wire(cfg).uplink()  # wire.compress (or streaming.quantize, its alias)
         self.uplink: Compressor | None = Compressor(uplink) if uplink is not None else None
         # wire.compress_down: sites are sent compressed deltas of a public model x̂ (strategies/downlink.py)
         self.cost = CostModel(spec.numel, scenario, uplink=uplink, downlink=cfg.wire.downlink())

@@ -10,14 +10,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fl_geo.config import FlGeoConfig, schedule_length, section_to_json, to_dict, warmup_length
+from fl_geo.config import (
+    FlGeoConfig,
+    schedule_length,
+    section_to_json,
+    to_dict,
+    uplink_wire,
+    warmup_length,
+)
 from fl_geo.runtime.wire_settings import uplink_json
 
 
 def client_config_record(cfg: FlGeoConfig) -> dict[str, Any]:
     """The part of the run config every ClientApp needs, as ConfigRecord scalars (``wire_compress``
     only when the uplink is compressed: a run without it sends the same requests as before)."""
-    compress = uplink_json(cfg.wire)
+    compress = uplink_json(uplink_wire(cfg))  # wire.compress, or streaming.quantize (its alias)
     return {
         **({"wire_compress": compress} if compress is not None else {}),
         "run_name": cfg.run.name,  # names the node's on-disk inner state (node config state-dir)

@@ -13,6 +13,11 @@ Events, in clock order:
   the LPS has applied K updates since its last merge it sends U_k = θ_k^merged − θ_k upwards.
 - **U_k reaches the global server** after the modelled transfer over the inter-region link: one
   delayed-Nesterov step of θ_g; θ_g is sent back (a snapshot: later global steps do not leak in).
+  With ``halos.compress`` U_k travels as a compressed payload with the local server's error
+  feedback (`LocalParameterServer.make_compressed_update`), in the ArrayRecord a deployment sends,
+  charged at its compressed size; the global server decodes and validates it
+  (`read_update_record`). A payload it refuses is logged and counted (``outer/rejected``) and
+  leaves θ_g as it was; θ_g still goes back, so the local server merges and carries on.
 - **θ_g reaches the LPS**: θ_k ← (1 − α)·θ_k + α·θ_g.
 
 The two server-side transfers are this loop's own small event queue (at most two per LPS), merged
@@ -31,14 +36,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
 from fl_geo.config import FlGeoConfig
 from fl_geo.core.claims import MIN_PEERS
+from fl_geo.core.compress import Compressor
 from fl_geo.core.halos import GlobalParameterServer, LocalParameterServer
+from fl_geo.runtime.compressed import compress_record, read_update_record
 from fl_geo.runtime.dispatch import Event, JobTiming
 from fl_geo.runtime.protocol import TrainRequest
-from fl_geo.runtime.wire import encode, payload_nbytes
+from fl_geo.runtime.wire import PayloadError, encode, payload_nbytes
 from fl_geo.strategies.base import OuterLoop
 from fl_geo.strategies.downlink import Downlink
 from fl_geo.strategies.replies import ReplyError, Tally, TrainReply, read_reply
@@ -62,7 +69,7 @@ class _Transfer:
     seq: int
     kind: str = field(compare=False)
     group: int = field(compare=False)
-    payload: torch.Tensor = field(compare=False)
+    payload: torch.Tensor | ArrayRecord = field(compare=False)  # U_k compressed (halos.compress): its record
 
 
 class HalosLoop(OuterLoop):
@@ -88,6 +95,11 @@ class HalosLoop(OuterLoop):
         self._transfers: list[_Transfer] = []
         self._seq = itertools.count()
         self._scratch = torch.empty(self.spec.numel, dtype=torch.float32)
+        # halos.compress: what a local server sends the global one (None: U_k at wire.up, a tensor)
+        tier2 = h.global_uplink()
+        self.global_uplink: Compressor | None = Compressor(tier2) if tier2 is not None else None
+        self.bytes_to_global = 0  # what the local servers sent the global one (also in total_bytes_up)
+        self.global_rejected = 0  # local-server updates the global server refused
         # Plain replies that arrived before any plain claim was accepted, held (not applied, their
         # workers not sent new jobs) until MIN_PEERS of them can be judged together
         # (`_judge_first_claims`).
@@ -237,22 +249,46 @@ class HalosLoop(OuterLoop):
             self._send_up(g)
 
     def _send_up(self, g: int) -> None:
-        update = self.lps[g].make_global_update()
+        comp = self.global_uplink
+        if comp is None:
+            update: torch.Tensor | ArrayRecord = self.lps[g].make_global_update()
+            nbytes = self.cost.sent_bytes(self.cfg.wire.up)  # what was sent, as every loop counts
+        else:
+            update = compress_record(self.lps[g].make_compressed_update(comp))
+            nbytes = payload_nbytes(update)
+        self.bytes_to_global += nbytes
+        self.total_bytes_up += nbytes
         if self.scenario is None:
             self._global_step(g, update)
             return
         region, server = self.group_region[g], self.scenario.server_region
         now = self.dispatcher.clock.now()
-        t = now + self.cost.transfer_s(region, server, self.cfg.wire.up, start=now)
+        t = now + self.cost.transfer_s(region, server, self.cfg.wire.up, start=now,
+                                       compress=comp.settings if comp is not None else None)
         heapq.heappush(self._transfers, _Transfer(t, next(self._seq), "up", g, update))
-        self.total_bytes_up += self.cost.sent_bytes(self.cfg.wire.up)  # what was sent, as every loop counts
 
-    def _global_step(self, g: int, update: torch.Tensor) -> None:
-        """U_k reached the global server: step, log, and send θ_g back to local server g."""
-        self.gps.apply(update)
+    def _global_step(self, g: int, update: torch.Tensor | ArrayRecord) -> None:
+        """U_k reached the global server: step (or refuse a malformed compressed U_k, θ_g as it
+        was), log, and send θ_g back to local server g."""
+        if isinstance(update, ArrayRecord):
+            try:
+                update = read_update_record(update, self.spec, self.cfg.wire.up, self.global_uplink)
+                self.gps.apply(update)  # validates finiteness before anything changes
+            except (PayloadError, ValueError) as exc:
+                self.global_rejected += 1
+                self.tally.rejected += 1
+                log.warning("HALoS: the global server refused local server %d's update: %s", g, exc)
+                self._reply_global(g)
+                return
+        else:
+            self.gps.apply(update)
         self.version = self.gps.version
         self.global_params.copy_(self.gps.params)
         self._log_step(g)
+        self._reply_global(g)
+
+    def _reply_global(self, g: int) -> None:
+        """θ_g goes back to local server g (at once without a scenario)."""
         if self.scenario is None:
             self.lps[g].merge(self.gps.params)
             return
@@ -328,6 +364,9 @@ class HalosLoop(OuterLoop):
             "outer/staleness": t.mean(t.staleness_sum),
             "outer/staleness_max": t.staleness_max,
             "outer/group": -1 if group is None else group,
+            # local server -> global server: bytes so far (compressed with halos.compress), refusals
+            "halos/bytes_to_global_total": self.bytes_to_global,
+            "halos/global_rejected_total": self.global_rejected,
         }
         self.tally = Tally()
         self.record_step(self.version, metrics, self.done() or group is None, client_eval=False,

@@ -1,6 +1,7 @@
 """Reading a ``train.stream`` reply (Streaming DiLoCo, CoCoDC): the metrics every train reply
 has (`fl_geo.strategies.replies`), the tick and version it must echo, and one decoded Δ_p per
-fragment the tick synced (quantised ones dequantised). Anything else is a `ReplyError`.
+fragment the tick synced (compressed ones decompressed, ``wire.compress``). Anything else is a
+`ReplyError`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from flwr.app import Message
 
+from fl_geo.core.compress import Compressor
 from fl_geo.core.state import ParamSpec
 from fl_geo.core.streaming import fragment_record
-from fl_geo.runtime.quantized import dequantize_record
+from fl_geo.runtime.compressed import decompress_record
 from fl_geo.runtime.wire import PayloadError, decode, payload_nbytes
 from fl_geo.strategies.replies import (
     MAX_STEP_TIME_S,
@@ -42,11 +44,12 @@ class StreamReply:
 
 
 def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Sequence[int],
-                      steps: int, precision: str, quantize: str = "none", block: int = 128,
+                      steps: int, precision: str, compressor: Compressor | None = None,
                       step_tokens: int | None = None, stream_step: int | None = None,
                       version: int | None = None) -> StreamReply:
     """Validate metrics and the ``frag_<p>`` record of every fragment in ``syncs``; decode them
-    (``quantize`` int8/int4: dequantise to one fp32 piece, `fl_geo.core.quantize`).
+    (with ``compressor``, the run's ``wire.compress``: each a compressed payload of its fragment,
+    decompressed into one fp32 piece, `fl_geo.runtime.compressed`).
 
     ``stream_step`` / ``version``: the tick's first step and the model version its message was
     sent at; the reply must echo both (None: not checked). A reply of another tick, replayed or
@@ -88,10 +91,10 @@ def read_stream_reply(reply: Message, frag_specs: Sequence[ParamSpec], syncs: Se
         if record is None:
             raise ReplyError(f"reply lacks the fragment record {name!r}")
         try:
-            if quantize == "none":
+            if compressor is None:
                 deltas[p] = decode(record, frag_specs[p], precision)
             else:
-                deltas[p] = [(0, dequantize_record(record, frag_specs[p].numel, quantize, block))]
+                deltas[p] = [(0, decompress_record(record, compressor, frag_specs[p].numel))]
         except PayloadError as exc:
             raise ReplyError(f"{name}: {exc}") from None
         nbytes[p] = payload_nbytes(record)

@@ -164,8 +164,6 @@ class StreamingLoop(OuterLoop):
             "lambda": float(st.compensation),
             "tau": self.tau,
             "H": self.H,
-            "stream_quantize": st.quantize,
-            "stream_quantize_block": st.quantize_block,
         }
 
     # ---- schedule -------------------------------------------------------------------------------
@@ -173,12 +171,11 @@ class StreamingLoop(OuterLoop):
         return [self.profiles[n].partition_id for n in nodes]
 
     def _allreduce_s(self, p: int, slots: list[int], start: float | None = None) -> float:
-        """Fragment p's all-reduce of its share of the modelled model (quantised when the
+        """Fragment p's all-reduce of its share of the modelled model (compressed when the
         fragments are); ``start`` (virtual s) lets the scenario's link windows act on it."""
         if self.scenario is None:
             return 0.0
-        st = self.cfg.streaming
-        nbytes = self.cost.charged_share_bytes(self.fragments.numel(p), self.cfg.wire.up, st.quantize, st.quantize_block)
+        nbytes = self.cost.charged_share_bytes(self.fragments.numel(p), self.cfg.wire.up)
         return self.cost.allreduce_s(slots, nbytes, start=start)
 
     def _adaptive_interval(self, nodes: Sequence[int]) -> int:
@@ -242,11 +239,10 @@ class StreamingLoop(OuterLoop):
         """
         tally = stats.tally
         valid: list[tuple[int, StreamReply]] = []
-        st = self.cfg.streaming
         for node, reply in group:
             try:
                 r = read_stream_reply(reply, self.frag_specs, syncs, steps, self.cfg.wire.up,
-                                      st.quantize, st.quantize_block, step_tokens=self.step_tokens(node),
+                                      self.uplink, step_tokens=self.step_tokens(node),
                                       stream_step=self.step, version=self.version)
             except ReplyError as exc:
                 self._reject(tally, node, str(exc))

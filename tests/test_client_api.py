@@ -246,8 +246,8 @@ def test_evaluate_and_query(tiny):
 
 def _stream_msg(request: ConfigRecord, content: dict, apply: list[int], sync: list[int]) -> Message:
     cfg = ConfigRecord({**request, "fragments": 2, "stream_rule": "streaming", "H": 4, "alpha": 0.5,
-                        "lambda": 0.5, "tau": 1, "stream_step": 0, "stream_steps": 2, "stream_quantize": "none",
-                        "stream_quantize_block": 128, "stream_apply": json.dumps(apply),
+                        "lambda": 0.5, "tau": 1, "stream_step": 0, "stream_steps": 2,
+                        "stream_apply": json.dumps(apply),
                         "stream_sync": json.dumps(sync)})
     return Message(RecordDict({REQUEST_RECORD: cfg, **content}), dst_node_id=1,
                    message_type=f"{MessageType.TRAIN}.stream")

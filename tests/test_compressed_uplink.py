@@ -180,7 +180,7 @@ HALOS = ["strategy.name=halos", "halos.accumulate=2", "halos.local_buffer=2", "s
 
 def test_halos_workers_send_compressed_updates_to_their_local_servers(tiny, tmp_path):
     """HALoS: each worker's update reaches its local server compressed (counted as sent, charged
-    on the worker's upload); what a local server sends the global one is not compressed. The
+    on the worker's upload); what a local server sends the global one is not (halos.compress=none). The
     uplink's share of the run's bytes is the workers' payloads, and the compressed run's virtual
     time is shorter, its uploads being 1/170 of fp32."""
     plain, _, _ = _run(tiny(*HALOS), tmp_path, "plain")
@@ -229,8 +229,7 @@ def test_an_uncompressed_reply_is_refused_when_the_uplink_is_compressed(tiny, tm
     (["wire.compress=int8", "wire.compress_block=0"], "wire.compress_block must be an int >= 1"),
     (["wire.compress=dct_topk", "wire.compress_chunk=8192"], "wire.compress_chunk must be an int in [1, 4096]"),
     (["wire.compress=int8", "wire.up=bf16"], "replaces wire.up"),
-    (["wire.compress=topk", "strategy.name=streaming_diloco", "model.n_layers=2"], "asynchronous loops and HALoS"),
-    (["wire.compress=topk", "strategy.name=ddp"], "asynchronous loops and HALoS"),
+    (["wire.compress=topk", "strategy.name=ddp"], "streaming loops and HALoS's workers only"),
     (["wire.compress=topk", "strategy.name=dips", "strategy.pseudo_grad_base=current"], "pseudo_grad_base=current"),
 ])
 def test_config_refuses(tiny, overrides, message):

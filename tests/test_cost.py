@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from fl_geo.core.compress import CompressSettings
 from fl_geo.core.quantize import quantized_nbytes
 from fl_geo.scenario_files import scenario_from_dict
 from fl_geo.timing.cost import CostModel
@@ -63,7 +64,8 @@ def test_transfer_and_allreduce(cost):
 def test_a_share_of_the_model_is_charged_as_its_share_of_the_modelled_model(cost):
     assert cost.charged_share_bytes(5, "bf16") == 500 * 2
     assert cost.charged_share_bytes(3, "fp32") == 300 * 4
-    assert cost.charged_share_bytes(5, "bf16", "int8", 64) == quantized_nbytes("int8", 500, 64)
+    int8 = CostModel(cost.numel, cost.scenario, uplink=CompressSettings(codec="int8", block=64, error_feedback=False))
+    assert int8.charged_share_bytes(5, "bf16") == quantized_nbytes("int8", 500, 64)  # streaming.quantize's bytes
     assert cost.charged_share_bytes(10, "fp32") == cost.charged_bytes("fp32")
     for bad in (-1, 11):
         with pytest.raises(ValueError, match="not part of a 10-parameter model"):

@@ -37,7 +37,7 @@ def job(tiny) -> dict:
 
 def _stream(job: dict) -> StreamRequest:
     return StreamRequest(**job, stream_rule="cocodc", fragments=2, alpha=0.5, lambda_=0.5, tau=1, H=4,
-                         stream_quantize="none", stream_quantize_block=128, stream_step=0, stream_steps=2,
+                         stream_step=0, stream_steps=2,
                          stream_apply="[]", stream_sync="[0]")
 
 

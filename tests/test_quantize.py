@@ -1,4 +1,7 @@
-"""Blockwise int8 / int4 quantisation of fragment updates (fl_geo.core.quantize), against its formulas."""
+"""Blockwise int8 / int4 quantisation (fl_geo.core.quantize) against its formulas, through the path the
+old fragment quantiser's configs now take: ``streaming.quantize: int8 | int4`` is an alias of
+``wire.compress`` of that codec with ``wire.error_feedback=false`` (`fl_geo.config.uplink_wire`), and
+its payloads are `fl_geo.runtime.compressed` records of the same two arrays and bytes as before."""
 
 from __future__ import annotations
 
@@ -9,9 +12,23 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fl_geo.core.compress import Compressor, CompressSettings
 from fl_geo.core.quantize import quantized_nbytes
-from fl_geo.runtime.quantized import dequantize_record, quantize_record
+from fl_geo.errors import ConfigError
+from fl_geo.runtime.compressed import compress_record, decompress_record
 from fl_geo.runtime.wire import PayloadError
+
+
+def _compressor(kind: str, block: int) -> Compressor:
+    return Compressor(CompressSettings(codec=kind, block=block, error_feedback=False))  # the alias's settings
+
+
+def quantize_record(x: torch.Tensor, kind: str, block: int = 128) -> ArrayRecord:
+    return compress_record(_compressor(kind, block).compress(x)[0])
+
+
+def dequantize_record(record: ArrayRecord, numel: int, kind: str, block: int = 128) -> torch.Tensor:
+    return decompress_record(record, _compressor(kind, block), numel)
 
 KINDS = [("int8", 127), ("int4", 7)]
 
@@ -64,12 +81,16 @@ def test_payload_size(kind):
         (1.0 if kind == "int8" else 0.5) / 4 + 1 / 128, rel=1e-5)  # ceil(n / block) scales
 
 
-def test_non_finite_input_becomes_a_payload_the_receiver_rejects():
+def test_non_finite_input_is_refused_by_the_encoder_and_a_nan_scale_by_the_receiver():
     x = torch.ones(300)
     x[200] = math.nan
-    record = quantize_record(x, "int8", 128)
-    with pytest.raises(PayloadError, match="scales must be finite"):
-        dequantize_record(record, 300, "int8", 128)
+    with pytest.raises(ValueError, match="not finite"):
+        quantize_record(x, "int8", 128)
+    record = quantize_record(torch.ones(300), "int8", 128)
+    scales = record["scales"].numpy().copy()
+    scales[1] = np.nan
+    with pytest.raises(PayloadError, match="scale"):
+        dequantize_record(ArrayRecord({"codes": record["codes"], "scales": Array(scales)}), 300, "int8", 128)
 
 
 def _record(**arrays):
@@ -109,9 +130,9 @@ def test_odd_int4_padding_must_encode_zero():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="unknown quantisation"):
-        quantize_record(torch.ones(4), "int2")
-    with pytest.raises(ValueError, match="block must be"):
+    with pytest.raises(ConfigError, match="compress.codec must be one of"):
+        quantize_record(torch.ones(4), "int3")
+    with pytest.raises(ConfigError, match="compress.block must be"):
         quantize_record(torch.ones(4), "int8", 0)
     with pytest.raises(ValueError, match="1-D floating"):
         quantize_record(torch.ones(2, 2), "int8")

@@ -449,7 +449,7 @@ def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind):
     """P = 1, τ = 0, one period: the global model is one Nesterov step on the token-weighted mean
     of the workers' dequantised Δ, and the payloads are a quarter / an eighth of fp32's."""
     from fl_geo.core.outer import build_outer_optimizer
-    from fl_geo.runtime.quantized import dequantize_record
+    from fl_geo.core.quantize import dequantize
 
     common = ["strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=1",
               "streaming.overlap=0", "run.rounds=1"]
@@ -464,7 +464,9 @@ def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind):
     cfg = _cfg(tiny, *common, f"streaming.quantize={kind}", "streaming.quantize_block=64")
     s_q, final, _, _ = _run(cfg, tmp_path, kind, hook=hook)
     init = _initial(cfg)
-    deltas = [dequantize_record(r, init.numel(), kind, 64) for r, _ in seen]
+    # the old quantiser's decode (fl_geo.core.quantize): the alias keeps its meaning
+    assert all(sorted(r.keys()) == ["codes", "scales"] for r, _ in seen)
+    deltas = [dequantize(r["codes"].numpy(), r["scales"].numpy(), init.numel(), kind, 64) for r, _ in seen]
     tokens = torch.tensor([float(t) for _, t in seen])
     mean = sum(w * d for w, d in zip(tokens / tokens.sum(), deltas, strict=True))
     expected = init.clone()

@@ -24,7 +24,13 @@ merges and use a constant learning rate, as the HALoS code does.
 Memory: the GPS holds θ_g plus the optimizer's momentum and accumulator (3 model-sized fp32
 buffers, allocated lazily by the optimizer); the LPS adds θ_k^merged (4 buffers).
 `LocalParameterServer.make_global_update` returns one new model-sized tensor, owned by the
-caller; the merge is done in place. Inputs are validated before anything changes, so a
+caller; the merge is done in place.
+
+**Compressed sends** (``halos.compress``, docs/compression.md): `make_compressed_update` sends U_k
+as a `fl_geo.core.compress` payload with error feedback, the LPS being the client of the GPS:
+U_k + e is compressed and e' = U_k + e − Û_k is kept by the LPS (one more model-sized fp32
+buffer), in its `snapshot` with the rest of its state. A new LPS, or one restored from a
+snapshot without it, starts from a zero residual, by rule. Inputs are validated before anything changes, so a
 rejected update or snapshot leaves a server exactly as it was.
 """
 
@@ -37,6 +43,7 @@ from typing import Any, ClassVar
 import torch
 
 from fl_geo.core.accumulate import describe_non_finite
+from fl_geo.core.compress import Compressor, Payload
 from fl_geo.core.outer import DelayedNesterov, build_outer_optimizer
 from fl_geo.core.state import chunk_ranges
 
@@ -124,6 +131,7 @@ class ParameterServer(ABC):
 
     kind: ClassVar[str]
     _extra_keys: ClassVar[frozenset[str]] = frozenset()
+    _optional_keys: ClassVar[frozenset[str]] = frozenset()  # may be missing from a snapshot
 
     def __init__(
         self,
@@ -222,7 +230,7 @@ class ParameterServer(ABC):
         required = {"kind", "params", "version", "optimizer", *self._extra_keys}
         if missing := sorted(required - set(state)):
             raise ValueError(f"snapshot lacks keys {missing}")
-        if unexpected := sorted(set(state) - required):
+        if unexpected := sorted(set(state) - required - self._optional_keys):
             raise ValueError(f"snapshot has unexpected keys {unexpected}")
         if state["kind"] != self.kind:
             raise ValueError(f"snapshot is of a {state['kind']!r} server, this is {self.kind!r}")
@@ -285,6 +293,7 @@ class LocalParameterServer(ParameterServer):
     _extra_keys = frozenset(
         {"merged_params", "merged_version", "outstanding", "sends", "accumulate", "alpha"}
     )
+    _optional_keys = frozenset({"residual"})  # absent: a zero residual (a restarted LPS starts from zero)
 
     def __init__(
         self,
@@ -306,6 +315,7 @@ class LocalParameterServer(ParameterServer):
         self._merged_version = 0
         self._outstanding = False
         self._sends = 0
+        self._residual: torch.Tensor | None = None  # error feedback of compressed sends (None: zero)
 
     @property
     def accumulate(self) -> int:
@@ -337,6 +347,11 @@ class LocalParameterServer(ParameterServer):
         """Number of global updates made."""
         return self._sends
 
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """The error-feedback residual of `make_compressed_update` (None: zero). Live; read only."""
+        return self._residual
+
     def ready_to_send(self) -> bool:
         """K updates applied since the last merge and no send outstanding."""
         return not self._outstanding and self._version == self._merged_version + self._accumulate
@@ -354,15 +369,32 @@ class LocalParameterServer(ParameterServer):
         The sign is the pseudo-gradient convention (base − local), so the GPS's descent step
         moves θ_g toward θ_k. RuntimeError if `ready_to_send` is False.
         """
+        self._check_ready()
+        update = torch.sub(self._merged, self._params)
+        self._outstanding = True
+        self._sends += 1
+        return update
+
+    def make_compressed_update(self, compressor: Compressor) -> Payload:
+        """U_k as ``compressor``'s payload, with this LPS's error feedback (when the compressor's
+        settings have it): U_k + e is compressed and the residual becomes U_k + e − Û_k. Marks the
+        send outstanding like `make_global_update`; the GPS applies the decoded Û_k. RuntimeError
+        if not `ready_to_send`; ValueError (non-finite U_k + e) leaves the LPS as it was."""
+        self._check_ready()
+        update = torch.sub(self._merged, self._params)
+        residual = self._residual if compressor.settings.error_feedback else None
+        payload, new_residual = compressor.compress(update, residual)
+        self._residual = new_residual
+        self._outstanding = True
+        self._sends += 1
+        return payload
+
+    def _check_ready(self) -> None:
         if not self.ready_to_send():
             why = "a send is outstanding" if self._outstanding else (
                 f"{self._version - self._merged_version} of {self._accumulate} updates applied "
                 "since the last merge")
             raise RuntimeError(f"LPS not ready to send: {why}")
-        update = torch.sub(self._merged, self._params)
-        self._outstanding = True
-        self._sends += 1
-        return update
 
     def merge(self, global_params: torch.Tensor) -> None:
         """θ_k ← (1 − α)·θ_k + α·θ_g in place; θ_k^merged ← θ_k; merged_version ← version.
@@ -390,6 +422,7 @@ class LocalParameterServer(ParameterServer):
             "sends": self._sends,
             "accumulate": self._accumulate,
             "alpha": self._alpha,
+            "residual": None if self._residual is None else self._residual.clone(),
         }
 
     def _prepare_extra(self, state: Mapping[str, Any], version: int) -> Callable[[], None]:
@@ -401,6 +434,10 @@ class LocalParameterServer(ParameterServer):
         sends = _check_count("snapshot 'sends'", state["sends"], minimum=int(outstanding))
         accumulate = _check_count("snapshot 'accumulate'", state["accumulate"], minimum=1)
         alpha = _check_alpha(state["alpha"])
+        residual = state.get("residual")
+        if residual is not None:
+            residual = _check_flat("snapshot 'residual'", residual, self.numel, None)
+            _check_finite("snapshot 'residual'", residual)
         since = version - merged_version
         # A send is made when `since` reaches K: before it `since` <= K, after it `since` >= K.
         if since < 0 or (since > accumulate and not outstanding) or (
@@ -418,6 +455,7 @@ class LocalParameterServer(ParameterServer):
             self._sends = sends
             self._accumulate = accumulate
             self._alpha = alpha
+            self._residual = None if residual is None else residual.detach().to(self.device, copy=True)
 
         return commit
 

@@ -41,17 +41,19 @@ from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fl_geo.config import FlGeoConfig, load_config
+from fl_geo.core.compress import Compressor
 from fl_geo.core.halos import GlobalParameterServer
 from fl_geo.core.state import ParamSpec, flatten
 from fl_geo.halos.lps_service import LpsService
 from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
+from fl_geo.runtime.compressed import compress_record, read_update_record
 from fl_geo.runtime.dispatch import TIMED_OUT, Dispatcher, Event, NodeProfile, late_report
 from fl_geo.runtime.evaluation import GlobalEvaluator
 from fl_geo.runtime.progress import Progress
 from fl_geo.runtime.protocol import REQUEST_RECORD, BridgeRequest
 from fl_geo.runtime.session import RunSession
-from fl_geo.runtime.wire import decode_into, encode, payload_nbytes
+from fl_geo.runtime.wire import PayloadError, encode, payload_nbytes
 from fl_geo.strategies.halos import HalosLoop
 from fl_geo.strategies.replies import Tally
 from fl_geo.strategies.strategy import reply_deadline
@@ -119,9 +121,12 @@ class RegionalLoop(HalosLoop):
                 "tokens": self.total_tokens + self.tally.tokens}
 
     def _send_up(self, g: int) -> None:
-        update = self.lps[g].make_global_update()
-        record = encode(update, self.spec, self.cfg.wire.up)
+        if self.global_uplink is None:
+            record = encode(self.lps[g].make_global_update(), self.spec, self.cfg.wire.up)
+        else:  # halos.compress: U_k + this LPS's residual, compressed (the residual stays here)
+            record = compress_record(self.lps[g].make_compressed_update(self.global_uplink))
         self.total_bytes_up += payload_nbytes(record)
+        self.bytes_to_global += payload_nbytes(record)
         self.service.outbox.put((record, self._counters()))
         log.info("HALoS LPS %s: update %d queued for the GPS (version %d)", self.region, self.lps[g].sends,
                  self.lps[g].version)
@@ -240,6 +245,7 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                 "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
                 "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"), "final_val_bpb": last.get("val/bpb"),
                 "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
+                "bytes_to_global": loop.bytes_to_global,
                 "late_replies": dispatcher.late_replies, "late_nodes": loop.late_nodes(),
                 "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel, "lps_address": address,
             }
@@ -309,6 +315,19 @@ def _region_update(ev: Event, region: str) -> tuple[dict[str, int], ArrayRecord]
     return counters, ev.reply.content.array_records["arrays"]
 
 
+def apply_region_update(gps: GlobalParameterServer, arrays: ArrayRecord, spec: ParamSpec, precision: str,
+                        compressor: Compressor | None, scratch: torch.Tensor | None = None) -> str | None:
+    """Apply a region's U_k (``arrays``: at ``precision``, or ``compressor``'s payload with
+    ``halos.compress``) to the GPS; the reason, and θ_g untouched, when the payload is malformed or
+    not finite (None when applied). A hostile region costs its own update, never the global model."""
+    try:
+        update = read_update_record(arrays, spec, precision, compressor, out=scratch)
+        gps.apply(update)  # validates finiteness before anything changes
+    except (PayloadError, ValueError) as exc:
+        return str(exc)[:300]
+    return None
+
+
 def _update_metrics(version: int, loss: float, *, region: int, region_updates: int, lps: dict[str, int],
                     bytes_up: int, bytes_down: int) -> dict[str, Any]:
     """The metrics record of global update ``version`` (``loss`` NaN where it was not evaluated):
@@ -340,25 +359,30 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
         sends = dict.fromkeys(profiles, 0)
         counters: dict[str, dict[str, int]] = {}
         scratch = torch.empty(spec.numel, dtype=torch.float32)
+        tier2 = cfg.halos.global_uplink()  # halos.compress: the regions' U_k arrive compressed
+        compressor = Compressor(tier2) if tier2 is not None else None
+        rejected = 0
         initial = evaluator.evaluate(gps.params)
         history = [logger.log(0, {"outer/step": 0, "val/loss": initial, "val/ppl": math.exp(min(initial, 50.0))})]
         log.info("HALoS GPS: %d regions %s, %d global updates (%d per region)", len(profiles),
                  sorted(region_of.values()), quota * len(profiles), quota)
         bytes_up = bytes_down = 0
 
-        def push(node: int, stop: bool) -> None:
+        def push(node: int, stop: bool, reply: bool = True) -> None:
+            """The next exchange with a bridge; ``reply``: it carries θ_g (every one but the first),
+            also after a refused update, so that region's LPS merges and sends again."""
             nonlocal bytes_down
             request = BridgeRequest(stop=stop, global_version=gps.version, exchange_timeout_s=float(exchange_timeout_s),
                                     connect_timeout_s=float(connect_timeout_s))
             content = RecordDict({REQUEST_RECORD: request.to_record()})
-            if gps.version > 0 or stop:
+            if reply or stop:
                 content["arrays"] = encode(gps.params, spec, cfg.wire.down)  # a snapshot, copied
                 bytes_down += payload_nbytes(content["arrays"])
             dispatcher.submit([Message(content, dst_node_id=node, message_type=MessageType.TRAIN)],
                               meta=[{"stop": stop}])
 
         for node in sorted(profiles, key=lambda n: profiles[n].partition_id):
-            push(node, stop=False)
+            push(node, stop=False, reply=False)
         while dispatcher.in_flight():
             ev = dispatcher.next_event()
             if ev is None:
@@ -368,10 +392,13 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             if got is None:
                 continue  # the region is done
             counters[region], arrays = got
-            update = decode_into(arrays, spec, cfg.wire.up, out=scratch)
-            gps.apply(update)  # validates finiteness; ValueError stops the run with the cause
             bytes_up += payload_nbytes(arrays)
-            sends[node] += 1
+            sends[node] += 1  # a refused update uses up one of the region's exchanges too
+            if (why := apply_region_update(gps, arrays, spec, cfg.wire.up, compressor, scratch)) is not None:
+                rejected += 1
+                log.warning("HALoS GPS: update from region %s refused (θ_g unchanged): %s", region, why)
+                push(node, stop=sends[node] >= quota)
+                continue
             loss = evaluator.evaluate(gps.params) if (cfg.run.eval_every and gps.version % cfg.run.eval_every == 0) else float("nan")
             history.append(logger.log(gps.version, _update_metrics(
                 gps.version, loss, region=profiles[node].partition_id, region_updates=sends[node],
@@ -387,7 +414,9 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             "outer_steps": gps.version, "global_version": gps.version, "regions": len(profiles),
             "updates_per_region": {region_of[n]: c for n, c in sends.items()},
             "lps_counters": counters, "initial_val_loss": initial, "final_val_loss": final, "final_val_bpb": evaluator.bpb(final),
-            "bytes_up": bytes_up, "bytes_down": bytes_down, "late_nodes": late_report(dispatcher.late, profiles),
+            "bytes_up": bytes_up, "bytes_down": bytes_down, "rejected": rejected,
+            "compress": tier2.describe() if tier2 is not None else "none",
+            "late_nodes": late_report(dispatcher.late, profiles),
             "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel,
         })
 

@@ -20,9 +20,12 @@ from flwr.app import Array, ArrayRecord
 from fl_geo.core.codecs import CodedValues, DenseValues, Values
 from fl_geo.core.compress import Compressor, Payload
 from fl_geo.core.sparse import SparsePayload, kept_count
+from fl_geo.core.state import ParamSpec
 from fl_geo.errors import PayloadError
+from fl_geo.runtime.wire import decode_into
 
-__all__ = ["chain_record", "compress_record", "decompress_record", "expected_keys", "read_chain"]
+__all__ = ["chain_record", "compress_record", "decompress_record", "expected_keys", "read_chain",
+           "read_update_record"]
 
 
 def compress_record(payload: Payload) -> ArrayRecord:
@@ -91,3 +94,15 @@ def read_chain(record: ArrayRecord, compressor: Compressor, numel: int, first: i
                            f"missing {missing}")
     return [decompress_record(ArrayRecord({n: record[f"d{v}.{n}"] for n in names}), compressor, numel)
             for v in range(first + 1, last + 1)]
+
+
+def read_update_record(record: ArrayRecord, spec: ParamSpec, precision: str, compressor: Compressor | None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """One model-sized update from a record, as fp32 (1-D, ``spec.numel``): ``compressor``'s
+    payload (`decompress_record`) or, without one, the model's arrays at ``precision``
+    (`fl_geo.runtime.wire.decode_into`, into ``out`` when given). HALoS's global server reads a
+    local server's U_k this way, in the simulation and the deployment alike. `PayloadError` for
+    anything malformed; finiteness is the caller's to check (the server's ``apply`` does)."""
+    if compressor is not None:
+        return decompress_record(record, compressor, spec.numel)
+    return decode_into(record, spec, precision, out=out)

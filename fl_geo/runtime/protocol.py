@@ -227,8 +227,9 @@ class StreamRequest(JobRequest):
     """``train.stream``: one tick of Streaming DiLoCo / CoCoDC: train ``stream_steps`` steps from
     schedule step ``stream_step``, first applying the new global fragments ``stream_apply`` (in
     ``"fragment.<p>"`` records) and then starting the syncs ``stream_sync``; the merge rule and
-    its parameters (``stream_rule``, ``alpha``, ``lambda``, ``tau``, ``H``, ``fragments``) and the
-    uplink quantisation."""
+    its parameters (``stream_rule``, ``alpha``, ``lambda``, ``tau``, ``H``, ``fragments``). Each
+    Δ_p is compressed per fragment when the request carries ``wire_compress`` (the run's
+    ``wire.compress``, or ``streaming.quantize``'s alias of it)."""
 
     MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train.stream",)
     stream_rule: str
@@ -238,8 +239,6 @@ class StreamRequest(JobRequest):
     lambda_: float
     tau: int
     H: int
-    stream_quantize: str
-    stream_quantize_block: int
     stream_step: int
     stream_steps: int
     stream_apply: str

@@ -15,8 +15,10 @@ Two byte counts, deliberately different:
   the scenario models none, or when there is no scenario (a wall clock measures, it charges
   nothing, but the count still sizes the job for the dispatcher). An update compressed by
   ``wire.compress`` is charged as the compressed payload of the modelled model
-  (:meth:`CostModel.charged_up_bytes`); the model a job sends down, with ``wire.compress_down``,
-  as the compressed delta(s) it carries or the whole model (:meth:`CostModel.charged_down_bytes`).
+  (:meth:`CostModel.charged_up_bytes`; a streaming fragment as that of its share), and so is a
+  HALoS local server's update compressed by ``halos.compress`` (:meth:`CostModel.transfer_s`);
+  the model a job sends down, with ``wire.compress_down``, as the compressed delta(s) it carries
+  or the whole model (:meth:`CostModel.charged_down_bytes`).
 
 Framework-free: no Flower, no omegaconf; the scenario answers the link and speed questions.
 """
@@ -68,18 +70,19 @@ class CostModel:
         """Bytes the virtual clock charges for one model-sized payload at a wire precision."""
         return payload_bytes(precision, self.modelled_params)
 
-    def charged_share_bytes(self, share_numel: int, precision: str, quantize: str = "none", block: int = 0) -> int:
-        """Bytes charged for a part of the model (a Streaming DiLoCo fragment of ``share_numel``
-        trained parameters): its share of the modelled model, at the wire precision or, with
-        ``quantize`` (``int8`` / ``int4``), blockwise-quantised codes plus one scale per block."""
+    def _modelled_share(self, share_numel: int) -> int:
         if not 0 <= share_numel <= self.numel:
             raise ValueError(f"a share of {share_numel} parameters is not part of a {self.numel}-parameter model")
-        share = round(self.modelled_params * share_numel / self.numel) if self.numel else 0
-        if quantize != "none":
-            from fl_geo.core.quantize import quantized_nbytes
+        return round(self.modelled_params * share_numel / self.numel) if self.numel else 0
 
-            return quantized_nbytes(quantize, share, block)
-        return payload_bytes(precision, share)
+    def charged_share_bytes(self, share_numel: int, precision: str) -> int:
+        """Bytes charged for a part of the model (a Streaming DiLoCo fragment of ``share_numel``
+        trained parameters): its share of the modelled model at the wire precision, or the
+        compressed payload of that share with ``uplink`` (``wire.compress``, or
+        ``streaming.quantize``'s alias of it)."""
+        if self.uplink is not None:
+            return self.charged_compressed_bytes(self.uplink, share_numel)
+        return payload_bytes(precision, self._modelled_share(share_numel))
 
     def charged_up_bytes(self, wire_up: str) -> int:
         """Bytes the virtual clock charges for one update (a site's pseudo-gradient): the compressed
@@ -87,9 +90,15 @@ class CostModel:
         arrays' bytes), else a model-sized payload at ``wire_up``."""
         if self.uplink is None:
             return self.charged_bytes(wire_up)
+        return self.charged_compressed_bytes(self.uplink)
+
+    def charged_compressed_bytes(self, settings: CompressSettings, share_numel: int | None = None) -> int:
+        """Bytes charged for a compressed payload of the modelled model (or of its share of
+        ``share_numel`` trained parameters): `fl_geo.core.compress.payload_nbytes`, the arrays' bytes."""
         from fl_geo.core.compress import payload_nbytes as compressed_nbytes
 
-        return compressed_nbytes(self.uplink, self.modelled_params) if self.modelled_params else 0
+        n = self.modelled_params if share_numel is None else self._modelled_share(share_numel)
+        return compressed_nbytes(settings, n) if n else 0
 
     def charged_down_bytes(self, wire_down: str, deltas: int | None = None) -> int:
         """Bytes the virtual clock charges for the model a job is sent: ``deltas`` compressed
@@ -100,9 +109,7 @@ class CostModel:
             return self.charged_bytes(wire_down)
         if deltas < 0:
             raise ValueError(f"deltas must be >= 0, got {deltas}")
-        from fl_geo.core.compress import payload_nbytes as compressed_nbytes
-
-        return deltas * compressed_nbytes(self.downlink, self.modelled_params) if self.modelled_params else 0
+        return deltas * self.charged_compressed_bytes(self.downlink)
 
     def job_bytes(self, wire_down: str, wire_up: str, deltas: int | None = None) -> tuple[int, int]:
         """(down, up) bytes charged for one job: the model out (`charged_down_bytes`), the update
@@ -121,11 +128,14 @@ class CostModel:
         return self.scenario.job_time(slot, steps, down, up, peer_region, start=start)
 
     def transfer_s(self, src_region: str | int, dst_region: str | int, precision: str,
-                   start: float | None = None) -> float:
-        """One model-sized payload from ``src_region`` to ``dst_region`` (0 without a scenario)."""
+                   start: float | None = None, compress: CompressSettings | None = None) -> float:
+        """One model-sized payload from ``src_region`` to ``dst_region`` (0 without a scenario):
+        at ``precision``, or ``compress``'s payload of the modelled model (HALoS's local server
+        to global server update with ``halos.compress``)."""
         if self.scenario is None:
             return 0.0
-        return self.scenario.transfer_time(src_region, dst_region, self.charged_bytes(precision), start=start)
+        nbytes = self.charged_bytes(precision) if compress is None else self.charged_compressed_bytes(compress)
+        return self.scenario.transfer_time(src_region, dst_region, nbytes, start=start)
 
     def allreduce_s(self, slots: Sequence[int], nbytes: int, start: float | None = None) -> float:
         """A ring all-reduce of ``nbytes`` among the nodes ``slots`` (0 without a scenario)."""
