@@ -40,7 +40,8 @@ class StreamingDiLoCoSettings(MethodSettings):
     gamma : float (default: 0.4)
         Share of the network capacity the adaptive schedule may use.
     quantize : str (default: "none")
-        ``"int8"`` / ``"int4"``: blockwise-quantised fragment updates on the uplink.
+        ``"int8"`` / ``"int4"``: an alias of ``wire.compress`` of that codec without error feedback
+        (blockwise-quantised fragment updates, as before); ``wire.compress`` offers every codec.
     """
 
     method = "streaming_diloco"

@@ -14,7 +14,7 @@ scale_b / 2, so a block's largest element is exact and the relative error is bou
 block's dynamic range; small blocks (the default 128) keep an outlier from flattening its
 neighbours. Rounding is to nearest (ties to even), deterministic, so runs stay reproducible.
 
-Payload layout (two arrays; `fl_geo.runtime.quantized` puts them in an ``ArrayRecord`` under
+Payload layout (two arrays; `fl_geo.runtime.compressed` puts them in an ``ArrayRecord`` under
 these names):
 
 * ``codes``: ``int8``, one per element (``int4``: ``uint8``, two per byte, element 2k in the low
@@ -23,9 +23,9 @@ these names):
   code + 2 ∈ [1, 3]; a tail short of a whole byte pads with 2);
 * ``scales``: ``float32``, one per block, finite and ≥ 0.
 
-Two sets of kinds: `QUANT_BITS` (int8, int4) are those the streaming wire carries
-(`quantize`, `dequantize`, `q_max`, `quantized_nbytes`; ``streaming.quantize`` and
-``fl_geo.runtime.quantized`` refuse any other), `CODE_BITS` adds int2 for the compression codecs
+Two sets of kinds: `QUANT_BITS` (int8, int4) are those the old streaming quantiser offered
+(`quantize`, `dequantize`, `q_max`, `quantized_nbytes`; ``streaming.quantize`` refuses any other
+and is now an alias of ``wire.compress``), `CODE_BITS` adds int2 for the compression codecs
 of `fl_geo.core.compress` (`quantize_codes`, `dequantize_codes`, `code_q_max`, `code_nbytes`).
 The int8 and int4 payloads are the same bytes through either entry point.
 

@@ -32,9 +32,9 @@ class StreamingSection:
     # server's global model is a patchwork of fragments stepped at different times, which no
     # worker holds. Streaming strategies only (DiLoCo's workers hold the global model after a sync).
     eval_workers: bool = False
-    # the workers' Δ_p payloads: none (wire.up's precision), int8 or int4 (blockwise absmax, one
-    # fp32 scale per quantize_block elements; fl_geo.core.quantize). The new global fragment travels
-    # back at wire.down: it is a model, not an update to be averaged.
+    # the old fragment quantiser, now an alias (fl_geo.config.uplink_wire): int8 / int4 means
+    # wire.compress=<it>, wire.compress_block=quantize_block, wire.error_feedback=false (the same
+    # bytes and decoded values as before); wire.compress offers every codec and error feedback.
     quantize: str = "none"
     quantize_block: int = 128
 

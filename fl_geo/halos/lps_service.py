@@ -34,7 +34,7 @@ class LpsService:
     Runs in a daemon thread and never touches the LPS: it validates what arrives (keys, shapes,
     precision ``wire.down``, finiteness) into a fresh fp32 tensor, queues it on `inbox` for the
     training loop's merge, and waits up to ``reply_timeout_s`` for the loop to put the next update
-    (already encoded in ``wire.up``) on `outbox`. A rejected frame is answered with an error frame
+    (already encoded in ``wire.up``, or compressed with ``halos.compress``) on `outbox`. A rejected frame is answered with an error frame
     naming the cause, and the loop is not disturbed. The socket file is created with mode 0600
     (only this user's bridge can connect) and removed on `close`.
     """
