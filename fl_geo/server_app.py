@@ -214,7 +214,7 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             "scenario": stats.scenario,
             "num_params": stats.num_params,
             # HALoS: what the local servers sent the global one (compressed with halos.compress)
-            **({"halos_bytes_to_global": stats.last.get("halos/bytes_to_global_total")}
+            **({"halos_bytes_to_global": int(stats.last.get("halos/bytes_to_global_total", 0))}
                if cfg.strategy.name == "halos" else {}),
         })
 
