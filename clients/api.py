@@ -43,8 +43,10 @@ from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-expor
     load_inner_state,
     opt_from_record,
     opt_record,
+    progress_record,
     rewind_to_round,
     save_inner_state,
+    start_opt_state,
     state_file,
 )
 from fl_geo.clients.profile import first_device, partition_ids, profile_probe_mod, profile_reply
@@ -148,10 +150,8 @@ def blocks_of(model: torch.nn.Module, blocks: str | BlocksFn) -> list[list[str]]
     return groups
 
 
-def train_metrics(result: TrainResult, train_time: float, pid: int, noisy_steps: int,
-                  **extra: int) -> MetricRecord:
-    """The ``"metrics"`` record of a train reply (`protocol.TrainMetrics`; ``extra``: its
-    optional fields, e.g. ``base_version``)."""
+def train_metrics(result: TrainResult, train_time: float, pid: int, noisy_steps: int, **extra: int) -> MetricRecord:
+    """The ``"metrics"`` record of a train reply (`protocol.TrainMetrics`; ``extra``: e.g. ``base_version``)."""
     return protocol.TrainMetrics(
         tokens=int(result.tokens),
         steps=int(result.steps),
@@ -187,9 +187,9 @@ class DatacenterClient:
     ``eval_batches_fn(site)``: held-out batches for the evaluate handlers (``site.eval_scope``
     says whose: this partition's or the global set; ``site.eval_batches`` how many); without it
     an evaluate message gets an error reply.
-    ``optimizer_fn(model, inner)``: the inner optimizer (default: fl-geo's AdamW, weight decay
-    on matrices only). Its per-parameter state is kept across rounds whatever it is. The
-    data-parallel job (``client.devices > 1``) needs the default AdamW.
+    ``optimizer_fn(model, inner)``: the inner optimizer (default: ``client.optimizer``'s, fl-geo's
+    AdamW or Muon + AdamW, `fl_geo.inner.muon`). Its per-parameter state is kept across rounds
+    whatever it is. The data-parallel job (``client.devices > 1``) needs the default.
     ``lr_schedule(step, inner)``: the learning rate set on every group each step (default: the
     warm-up / cosine schedule of the run's ``client`` section); ``None`` leaves it to the
     optimizer.
@@ -350,7 +350,7 @@ class DatacenterClient:
         on the site's own machine (the server that validated the config may have no GPU).
         """
         if self.optimizer_fn is not None:
-            raise ValueError("client.devices > 1 runs the default AdamW inner optimizer only "
+            raise ValueError("client.devices > 1 runs the default inner optimizer (client.optimizer) only "
                              "(its state lives in the job's shared buffers); drop optimizer_fn")
         device = str(site.node_config.get("device", site.inner.device))
         devices, backend = resolve_devices(device, count, str(site.sections["client"].get("dist_backend", "auto")))
@@ -388,7 +388,7 @@ class DatacenterClient:
         if disk is not None and req.resumed and PROGRESS_KEY not in state.config_records:
             load_inner_state(state, disk)  # a restarted server is a new Flower run: context.state is empty
         rewind_to_round(state, req)
-        start_opt = state.array_records.get(OPT_STATE_KEY)
+        start_opt = start_opt_state(state, trainer.optimizer_kind)
         if start_opt is not None:
             trainer.load_optimizer_state(opt_from_record(start_opt))
         progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
@@ -423,8 +423,8 @@ class DatacenterClient:
             keep_prev_residual(state, start_residual)
             state[PREV_PROGRESS_KEY] = ConfigRecord(dict(start_progress))
         state[OPT_STATE_KEY] = opt_record(trainer)
-        state[PROGRESS_KEY] = ConfigRecord({"step": local_step + result.steps, "rounds": int(progress["rounds"]) + 1,
-                                            "last_round": req.round})
+        state[PROGRESS_KEY] = progress_record(local_step + result.steps, int(progress["rounds"]) + 1,
+                                              trainer.optimizer_kind, last_round=req.round)
         if disk is not None:
             save_inner_state(state, INNER_STATE_KEYS, disk)
 

@@ -44,6 +44,9 @@ PREV_PROGRESS_KEY = "inner_progress_prev"
 # restarts without it starts from zero). With checkpoints on, the residual from before the last round too.
 EF_RESIDUAL_KEY = "uplink_residual"
 PREV_EF_RESIDUAL_KEY = "uplink_residual_prev"
+# The field of the progress record naming the optimizer kind whose state OPT_STATE_KEY holds
+# (InnerTrainer.optimizer_kind: adamw, muon or custom); absent in a record from before it was kept.
+OPTIMIZER_FIELD = "optimizer"
 INNER_STATE_KEYS = (OPT_STATE_KEY, PROGRESS_KEY, PREV_OPT_STATE_KEY, PREV_PROGRESS_KEY, EF_RESIDUAL_KEY,
                     PREV_EF_RESIDUAL_KEY)
 
@@ -96,6 +99,34 @@ def opt_record(trainer: InnerTrainer | DataParallelTrainer) -> ArrayRecord:
 def opt_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """The optimizer state `opt_record` kept, as the tensors a trainer loads."""
     return {k: torch.from_numpy(a.numpy()) for k, a in record.items()}
+
+
+def start_opt_state(state: RecordDict, kind: str) -> ArrayRecord | None:
+    """The stored inner optimizer state this job starts from, or None for a fresh optimizer.
+
+    A state another optimizer kind wrote (``client.optimizer`` changed between runs that share the
+    node's state, e.g. a resumed server reading the state from disk) cannot be loaded: AdamW's
+    moments are not Muon's momentum. It is dropped with a warning, together with the copy kept for
+    a rewind, and the optimizer starts fresh; the schedule position is kept. A state without a
+    kind tag (written before the tag existed) is loaded as before.
+    """
+    record = state.array_records.get(OPT_STATE_KEY)
+    progress = state.config_records.get(PROGRESS_KEY)
+    stored = None if progress is None else progress.get(OPTIMIZER_FIELD)
+    if record is None or stored is None or stored == kind:
+        return record
+    log.warning("the stored inner optimizer state is %s's but this job's inner optimizer is %s "
+                "(client.optimizer changed): starting from a fresh optimizer state", stored, kind)
+    del state[OPT_STATE_KEY]
+    if PREV_OPT_STATE_KEY in state.array_records:
+        del state[PREV_OPT_STATE_KEY]
+    return None
+
+
+def progress_record(step: int, rounds: int, kind: str, **extra: int) -> ConfigRecord:
+    """The progress record kept under `PROGRESS_KEY`: schedule position, rounds trained, the kind of
+    the optimizer state stored beside it (`start_opt_state`) and ``extra`` (``last_round``)."""
+    return ConfigRecord({"step": int(step), "rounds": int(rounds), OPTIMIZER_FIELD: kind, **extra})
 
 
 def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fl_geo.errors import require
+from fl_geo.inner.muon import ADJUST_LR, OPTIMIZERS
 
 
 @dataclass
@@ -32,6 +33,16 @@ class ClientSection:
     device: str = "auto"  # auto | cuda | npu | mps | cpu
     precision: str = "auto"  # auto (bf16 autocast on accelerators) | bf16 | fp32
     eval_batches: int = 8
+    # The inner optimizer (docs/algorithms.md §1, fl_geo.inner.muon): adamw, or muon = Muon on the
+    # hidden matrices (2-D, not embeddings, not the output head) and the AdamW above on the rest,
+    # both on the one warm-up / cosine schedule (Muon's peak is muon_lr).
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per step (torch allows 1..99)
+    muon_weight_decay: float = 0.01  # θ·(1 − lr·wd) a step: 2e-4 at lr 0.02, AdamW's default is 3e-4
+    muon_adjust_lr: str = "original"  # original (√max(1, rows/cols)) | match_rms_adamw (0.2·√max(rows, cols))
     # Data-parallel inner loop over a site's devices (fl_geo.inner.distributed, docs/multidevice.md):
     # 1 = one process (the default path); N > 1 = N DDP processes started per train message. A
     # SuperNode may override it (--node-config 'devices=8'); its hardware is checked there.
@@ -50,6 +61,18 @@ class ClientSection:
         require(self.weight_decay >= 0 and self.grad_clip >= 0,
                 f"client.weight_decay and client.grad_clip must be >= 0 (0 = off), got {self.weight_decay} and {self.grad_clip}")
         require(self.eval_batches >= 1, f"client.eval_batches must be >= 1, got {self.eval_batches}")
+        self._check_muon()
+
+    def _check_muon(self) -> None:
+        """Raise `ConfigError` for an unknown inner optimizer or a Muon setting out of its range."""
+        require(self.optimizer in OPTIMIZERS,
+                f"client.optimizer '{self.optimizer}' is unknown; valid: {', '.join(OPTIMIZERS)}")
+        require(self.muon_lr > 0, f"client.muon_lr must be > 0, got {self.muon_lr}")
+        require(0 <= self.muon_momentum < 1, f"client.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        require(1 <= self.muon_ns_steps <= 99, f"client.muon_ns_steps must be in 1..99, got {self.muon_ns_steps}")
+        require(self.muon_weight_decay >= 0, f"client.muon_weight_decay must be >= 0, got {self.muon_weight_decay}")
+        require(self.muon_adjust_lr in ADJUST_LR,
+                f"client.muon_adjust_lr '{self.muon_adjust_lr}' is unknown; valid: {', '.join(ADJUST_LR)}")
 
     def _check_devices(self) -> None:
         """Raise `ConfigError` for a device, precision or data-parallel setting the trainer does not

@@ -33,6 +33,7 @@ from fl_geo.clients.api import (
     set_threads,
     train_metrics,
 )
+from fl_geo.clients.persist import progress_record, start_opt_state
 from fl_geo.core.compress import Compressor
 from fl_geo.core.state import flatten, load_flat_into
 from fl_geo.core.streaming import cocodc_compensate, fragment_record, streaming_merge
@@ -281,8 +282,9 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     load_flat_into(model, local, spec)
     model.to(device)
     trainer = client.trainer(model, site)
-    if OPT_STATE_KEY in state.array_records:
-        trainer.load_optimizer_state(opt_from_record(state.array_records[OPT_STATE_KEY]))
+    start_opt = start_opt_state(state, trainer.optimizer_kind)
+    if start_opt is not None:
+        trainer.load_optimizer_state(opt_from_record(start_opt))
     source = client.batches(site)
     t0 = time.perf_counter()
     result = trainer.train(source, req.stream_steps, local_step)
@@ -304,7 +306,7 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
 
     _store_stream_state(state, local, global_copy, snapshots, fragments.num_fragments, spec.numel)
     state[OPT_STATE_KEY] = opt_record(trainer)
-    state[PROGRESS_KEY] = ConfigRecord({"step": step_after, "rounds": int(progress["rounds"]) + 1})
+    state[PROGRESS_KEY] = progress_record(step_after, int(progress["rounds"]) + 1, trainer.optimizer_kind)
 
     content["metrics"] = train_metrics(
         result, train_time, site.partition_id, noisy,

@@ -249,6 +249,9 @@ def _check_strategy(cfg: FlGeoConfig) -> None:
                                "and takes no penalty")
         require(cfg.client.devices == 1, f"strategy ddp computes each site's gradient in one process: client.devices "
                                          f"must be 1, got {cfg.client.devices}")
+        require(cfg.client.optimizer == "adamw", "strategy ddp steps the inner AdamW at the server, which holds the flat "
+                                                 "parameters, not the model, so cannot tell Muon's hidden matrices from "
+                                                 "embeddings and the head: client.optimizer must be adamw")
     require(s.robust == "none" or (s.name != "halos" and s.name not in STREAMING_STRATEGIES and not cfg.ps.followers),
             f"strategy.robust={s.robust} is for the synchronous and single-server asynchronous loops, "
             f"not for strategy '{s.name}'{' with ps.followers' if cfg.ps.followers else ''}")

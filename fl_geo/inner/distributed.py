@@ -4,7 +4,8 @@ A datacenter has several accelerators; one process per device with DistributedDa
 such a site trains a model it can hold on one device. The ClientApp process stays the owner of
 everything Flower sees (the message, ``context.state``, the reply): for one message it starts
 ``world_size`` rank processes (``spawn``: safe from inside a Ray actor or a threaded SuperNode),
-hands them the model and the AdamW state through shared-memory tensors, and waits. Rank 0 writes
+hands them the model and the inner optimizer state (AdamW's, or Muon's with AdamW's under
+``client.optimizer: muon``) through shared-memory tensors, and waits. Rank 0 writes
 the trained parameters and optimizer state back into the *same* shared buffers, so the parent
 computes the pseudo-gradient Δ = θ_global − θ_local in place exactly as the single-process path
 does, with no model-sized copy through pipes or pickles.
@@ -44,6 +45,7 @@ from fl_geo.inner.distributed_state import (
     SharedTrainState,
     as_factory,
     config_model,
+    matrices_of,
     model_spec,
     spec_of,
 )
@@ -204,10 +206,11 @@ def train_data_parallel(
 
     ``model_cfg`` is fl-geo's decoder config or a picklable factory of a user's model (with
     ``loss_fn`` / ``lr_schedule`` / ``tokens_fn`` as for ``InnerTrainer``; the inner optimizer is
-    always the default AdamW, whose state the shared buffers hold). ``sampler`` is fl-geo's
+    always the default one of ``inner.optimizer``, AdamW or Muon + AdamW, whose state the shared
+    buffers hold: ``shared`` must be allocated with that optimizer's matrices, `matrices_of`). ``sampler`` is fl-geo's
     per-process sampler (batch b), and rank r trains on its slice of the batch the same sampler
     would draw with batch ``len(devices)·b``; a user's source yields the global batch itself. On return ``shared.params`` holds the
-    trained parameters and ``shared.optimizer_state()`` the AdamW state, both written by rank 0;
+    trained parameters and ``shared.optimizer_state()`` the optimizer state, both written by rank 0;
     the result's ``tokens`` is the total over ranks, its losses and step time the rank means.
     ``threads`` is each rank's torch thread count. ``timeout_s`` bounds every collective (a hung
     peer); ``join_timeout_s`` optionally bounds the whole job. ``rank_setup(rank, world)`` runs in
@@ -321,7 +324,9 @@ class DataParallelTrainer:
         self.backend = backend
         self.threads = threads
         self.timeout_s = timeout_s
-        self.shared = SharedTrainState.allocate(spec)
+        # client.optimizer: muon keeps Muon's momentum for the hidden matrices in the shared buffers
+        matrices = matrices_of(as_factory(model_cfg)) if cfg.optimizer == "muon" else frozenset()
+        self.shared = SharedTrainState.allocate(spec, matrices)
 
     @property
     def params(self) -> torch.Tensor:

@@ -180,6 +180,8 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> None:
                            lr_schedule=job.lr_schedule, tokens_fn=job.tokens_fn)
     if set(trainer.param_names) != set(shared.spec.names):
         raise RuntimeError("the model's parameters and its state dict differ; cannot share state")
+    if trainer.matrix_names != shared.matrices:
+        raise RuntimeError("this rank's Muon matrices differ from the job's; cannot share state")
     if int(shared.has_moments[0]):
         trainer.load_optimizer_state(shared.optimizer_state())
     result = trainer.train(

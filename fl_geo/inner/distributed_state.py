@@ -1,6 +1,7 @@
 """The data-parallel job's shared-memory contract between the parent and its rank processes.
 
-:class:`SharedTrainState` holds θ and the AdamW state in shared-memory tensors in one flat
+:class:`SharedTrainState` holds θ and the inner optimizer's state (AdamW's moments, or Muon's
+momentum for the hidden matrices under ``client.optimizer: muon``) in shared-memory tensors in one flat
 `ParamSpec` layout: the parent (`fl_geo.inner.distributed`) fills and reads them, rank 0
 (`fl_geo.inner.distributed_rank`) writes the trained values back. The layout helpers
 (:func:`model_spec`, :func:`spec_of`) and the model factories (:func:`config_model`,
@@ -18,9 +19,10 @@ import torch
 
 from fl_geo.core.state import ParamSpec, flatten, unflatten
 from fl_geo.inner.model import Decoder, ModelConfig
-from fl_geo.inner.training import STATE_KEYS, InnerTrainer
+from fl_geo.inner.muon import hidden_matrices
+from fl_geo.inner.training import InnerTrainer, state_keys
 
-__all__ = ["ModelFactory", "SharedTrainState", "as_factory", "config_model", "model_spec", "spec_of"]
+__all__ = ["ModelFactory", "SharedTrainState", "as_factory", "config_model", "matrices_of", "model_spec", "spec_of"]
 
 # Builds the site's model (its initial values are overwritten by the shared parameters). Must be
 # picklable (a module-level function or a functools.partial of one): the ranks are spawned.
@@ -39,16 +41,26 @@ def model_spec(model_cfg: ModelConfig) -> ParamSpec:
     return spec_of(functools.partial(config_model, model_cfg))
 
 
-def spec_of(factory: ModelFactory) -> ParamSpec:
-    """The flat layout of ``factory()``'s model, built on the ``meta`` device when it allows it
-    (no memory, no random draws), else for real with the global RNG state preserved."""
+def _layout_model(factory: ModelFactory) -> torch.nn.Module:
+    """``factory()``'s model, built on the ``meta`` device when it allows it (no memory, no random
+    draws), else for real with the global RNG state preserved."""
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
-                model = factory()
+                return factory()
         except Exception:  # noqa: BLE001 - a model that cannot be built on meta: build it for real
-            model = factory()
-    return ParamSpec.from_state_dict(model.state_dict())
+            return factory()
+
+
+def spec_of(factory: ModelFactory) -> ParamSpec:
+    """The flat layout of ``factory()``'s model (built on ``meta`` where it can be)."""
+    return ParamSpec.from_state_dict(_layout_model(factory).state_dict())
+
+
+def matrices_of(factory: ModelFactory) -> frozenset[str]:
+    """The parameters Muon trains in ``factory()``'s model (`fl_geo.inner.muon.hidden_matrices`),
+    from the same ``meta`` build: the rule reads module types and shapes only."""
+    return frozenset(hidden_matrices(_layout_model(factory)))
 
 
 def config_model(model_cfg: ModelConfig) -> torch.nn.Module:
@@ -69,11 +81,13 @@ def as_factory(model: ModelConfig | ModelFactory) -> ModelFactory:
 
 @dataclass
 class SharedTrainState:
-    """Model and AdamW state in shared memory: written by the parent, trained by rank 0.
+    """Model and inner optimizer state in shared memory: written by the parent, trained by rank 0.
 
     ``params`` holds θ in the flat ``spec`` layout (the global model on the way in, the trained
     local model on the way out). The moments use the same layout, so an entry's optimizer state
     sits at its parameter's offset; ``steps`` holds one AdamW step count per ``spec`` entry.
+    ``matrices`` (``client.optimizer: muon``) names the entries Muon steps: their one state
+    tensor, the momentum buffer, sits in ``exp_avg`` (their ``exp_avg_sq`` and step are unused).
     ``has_moments`` is 0 until the first step (an empty state, as ``InnerTrainer`` exports it).
     """
 
@@ -84,9 +98,10 @@ class SharedTrainState:
     steps: torch.Tensor
     has_moments: torch.Tensor
     result: torch.Tensor
+    matrices: frozenset[str] = frozenset()
 
     @classmethod
-    def allocate(cls, spec: ParamSpec) -> SharedTrainState:
+    def allocate(cls, spec: ParamSpec, matrices: frozenset[str] = frozenset()) -> SharedTrainState:
         """Fresh (uninitialised) shared buffers; ``params`` must be filled by the caller."""
 
         def shared(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -100,6 +115,7 @@ class SharedTrainState:
             steps=shared(len(spec.names)),
             has_moments=shared(1, torch.uint8).zero_(),
             result=shared(_RESULT_FIELDS, torch.float64).zero_(),
+            matrices=frozenset(matrices),
         )
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
@@ -113,6 +129,9 @@ class SharedTrainState:
         flat: dict[str, torch.Tensor] = {}
         avg, avg_sq = unflatten(self.exp_avg, self.spec), unflatten(self.exp_avg_sq, self.spec)
         for index, name in enumerate(self.spec.names):
+            if name in self.matrices:
+                flat[f"{name}.momentum_buffer"] = avg[name]
+                continue
             flat[f"{name}.exp_avg"] = avg[name]
             flat[f"{name}.exp_avg_sq"] = avg_sq[name]
             flat[f"{name}.step"] = self.steps[index]
@@ -127,7 +146,7 @@ class SharedTrainState:
         if not flat:
             self.has_moments.zero_()
             return
-        expected = {f"{name}.{key}" for name in self.spec.names for key in STATE_KEYS}
+        expected = state_keys(self.spec.names, self.matrices)
         if set(flat) != expected:
             missing = sorted(expected - set(flat))[:5]
             extra = sorted(set(flat) - expected)[:5]
@@ -135,7 +154,7 @@ class SharedTrainState:
                 f"optimizer state does not match the model: missing {missing}, unexpected {extra}"
             )
         for name, shape in zip(self.spec.names, self.spec.shapes, strict=True):
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("momentum_buffer",) if name in self.matrices else ("exp_avg", "exp_avg_sq"):
                 if tuple(flat[f"{name}.{key}"].shape) != shape:
                     raise ValueError(
                         f"optimizer state {name}.{key} has shape "
@@ -144,13 +163,16 @@ class SharedTrainState:
         avg, avg_sq = unflatten(self.exp_avg, self.spec), unflatten(self.exp_avg_sq, self.spec)
         with torch.no_grad():
             for index, name in enumerate(self.spec.names):
+                if name in self.matrices:
+                    avg[name].copy_(flat[f"{name}.momentum_buffer"])
+                    continue
                 avg[name].copy_(flat[f"{name}.exp_avg"])
                 avg_sq[name].copy_(flat[f"{name}.exp_avg_sq"])
                 self.steps[index] = float(torch.as_tensor(flat[f"{name}.step"]).reshape(()))
         self.has_moments.fill_(1)
 
     def _store_from(self, trainer: InnerTrainer) -> None:
-        """Rank 0: copy the trained parameters and AdamW state into the buffers (device → host)."""
+        """Rank 0: copy the trained parameters and optimizer state into the buffers (device → host)."""
         flatten(trainer.model.state_dict(), self.spec, out=self.params)
         views = {
             "exp_avg": unflatten(self.exp_avg, self.spec),
@@ -160,6 +182,9 @@ class SharedTrainState:
         with torch.no_grad():
             for name, param in zip(trainer.param_names, params, strict=True):
                 state = trainer.optimizer.state[param]
+                if name in self.matrices:
+                    views["exp_avg"][name].copy_(state["momentum_buffer"])
+                    continue
                 for key, view in views.items():
                     view[name].copy_(state[key])
                 self.steps[self.spec.index(name)] = float(torch.as_tensor(state["step"]))

@@ -213,6 +213,11 @@ class Decoder(nn.Module):
         # Tied output head: reuse the embedding matrix rather than registering an alias.
         return F.linear(self.norm(x), self.embed.weight)
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The output layer (Hugging Face's name for it): the tied embedding. The Muon inner
+        optimizer (fl_geo.inner.muon) reads it to keep the head on AdamW."""
+        return self.embed
+
     def num_params(self) -> int:
         """Number of trainable scalars; the tied embedding/head matrix is counted once."""
         return sum(p.numel() for p in self.parameters())

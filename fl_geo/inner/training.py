@@ -1,7 +1,8 @@
 """The inner loop of a datacenter client (docs/algorithms.md §1).
 
-AdamW with weight decay on matrices only, linear warm-up then cosine decay, gradient clipping and
-bf16 autocast on accelerators. The optimizer state must survive across outer rounds (DiLoCo) even
+AdamW with weight decay on matrices only (or, with ``optimizer="muon"``, Muon on the hidden
+matrices and AdamW on the rest: fl_geo.inner.muon), linear warm-up then cosine decay, gradient
+clipping and bf16 autocast on accelerators. The optimizer state must survive across outer rounds (DiLoCo) even
 when the client process does not, so it can be exported as a flat ``name → tensor`` dict that a
 Flower ``ArrayRecord`` stores, and loaded back. The schedule position is passed in by the caller
 (``start_step``): under ``schedule_clock: global`` the server, not the worker, decides it.
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_geo.inner.device import autocast_dtype, pick_device
+from fl_geo.inner.muon import LR_SCALE, MuonAdamW, muon_optimizer
 
 __all__ = [
     "BatchSource",
@@ -35,6 +37,7 @@ __all__ = [
     "evaluate_loss",
     "lr_at",
     "next_token_loss",
+    "state_keys",
     "target_tokens",
     "to_device",
 ]
@@ -58,6 +61,14 @@ class InnerConfig:
     seq_len: int = 128
     precision: str = "auto"
     device: str = "auto"
+    # client.optimizer: adamw | muon (Muon on the hidden matrices, AdamW on the rest; fl_geo.inner.muon)
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_weight_decay: float = 0.01
+    muon_adjust_lr: str = "original"
 
 
 @dataclass
@@ -103,7 +114,8 @@ class BatchSource(Protocol):
 LossFn = Callable[[Any, Any], torch.Tensor]
 # (model on its device, inner settings) -> the inner optimizer over the model's parameters.
 OptimizerFn = Callable[[torch.nn.Module, "InnerConfig"], torch.optim.Optimizer]
-# (schedule position, inner settings) -> the learning rate every parameter group gets.
+# (schedule position, inner settings) -> the learning rate every parameter group gets (times the
+# group's `LR_SCALE` entry where it has one: Muon's groups under client.optimizer=muon).
 ScheduleFn = Callable[[int, "InnerConfig"], float]
 # (inputs, targets) -> tokens in the batch: what token-weighted aggregation counts.
 TokensFn = Callable[[Any, Any], int]
@@ -131,11 +143,16 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 def default_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
-    """fl-geo's inner optimizer: AdamW with weight decay on matrices only.
+    """fl-geo's inner optimizer: AdamW with weight decay on matrices only; with
+    ``cfg.optimizer == "muon"``, `muon_optimizer` (Muon on the hidden matrices, this AdamW on the rest).
 
     Decay matrices (embeddings, projections) only: decaying norm gains towards zero only fights
     the normalisation. Matrices come first in the optimizer's order.
     """
+    if cfg.optimizer == "muon":
+        return muon_optimizer(model, cfg)
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"unknown inner optimizer {cfg.optimizer!r}; valid: adamw, muon")
     named = list(model.named_parameters())
     decay = [p for _, p in named if p.ndim >= 2]
     no_decay = [p for _, p in named if p.ndim < 2]
@@ -148,6 +165,12 @@ def default_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.O
         betas=tuple(cfg.betas),
         eps=cfg.eps,
     )
+
+
+def state_keys(names: Iterable[str], matrices: frozenset[str] = frozenset()) -> set[str]:
+    """The keys of a complete `InnerTrainer.optimizer_state` of the default optimizer over the
+    parameters ``names``: Muon's ``momentum_buffer`` for ``matrices``, AdamW's `STATE_KEYS` else."""
+    return {f"{name}.{key}" for name in names for key in (("momentum_buffer",) if name in matrices else STATE_KEYS)}
 
 
 def check_train_args(steps: int, start_step: int, time_budget_s: float) -> None:
@@ -193,6 +216,9 @@ class InnerTrainer:
         self.lr_schedule = lr_schedule
         self.tokens_fn = tokens_fn or target_tokens
         self.optimizer = (optimizer_fn or default_optimizer)(self.model, cfg)
+        # What kind of state `optimizer_state` holds (tagged on the stored state: a state of another
+        # kind is not loaded, fl_geo.clients.persist): the client section's choice, or a user's own.
+        self.optimizer_kind = cfg.optimizer if optimizer_fn is None else "custom"
         names = {id(p): name for name, p in self.model.named_parameters()}
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         unknown = [i for i, p in enumerate(params) if id(p) not in names]
@@ -249,7 +275,7 @@ class InnerTrainer:
             if self.lr_schedule is not None:
                 lr = self.lr_schedule(start_step + i, self.cfg)
                 for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group.get(LR_SCALE, 1.0)
             x, y = sampler.batch(start_step + i)
             tokens += int(self.tokens_fn(x, y))
             loss = self._loss(x, y)
@@ -349,12 +375,32 @@ class InnerTrainer:
                 )
         return flat
 
+    @property
+    def matrix_names(self) -> frozenset[str]:
+        """The parameters the optimizer steps with Muon (state ``momentum_buffer``); empty unless
+        it is a `MuonAdamW`."""
+        if not isinstance(self.optimizer, MuonAdamW):
+            return frozenset()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        matrices = {id(p) for p in self.optimizer.matrix_params}
+        return frozenset(n for n, p in zip(self.param_names, params, strict=True) if id(p) in matrices)
+
+    def _expected_state_keys(self) -> set[str] | None:
+        """The complete state's keys for AdamW and `MuonAdamW` (after any step every parameter has
+        its state); None for another optimizer, whose state may be partial."""
+        if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            return state_keys(self.param_names)
+        if not isinstance(self.optimizer, MuonAdamW):
+            return None
+        return state_keys(self.param_names, self.matrix_names)
+
     def load_optimizer_state(self, flat: Mapping[str, torch.Tensor]) -> None:
         """Inverse of :meth:`optimizer_state`; an empty dict resets the state.
 
         Checked against the model: every key must name a parameter of the optimizer, and a
         per-parameter moment (AdamW's ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``)
-        must have its parameter's shape. For the default AdamW the key set must be complete.
+        must have its parameter's shape. For the default AdamW (and Muon: ``momentum_buffer``
+        for its matrices, AdamW's keys for the rest) the key set must be complete.
         """
         given = set(flat)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -365,14 +411,10 @@ class InnerTrainer:
             if name not in index_of:
                 raise ValueError(f"optimizer state {key!r} names no parameter of the model")
             per_param.setdefault(index_of[name], {})[field] = flat[key]
-        if given and isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            expected = {f"{name}.{key}" for name in self.param_names for key in STATE_KEYS}
-            if given != expected:
-                missing = sorted(expected - given)[:5]
-                extra = sorted(given - expected)[:5]
-                raise ValueError(
-                    f"optimizer state does not match the model: missing {missing}, unexpected {extra}"
-                )
+        expected = self._expected_state_keys()
+        if given and expected is not None and given != expected:
+            missing, extra = sorted(expected - given)[:5], sorted(given - expected)[:5]
+            raise ValueError(f"optimizer state does not match the model: missing {missing}, unexpected {extra}")
         for index, fields in per_param.items():
             name, param = self.param_names[index], params[index]
             for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):

@@ -46,6 +46,11 @@ def make_model(section: Any, seed: int) -> Decoder | torch.nn.Module:
     return build_model(cfg, seed=seed)
 
 
+# The client section's inner-optimizer choice and Muon settings, named as in InnerConfig
+_OPTIMIZER_KEYS = ("optimizer", "muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_weight_decay",
+                   "muon_adjust_lr")
+
+
 def inner_config(section: Any, total_steps: int) -> InnerConfig:
     d = _as_dict(section)
     return InnerConfig(
@@ -61,6 +66,8 @@ def inner_config(section: Any, total_steps: int) -> InnerConfig:
         seq_len=d["seq_len"],
         precision=d["precision"],
         device=d["device"],
+        # (a client section from before the inner optimizer was a setting means AdamW)
+        **{key: d[key] for key in _OPTIMIZER_KEYS if key in d},
     )
 
 
