@@ -14,7 +14,7 @@ from fl_geo.config_files import to_dict
 if TYPE_CHECKING:
     from fl_geo.config_schema import FlGeoConfig
 
-__all__ = ["RESUME_MAY_CHANGE", "UNCOMPRESSED_IDLE", "run_identity"]
+__all__ = ["ADAMW_IDLE", "RESUME_MAY_CHANGE", "UNCOMPRESSED_IDLE", "run_identity"]
 
 # Keys a resumed run may change without becoming another run (`run_identity` leaves them out):
 # extending the budget (run.rounds, run.max_tokens; with client.total_steps=0 the inner LR
@@ -47,10 +47,7 @@ def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
     for section, values in to_dict(cfg).items():
         for key, value in values.items():
             name = f"{section}.{key}"
-            idle = ((name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none")
-                    or (name in DOWN_UNCOMPRESSED_IDLE and cfg.wire.compress_down == "none")
-                    or (name in GLOBAL_UNCOMPRESSED_IDLE and cfg.halos.compress == "none"))
-            if name not in RESUME_MAY_CHANGE and not idle:
+            if name not in RESUME_MAY_CHANGE and not _idle(name, cfg):
                 flat[name] = value
     return flat
 
@@ -66,3 +63,17 @@ DOWN_UNCOMPRESSED_IDLE = frozenset({"wire.compress_down", "wire.compress_down_ra
 # Likewise the compression of HALoS's local-server -> global-server updates with halos.compress=none.
 GLOBAL_UNCOMPRESSED_IDLE = frozenset({"halos.compress", "halos.compress_ratio", "halos.compress_chunk",
                                       "halos.compress_values", "halos.compress_block", "halos.error_feedback"})
+
+# With client.optimizer=adamw (the default) the inner optimizer's choice and Muon's settings change
+# nothing either: left out, so an AdamW run keeps the run id it had before Muon was a choice.
+ADAMW_IDLE = frozenset({"client.optimizer", "client.muon_lr", "client.muon_momentum", "client.muon_nesterov",
+                        "client.muon_ns_steps", "client.muon_weight_decay", "client.muon_adjust_lr"})
+
+
+def _idle(name: str, cfg: FlGeoConfig) -> bool:
+    """Whether ``name`` is a setting the run's other values leave unused (`UNCOMPRESSED_IDLE`,
+    `DOWN_UNCOMPRESSED_IDLE`, `GLOBAL_UNCOMPRESSED_IDLE`, `ADAMW_IDLE`)."""
+    return ((name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none")
+            or (name in DOWN_UNCOMPRESSED_IDLE and cfg.wire.compress_down == "none")
+            or (name in GLOBAL_UNCOMPRESSED_IDLE and cfg.halos.compress == "none")
+            or (name in ADAMW_IDLE and cfg.client.optimizer == "adamw"))

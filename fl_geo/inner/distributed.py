@@ -324,6 +324,7 @@ class DataParallelTrainer:
         self.backend = backend
         self.threads = threads
         self.timeout_s = timeout_s
+        self.optimizer_kind = cfg.optimizer  # always the default optimizer (InnerTrainer.optimizer_kind)
         # client.optimizer: muon keeps Muon's momentum for the hidden matrices in the shared buffers
         matrices = matrices_of(as_factory(model_cfg)) if cfg.optimizer == "muon" else frozenset()
         self.shared = SharedTrainState.allocate(spec, matrices)
