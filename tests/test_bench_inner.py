@@ -82,6 +82,13 @@ def test_loop_bench_trains_both_loops_identically():
         loop_bench(cfg, steps=0)
 
 
+def test_loop_bench_with_muon_matches_a_plain_torch_muon_loop():
+    """client.optimizer=muon: the plain loop is torch's Muon and AdamW side by side, written by
+    hand; the inner loop's `MuonAdamW` must train exactly as it does."""
+    got = loop_bench(tiny_config(*TINY, "client.optimizer=muon"), steps=2, repeats=1, warmup=1, device="cpu", threads=1)
+    assert got["max_loss_diff"] == 0.0
+
+
 def test_sim_share_on_a_tiny_inline_run():
     cfg = tiny_config(*TINY, "run.backend=inline", "run.rounds=3", "run.num_clients=2")
     got = sim_share(cfg)

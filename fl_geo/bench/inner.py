@@ -69,13 +69,21 @@ class PlainLoop:
 
     def __init__(self, model: torch.nn.Module, icfg: Any) -> None:
         from fl_geo.inner.device import autocast_dtype, pick_device
+        from fl_geo.inner.muon import hidden_matrices
 
         self.device = pick_device(icfg.device)
         self.amp = autocast_dtype(self.device, icfg.precision)
         self.model = model.to(self.device)
         self.icfg = icfg
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        rest = [p for p in self.model.parameters() if p.ndim < 2]
+        # client.optimizer=muon: what a user writes, torch's Muon on the hidden matrices beside AdamW
+        matrices = set(hidden_matrices(self.model)) if icfg.optimizer == "muon" else set()
+        named = [(n, p) for n, p in self.model.named_parameters() if n not in matrices]
+        self.muon = None if not matrices else torch.optim.Muon(
+            [p for n, p in self.model.named_parameters() if n in matrices], lr=icfg.muon_lr,
+            momentum=icfg.muon_momentum, nesterov=icfg.muon_nesterov, ns_steps=icfg.muon_ns_steps,
+            weight_decay=icfg.muon_weight_decay, adjust_lr_fn=icfg.muon_adjust_lr)
+        decay = [p for _, p in named if p.ndim >= 2]
+        rest = [p for _, p in named if p.ndim < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": icfg.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}],
                                      lr=icfg.lr, betas=tuple(icfg.betas), eps=icfg.eps)
@@ -89,16 +97,20 @@ class PlainLoop:
         for i in range(steps):
             for group in self.opt.param_groups:
                 group["lr"] = lr_at(start + i, self.icfg)
+            if self.muon is not None:
+                self.muon.param_groups[0]["lr"] = lr_at(start + i, self.icfg) * self.icfg.muon_lr / self.icfg.lr
             x, y = sampler.batch(start + i)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 logits = self.model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            self.opt.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
             loss.backward()
             if self.icfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.icfg.grad_clip)
             self.opt.step()
+            if self.muon is not None:
+                self.muon.step()
             losses.append(loss.detach())
         return float(torch.stack(losses).mean())  # one device sync per block, as the inner loop
 
