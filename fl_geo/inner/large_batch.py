@@ -12,6 +12,11 @@ state is checkpointed like any outer optimizer's (`fl_geo.core.outer.OuterOptimi
 It speaks the outer optimizers' interface, ``step(params, grad)`` on flat fp32 buffers, so the
 synchronous loop's server model holds it in place of an outer optimizer: ``grad`` is the mean of
 the sites' gradients, never modified (it is copied before the clip).
+
+It does not follow ``client.optimizer: muon``: the server holds flat buffers and a `ParamSpec`, not
+the model, so it cannot apply Muon's partition rule (embeddings and the head by module type,
+`fl_geo.inner.muon.hidden_matrices`); the config check refuses ``ddp`` with Muon rather than step
+another optimizer than the sites declare.
 """
 
 from __future__ import annotations
