@@ -3,6 +3,8 @@ in about a second (in-process InlineGrid, pydoc corpus, 1-layer model)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from flwr.app import RecordDict
@@ -10,6 +12,16 @@ from flwr.app import RecordDict
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.deploy.processes import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
 from fl_geo.runtime.protocol import REQUEST_RECORD
+
+# One intra-op thread in every test (`_seed_and_threads`), in the threads they start and in the
+# processes they start (ClientApps, ranks and followers inherit the variable), unless the caller
+# set OMP_NUM_THREADS. `make test` runs three workers on two cores beside the deployments'
+# processes: two OpenMP threads per test oversubscribe the cores, and threads that spin while
+# they wait burn CPU the other tests need (six heavy in-process test files, 3 workers, idle
+# machine: 146 and 126 CPU-s with one thread against 152 and 159 with two). The runs whose bits
+# are recorded set their threads themselves (`run.threads_per_client`, `run.server_threads`).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+TEST_THREADS = int(os.environ["OMP_NUM_THREADS"])
 
 TINY = [
     "run.rounds=2",
@@ -151,7 +163,7 @@ def _slow_first(config, items) -> None:
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(TEST_THREADS)
 
 
 def tiny_overrides(*extra: str, drop: tuple[str, ...] = ()) -> list[str]:
