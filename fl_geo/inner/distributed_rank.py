@@ -109,10 +109,13 @@ class _RankTrainer(InnerTrainer):
 
     zero_grad_to_none = False
 
-    def __init__(self, model: torch.nn.Module, cfg: InnerConfig, **options: Any) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: InnerConfig, *,
+                 replica: DistributedDataParallel | None = None, **options: Any) -> None:
         super().__init__(model, cfg, **options)
         device_ids = [self.device] if self.device.type == "cuda" else None
-        self.replica = DistributedDataParallel(self.model, device_ids=device_ids, **_ddp_options())
+        # A persistent rank (fl_geo.inner.site_rank) passes the replica it keeps: one DDP wrapper
+        # (and reducer) per model for the life of the process, whatever the job's settings.
+        self.replica = replica or DistributedDataParallel(self.model, device_ids=device_ids, **_ddp_options())
         self.forward_module = self.replica  # forward (and so backward) through DDP
         self._flag = torch.zeros(1, device=self.device)
 
@@ -184,9 +187,15 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> None:
         raise RuntimeError("this rank's Muon matrices differ from the job's; cannot share state")
     if int(shared.has_moments[0]):
         trainer.load_optimizer_state(shared.optimizer_state())
-    result = trainer.train(
-        _RankBatches(job.sampler, rank, world), job.steps, job.start_step, job.time_budget_s
-    )
+    _train_and_store(trainer, shared, _RankBatches(job.sampler, rank, world), job.steps, job.start_step,
+                     job.time_budget_s, rank, world)
+
+
+def _train_and_store(trainer: _RankTrainer, shared: SharedTrainState, batches: _RankBatches, steps: int,
+                     start_step: int, time_budget_s: float, rank: int, world: int) -> None:
+    """Train the loaded replica; rank 0 writes the trained state and the rank-averaged metrics
+    into ``shared`` (the spawned job and the persistent site group share this end of a job)."""
+    result = trainer.train(batches, steps, start_step, time_budget_s)
     totals = torch.tensor(
         [result.steps, result.tokens, result.mean_loss, result.step_time_s, result.final_loss],
         dtype=torch.float64,

@@ -12,6 +12,7 @@ rank loop so that each side imports the contract, not the other side. Importable
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -116,6 +117,30 @@ class SharedTrainState:
             has_moments=shared(1, torch.uint8).zero_(),
             result=shared(_RESULT_FIELDS, torch.float64).zero_(),
             matrices=frozenset(matrices),
+        )
+
+    @classmethod
+    def map_files(cls, spec: ParamSpec, directory: str) -> SharedTrainState:
+        """The buffers as files in ``directory`` mapped ``MAP_SHARED`` (created zeroed if absent).
+
+        For processes that are not each other's children (a site group's coordinator and its
+        ranks, `fl_geo.inner.site_group`): a ``share_memory_()`` tensor can only be handed to a
+        process this one starts, a named file can be mapped by anyone who knows its path. Put
+        ``directory`` on a tmpfs (``/dev/shm``) so that the pages never go to disk. Every
+        process must map the files with the same ``spec`` (the sizes are not re-checked).
+        """
+
+        def mapped(name: str, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.from_file(os.path.join(directory, name), shared=True, size=n, dtype=dtype)
+
+        return cls(
+            spec=spec,
+            params=mapped("params", spec.numel),
+            exp_avg=mapped("exp_avg", spec.numel),
+            exp_avg_sq=mapped("exp_avg_sq", spec.numel),
+            steps=mapped("steps", len(spec.names)),
+            has_moments=mapped("has_moments", 1, torch.uint8),
+            result=mapped("result", _RESULT_FIELDS, torch.float64),
         )
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,292 @@
+"""The site-group daemon: a node's persistent inner-training ranks behind a Unix socket.
+
+Under a SuperNode every message runs in a fresh ClientApp process, so ranks that outlive a round
+must belong to a process that outlives the ClientApp. This is that process, one per node
+(``python -m fl_geo.inner.site_daemon``, started by the first coordinator that finds none,
+`fl_geo.inner.site_group`). It owns:
+
+- the socket at the node's ``site-group`` address, answering one request per connection in
+  fl-geo's framed IPC format (`fl_geo.halos.ipc`): ``hello`` (who it is: identity, pid, rank
+  pids, the directory of the shared state files), ``train`` (a pickled job, forwarded unread to
+  every rank; the reply says done, or why not) and ``stop``;
+- a directory on ``/dev/shm`` where the coordinator and the ranks map the model and AdamW state
+  (`SharedTrainState.map_files`): nothing model-sized crosses the socket;
+- the ranks (`fl_geo.inner.site_rank`), started lazily for the first job and kept until a job
+  fails, a rank dies, the daemon is stopped or it has been idle for ``idle_s``.
+
+A job that fails (a rank raised or died, or the job ran past its deadline) ends every rank of
+the group and is answered with an error naming the rank and the cause; the next job starts a
+new group. The daemon itself never trains and never unpickles a job, so a user's code cannot
+break it. Its identity (run, model, devices, ...) is fixed at start: a coordinator that needs
+another one stops it and starts a new daemon. Importable without torch (the ranks import it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from fl_geo.halos.ipc import IpcError, recv_frame, send_frame, unix_path
+
+__all__ = ["main", "serve"]
+
+REQUEST_TIMEOUT_S = 30.0  # a request frame must arrive within this
+_GRACE_S = 1.0  # a failed group's survivors: this long to exit, then SIGTERM, then SIGKILL
+
+
+class JobFailed(RuntimeError):
+    """A job did not complete; the message names the rank and the cause."""
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class _Group:
+    """The ranks of one generation of the site's process group, started on demand."""
+
+    def __init__(self, setup: dict[str, Any], state_dir: str) -> None:
+        self.setup = setup
+        self.state_dir = state_dir
+        self.generation = 0
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.procs]
+
+    def _start(self) -> None:
+        # imports torch: only when ranks are needed
+        from fl_geo.inner.site_rank import GroupSetup, rank_loop
+
+        self.generation += 1
+        store = os.path.join(self.state_dir, f"store-{self.generation}")
+        setup = GroupSetup(devices=tuple(self.setup["devices"]), backend=self.setup["backend"],
+                           store_path=store, timeout_s=float(self.setup["timeout_s"]),
+                           threads=int(self.setup["threads"]))
+        ctx = mp.get_context("spawn")
+        for rank in range(len(setup.devices)):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_loop, args=(rank, setup, child), name=f"fl-geo-site-rank-{rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def stop(self, graceful: bool = True) -> None:
+        """End every rank: ask (graceful), wait briefly, then SIGTERM and SIGKILL; reap them all."""
+        if graceful:
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(b"")
+        deadline = time.monotonic() + (5.0 if graceful else _GRACE_S)
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        for name in os.listdir(self.state_dir):  # the FileStore of the ended generation
+            if name.startswith("store-"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.state_dir, name))
+        self.procs, self.conns = [], []
+
+    def run(self, job: bytes, timeout_s: float | None) -> None:
+        """Hand ``job`` to every rank and wait for all of them; `JobFailed` ends the group."""
+        if not self.alive():
+            self.stop(graceful=False)  # a rank that died between jobs: a whole new group
+            self._start()
+        try:
+            for conn in self.conns:
+                conn.send_bytes(job)
+            self._wait(timeout_s)
+        except JobFailed:
+            self.stop(graceful=False)
+            raise
+        except OSError as exc:  # a pipe to a rank that is already gone
+            self.stop(graceful=False)
+            raise JobFailed(f"the site group lost a rank before the job started ({exc})") from None
+
+    def _wait(self, timeout_s: float | None) -> None:
+        world = len(self.procs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = set(range(world))
+        by_conn = {id(c): r for r, c in enumerate(self.conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], left)
+            if not ready:
+                raise JobFailed(f"the site group ({world} ranks) did not finish the job within {timeout_s:g} s")
+            for obj in ready:
+                rank = by_sentinel.get(obj) if isinstance(obj, int) else by_conn.get(id(obj))
+                if rank is None or rank not in pending:
+                    continue
+                answer = self._answer(rank)  # a rank that failed answered before it exited
+                if answer is not None:
+                    if "error" in answer:
+                        raise JobFailed(f"rank {rank} of the site group failed:\n{answer['error']}")
+                    pending.discard(rank)
+                    continue
+                self.procs[rank].join(_GRACE_S)  # ready without an answer: its pipe closed, it ended
+                raise JobFailed(f"rank {rank} of the site group died during the job: it "
+                                f"{_describe_exit(self.procs[rank].exitcode)}")
+
+    def _answer(self, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s answer if one is waiting in its pipe, else None (also at end of file)."""
+        conn = self.conns[rank]
+        try:
+            if conn.poll():
+                answer = json.loads(conn.recv_bytes())
+                return answer if isinstance(answer, dict) else None
+        except (EOFError, OSError, ValueError):
+            pass
+        return None
+
+
+class _Daemon:
+    """The socket loop around one `_Group`."""
+
+    def __init__(self, address: str, identity: dict[str, Any], setup: dict[str, Any], idle_s: float) -> None:
+        self.path = unix_path(address)
+        self.identity = identity
+        self.idle_s = idle_s
+        root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.state_dir = tempfile.mkdtemp(prefix="fl-geo-site-", dir=root)
+        self.group = _Group(setup, self.state_dir)
+        self.jobs = 0
+        self.stopping = False
+
+    def info(self) -> dict[str, Any]:
+        return {"op": "result", "identity": self.identity, "pid": os.getpid(), "ranks": self.group.pids(),
+                "generation": self.group.generation, "jobs": self.jobs, "state_dir": self.state_dir}
+
+    def handle(self, conn: socket.socket) -> None:
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        header, record = recv_frame(conn, timeout_s=REQUEST_TIMEOUT_S)
+        op = header.get("op")
+        if op == "hello":
+            reply = self.info()
+        elif op == "stop":
+            self.stopping = True
+            reply = self.info()
+        elif op == "train":
+            if record is None or "job" not in record:
+                raise IpcError("a train request carries its job as the array 'job'")
+            timeout = header.get("join_timeout_s")
+            try:
+                self.group.run(bytes(record["job"].data), None if timeout is None else float(timeout))
+                self.jobs += 1
+                reply = self.info()
+            except JobFailed as exc:
+                reply = {"op": "error", "error": str(exc), "ranks": self.group.pids()}
+        else:
+            reply = {"op": "error", "error": f"unknown site-group request {op!r}"}
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        send_frame(conn, reply)
+
+    def serve(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # the coordinator found nobody answering there before starting us
+        listener.bind(self.path)
+        os.chmod(self.path, 0o600)
+        listener.listen(8)
+        pid_file = self.path + ".pid"
+        with open(pid_file, "w") as fh:
+            fh.write(str(os.getpid()))
+        last = time.monotonic()
+        try:
+            while not self.stopping:
+                listener.settimeout(min(5.0, self.idle_s))
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    if time.monotonic() - last > self.idle_s:
+                        print(f"site group idle for {self.idle_s:g} s: exiting", flush=True)
+                        break
+                    if self.group.procs and not self.group.alive():  # a rank died between jobs
+                        self.group.stop(graceful=False)
+                    continue
+                with conn:
+                    try:
+                        self.handle(conn)
+                    except (IpcError, OSError, ValueError) as exc:
+                        print(f"site group: request dropped ({exc})", flush=True)
+                last = time.monotonic()
+        finally:
+            self.group.stop()
+            listener.close()
+            self._remove_own(self.path, pid_file)
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _remove_own(self, path: str, pid_file: str) -> None:
+        """Remove the socket and pid file unless a newer daemon has taken the address over."""
+        try:
+            with open(pid_file) as fh:
+                ours = fh.read().strip() == str(os.getpid())
+        except OSError:
+            ours = False
+        if ours:
+            for name in (path, pid_file):
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+
+
+def serve(address: str, identity: dict[str, Any], setup: dict[str, Any], idle_s: float) -> None:
+    """Run the daemon at ``address`` until stopped, idle for ``idle_s`` or sent SIGTERM/SIGINT."""
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGINT, _exit)
+    _Daemon(address, identity, setup, idle_s).serve()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fl_geo.inner.site_daemon",
+                                     description="a node's persistent inner-training group (fl_geo.inner.site_group)")
+    parser.add_argument("--address", required=True, help="unix:///abs/path.sock")
+    parser.add_argument("--identity", required=True, help="JSON: what this group was started for")
+    parser.add_argument("--devices", required=True, help="comma-separated rank devices")
+    parser.add_argument("--backend", required=True, choices=("gloo", "nccl"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="process-group timeout per collective")
+    parser.add_argument("--idle-s", type=float, default=1800.0, help="exit after this long without a request")
+    args = parser.parse_args(argv)
+    setup = {"devices": args.devices.split(","), "backend": args.backend, "threads": args.threads,
+             "timeout_s": args.timeout_s}
+    serve(args.address, json.loads(args.identity), setup, args.idle_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

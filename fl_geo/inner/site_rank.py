@@ -1,0 +1,175 @@
+"""One rank of a persistent site group: joins the process group once, then trains job after job.
+
+The site-group daemon (`fl_geo.inner.site_daemon`) starts ``world`` of these with
+:func:`rank_loop` and hands each job to every rank as pickled bytes over its pipe. A rank keeps
+what is expensive to set up for its whole life: the process (its imports, CUDA context), the
+process group, the model on its device and its DDP replica. What a round depends on is loaded
+afresh from the site's shared files for every job: the parameters and the AdamW state the
+coordinator wrote from the message and ``context.state``. So the group holds no state of its own
+that could disagree with the node's records: a resumed server that resends a round, or a
+rewound inner state, trains exactly as the spawn-per-message path would.
+
+A job that fails in a rank (an exception, or a peer that died) is answered with the traceback
+and the rank exits: a process group with a dead or desynchronised member cannot be reused, so
+the daemon ends the group and starts a fresh one for the next job. Importable without Flower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from fl_geo.core.state import ParamSpec, load_flat_into
+from fl_geo.inner.distributed import _global_sampler
+from fl_geo.inner.distributed_rank import _RankBatches, _RankTrainer, _train_and_store
+from fl_geo.inner.distributed_state import ModelFactory, SharedTrainState
+from fl_geo.inner.training import BatchSource, InnerConfig, LossFn, ScheduleFn, TokensFn, lr_at
+
+__all__ = ["GroupJob", "GroupSetup", "rank_loop"]
+
+
+@dataclass(frozen=True)
+class GroupSetup:
+    """What a rank needs for its whole life (pickled once, when the daemon starts it)."""
+
+    devices: tuple[str, ...]
+    backend: str
+    store_path: str  # the FileStore of this generation of the group
+    timeout_s: float  # every collective; bounds a peer that hangs without dying
+    threads: int
+
+
+@dataclass
+class GroupJob:
+    """One train message for the group; pickled by the coordinator, forwarded unread by the daemon.
+
+    The data travel as ``sampler`` (a small source, pickled as is) or as ``batches``, a picklable
+    factory every rank calls for the per-process source (the ClientApp's ``batches_fn(site)``:
+    a partition is data-sized, so it is rebuilt in the ranks, where fl-geo's corpus loaders
+    memoise it across jobs). Rank r trains on its rows of the global batch, as in the spawned job.
+    """
+
+    model_factory: ModelFactory
+    inner: InnerConfig
+    spec: ParamSpec
+    state_dir: str
+    steps: int
+    start_step: int
+    time_budget_s: float = 0.0
+    threads: int = 1
+    sampler: BatchSource | None = None
+    batches: Callable[[], BatchSource] | None = None
+    rank_setup: Callable[[int, int], None] | None = None
+    loss_fn: LossFn | None = None
+    lr_schedule: ScheduleFn | None = lr_at
+    tokens_fn: TokensFn | None = None
+
+    def source(self) -> BatchSource:
+        if (self.sampler is None) == (self.batches is None):
+            raise ValueError("a group job carries exactly one of sampler and batches")
+        return self.sampler if self.batches is None else self.batches()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the daemon dies, however it dies (no orphaned ranks)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the daemon died before the call above took effect
+            os._exit(1)
+
+
+class _Resident:
+    """What a rank keeps between jobs: the mapped files, the model and its trainer."""
+
+    def __init__(self, rank: int, world: int, device: torch.device) -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self.shared: SharedTrainState | None = None
+        self.files: tuple[str, ParamSpec] | None = None
+        self.model: torch.nn.Module | None = None
+        self.trainer: _RankTrainer | None = None
+        self.settings: tuple | None = None
+
+    def run(self, job: GroupJob) -> None:
+        torch.set_num_threads(job.threads)
+        if job.rank_setup is not None:
+            job.rank_setup(self.rank, self.world)
+        if self.files != (job.state_dir, job.spec):
+            self.shared = SharedTrainState.map_files(job.spec, job.state_dir)
+            self.files = (job.state_dir, job.spec)
+        shared = self.shared
+        assert shared is not None
+        if self.model is None:
+            with torch.device(self.device):  # values come from the shared parameters below
+                self.model = job.model_factory()
+        load_flat_into(self.model, shared.params, shared.spec)
+        cfg = replace(job.inner, device=str(self.device))
+        settings = (cfg, job.loss_fn, job.lr_schedule, job.tokens_fn)
+        if self.trainer is None or settings != self.settings:  # a new optimizer, the same replica
+            replica = None if self.trainer is None else self.trainer.replica
+            self.trainer = _RankTrainer(self.model, cfg, replica=replica, loss_fn=job.loss_fn,
+                                        lr_schedule=job.lr_schedule, tokens_fn=job.tokens_fn)
+            self.settings = settings
+            if set(self.trainer.param_names) != set(shared.spec.names):
+                raise RuntimeError("the model's parameters and its state dict differ; cannot share state")
+        # The node's records are the truth: the state of every job is loaded (empty = fresh AdamW).
+        self.trainer.load_optimizer_state(shared.optimizer_state() if int(shared.has_moments[0]) else {})
+        batches = _RankBatches(_global_sampler(job.source(), self.world), self.rank, self.world)
+        _train_and_store(self.trainer, shared, batches, job.steps, job.start_step, job.time_budget_s,
+                         self.rank, self.world)
+
+
+def rank_loop(rank: int, setup: GroupSetup, conn: Connection) -> None:
+    """Body of one persistent rank: join the group, then answer jobs until told to stop.
+
+    A job is pickled `GroupJob` bytes; the answer is JSON ``{"ok": true}`` or ``{"error": tb}``.
+    Empty bytes or a closed pipe end the loop. After an error the rank exits at once (status 1)
+    without leaving the process group: its peers may be blocked in a collective with it.
+    """
+    _die_with_parent()
+    world = len(setup.devices)
+    torch.set_num_threads(setup.threads)
+    device = torch.device(setup.devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        setup.backend,
+        init_method=f"file://{setup.store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=setup.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    resident = _Resident(rank, world, device)
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if not data:
+            break
+        try:
+            resident.run(pickle.loads(data))
+        except BaseException:  # noqa: BLE001 - every failure is reported, then the rank is gone
+            with contextlib.suppress(Exception):  # the daemon may have closed the pipe already
+                conn.send_bytes(json.dumps({"error": traceback.format_exc()}).encode())
+            os._exit(1)
+        conn.send_bytes(b'{"ok": true}')
+    resident.trainer = None  # the DDP reducer must be gone before its process group (distributed_rank)
+    gc.collect()
+    dist.destroy_process_group()
+

@@ -1,0 +1,130 @@
+"""The persistent site group (fl_geo.inner.site_group, site_daemon, site_rank): one daemon with two
+gloo ranks trains round after round with the numbers of one process with the whole batch (which
+tests/test_distributed.py ties to the spawn-per-message job), keeps its ranks across rounds, fails
+only the job in which a rank dies, is replaced when stale, and leaves no process behind.
+
+Process starts cost ~3 s of CPU each here, so the file shares one daemon across its tests (module
+fixture) and starts 8 processes in all: the daemon and its 2 ranks, 2 ranks again after the kill,
+and a second daemon with 2 ranks for the ClientApp's run. The ranks unpickle the hooks and data of
+this module, so Flower is imported only inside the test that needs it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import pytest
+import torch
+
+from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.data import BatchSampler, ByteTokenizer
+from fl_geo.inner.distributed import DistributedTrainingError, config_model
+from fl_geo.inner.model import ModelConfig, build_model
+from fl_geo.inner.site_group import SiteGroup, SiteGroupTrainer, _gone
+from fl_geo.inner.training import InnerConfig, InnerTrainer
+
+pytestmark = [pytest.mark.slow(seconds=45), pytest.mark.xdist_group("site-group")]
+
+TINY = ModelConfig(n_layers=1, d_model=32, n_heads=2, max_seq_len=32)
+TOKENS = torch.from_numpy(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 200))
+B, SEQ, STEPS = 4, 16, 3  # per-rank batch, sequence length, steps per round
+CPU2 = [torch.device("cpu")] * 2
+FACTORY = functools.partial(config_model, TINY)
+
+
+def _inner(batch_size: int = B) -> InnerConfig:
+    return InnerConfig(batch_size=batch_size, seq_len=SEQ, warmup_steps=2, total_steps=20, device="cpu")
+
+
+def _sampler(batch_size: int) -> BatchSampler:
+    return BatchSampler(TOKENS, SEQ, batch_size, seed=3, stream=1)
+
+
+def _spec() -> ParamSpec:
+    return ParamSpec.from_state_dict(build_model(TINY, 0).state_dict())
+
+
+def _kill_rank_1(rank: int, world: int) -> None:
+    """Rank 1 dies by SIGKILL once the job is under way (rank 0 is then blocked in its first all-reduce)."""
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """One daemon for the file; at the end it is stopped and every process it ever had must be gone."""
+    torch.set_num_threads(1)
+    address = f"unix://{tmp_path_factory.mktemp('site')}/g.sock"
+    handle = SiteGroup(address, {"test": "site-group"}, CPU2, "gloo", timeout_s=60)
+    seen: set[int] = set()
+    handle.seen = seen
+    yield handle
+    info = handle.hello()
+    if info is not None:
+        seen.update([info["pid"], *info["ranks"]])
+    handle.stop()
+    assert handle.hello() is None
+    assert seen and all(_gone(pid) for pid in seen), f"left behind: {[p for p in seen if not _gone(p)]}"
+
+
+def _round(group: SiteGroup, params: torch.Tensor, opt: dict, start: int, **options) -> tuple:
+    """One job through the group, as the ClientApp does it: state in, train, state out, release."""
+    trainer = SiteGroupTrainer(group, FACTORY, _inner(), _spec(), join_timeout_s=120, **options)
+    try:
+        trainer.params.copy_(params)
+        trainer.load_optimizer_state(opt)
+        result = trainer.train(_sampler(B), STEPS, start)
+        info = trainer.info
+        group.seen.update([info["pid"], *info["ranks"]])
+        return result, trainer.params.clone(), {k: v.clone() for k, v in trainer.optimizer_state().items()}, info
+    finally:
+        trainer.release()
+
+
+def test_group_trains_three_rounds_like_one_process_and_keeps_its_ranks(group) -> None:
+    reference = InnerTrainer(build_model(TINY, 0), _inner(2 * B))
+    spec = _spec()
+    params, opt, infos = flatten(reference.model.state_dict(), spec), {}, []
+    for rnd in range(3):
+        expected = reference.train(_sampler(2 * B), STEPS, rnd * STEPS)
+        got, params, opt, info = _round(group, params, opt, rnd * STEPS)
+        infos.append(info)
+        assert got.steps == expected.steps == STEPS and got.tokens == expected.tokens == 2 * B * SEQ * STEPS
+        assert got.mean_loss == pytest.approx(expected.mean_loss, rel=1e-5)
+        torch.testing.assert_close(params, flatten(reference.model.state_dict(), spec), rtol=0, atol=1e-6)
+        want = reference.optimizer_state()
+        assert set(opt) == set(want)
+        for key, value in want.items():
+            torch.testing.assert_close(opt[key], value, rtol=0, atol=1e-7, msg=key)
+    # One daemon and one set of ranks served all three rounds.
+    assert len({i["pid"] for i in infos}) == 1 and len({tuple(i["ranks"]) for i in infos}) == 1
+    assert len(infos[0]["ranks"]) == 2
+
+
+def test_a_killed_rank_fails_only_its_job_and_the_next_round_trains(group) -> None:
+    params, start = flatten(build_model(TINY, 0).state_dict(), _spec()), 0
+    before = group.ensure()
+    with pytest.raises(DistributedTrainingError, match=r"(?s)rank 1 of the site group died.*SIGKILL"):
+        _round(group, params, {}, start, rank_setup=_kill_rank_1)
+    after_failure = group.hello()
+    assert after_failure["pid"] == before["pid"] and after_failure["ranks"] == []  # the group was ended
+    assert all(_gone(pid) for pid in before["ranks"])
+    # The next job gets a fresh group and trains what one process with the whole batch trains.
+    reference = InnerTrainer(build_model(TINY, 0), _inner(2 * B))
+    expected = reference.train(_sampler(2 * B), STEPS, start)
+    got, trained, _, info = _round(group, params, {}, start)
+    assert info["pid"] == before["pid"] and len(info["ranks"]) == 2 and set(info["ranks"]).isdisjoint(before["ranks"])
+    assert got.mean_loss == pytest.approx(expected.mean_loss, rel=1e-5)
+    torch.testing.assert_close(trained, flatten(reference.model.state_dict(), _spec()), rtol=0, atol=1e-6)
+
+
+def test_a_daemon_of_another_identity_is_replaced(group) -> None:
+    old = group.ensure()
+    other = SiteGroup(group.address, {"test": "another model"}, CPU2, "gloo", timeout_s=60)
+    new = other.ensure()
+    group.seen.update([old["pid"], *old["ranks"], new["pid"]])
+    assert new["pid"] != old["pid"] and new["identity"] != old["identity"]
+    assert _gone(old["pid"]) and all(_gone(pid) for pid in old["ranks"])
+    assert group.ensure()["pid"] not in (old["pid"], new["pid"])  # and back: replaced again
+    assert _gone(new["pid"])
