@@ -33,6 +33,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.clients.downlink import receive_public
+from fl_geo.clients.parallel import parallel_trainer, release
 from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-exported: tools import them from here)
     EF_RESIDUAL_KEY,
     INNER_STATE_KEYS,
@@ -56,7 +57,6 @@ from fl_geo.clients.uplink import compress_uplink, keep_prev_residual
 from fl_geo.core.state import ParamSpec, flatten, load_flat_into, pseudo_grad
 from fl_geo.core.streaming_fragments import Fragments, fragment_spec
 from fl_geo.inner.device import pick_device
-from fl_geo.inner.distributed import DataParallelTrainer, resolve_devices, spec_of
 from fl_geo.inner.hf import tied_aliases
 from fl_geo.inner.training import (
     BatchSource,
@@ -341,25 +341,17 @@ class DatacenterClient:
         return self.trainer(model, site), spec, base
 
     def _data_parallel(self, msg: Message, req: protocol.TrainRequest, site: Site, count: int,
-                       state: RecordDict) -> tuple[DataParallelTrainer, ParamSpec, torch.Tensor]:
-        """A data-parallel job of ``count`` ranks (fl_geo.inner.distributed).
-
-        This process builds no trainable model: the received model is decoded straight into the
-        job's shared-memory parameter buffer (which the ranks train from and rank 0 writes back
-        into), and ``base`` keeps θ_global for the pseudo-gradient. The devices are checked here,
-        on the site's own machine (the server that validated the config may have no GPU).
-        """
-        if self.optimizer_fn is not None:
-            raise ValueError("client.devices > 1 runs the default inner optimizer (client.optimizer) only "
-                             "(its state lives in the job's shared buffers); drop optimizer_fn")
-        device = str(site.node_config.get("device", site.inner.device))
-        devices, backend = resolve_devices(device, count, str(site.sections["client"].get("dist_backend", "auto")))
-        factory = functools.partial(self.model_fn, site)
-        spec = spec_of(factory)
-        trainer = DataParallelTrainer(factory, site.inner, spec, devices, backend, threads=req.threads,
-                                      loss_fn=self.loss_fn, lr_schedule=self.lr_schedule, tokens_fn=self.tokens_fn)
-        self.receive_model(msg, req, spec, trainer.params, state)
-        return trainer, spec, trainer.params.clone()
+                       state: RecordDict) -> tuple[Any, ParamSpec, torch.Tensor]:
+        """A data-parallel job of ``count`` ranks, spawned or the node's site group (`fl_geo.clients.parallel`).
+        No trainable model here: the received model is decoded straight into the job's shared
+        parameter buffer (rank 0 writes θ_local back into it); ``base`` keeps θ_global."""
+        trainer = parallel_trainer(self, req, site, count)
+        try:
+            self.receive_model(msg, req, trainer.shared.spec, trainer.params, state)
+        except BaseException:
+            release(trainer)
+            raise
+        return trainer, trainer.shared.spec, trainer.params.clone()
 
     def train(self, msg: Message, context: Context) -> Message:
         """Run the inner loop from the received global model; reply with the pseudo-gradient.
@@ -377,12 +369,20 @@ class DatacenterClient:
         count = int(context.node_config.get("devices", site.sections["client"].get("devices", 1)))
         if req.send == "grad":
             return self._gradient(msg, req, site, count)
-        trainer: InnerTrainer | DataParallelTrainer
-        state = context.state
+        trainer: Any
         if count > 1:
-            trainer, spec, base = self._data_parallel(msg, req, site, count, state)
+            trainer, spec, base = self._data_parallel(msg, req, site, count, context.state)
         else:
-            trainer, spec, base = self._single(msg, req, site, state)
+            trainer, spec, base = self._single(msg, req, site, context.state)
+        try:
+            return self._train(msg, context, req, site, trainer, spec, base)
+        finally:
+            release(trainer)  # a site group's lock (fl_geo.clients.parallel)
+
+    def _train(self, msg: Message, context: Context, req: protocol.TrainRequest, site: Site, trainer: Any,
+               spec: ParamSpec, base: torch.Tensor) -> Message:
+        """`train` from a trainer holding the received model: state in, inner loop, state out, reply."""
+        state = context.state
         pid = site.partition_id
         disk = state_file(context, req, pid)
         if disk is not None and req.resumed and PROGRESS_KEY not in state.config_records:
@@ -406,7 +406,7 @@ class DatacenterClient:
         noisy = noisy_steps(source, start_step, result.steps)
 
         # One process: copy the trained model out. Data-parallel: rank 0 wrote it into shared memory.
-        local = trainer.params if isinstance(trainer, DataParallelTrainer) else flatten(trainer.model.state_dict(), spec)
+        local = flatten(trainer.model.state_dict(), spec) if isinstance(trainer, InnerTrainer) else trainer.params
         update = local
         if req.send != "params":
             # (with send=params, Di-PS's "current" base of Algorithm 1 line 10, the server subtracts

@@ -126,5 +126,35 @@ def test_a_daemon_of_another_identity_is_replaced(group) -> None:
     group.seen.update([old["pid"], *old["ranks"], new["pid"]])
     assert new["pid"] != old["pid"] and new["identity"] != old["identity"]
     assert _gone(old["pid"]) and all(_gone(pid) for pid in old["ranks"])
-    assert group.ensure()["pid"] not in (old["pid"], new["pid"])  # and back: replaced again
-    assert _gone(new["pid"])
+
+
+def test_client_app_trains_through_the_node_site_group(tiny, tmp_path, group) -> None:
+    """Through the real train handler, 2 rounds: node config devices=2 and site-group with batch 4
+    vs one process with batch 8. The ClientApp replaces the file's daemon (another run and model),
+    and one daemon with one set of ranks serves both rounds."""
+    from fl_geo.clients.datacenter import OPT_STATE_KEY
+    from fl_geo.clients.datacenter import app as client_app
+    from fl_geo.runtime.inline import InlineGrid
+    from fl_geo.server_app import run_server
+
+    stale = group.ensure()
+    common = ("run.num_clients=1", "run.rounds=2", "strategy.inner_steps=2", "run.eval_every=0", "run.threads_per_client=1")
+    runs = {}
+    for name, batch, node in (("one", 8, {}), ("group", 4, {"devices": 2, "device": "cpu", "site-group": group.address})):
+        cfg = tiny(*common, f"client.batch_size={batch}", f"strategy.site_devices={node.get('devices', 0)}")
+        grid = InlineGrid(client_app, 1, seed=0, node_configs=[{"partition-id": 0, "num-partitions": 1, **node}])
+        summary = run_server(grid, cfg, tmp_path / name)
+        (context,) = grid.contexts.values()
+        runs[name] = (summary, torch.load(tmp_path / name / "final_model.pt")["params"],
+                      context.state.array_records[OPT_STATE_KEY])
+    info = group.hello()
+    group.seen.update([stale["pid"], *stale["ranks"], info["pid"], *info["ranks"]])
+    assert info["pid"] != stale["pid"] and _gone(stale["pid"])
+    assert info["jobs"] == 2 and info["generation"] == 1 and len(info["ranks"]) == 2  # ranks started once
+    (s1, final1, opt1), (s2, final2, opt2) = runs["one"], runs["group"]
+    assert s1["tokens"] == s2["tokens"] == 2 * 2 * 8 * 32
+    torch.testing.assert_close(final2, final1, rtol=0, atol=1e-6)
+    assert list(opt2.keys()) and set(opt2.keys()) == set(opt1.keys())
+    for key in opt1:
+        torch.testing.assert_close(torch.from_numpy(opt2[key].numpy()), torch.from_numpy(opt1[key].numpy()),
+                                   rtol=0, atol=1e-7, msg=key)

@@ -1,0 +1,74 @@
+"""The trainer of a multi-device site's ``train`` job: spawned per message, or the node's site group.
+
+``client.devices`` (or node config ``devices``) > 1 runs the inner loop as a data-parallel job
+(docs/multidevice.md). By default the ClientApp spawns the ranks for this message
+(`DataParallelTrainer`); a node whose config names a site group (``site-group="unix:///..."``)
+hands the job to its persistent ranks instead (`SiteGroupTrainer`, fl_geo.inner.site_group).
+Both give the handler the same interface and the same numbers; the group's trainer holds the
+node's group lock until the handler calls ``release``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from fl_geo.clients.site import Site, as_batch_source
+from fl_geo.inner.distributed import DataParallelTrainer, resolve_devices, spec_of
+from fl_geo.inner.training import BatchSource
+
+if TYPE_CHECKING:
+    from fl_geo.clients.api import DatacenterClient
+    from fl_geo.runtime import protocol
+
+__all__ = ["SITE_GROUP_KEY", "parallel_trainer", "release"]
+
+SITE_GROUP_KEY = "site-group"  # node config: the address of the node's site-group daemon
+SITE_GROUP_IDLE_KEY = "site-group-idle-s"  # node config: the daemon exits after this long unused
+
+
+def user_source(batches_fn: Any, site: Site) -> BatchSource:
+    """``batches_fn(site)`` as a `BatchSource`: what every rank of a site group calls for its data."""
+    return as_batch_source(batches_fn(site))
+
+
+def _qualname(fn: Any) -> str:
+    fn = getattr(fn, "func", fn)  # a functools.partial: its function
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def parallel_trainer(client: DatacenterClient, req: protocol.TrainRequest, site: Site,
+                     count: int) -> DataParallelTrainer | Any:
+    """The trainer of a ``count``-rank job for this message (its ``params`` not yet filled).
+
+    The devices are checked here, on the site's own machine (the server that validated the
+    config may have no GPU). A site group is identified by the run, the model (`Site.model_key`
+    and the user's model and data functions) and the ranks' devices, backend and threads: a
+    daemon started for anything else is replaced, never reused.
+    """
+    if client.optimizer_fn is not None:
+        raise ValueError("client.devices > 1 runs the default inner optimizer (client.optimizer) only "
+                         "(its state lives in the job's shared buffers); drop optimizer_fn")
+    device = str(site.node_config.get("device", site.inner.device))
+    devices, backend = resolve_devices(device, count, str(site.sections["client"].get("dist_backend", "auto")))
+    factory = functools.partial(client.model_fn, site)
+    spec = spec_of(factory)
+    options = {"loss_fn": client.loss_fn, "lr_schedule": client.lr_schedule, "tokens_fn": client.tokens_fn}
+    address = str(site.node_config.get(SITE_GROUP_KEY, "") or "")
+    if not address:
+        return DataParallelTrainer(factory, site.inner, spec, devices, backend, threads=req.threads, **options)
+    from fl_geo.inner.site_group import DEFAULT_IDLE_S, SiteGroup, SiteGroupTrainer
+
+    identity = {"run": req.run_name, "model": site.model_key(), "model_fn": _qualname(client.model_fn),
+                "batches_fn": _qualname(client.batches_fn), "partition": site.partition_id}
+    idle = float(site.node_config.get(SITE_GROUP_IDLE_KEY, DEFAULT_IDLE_S))
+    group = SiteGroup(address, identity, devices, backend, threads=req.threads, idle_s=idle)
+    return SiteGroupTrainer(group, factory, site.inner, spec,
+                            batches=functools.partial(user_source, client.batches_fn, site), **options)
+
+
+def release(trainer: Any) -> None:
+    """Let the node's next job use its site group (a no-op for other trainers)."""
+    done = getattr(trainer, "release", None)
+    if done is not None:
+        done()
