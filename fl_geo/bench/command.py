@@ -2,7 +2,7 @@
 
 ``outer`` is the outer step on the server path against memory bandwidth and Flower's FedAvg
 (`fl_geo.bench.outer`); the others (``dispatch``, ``ps``, ``attack``, ``inner``, ``gpu``,
-``flower-path``, ``compress``: `_ROUTED`) hand the rest of the command line to their own modules, which are
+``flower-path``, ``compress``, ``site``: `_ROUTED`) hand the rest of the command line to their own modules, which are
 imported only when asked for (they start processes or import Flower's simulation).
 """
 
@@ -30,11 +30,12 @@ _ROUTED: dict[str, str] = {
     "gpu": "accelerator check: Pythia-70M-shaped DiLoCo vs Di-PS, tokens/s, MFU, outer step",
     "flower-path": "Flower's own message path on a loopback SuperLink + SuperNode (MB/s each way)",
     "compress": "compression codecs on synthetic pseudo-gradients: bytes, encode/decode time, error, EF",
+    "site": "multi-device site: per-round overhead of spawned ranks vs the persistent site group",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fl-geo bench {outer,dispatch,ps,attack,inner,gpu,flower-path,compress} [...]`` (or ``python -m fl_geo.bench ...``);
+    """``fl-geo bench {outer,dispatch,ps,attack,inner,gpu,flower-path,compress,site} [...]`` (or ``python -m fl_geo.bench ...``);
     returns 1 only with --strict and a FAIL."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in _ROUTED:  # a benchmark that owns its options gets the rest of the line

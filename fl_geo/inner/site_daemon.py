@@ -68,6 +68,7 @@ class _Group:
         self.generation = 0
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        self.memory: list[dict[str, Any]] = []  # each rank's peak memory after the last job
 
     def pids(self) -> list[int]:
         return [int(p.pid) for p in self.procs]
@@ -138,6 +139,7 @@ class _Group:
         world = len(self.procs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = set(range(world))
+        memory: list[dict[str, Any]] = [{} for _ in range(world)]
         by_conn = {id(c): r for r, c in enumerate(self.conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
         while pending:
@@ -154,10 +156,12 @@ class _Group:
                     if "error" in answer:
                         raise JobFailed(f"rank {rank} of the site group failed:\n{answer['error']}")
                     pending.discard(rank)
+                    memory[rank] = {k: v for k, v in answer.items() if k.startswith("peak_")}
                     continue
                 self.procs[rank].join(_GRACE_S)  # ready without an answer: its pipe closed, it ended
                 raise JobFailed(f"rank {rank} of the site group died during the job: it "
                                 f"{_describe_exit(self.procs[rank].exitcode)}")
+        self.memory = memory
 
     def _answer(self, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s answer if one is waiting in its pipe, else None (also at end of file)."""
@@ -186,7 +190,8 @@ class _Daemon:
 
     def info(self) -> dict[str, Any]:
         return {"op": "result", "identity": self.identity, "pid": os.getpid(), "ranks": self.group.pids(),
-                "generation": self.group.generation, "jobs": self.jobs, "state_dir": self.state_dir}
+                "generation": self.group.generation, "jobs": self.jobs, "state_dir": self.state_dir,
+                "memory": self.group.memory}
 
     def handle(self, conn: socket.socket) -> None:
         conn.settimeout(REQUEST_TIMEOUT_S)

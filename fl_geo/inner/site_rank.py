@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import pickle
+import resource
 import signal
 import sys
 import traceback
@@ -133,10 +134,20 @@ class _Resident:
                          self.rank, self.world)
 
 
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    """This rank's peak memory so far, in MiB: resident set (Linux reports KiB) and, on CUDA,
+    the most the caching allocator held for tensors (``fl-geo bench site`` prints both)."""
+    peak = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        peak["peak_device_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return peak
+
+
 def rank_loop(rank: int, setup: GroupSetup, conn: Connection) -> None:
     """Body of one persistent rank: join the group, then answer jobs until told to stop.
 
-    A job is pickled `GroupJob` bytes; the answer is JSON ``{"ok": true}`` or ``{"error": tb}``.
+    A job is pickled `GroupJob` bytes; the answer is JSON ``{"ok": true, <peak memory>}`` or
+    ``{"error": tb}``.
     Empty bytes or a closed pipe end the loop. After an error the rank exits at once (status 1)
     without leaving the process group: its peers may be blocked in a collective with it.
     """
@@ -168,7 +179,7 @@ def rank_loop(rank: int, setup: GroupSetup, conn: Connection) -> None:
             with contextlib.suppress(Exception):  # the daemon may have closed the pipe already
                 conn.send_bytes(json.dumps({"error": traceback.format_exc()}).encode())
             os._exit(1)
-        conn.send_bytes(b'{"ok": true}')
+        conn.send_bytes(json.dumps({"ok": True, **_peak_memory(device)}).encode())
     resident.trainer = None  # the DDP reducer must be gone before its process group (distributed_rank)
     gc.collect()
     dist.destroy_process_group()
