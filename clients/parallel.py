@@ -53,14 +53,16 @@ def parallel_trainer(client: DatacenterClient, req: protocol.TrainRequest, site:
     devices, backend = resolve_devices(device, count, str(site.sections["client"].get("dist_backend", "auto")))
     factory = functools.partial(client.model_fn, site)
     spec = spec_of(factory)
-    options = {"loss_fn": client.loss_fn, "lr_schedule": client.lr_schedule, "tokens_fn": client.tokens_fn}
+    parallel = str(site.sections["client"].get("parallel", "ddp"))  # an older client section: ddp
+    options = {"loss_fn": client.loss_fn, "lr_schedule": client.lr_schedule, "tokens_fn": client.tokens_fn,
+               "parallel": parallel}
     address = str(site.node_config.get(SITE_GROUP_KEY, "") or "")
     if not address:
         return DataParallelTrainer(factory, site.inner, spec, devices, backend, threads=req.threads, **options)
     from fl_geo.inner.site_group import DEFAULT_IDLE_S, SiteGroup, SiteGroupTrainer
 
     identity = {"run": req.run_name, "model": site.model_key(), "model_fn": _qualname(client.model_fn),
-                "batches_fn": _qualname(client.batches_fn), "partition": site.partition_id}
+                "batches_fn": _qualname(client.batches_fn), "partition": site.partition_id, "parallel": parallel}
     idle = float(site.node_config.get(SITE_GROUP_IDLE_KEY, DEFAULT_IDLE_S))
     group = SiteGroup(address, identity, devices, backend, threads=req.threads, idle_s=idle)
     return SiteGroupTrainer(group, factory, site.inner, spec,

@@ -48,6 +48,9 @@ class ClientSection:
     # SuperNode may override it (--node-config 'devices=8'); its hardware is checked there.
     devices: int = 1
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    # How the ranks split the model (docs/multidevice.md): ddp = a whole replica per rank; fsdp =
+    # FSDP2 shards (parameters, gradients and AdamW moments 1/N per rank: a model larger than one device)
+    parallel: str = "ddp"
 
     def _check_optimizer(self) -> None:
         """Raise `ConfigError` for an inner optimizer, schedule or batch setting out of its range."""
@@ -86,6 +89,7 @@ class ClientSection:
                 f"client.dist_backend must be auto, gloo or nccl, got '{self.dist_backend}'")
         require(self.dist_backend != "nccl" or kind in ("auto", "cuda"),
                 f"client.dist_backend=nccl needs CUDA devices, but client.device is '{self.device}'")
+        require(self.parallel in ("ddp", "fsdp"), f"client.parallel must be ddp or fsdp, got '{self.parallel}'")
         require(self.devices == 1 or self.device in ("auto", "cuda", "cpu"),
                 f"client.devices > 1 runs on cuda or cpu, not on client.device '{self.device}'")
 

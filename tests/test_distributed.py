@@ -159,6 +159,7 @@ def test_client_app_node_devices_equal_one_process_with_double_batch(tiny, tmp_p
         (["client.dist_backend=mpi"], "client.dist_backend must be auto, gloo or nccl"),
         (["client.dist_backend=nccl", "client.device=cpu"], "nccl needs CUDA devices"),
         (["client.devices=2", "client.device=mps"], "client.devices > 1 runs on cuda or cpu"),
+        (["client.parallel=zero3"], "client.parallel must be ddp or fsdp"),
     ],
 )
 def test_config_rejects_bad_multidevice_settings(tiny, overrides: list[str], match: str) -> None:
@@ -167,9 +168,9 @@ def test_config_rejects_bad_multidevice_settings(tiny, overrides: list[str], mat
 
 
 def test_config_accepts_multidevice_settings_and_keeps_the_default(tiny) -> None:
-    assert tiny().client.devices == 1 and tiny().client.dist_backend == "auto"
-    cfg = tiny("client.devices=4", "client.dist_backend=gloo")
-    assert (cfg.client.devices, cfg.client.dist_backend) == (4, "gloo")
+    assert tiny().client.devices == 1 and tiny().client.dist_backend == "auto" and tiny().client.parallel == "ddp"
+    cfg = tiny("client.devices=4", "client.dist_backend=gloo", "client.parallel=fsdp")
+    assert (cfg.client.devices, cfg.client.dist_backend, cfg.client.parallel) == (4, "gloo", "fsdp")
 
 
 def test_resolve_devices_on_cpu() -> None:

@@ -31,6 +31,7 @@ TOKENS = torch.from_numpy(ByteTokenizer().encode("the quick brown fox jumps over
 B, SEQ, STEPS = 4, 16, 3  # per-rank batch, sequence length, steps per round
 CPU2 = [torch.device("cpu")] * 2
 FACTORY = functools.partial(config_model, TINY)
+SEEN: set[int] = set()  # every daemon and rank pid the tests met: all must be gone at the end
 
 
 def _inner(batch_size: int = B) -> InnerConfig:
@@ -57,15 +58,13 @@ def group(tmp_path_factory):
     torch.set_num_threads(1)
     address = f"unix://{tmp_path_factory.mktemp('site')}/g.sock"
     handle = SiteGroup(address, {"test": "site-group"}, CPU2, "gloo", timeout_s=60)
-    seen: set[int] = set()
-    handle.seen = seen
     yield handle
     info = handle.hello()
     if info is not None:
-        seen.update([info["pid"], *info["ranks"]])
+        SEEN.update([info["pid"], *info["ranks"]])
     handle.stop()
     assert handle.hello() is None
-    assert seen and all(_gone(pid) for pid in seen), f"left behind: {[p for p in seen if not _gone(p)]}"
+    assert SEEN and all(_gone(pid) for pid in SEEN), f"left behind: {[p for p in SEEN if not _gone(p)]}"
 
 
 def _round(group: SiteGroup, params: torch.Tensor, opt: dict, start: int, **options) -> tuple:
@@ -76,7 +75,7 @@ def _round(group: SiteGroup, params: torch.Tensor, opt: dict, start: int, **opti
         trainer.load_optimizer_state(opt)
         result = trainer.train(_sampler(B), STEPS, start)
         info = trainer.info
-        group.seen.update([info["pid"], *info["ranks"]])
+        SEEN.update([info["pid"], *info["ranks"]])
         return result, trainer.params.clone(), {k: v.clone() for k, v in trainer.optimizer_state().items()}, info
     finally:
         trainer.release()
@@ -123,7 +122,7 @@ def test_a_daemon_of_another_identity_is_replaced(group) -> None:
     old = group.ensure()
     other = SiteGroup(group.address, {"test": "another model"}, CPU2, "gloo", timeout_s=60)
     new = other.ensure()
-    group.seen.update([old["pid"], *old["ranks"], new["pid"]])
+    SEEN.update([old["pid"], *old["ranks"], new["pid"]])
     assert new["pid"] != old["pid"] and new["identity"] != old["identity"]
     assert _gone(old["pid"]) and all(_gone(pid) for pid in old["ranks"])
 
@@ -148,7 +147,7 @@ def test_client_app_trains_through_the_node_site_group(tiny, tmp_path, group) ->
         runs[name] = (summary, torch.load(tmp_path / name / "final_model.pt")["params"],
                       context.state.array_records[OPT_STATE_KEY])
     info = group.hello()
-    group.seen.update([stale["pid"], *stale["ranks"], info["pid"], *info["ranks"]])
+    SEEN.update([stale["pid"], *stale["ranks"], info["pid"], *info["ranks"]])
     assert info["pid"] != stale["pid"] and _gone(stale["pid"])
     assert info["jobs"] == 2 and info["generation"] == 1 and len(info["ranks"]) == 2  # ranks started once
     (s1, final1, opt1), (s2, final2, opt2) = runs["one"], runs["group"]
@@ -158,3 +157,29 @@ def test_client_app_trains_through_the_node_site_group(tiny, tmp_path, group) ->
     for key in opt1:
         torch.testing.assert_close(torch.from_numpy(opt2[key].numpy()), torch.from_numpy(opt1[key].numpy()),
                                    rtol=0, atol=1e-7, msg=key)
+
+
+def test_fsdp_group_matches_the_ddp_group(group, tmp_path) -> None:
+    """client.parallel=fsdp: 2 rounds of FSDP2 on 2 gloo ranks (each holding half of every tensor)
+    against 2 rounds of the DDP group from the same start: the same parameters and AdamW state to
+    fp32 rounding (the gradient norm is summed over shards, in another order)."""
+    fsdp = SiteGroup(f"unix://{tmp_path}/fsdp.sock", {"test": "fsdp"}, CPU2, "gloo", timeout_s=60)
+    try:
+        start = flatten(build_model(TINY, 0).state_dict(), _spec())
+        carried = {"ddp": (start, {}), "fsdp": (start, {})}
+        for rnd in range(2):
+            results = {}
+            for name, handle, parallel in (("ddp", group, "ddp"), ("fsdp", fsdp, "fsdp")):
+                params, opt = carried[name]
+                got, params, opt, info = _round(handle, params, opt, rnd * STEPS, parallel=parallel)
+                SEEN.update([info["pid"], *info["ranks"]])
+                carried[name], results[name] = (params, opt), got
+            assert results["fsdp"].tokens == results["ddp"].tokens
+            assert results["fsdp"].mean_loss == pytest.approx(results["ddp"].mean_loss, rel=1e-5)
+            (p_ddp, o_ddp), (p_fsdp, o_fsdp) = carried["ddp"], carried["fsdp"]
+            torch.testing.assert_close(p_fsdp, p_ddp, rtol=0, atol=1e-6)
+            assert set(o_fsdp) == set(o_ddp)
+            for key in o_ddp:
+                torch.testing.assert_close(o_fsdp[key], o_ddp[key], rtol=0, atol=1e-7, msg=key)
+    finally:
+        fsdp.stop()

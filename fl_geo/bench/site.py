@@ -64,9 +64,40 @@ def _carry(trainer: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return trainer.params.clone(), {k: v.clone() for k, v in trainer.optimizer_state().items()}
 
 
+def _group_rounds(parallel: str, mcfg: ModelConfig, inner: InnerConfig, spec: Any, start: torch.Tensor,
+                  source: Any, devices: Any, backend: str, threads: int, rounds: int,
+                  steps: int) -> tuple[list[dict[str, float]], torch.Tensor, list[dict[str, Any]]]:
+    """``rounds`` rounds through a fresh site group of ``parallel``; its rows, final θ and rank memory."""
+    rows: list[dict[str, float]] = []
+    params, opt = start.clone(), {}
+    with tempfile.TemporaryDirectory(prefix="fl-geo-bench-site-") as tmp:
+        group = SiteGroup(f"unix://{tmp}/site.sock", {"bench": "site", "model": repr(mcfg), "parallel": parallel},
+                          devices, backend, threads=threads)
+        try:
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                trainer = SiteGroupTrainer(group, as_factory(mcfg), inner, spec, batches=source, parallel=parallel)
+                try:
+                    trainer.params.copy_(params)
+                    trainer.load_optimizer_state(opt)
+                    result = trainer.train(None, steps, r * steps)
+                    params, opt = _carry(trainer)
+                finally:
+                    trainer.release()
+                rows.append(_stats(result, time.perf_counter() - t0))
+            memory = (group.hello() or {}).get("memory", [])
+        finally:
+            group.stop()
+    return rows, params, memory
+
+
 def run_site_bench(*, rounds: int = 4, steps: int = 5, ranks: int = 2, batch: int = 4, seq_len: int = 64,
-                   layers: int = 2, d_model: int = 128, threads: int = 1, device: str = "cpu") -> dict[str, Any]:
-    """Both paths, ``rounds`` rounds each; the numbers `format_site_bench` prints."""
+                   layers: int = 2, d_model: int = 128, threads: int = 1, device: str = "cpu",
+                   parallels: Sequence[str] = ("ddp", "fsdp")) -> dict[str, Any]:
+    """Each path (spawned DDP; the group with each of ``parallels``, which must include ddp),
+    ``rounds`` rounds each; the numbers `format_site_bench` prints."""
+    if "ddp" not in parallels or not set(parallels) <= {"ddp", "fsdp"}:
+        raise ValueError(f"parallels must include ddp and name only ddp and fsdp, got {list(parallels)}")
     if rounds < 2 or steps < 1 or ranks < 2:
         raise ValueError(f"need rounds >= 2, steps >= 1, ranks >= 2; got {rounds}, {steps}, {ranks}")
     torch.set_num_threads(threads)
@@ -90,32 +121,15 @@ def run_site_bench(*, rounds: int = 4, steps: int = 5, ranks: int = 2, batch: in
     spawn_params = params
     spawn_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest rank (KiB on Linux)
 
-    group_rounds: list[dict[str, float]] = []
-    params, opt = start.clone(), {}
-    with tempfile.TemporaryDirectory(prefix="fl-geo-bench-site-") as tmp:
-        group = SiteGroup(f"unix://{tmp}/site.sock", {"bench": "site", "model": repr(mcfg)}, devices, backend,
-                          threads=threads)
-        try:
-            for r in range(rounds):
-                t0 = time.perf_counter()
-                trainer = SiteGroupTrainer(group, as_factory(mcfg), inner, spec, batches=source)
-                try:
-                    trainer.params.copy_(params)
-                    trainer.load_optimizer_state(opt)
-                    result = trainer.train(None, steps, r * steps)
-                    params, opt = _carry(trainer)
-                finally:
-                    trainer.release()
-                group_rounds.append(_stats(result, time.perf_counter() - t0))
-            memory = (group.hello() or {}).get("memory", [])
-        finally:
-            group.stop()
+    groups = {parallel: _group_rounds(parallel, mcfg, inner, spec, start, source, devices, backend, threads,
+                                      rounds, steps) for parallel in parallels}
+    group_rounds, params, _ = groups["ddp"]
 
     def median(rows: list[dict[str, float]], key: str) -> float:
         return statistics.median(row[key] for row in rows[1:])
 
-    summary = {name: {key: median(rows, key) for key in rows[0]} for name, rows in
-               (("spawn", spawn), ("group", group_rounds))}
+    paths = [("spawn", spawn)] + [("group" if p == "ddp" else f"group_{p}", rows) for p, (rows, _, _) in groups.items()]
+    summary = {name: {key: median(rows, key) for key in rows[0]} for name, rows in paths}
     ratio = summary["spawn"]["overhead_s"] / max(summary["group"]["overhead_s"], 1e-9)
     return {
         "setup": {"rounds": rounds, "steps": steps, "ranks": ranks, "batch_per_rank": batch, "seq_len": seq_len,
@@ -123,9 +137,11 @@ def run_site_bench(*, rounds: int = 4, steps: int = 5, ranks: int = 2, batch: in
         "spawn": spawn, "group": group_rounds, "median": summary,
         "group_startup_s": group_rounds[0]["overhead_s"],
         "peak_rss_mib": {"spawn_largest_rank": spawn_rss,
-                         "group_ranks": [m.get("peak_rss_mib") for m in memory]},
-        "peak_device_mib": [m.get("peak_device_mib") for m in memory if "peak_device_mib" in m],
+                         **{p: [m.get("peak_rss_mib") for m in mem] for p, (_, _, mem) in groups.items()}},
+        "peak_device_mib": {p: [m["peak_device_mib"] for m in mem if "peak_device_mib" in m]
+                            for p, (_, _, mem) in groups.items()},
         "max_param_diff": float((spawn_params - params).abs().max()),
+        "max_param_diff_fsdp": float((groups["fsdp"][1] - params).abs().max()) if "fsdp" in groups else None,
         "overhead_ratio": ratio, "pass": ratio >= TARGET,
     }
 
@@ -138,21 +154,30 @@ def format_site_bench(result: dict[str, Any]) -> str:
         f"{s['seq_len']} tokens per rank per round; medians of rounds 2..{s['rounds']}",
         f"{'':22}{'per round':>11}{'in steps':>10}{'overhead':>10}{'tokens/s':>10}{'in steps':>10}",
     ]
-    for name, label in (("spawn", "spawn per message"), ("group", "persistent group")):
+    for name, label in (("spawn", "spawn per message"), ("group", "persistent group"),
+                        ("group_fsdp", "persistent group, FSDP")):
+        if name not in m:
+            continue
         row = m[name]
         lines.append(f"{label:22}{row['wall_s']:>10.3f}s{row['steps_s']:>9.3f}s{row['overhead_s']:>9.3f}s"
                      f"{row['tokens_per_s']:>10.0f}{row['tokens_per_s_steps']:>10.0f}")
     rss = result["peak_rss_mib"]
-    group_rss = ", ".join(f"{v:.0f}" for v in rss["group_ranks"] if v is not None)
+
+    def mib(values: list[Any]) -> str:
+        return ", ".join(f"{v:.0f}" for v in values if v is not None) + " MiB"
+
     lines += [
         f"group start-up (its round 1, outside steps): {result['group_startup_s']:.2f} s",
-        f"peak RSS per rank (DDP): spawned {rss['spawn_largest_rank']:.0f} MiB (largest rank); group {group_rss} MiB",
+        f"peak RSS per rank: spawned DDP {rss['spawn_largest_rank']:.0f} MiB (largest rank); group DDP {mib(rss['ddp'])}"
+        + (f"; group FSDP {mib(rss['fsdp'])}" if "fsdp" in rss else ""),
     ]
-    if result["peak_device_mib"]:
-        lines.append("peak device memory per rank (DDP): " + ", ".join(f"{v:.0f}" for v in result["peak_device_mib"])
-                     + " MiB")
+    for parallel, values in result["peak_device_mib"].items():
+        if values:
+            lines.append(f"peak device memory per rank ({parallel.upper()}): {mib(values)}")
     lines += [
-        f"same training: max |θ_spawn − θ_group| after round {s['rounds']} = {result['max_param_diff']:.1e}",
+        f"same training: max |θ_spawn − θ_group| after round {s['rounds']} = {result['max_param_diff']:.1e}"
+        + (f", max |θ_FSDP − θ_DDP| = {result['max_param_diff_fsdp']:.1e}"
+           if result["max_param_diff_fsdp"] is not None else ""),
         f"{result['overhead_ratio']:.1f}x less per-round overhead (target >= {TARGET:g}x: "
         f"{'PASS' if result['pass'] else 'FAIL'})",
     ]
@@ -171,13 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--device", default="cpu", help="cpu (gloo), or cuda / cuda:k (nccl)")
+    parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 group")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--strict", action="store_true", help="exit 1 below the target")
     args = parser.parse_args(argv)
     try:
         result = run_site_bench(rounds=args.rounds, steps=args.steps, ranks=args.ranks, batch=args.batch,
                                 seq_len=args.seq_len, layers=args.layers, d_model=args.d_model,
-                                threads=args.threads, device=args.device)
+                                threads=args.threads, device=args.device,
+                                parallels=("ddp",) if args.no_fsdp else ("ddp", "fsdp"))
     except ValueError as exc:
         parser.exit(2, f"fl-geo bench site: {exc}\n")
     print(json.dumps(result, indent=2) if args.json else format_site_bench(result))

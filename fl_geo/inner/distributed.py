@@ -201,8 +201,10 @@ def train_data_parallel(
     loss_fn: LossFn | None = None,
     lr_schedule: ScheduleFn | None = lr_at,
     tokens_fn: TokensFn | None = None,
+    parallel: str = "ddp",
 ) -> TrainResult:
-    """Run ``InnerTrainer.train`` as ``len(devices)`` DDP ranks; update ``shared`` in place.
+    """Run ``InnerTrainer.train`` as ``len(devices)`` DDP (or, ``parallel="fsdp"``, FSDP2) ranks;
+    update ``shared`` in place.
 
     ``model_cfg`` is fl-geo's decoder config or a picklable factory of a user's model (with
     ``loss_fn`` / ``lr_schedule`` / ``tokens_fn`` as for ``InnerTrainer``; the inner optimizer is
@@ -249,6 +251,7 @@ def train_data_parallel(
             loss_fn=loss_fn,
             lr_schedule=lr_schedule,
             tokens_fn=tokens_fn,
+            parallel=parallel,
         )
         _run_ranks(job, world, join_timeout_s)
     values = shared.result.tolist()
@@ -316,8 +319,10 @@ class DataParallelTrainer:
         loss_fn: LossFn | None = None,
         lr_schedule: ScheduleFn | None = lr_at,
         tokens_fn: TokensFn | None = None,
+        parallel: str = "ddp",
     ) -> None:
         self.model_cfg = model_cfg
+        self.parallel = parallel
         self.loss_fn, self.lr_schedule, self.tokens_fn = loss_fn, lr_schedule, tokens_fn
         self.cfg = cfg
         self.devices = list(devices)
@@ -359,4 +364,5 @@ class DataParallelTrainer:
             loss_fn=self.loss_fn,
             lr_schedule=self.lr_schedule,
             tokens_fn=self.tokens_fn,
+            parallel=self.parallel,
         )

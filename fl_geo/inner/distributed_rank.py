@@ -146,6 +146,29 @@ class _Job:
     loss_fn: LossFn | None = None
     lr_schedule: ScheduleFn | None = lr_at
     tokens_fn: TokensFn | None = None
+    parallel: str = "ddp"  # client.parallel: ddp | fsdp
+
+
+def rank_trainer(parallel: str, model: torch.nn.Module, cfg: InnerConfig, replica: Any = None,
+                 **options: Any) -> InnerTrainer:
+    """The rank trainer of ``parallel``: DDP over a whole replica, or FSDP2 over shards
+    (`fl_geo.inner.fsdp_rank`; imported only then). ``replica``: a persistent rank's DDP wrapper."""
+    if parallel == "fsdp":
+        from fl_geo.inner.fsdp_rank import FsdpRankTrainer
+
+        return FsdpRankTrainer(model, cfg, **options)
+    if parallel != "ddp":
+        raise ValueError(f"client.parallel must be ddp or fsdp, got {parallel!r}")
+    return _RankTrainer(model, cfg, replica=replica, **options)
+
+
+def load_params(trainer: InnerTrainer, shared: SharedTrainState) -> None:
+    """The shared parameters into the rank's model: its shards (FSDP) or the whole replica (DDP)."""
+    load = getattr(trainer, "load_params", None)
+    if load is not None:
+        load(shared.params, shared.spec)
+    else:
+        load_flat_into(trainer.model, shared.params, shared.spec)
 
 
 def _rank_main(rank: int, job: _Job) -> None:
@@ -178,20 +201,20 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> None:
     shared = job.shared
     with torch.device(device):  # built on its device: no host copy to move there
         model = job.model_factory()  # its random init is overwritten by the shared parameters
-    load_flat_into(model, shared.params, shared.spec)
-    trainer = _RankTrainer(model, replace(job.inner, device=str(device)), loss_fn=job.loss_fn,
+    trainer = rank_trainer(job.parallel, model, replace(job.inner, device=str(device)), loss_fn=job.loss_fn,
                            lr_schedule=job.lr_schedule, tokens_fn=job.tokens_fn)
     if set(trainer.param_names) != set(shared.spec.names):
         raise RuntimeError("the model's parameters and its state dict differ; cannot share state")
     if trainer.matrix_names != shared.matrices:
         raise RuntimeError("this rank's Muon matrices differ from the job's; cannot share state")
+    load_params(trainer, shared)
     if int(shared.has_moments[0]):
         trainer.load_optimizer_state(shared.optimizer_state())
     _train_and_store(trainer, shared, _RankBatches(job.sampler, rank, world), job.steps, job.start_step,
                      job.time_budget_s, rank, world)
 
 
-def _train_and_store(trainer: _RankTrainer, shared: SharedTrainState, batches: _RankBatches, steps: int,
+def _train_and_store(trainer: InnerTrainer, shared: SharedTrainState, batches: _RankBatches, steps: int,
                      start_step: int, time_budget_s: float, rank: int, world: int) -> None:
     """Train the loaded replica; rank 0 writes the trained state and the rank-averaged metrics
     into ``shared`` (the spawned job and the persistent site group share this end of a job)."""
@@ -199,14 +222,18 @@ def _train_and_store(trainer: _RankTrainer, shared: SharedTrainState, batches: _
     totals = torch.tensor(
         [result.steps, result.tokens, result.mean_loss, result.step_time_s, result.final_loss],
         dtype=torch.float64,
-        device=trainer._flag.device,
+        device=trainer._flag.device,  # type: ignore[attr-defined]
     )
     dist.all_reduce(totals)  # sums; steps and losses are averaged below
     totals = totals.cpu()
     if totals[0] != result.steps * world:
         raise RuntimeError(f"ranks took different numbers of steps (rank {rank}: {result.steps})")
-    if rank == 0:
+    store_into = getattr(trainer, "store_into", None)  # FSDP: every rank gathers, rank 0 writes
+    if store_into is not None:
+        store_into(shared, rank == 0)
+    elif rank == 0:
         shared._store_from(trainer)
+    if rank == 0:
         shared.result.copy_(
             torch.stack([totals[0] / world, totals[1], totals[2] / world, totals[3] / world,
                          totals[4] / world])

@@ -255,11 +255,11 @@ class SiteGroupTrainer:
     def __init__(self, group: SiteGroup, model_factory: ModelFactory, cfg: InnerConfig, spec: ParamSpec, *,
                  batches: Callable[[], BatchSource] | None = None, loss_fn: LossFn | None = None,
                  lr_schedule: ScheduleFn | None = lr_at, tokens_fn: TokensFn | None = None,
-                 join_timeout_s: float | None = None,
+                 join_timeout_s: float | None = None, parallel: str = "ddp",
                  rank_setup: Callable[[int, int], None] | None = None) -> None:
         self.group, self.model_factory, self.cfg, self.spec = group, model_factory, cfg, spec
         self.batches, self.loss_fn, self.lr_schedule, self.tokens_fn = batches, loss_fn, lr_schedule, tokens_fn
-        self.join_timeout_s, self.rank_setup = join_timeout_s, rank_setup
+        self.join_timeout_s, self.rank_setup, self.parallel = join_timeout_s, rank_setup, parallel
         group.acquire()
         try:
             self.info = group.ensure()
@@ -291,7 +291,7 @@ class SiteGroupTrainer:
                        time_budget_s=float(time_budget_s), threads=self.group.threads,
                        sampler=None if self.batches is not None else sampler, batches=self.batches,
                        rank_setup=self.rank_setup, loss_fn=self.loss_fn, lr_schedule=self.lr_schedule,
-                       tokens_fn=self.tokens_fn)
+                       tokens_fn=self.tokens_fn, parallel=self.parallel)
         self.info = self.group.run(job, self.join_timeout_s)
         values = self.shared.result.tolist()
         if int(values[0]) < 1:

@@ -34,11 +34,19 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from fl_geo.core.state import ParamSpec, load_flat_into
+from fl_geo.core.state import ParamSpec
 from fl_geo.inner.distributed import _global_sampler
-from fl_geo.inner.distributed_rank import _RankBatches, _RankTrainer, _train_and_store
+from fl_geo.inner.distributed_rank import _RankBatches, _train_and_store, load_params, rank_trainer
 from fl_geo.inner.distributed_state import ModelFactory, SharedTrainState
-from fl_geo.inner.training import BatchSource, InnerConfig, LossFn, ScheduleFn, TokensFn, lr_at
+from fl_geo.inner.training import (
+    BatchSource,
+    InnerConfig,
+    InnerTrainer,
+    LossFn,
+    ScheduleFn,
+    TokensFn,
+    lr_at,
+)
 
 __all__ = ["GroupJob", "GroupSetup", "rank_loop"]
 
@@ -78,6 +86,7 @@ class GroupJob:
     loss_fn: LossFn | None = None
     lr_schedule: ScheduleFn | None = lr_at
     tokens_fn: TokensFn | None = None
+    parallel: str = "ddp"  # client.parallel: ddp | fsdp (fixed for a group's life: part of its identity)
 
     def source(self) -> BatchSource:
         if (self.sampler is None) == (self.batches is None):
@@ -102,7 +111,8 @@ class _Resident:
         self.shared: SharedTrainState | None = None
         self.files: tuple[str, ParamSpec] | None = None
         self.model: torch.nn.Module | None = None
-        self.trainer: _RankTrainer | None = None
+        self.trainer: InnerTrainer | None = None
+        self.parallel = "ddp"
         self.settings: tuple | None = None
 
     def run(self, job: GroupJob) -> None:
@@ -117,16 +127,18 @@ class _Resident:
         if self.model is None:
             with torch.device(self.device):  # values come from the shared parameters below
                 self.model = job.model_factory()
-        load_flat_into(self.model, shared.params, shared.spec)
+            self.parallel = job.parallel
+        if job.parallel != self.parallel:  # the model is wrapped or sharded for good
+            raise RuntimeError(f"this group trains with parallel={self.parallel}, the job asks for {job.parallel}")
         cfg = replace(job.inner, device=str(self.device))
         settings = (cfg, job.loss_fn, job.lr_schedule, job.tokens_fn)
-        if self.trainer is None or settings != self.settings:  # a new optimizer, the same replica
-            replica = None if self.trainer is None else self.trainer.replica
-            self.trainer = _RankTrainer(self.model, cfg, replica=replica, loss_fn=job.loss_fn,
-                                        lr_schedule=job.lr_schedule, tokens_fn=job.tokens_fn)
+        if self.trainer is None or settings != self.settings:  # a new optimizer, the same replica / shards
+            self.trainer = rank_trainer(job.parallel, self.model, cfg, replica=getattr(self.trainer, "replica", None),
+                                        loss_fn=job.loss_fn, lr_schedule=job.lr_schedule, tokens_fn=job.tokens_fn)
             self.settings = settings
             if set(self.trainer.param_names) != set(shared.spec.names):
                 raise RuntimeError("the model's parameters and its state dict differ; cannot share state")
+        load_params(self.trainer, shared)
         # The node's records are the truth: the state of every job is loaded (empty = fresh AdamW).
         self.trainer.load_optimizer_state(shared.optimizer_state() if int(shared.has_moments[0]) else {})
         batches = _RankBatches(_global_sampler(job.source(), self.world), self.rank, self.world)
