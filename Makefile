@@ -57,6 +57,7 @@ bench: setup
 gpu-check: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu -rs
 	$(BIN)/fl-geo bench gpu
+	$(BIN)/fl-geo bench site --device cuda --ranks $$($(BIN)/python -c "import torch; print(min(2, torch.cuda.device_count()))")
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -10,6 +10,7 @@ this module, so Flower is imported only inside the test that needs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -183,3 +184,37 @@ def test_fsdp_group_matches_the_ddp_group(group, tmp_path) -> None:
                 torch.testing.assert_close(o_fsdp[key], o_ddp[key], rtol=0, atol=1e-7, msg=key)
     finally:
         fsdp.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_cuda_group_trains_two_rounds_like_one_process(parallel, tmp_path) -> None:
+    """make gpu-check: the site group on up to 2 GPUs (NCCL), DDP and FSDP2, fp32 so that the
+    numbers can be compared with one process holding the whole batch; the ranks persist."""
+    ranks = min(2, torch.cuda.device_count())
+    devices = [torch.device("cuda", r) for r in range(ranks)]
+    handle = SiteGroup(f"unix://{tmp_path}/gpu.sock", {"test": f"gpu-{parallel}"}, devices, "nccl", timeout_s=120)
+    inner = InnerConfig(batch_size=B, seq_len=SEQ, warmup_steps=2, total_steps=20, device="cuda", precision="fp32")
+    reference = InnerTrainer(build_model(TINY, 0), dataclasses.replace(inner, batch_size=ranks * B))
+    params, opt, pids = flatten(build_model(TINY, 0).state_dict(), _spec()), {}, set()
+    try:
+        for rnd in range(2):
+            expected = reference.train(_sampler(ranks * B), STEPS, rnd * STEPS)
+            trainer = SiteGroupTrainer(handle, FACTORY, inner, _spec(), join_timeout_s=300, parallel=parallel)
+            try:
+                trainer.params.copy_(params)
+                trainer.load_optimizer_state(opt)
+                got = trainer.train(_sampler(B), STEPS, rnd * STEPS)
+                params = trainer.params.clone()
+                opt = {k: v.clone() for k, v in trainer.optimizer_state().items()}
+                pids.add((trainer.info["pid"], tuple(trainer.info["ranks"])))
+            finally:
+                trainer.release()
+            assert got.mean_loss == pytest.approx(expected.mean_loss, rel=1e-4)
+            want = flatten({k: v.cpu() for k, v in reference.model.state_dict().items()}, _spec())
+            torch.testing.assert_close(params, want, rtol=0, atol=1e-5)
+        assert len(pids) == 1  # one daemon, one set of ranks for both rounds
+        memory = handle.hello()["memory"]
+        assert len(memory) == ranks and all(m["peak_device_mib"] > 0 for m in memory)
+    finally:
+        handle.stop()

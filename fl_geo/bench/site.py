@@ -98,8 +98,8 @@ def run_site_bench(*, rounds: int = 4, steps: int = 5, ranks: int = 2, batch: in
     ``rounds`` rounds each; the numbers `format_site_bench` prints."""
     if "ddp" not in parallels or not set(parallels) <= {"ddp", "fsdp"}:
         raise ValueError(f"parallels must include ddp and name only ddp and fsdp, got {list(parallels)}")
-    if rounds < 2 or steps < 1 or ranks < 2:
-        raise ValueError(f"need rounds >= 2, steps >= 1, ranks >= 2; got {rounds}, {steps}, {ranks}")
+    if rounds < 2 or steps < 1 or ranks < 1:
+        raise ValueError(f"need rounds >= 2, steps >= 1, ranks >= 1; got {rounds}, {steps}, {ranks}")
     torch.set_num_threads(threads)
     mcfg = ModelConfig(n_layers=layers, d_model=d_model, n_heads=max(2, d_model // 64), max_seq_len=seq_len)
     inner = InnerConfig(batch_size=batch, seq_len=seq_len, warmup_steps=2, total_steps=rounds * steps, device=device)
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fl-geo bench site", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="rounds per path (>= 2; medians over 2..R)")
     parser.add_argument("--steps", type=int, default=5, help="inner steps per round")
-    parser.add_argument("--ranks", type=int, default=2, help="ranks (devices) of the site")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (devices) of the site (1 on a one-GPU machine)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
