@@ -4,8 +4,8 @@ tests/test_distributed.py ties to the spawn-per-message job), keeps its ranks ac
 only the job in which a rank dies, is replaced when stale, and leaves no process behind.
 
 Process starts cost ~3 s of CPU each here, so the file shares one daemon across its tests (module
-fixture) and starts 8 processes in all: the daemon and its 2 ranks, 2 ranks again after the kill,
-and a second daemon with 2 ranks for the ClientApp's run. The ranks unpickle the hooks and data of
+fixture) and starts 9 processes in all: the daemon and its 2 ranks, 2 ranks again after the kill,
+a daemon (no ranks) that replaces it, and a daemon with 2 FSDP ranks for the ClientApp's run. The ranks unpickle the hooks and data of
 this module, so Flower is imported only inside the test that needs it."""
 
 from __future__ import annotations
@@ -128,10 +128,12 @@ def test_a_daemon_of_another_identity_is_replaced(group) -> None:
     assert _gone(old["pid"]) and all(_gone(pid) for pid in old["ranks"])
 
 
-def test_client_app_trains_through_the_node_site_group(tiny, tmp_path, group) -> None:
-    """Through the real train handler, 2 rounds: node config devices=2 and site-group with batch 4
-    vs one process with batch 8. The ClientApp replaces the file's daemon (another run and model),
-    and one daemon with one set of ranks serves both rounds."""
+def test_client_app_trains_fsdp_through_the_node_site_group(tiny, tmp_path, group) -> None:
+    """Through the real train handler, 2 rounds: node config devices=2 and site-group, with
+    client.parallel=fsdp (FSDP2: each rank holds half of every tensor) and batch 4, vs one process
+    with batch 8. The ClientApp replaces the file's daemon (another run and model), and one daemon
+    with one set of ranks serves both rounds. With the first test (DDP group = one process), this is
+    FSDP2 = DDP on 2 ranks to fp32 rounding, each within the same bounds of the same reference."""
     from fl_geo.clients.datacenter import OPT_STATE_KEY
     from fl_geo.clients.datacenter import app as client_app
     from fl_geo.runtime.inline import InlineGrid
@@ -141,7 +143,8 @@ def test_client_app_trains_through_the_node_site_group(tiny, tmp_path, group) ->
     common = ("run.num_clients=1", "run.rounds=2", "strategy.inner_steps=2", "run.eval_every=0", "run.threads_per_client=1")
     runs = {}
     for name, batch, node in (("one", 8, {}), ("group", 4, {"devices": 2, "device": "cpu", "site-group": group.address})):
-        cfg = tiny(*common, f"client.batch_size={batch}", f"strategy.site_devices={node.get('devices', 0)}")
+        cfg = tiny(*common, f"client.batch_size={batch}", f"strategy.site_devices={node.get('devices', 0)}",
+                   "client.parallel=fsdp")  # one process: ignored (no ranks to shard over)
         grid = InlineGrid(client_app, 1, seed=0, node_configs=[{"partition-id": 0, "num-partitions": 1, **node}])
         summary = run_server(grid, cfg, tmp_path / name)
         (context,) = grid.contexts.values()
@@ -158,32 +161,6 @@ def test_client_app_trains_through_the_node_site_group(tiny, tmp_path, group) ->
     for key in opt1:
         torch.testing.assert_close(torch.from_numpy(opt2[key].numpy()), torch.from_numpy(opt1[key].numpy()),
                                    rtol=0, atol=1e-7, msg=key)
-
-
-def test_fsdp_group_matches_the_ddp_group(group, tmp_path) -> None:
-    """client.parallel=fsdp: 2 rounds of FSDP2 on 2 gloo ranks (each holding half of every tensor)
-    against 2 rounds of the DDP group from the same start: the same parameters and AdamW state to
-    fp32 rounding (the gradient norm is summed over shards, in another order)."""
-    fsdp = SiteGroup(f"unix://{tmp_path}/fsdp.sock", {"test": "fsdp"}, CPU2, "gloo", timeout_s=60)
-    try:
-        start = flatten(build_model(TINY, 0).state_dict(), _spec())
-        carried = {"ddp": (start, {}), "fsdp": (start, {})}
-        for rnd in range(2):
-            results = {}
-            for name, handle, parallel in (("ddp", group, "ddp"), ("fsdp", fsdp, "fsdp")):
-                params, opt = carried[name]
-                got, params, opt, info = _round(handle, params, opt, rnd * STEPS, parallel=parallel)
-                SEEN.update([info["pid"], *info["ranks"]])
-                carried[name], results[name] = (params, opt), got
-            assert results["fsdp"].tokens == results["ddp"].tokens
-            assert results["fsdp"].mean_loss == pytest.approx(results["ddp"].mean_loss, rel=1e-5)
-            (p_ddp, o_ddp), (p_fsdp, o_fsdp) = carried["ddp"], carried["fsdp"]
-            torch.testing.assert_close(p_fsdp, p_ddp, rtol=0, atol=1e-6)
-            assert set(o_fsdp) == set(o_ddp)
-            for key in o_ddp:
-                torch.testing.assert_close(o_fsdp[key], o_ddp[key], rtol=0, atol=1e-7, msg=key)
-    finally:
-        fsdp.stop()
 
 
 @pytest.mark.gpu

@@ -151,17 +151,31 @@ class _Group:
                 rank = by_sentinel.get(obj) if isinstance(obj, int) else by_conn.get(id(obj))
                 if rank is None or rank not in pending:
                     continue
-                answer = self._answer(rank)  # a rank that failed answered before it exited
-                if answer is not None:
-                    if "error" in answer:
-                        raise JobFailed(f"rank {rank} of the site group failed:\n{answer['error']}")
-                    pending.discard(rank)
-                    memory[rank] = {k: v for k, v in answer.items() if k.startswith("peak_")}
-                    continue
-                self.procs[rank].join(_GRACE_S)  # ready without an answer: its pipe closed, it ended
-                raise JobFailed(f"rank {rank} of the site group died during the job: it "
-                                f"{_describe_exit(self.procs[rank].exitcode)}")
+                answer = self._answer(rank)
+                if answer is None or "error" in answer:  # a rank failed or ended: the job is lost
+                    raise JobFailed(self._account(rank, answer))
+                pending.discard(rank)
+                memory[rank] = {k: v for k, v in answer.items() if k.startswith("peak_")}
         self.memory = memory
+
+    def _account(self, first: int, answer: dict[str, Any] | None) -> str:
+        """Why the job failed. The first rank to report is often a survivor whose collective broke
+        when a peer died, so give the others ``_GRACE_S`` to end too, then name the ranks that
+        died (the cause) before the errors the others raised."""
+        errors = {first: answer["error"]} if answer is not None else {}
+        settle = time.monotonic() + _GRACE_S
+        while time.monotonic() < settle and any(p.is_alive() for p in self.procs):
+            wait([p.sentinel for p in self.procs if p.is_alive()], max(0.0, settle - time.monotonic()))
+        for rank in range(len(self.procs)):
+            late = self._answer(rank) if rank not in errors else None
+            if late is not None and "error" in late:
+                errors[rank] = late["error"]
+        died = [r for r, p in enumerate(self.procs) if r not in errors and p.exitcode not in (None, 0)]
+        died += [first] if answer is None and first not in died else []
+        lines = [f"rank {r} of the site group died during the job: it {_describe_exit(self.procs[r].exitcode)}"
+                 for r in died]
+        lines += [f"rank {r} of the site group failed:\n{text}" for r, text in sorted(errors.items())]
+        return "\n".join(lines)
 
     def _answer(self, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s answer if one is waiting in its pipe, else None (also at end of file)."""
