@@ -88,6 +88,7 @@ def test_group_trains_three_rounds_like_one_process_and_keeps_its_ranks(group) -
     params, opt, infos = flatten(reference.model.state_dict(), spec), {}, []
     for rnd in range(3):
         expected = reference.train(_sampler(2 * B), STEPS, rnd * STEPS)
+        before = (params, opt)
         got, params, opt, info = _round(group, params, opt, rnd * STEPS)
         infos.append(info)
         assert got.steps == expected.steps == STEPS and got.tokens == expected.tokens == 2 * B * SEQ * STEPS
@@ -97,7 +98,13 @@ def test_group_trains_three_rounds_like_one_process_and_keeps_its_ranks(group) -
         assert set(opt) == set(want)
         for key, value in want.items():
             torch.testing.assert_close(opt[key], value, rtol=0, atol=1e-7, msg=key)
-    # One daemon and one set of ranks served all three rounds.
+    # A resumed server sends round 3 again and the node rewinds its state (rewind_to_round): the
+    # group keeps no values of its own, so the same round from the same state gives the same bits.
+    _, again, opt_again, info = _round(group, *before, 2 * STEPS)
+    infos.append(info)
+    torch.testing.assert_close(again, params, rtol=0, atol=0)
+    assert all(torch.equal(opt_again[k], v) for k, v in opt.items())
+    # One daemon and one set of ranks served all four jobs.
     assert len({i["pid"] for i in infos}) == 1 and len({tuple(i["ranks"]) for i in infos}) == 1
     assert len(infos[0]["ranks"]) == 2
 

@@ -186,6 +186,7 @@ class SiteGroup:
 
     def _start(self) -> dict[str, Any]:
         log_path = self.path + ".log"
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         # The daemon (and its ranks) must unpickle the user's model and data factories: it gets
         # this process's import path (a ClientApp's FAB directory, a test's rootdir).
         env = dict(os.environ)
