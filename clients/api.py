@@ -438,7 +438,7 @@ class DatacenterClient:
         when the update went to the follower PSs; with ``wire.compress`` a compressed payload
         with error feedback (`fl_geo.clients.uplink`); else the update at the wire precision."""
         if has_followers(req):
-            return {}, {"ps_pushed_bytes": push_update(req, update), "ps_version": self.pulled_version}, "control"
+            return {}, {"ps_pushed_bytes": push_update(req, update, state), "ps_version": self.pulled_version}, "control"
         if req.wire_compress is not None and req.send == "pseudo_grad":
             return {"arrays": compress_uplink(state, req, update)}, {}, "compressed"
         return {"arrays": encode(update, spec, req.wire_up)}, {}, req.send

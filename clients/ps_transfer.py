@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from flwr.app import RecordDict
 
 from fl_geo.ps.follower import WIRE_DTYPES
 from fl_geo.ps.frames import DEFAULT_CHUNK_BYTES
@@ -86,17 +87,16 @@ def pull_model(req: TrainRequest, out: torch.Tensor) -> int:
     raise RuntimeError(f"followers kept stepping while this client pulled (versions {versions})")
 
 
-def push_update(req: TrainRequest, flat: torch.Tensor) -> int:
-    """Send Δ (or θ_i) shard by shard in the leader's order; returns the bytes pushed."""
+def push_update(req: TrainRequest, flat: torch.Tensor, state: RecordDict | None = None) -> int:
+    """Send Δ (or θ_i) shard by shard in the leader's order; returns the bytes pushed. With
+    ``wire_compress`` each shard goes as its own compressed payload (`_push_compressed`)."""
     addresses, shards = _layout(req)
+    if req.wire_compress is not None:
+        return _push_compressed(req, flat, state if state is not None else RecordDict())
     dtype = WIRE_DTYPES[req.wire_up]
-    order = list(range(len(shards))) if req.ps_push_order is None else [int(i) for i in json.loads(req.ps_push_order)]
-    if sorted(order) != list(range(len(shards))):
-        raise ValueError(f"push order {order} is not a permutation of the {len(shards)} shards")
-    if req.ps_job is None:
-        raise ValueError("the job pushes to follower PSs but names no ps_job")
+    order = _order(req, len(shards))
     job = req.ps_job
-    chunk = DEFAULT_CHUNK_BYTES if req.ps_chunk_bytes is None else req.ps_chunk_bytes
+    chunk = _chunk_bytes(req)
     sent = 0
     for i in order:
         begin, end = shards[i]
@@ -104,4 +104,49 @@ def push_update(req: TrainRequest, flat: torch.Tensor) -> int:
         with _client(addresses[i], req) as client:
             client.push(job, i, piece, chunk_bytes=chunk, token=_token(req))
         sent += piece.numel() * piece.element_size()
+    return sent
+
+
+def _order(req: TrainRequest, num_shards: int) -> list[int]:
+    order = list(range(num_shards)) if req.ps_push_order is None else [int(i) for i in json.loads(req.ps_push_order)]
+    if sorted(order) != list(range(num_shards)):
+        raise ValueError(f"push order {order} is not a permutation of the {num_shards} shards")
+    if req.ps_job is None:
+        raise ValueError("the job pushes to follower PSs but names no ps_job")
+    return order
+
+
+def _chunk_bytes(req: TrainRequest) -> int:
+    return DEFAULT_CHUNK_BYTES if req.ps_chunk_bytes is None else req.ps_chunk_bytes
+
+
+def _push_compressed(req: TrainRequest, flat: torch.Tensor, state: RecordDict) -> int:
+    """``wire.compress`` on the data path: Δ + e compressed shard by shard (chunks restart at every
+    shard, so each follower decodes its own shard alone; `compress_shards`), each payload pushed to
+    its follower in the leader's order; returns the payloads' bytes.
+
+    The error-feedback residual is the site's one model-sized fp32 array under `EF_RESIDUAL_KEY`
+    (the same record, persisted and rewound like the unsharded uplink's: `fl_geo.clients.uplink`),
+    sliced by shard. It is replaced only once every shard was pushed: a push a follower refuses
+    (or that fails for good) fails the job, whose update the leader then drops, and leaves the
+    residual as it was. A non-finite Δ is refused before anything is sent."""
+    from fl_geo.clients.uplink import kept_residual, store_residual
+    from fl_geo.core.compress import Compressor, compress_shards
+    from fl_geo.runtime.wire_settings import uplink_from_json
+
+    if req.send != "pseudo_grad":
+        raise ValueError(f"wire.compress sends pseudo-gradients; this job sends {req.send}")
+    _, shards = _layout(req)
+    settings = uplink_from_json(req.wire_compress)
+    assert settings is not None
+    compressor = Compressor(settings)
+    payloads, residual = compress_shards(compressor, flat, shards, kept_residual(state, settings, flat))
+    addresses, chunk, job = json.loads(req.ps_addresses or "[]"), _chunk_bytes(req), req.ps_job
+    sent = 0
+    for i in _order(req, len(shards)):
+        begin, end = shards[i]
+        with _client(addresses[i], req) as client:
+            client.push_payload(str(job), i, end - begin, payloads[i], chunk_bytes=chunk, token=_token(req))
+        sent += int(payloads[i].nbytes)
+    store_residual(state, residual)
     return sent

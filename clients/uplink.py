@@ -11,16 +11,21 @@ beside it (`keep_prev_residual`), as the optimizer state is.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fl_geo.clients.persist import EF_RESIDUAL_KEY, PREV_EF_RESIDUAL_KEY
+from fl_geo.core.compress import CompressSettings
 from fl_geo.runtime import protocol
 from fl_geo.runtime.compressed import compress_record
 from fl_geo.runtime.wire_settings import uplink_from_json
 
-__all__ = ["compress_uplink", "keep_prev_residual"]
+if TYPE_CHECKING:
+    from fl_geo.core.compress import CompressSettings
+
+__all__ = ["compress_uplink", "keep_prev_residual", "kept_residual", "store_residual"]
 
 log = logging.getLogger("fl_geo")
 
@@ -37,20 +42,31 @@ def compress_uplink(state: RecordDict, req: protocol.TrainRequest, update: torch
     settings = uplink_from_json(req.wire_compress)
     assert settings is not None
     compressor = Compressor(settings)
-    residual = None
+    payload, new_residual = compressor.compress(update, kept_residual(state, settings, update))
+    store_residual(state, new_residual)
+    return compress_record(payload)
+
+
+def kept_residual(state: RecordDict, settings: CompressSettings, update: torch.Tensor) -> torch.Tensor | None:
+    """This site's kept residual on ``update``'s device, or None (a zero one): EF off, none kept,
+    or one of another size (another model; dropped with a warning)."""
     kept = state.array_records.get(EF_RESIDUAL_KEY)
-    if settings.error_feedback and kept is not None:
-        residual = torch.from_numpy(kept["residual"].numpy()).to(update.device)
-        if residual.dtype != torch.float32 or residual.shape != update.shape:
-            log.warning("the kept uplink residual (%s %s) does not fit this model's update (%d): starting from zero",
-                        residual.dtype, tuple(residual.shape), update.numel())
-            residual = None
-    payload, new_residual = compressor.compress(update, residual)
-    if new_residual is not None:
-        state[EF_RESIDUAL_KEY] = ArrayRecord({"residual": Array(new_residual.detach().cpu().numpy())})
+    if not settings.error_feedback or kept is None:
+        return None
+    residual = torch.from_numpy(kept["residual"].numpy()).to(update.device)
+    if residual.dtype != torch.float32 or residual.shape != update.shape:
+        log.warning("the kept uplink residual (%s %s) does not fit this model's update (%d): starting from zero",
+                    residual.dtype, tuple(residual.shape), update.numel())
+        return None
+    return residual
+
+
+def store_residual(state: RecordDict, residual: torch.Tensor | None) -> None:
+    """Keep ``residual`` (fp32, on the CPU) as this site's; None (EF off) removes any kept one."""
+    if residual is not None:
+        state[EF_RESIDUAL_KEY] = ArrayRecord({"residual": Array(residual.detach().cpu().numpy())})
     elif EF_RESIDUAL_KEY in state.array_records:
         del state[EF_RESIDUAL_KEY]
-    return compress_record(payload)
 
 
 def keep_prev_residual(state: RecordDict, start_residual: ArrayRecord | None) -> None:

@@ -186,9 +186,10 @@ def validate(cfg: FlGeoConfig, *, own_model: bool = False) -> None:
 
 def _check_wire(cfg: FlGeoConfig) -> None:
     """``wire.compress`` / ``wire.compress_down`` (after `WireSection.check`): the uplink is wired
-    for the pseudo-gradient replies of the synchronous and asynchronous loops, of HALoS's workers
-    and of the streaming fragments; the downlink for the synchronous and asynchronous loops and
-    HALoS's workers (docs/compression.md)."""
+    for the pseudo-gradient replies of the synchronous and asynchronous loops (the sharded
+    parameter server's data path included), of HALoS's workers and of the streaming fragments;
+    the downlink for the synchronous and asynchronous loops and HALoS's workers, not the sharded
+    parameter server (docs/compression.md)."""
     w, s = cfg.wire, cfg.strategy
     family = METHODS[s.name].family
     for key, codec, families, where in (
@@ -200,8 +201,11 @@ def _check_wire(cfg: FlGeoConfig) -> None:
             continue
         require(family in families, f"{key}={codec} is wired for {where} only, not strategy '{s.name}' ({family}); "
                                     f"use {key}=none")
-        require(not cfg.ps.followers, f"{key}={codec} does not reach the sharded parameter server's data "
-                                      f"path (ps.followers > 0); use {key}=none")
+        # the uplink reaches the followers (each shard its own payload); the downlink's public model
+        # and version history live in one server, not in followers that step shard by shard
+        require(key == "wire.compress" or not cfg.ps.followers,
+                f"{key}={codec} does not reach the sharded parameter server's data path (ps.followers > 0: sites "
+                f"pull the model shard by shard from followers that keep no public model); use {key}=none")
         # down: a site trains from x̂ while g = θ_current − θ_site would be taken against x
         require(s.pseudo_grad_base != "current", f"{key}={codec} works with pseudo-gradients: "
                                                   "strategy.pseudo_grad_base=current has the sites send their parameters")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -95,9 +96,15 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         self._bound_key = -1
         self.voided = 0
         send = "params" if self._send == "params" else "pseudo_grad"
+        compress = self.uplink.settings if self.uplink is not None else None
+        if compress is not None and ps.transport == "grpc":
+            # each shard travels as its own payload: the clock charges the shards' payloads
+            self.cost = replace(self.cost, up_shards=tuple(sh.numel for sh in self.plan.shards))
         self.backend: FollowerBackend = follower_backend(
-            self.plan, ps, self.global_params, lambda numel: outer_optimizer_from_config(cfg, numel), wire=cfg.wire.up,
-            send=send, torch_threads=cfg.run.server_threads, run_dir=self._follower_root)
+            self.plan, ps, self.global_params, lambda numel: outer_optimizer_from_config(cfg, numel),
+            # wire.compress: the followers fold the decoded fp32 Δ̂, as the unsharded loop does
+            wire="fp32" if compress is not None else cfg.wire.up,
+            send=send, torch_threads=cfg.run.server_threads, run_dir=self._follower_root, compress=compress)
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))
 

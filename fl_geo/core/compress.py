@@ -33,15 +33,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 from fl_geo.core import codecs, sparse
 from fl_geo.core.codecs import VALUE_KINDS, CodedValues, DenseValues
-from fl_geo.core.sparse import MAX_DCT_CHUNK, SPARSE_CODECS, SparsePayload
+from fl_geo.core.sparse import MAX_DCT_CHUNK, SPARSE_CODECS, SparsePayload, kept_count
 from fl_geo.errors import ConfigError, PayloadError, require
 
 __all__ = ["CODECS", "DEFAULT_CHUNK", "CompressSettings", "Compressor", "Payload", "build_compressor",
-           "payload_nbytes"]
+           "compress_shards", "expected_keys", "payload_from_arrays", "payload_nbytes"]
 
 CODECS = (*VALUE_KINDS, *SPARSE_CODECS)
 # topk: 4096 keeps uint16 indices, and k = 41 at 1 %, close to the ratio; every 4096 elements send
@@ -203,3 +204,57 @@ def build_compressor(settings: CompressSettings | None = None, **overrides: obje
     if unknown:
         raise ConfigError(f"unknown compress setting(s) {unknown}; valid: {', '.join(sorted(known))}")
     return Compressor(replace(base, **overrides))
+
+
+def _value_keys(kind: str) -> tuple[str, ...]:
+    return ("values",) if kind in ("fp32", "bf16") else ("codes", "scales")
+
+
+def expected_keys(settings: CompressSettings) -> tuple[str, ...]:
+    """The array names a payload of these settings holds, in the order they travel."""
+    if settings.sparse:
+        return ("indices", *_value_keys(settings.values))
+    return _value_keys(settings.codec)
+
+
+def _values(kind: str, m: int, block: int, arrays: dict[str, np.ndarray]) -> codecs.Values:
+    if kind in ("fp32", "bf16"):
+        return DenseValues(kind, m, arrays["values"])
+    return CodedValues(kind, m, block, arrays["codes"], arrays["scales"])
+
+
+def payload_from_arrays(settings: CompressSettings, numel: int, arrays: dict[str, np.ndarray]) -> Payload:
+    """The payload of ``numel`` elements that received ``arrays`` stand for, its header taken from
+    the receiver's own ``settings`` (the header never travels). `PayloadError` for another key set;
+    dtypes, lengths, indices, codes and scales are `Compressor.decompress`'s to check."""
+    want = set(expected_keys(settings))
+    if set(arrays) != want:
+        raise PayloadError(f"a {settings.describe()} payload holds exactly {sorted(want)}, got {sorted(arrays)[:8]}")
+    if settings.sparse:
+        m = kept_count(settings.codec, numel, settings.chunk_size, settings.k_per_chunk)
+        return SparsePayload(settings.codec, numel, settings.chunk_size, settings.k_per_chunk, arrays["indices"],
+                             _values(settings.values, m, settings.block, arrays))
+    return _values(settings.codec, numel, settings.block, arrays)
+
+
+def compress_shards(compressor: Compressor, delta: torch.Tensor, bounds: list[tuple[int, int]],
+                    residual: torch.Tensor | None = None) -> tuple[list[Payload], torch.Tensor | None]:
+    """Compress each contiguous shard ``delta[b:e]`` on its own (chunks and blocks restart at every
+    shard start, so each receiver decodes its shard alone), with one model-sized error-feedback
+    ``residual`` sliced by shard. Returns one payload per shard and the new residual (None with
+    EF off). All or nothing: a non-finite shard raises ValueError before any residual is built.
+
+    Per shard s this is exactly ``compressor.compress(delta[b:e], residual[b:e])``: with one shard
+    covering the model it is the unsharded compressor's output, bit for bit."""
+    starts = [0] + [e for _, e in bounds[:-1]]
+    if not bounds or bounds[-1][1] != delta.numel() or any(
+            b != s or b >= e for (b, e), s in zip(bounds, starts, strict=True)):
+        raise ValueError(f"shard bounds {bounds[:4]}... do not cover the {delta.numel()} elements contiguously")
+    payloads: list[Payload] = []
+    pieces: list[torch.Tensor] = []
+    for b, e in bounds:
+        payload, r = compressor.compress(delta[b:e], None if residual is None else residual[b:e])
+        payloads.append(payload)
+        if r is not None:
+            pieces.append(r)
+    return payloads, (torch.cat(pieces) if pieces else None)

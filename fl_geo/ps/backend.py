@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from fl_geo.core.compress import CompressSettings
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.shards import ShardPlan
 from fl_geo.core.transfer_schedule import TransferScheduler
@@ -186,7 +187,8 @@ class ProcessBackend:
     unreachable: ClassVar[tuple[type[BaseException], ...]] = (DataPathError,)
 
     def __init__(self, plan: ShardPlan, params: torch.Tensor, make_optimizer: Callable[[int], OuterOptimizer],
-                 ps: PsSection, *, wire: str, send: str, torch_threads: int, run_dir: Callable[[], Path]) -> None:
+                 ps: PsSection, *, wire: str, send: str, torch_threads: int, run_dir: Callable[[], Path],
+                 compress: CompressSettings | None = None) -> None:
         self.plan = plan
         self.params = params
         self.ps = ps
@@ -202,7 +204,7 @@ class ProcessBackend:
             plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=wire, send=send,
             keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
             torch_threads=torch_threads, host=ps.host, tls=tls, key=data_path_key(ps.key_file),
-            allow_plaintext_remote=ps.allow_insecure_remote)
+            allow_plaintext_remote=ps.allow_insecure_remote, compress=compress)
         self.scheduler = TransferScheduler(list(range(ps.followers)), ps.followers)
         self.followers: list[Any] = []  # connected by `start`
 
@@ -322,14 +324,16 @@ class ProcessBackend:
 
 def follower_backend(plan: ShardPlan, ps: PsSection, params: torch.Tensor,
                      make_optimizer: Callable[[int], OuterOptimizer], *, wire: str, send: str, torch_threads: int,
-                     run_dir: Callable[[], Path]) -> FollowerBackend:
+                     run_dir: Callable[[], Path], compress: CompressSettings | None = None) -> FollowerBackend:
     """The backend ``ps.transport`` names, its followers over ``params`` (the leader's θ buffer)
     with ``make_optimizer(numel)``'s outer optimizer. ``run_dir`` is called only for follower
-    processes without ``ps.workdir`` (they work under ``<run dir>/ps``): a run may have none."""
+    processes without ``ps.workdir`` (they work under ``<run dir>/ps``): a run may have none.
+    ``compress`` (``wire.compress``): follower processes decode their shard's payloads; in-process
+    followers get the update the leader decoded from the Flower reply, so they need no codec."""
     if ps.transport == "local":
         return InProcessBackend(plan, params, make_optimizer, wire=wire, send=send, max_pending=ps.max_pending)
     return ProcessBackend(plan, params, make_optimizer, ps, wire=wire, send=send, torch_threads=torch_threads,
-                          run_dir=run_dir)
+                          run_dir=run_dir, compress=compress)
 
 
 def data_path_key(key_file: str) -> bytes:

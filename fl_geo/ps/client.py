@@ -32,6 +32,7 @@ import grpc
 import numpy as np
 import torch
 
+from fl_geo.core.compress import Payload
 from fl_geo.ps.auth import LEADER_MAC_HEADER, DataPathAuth
 from fl_geo.ps.channel import open_channel
 from fl_geo.ps.follower import WIRE_DTYPES
@@ -47,6 +48,7 @@ from fl_geo.ps.frames import (
     put_or_stop,
     wire_name,
 )
+from fl_geo.ps.payload_frames import payload_frames, payload_layout
 
 __all__ = ["FollowerClient"]
 
@@ -188,6 +190,21 @@ class FollowerClient:
             finally:
                 frames.close()
             return json.loads(reply)
+
+        return self._retry("push", attempt)
+
+    def push_payload(self, job: str, shard_index: int, numel: int, payload: Payload,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, token: str | None = None) -> dict[str, Any]:
+        """Stream one shard's compressed payload (``wire.compress``; `fl_geo.ps.payload_frames`)
+        as ``job``; the follower decodes it with its own settings, refusing a malformed one
+        (INVALID_ARGUMENT: `DataPathError` at once, no retry)."""
+        header = json_frame({"job": job, "shard": shard_index, "dtype": "fp32", "numel": numel,
+                             "payload": payload_layout(payload), **({"token": token} if token else {})})
+        nbytes = int(payload.nbytes)
+
+        def attempt() -> dict[str, Any]:
+            return json.loads(self._push(_chain(header, payload_frames(payload, chunk_bytes)),
+                                         timeout=self._timeout(nbytes)))
 
         return self._retry("push", attempt)
 

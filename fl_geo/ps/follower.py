@@ -27,11 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from fl_geo.core.compress import Compressor, payload_from_arrays
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges
+from fl_geo.errors import PayloadError
 
 __all__ = ["SEND_MODES", "WIRE_DTYPES", "FollowerError", "FollowerShard", "PushBuffer", "check_wire_and_send"]
 
@@ -85,7 +88,7 @@ class FollowerShard:
 
     def __init__(self, plan: ShardPlan, index: int, optimizer: OuterOptimizer, *,
                  params: torch.Tensor | None = None, wire: str = "bf16", send: str = "pseudo_grad",
-                 max_pending: int = 64) -> None:
+                 max_pending: int = 64, compressor: Compressor | None = None) -> None:
         if not 0 <= index < plan.num_shards:
             raise ValueError(f"shard index {index} outside the plan of {plan.num_shards}")
         check_wire_and_send(wire, send)
@@ -105,6 +108,12 @@ class FollowerShard:
         self.dtype = WIRE_DTYPES[wire]
         self.send = send
         self.max_pending = max_pending
+        # wire.compress on the data path: pushes are payloads of this shard alone, decoded here
+        # into an fp32 push buffer (`push_payload`); pseudo-gradients only
+        if compressor is not None and (send != "pseudo_grad" or wire != "fp32"):
+            raise ValueError("a compressed data path pushes pseudo-gradients into fp32 buffers (wire fp32, "
+                             f"send pseudo_grad), got wire {wire}, send {send}")
+        self.compressor = compressor
         self.version = 0
         self.ranges = plan.tensor_ranges(index)
         self.pending: dict[str, PushBuffer] = {}
@@ -144,6 +153,25 @@ class FollowerShard:
         for b, e in chunk_ranges(0, flat.numel()):
             buf.write(b, flat[b:e])
         self.close_push(job)
+
+    def push_payload(self, job: str, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> int:
+        """A compressed push (``wire.compress``): this shard's payload arrays, decoded with this
+        follower's own settings and checked (keys, dtypes, lengths, index range and order, codes,
+        scales; `fl_geo.core.compress`) before anything changes. Refused (FollowerError) on a
+        follower without a compressor or for any malformed payload: no push buffer is opened
+        or replaced, θ_s and the running sum are untouched. Returns the payload's bytes."""
+        if self.compressor is None:
+            raise FollowerError(f"follower {self.index} takes uncompressed pushes (wire {self.wire}), "
+                                f"job {job!r} sent a compressed payload")
+        try:
+            payload = payload_from_arrays(self.compressor.settings, self.numel, arrays)
+            delta = self.compressor.decompress(payload, numel=self.numel)
+        except PayloadError as exc:
+            raise FollowerError(f"push {job} to follower {self.index}: {exc}") from None
+        if not bool(torch.isfinite(delta).all()):
+            raise FollowerError(f"push {job} to follower {self.index} decodes to NaN or Inf")
+        self.push(job, delta, meta)
+        return int(payload.nbytes)
 
     def has(self, job: str) -> bool:
         buf = self.pending.get(job)

@@ -29,14 +29,17 @@ from pathlib import Path
 import torch
 
 from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.compress import Compressor
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan
+from fl_geo.errors import ConfigError
 from fl_geo.hosts import is_loopback
 from fl_geo.ps.auth import KEY_ENV, DataPathAuth, key_from_env, read_key_file
 from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
 from fl_geo.ps.frames import INCARNATION
 from fl_geo.ps.server import FollowerServer
+from fl_geo.runtime.wire_settings import uplink_from_json
 
 log = logging.getLogger("fl_geo")
 
@@ -59,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-kwargs", default="{}", help="JSON object of optimizer arguments")
     p.add_argument("--wire", default="bf16", choices=sorted(WIRE_DTYPES))
     p.add_argument("--send", default="pseudo_grad", choices=SEND_MODES)
+    p.add_argument("--compress", default=None,
+                   help="JSON of the uplink's CompressSettings (wire.compress): pushes are this shard's payloads")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--addr-file", default=None, help="where to write host:port once serving")
     p.add_argument("--max-workers", type=int, default=16, help="gRPC handler threads")
@@ -95,8 +100,13 @@ def load_follower(args: argparse.Namespace) -> tuple[FollowerShard, CheckpointSt
     if not (torch.is_tensor(params) and params.dtype == torch.float32 and params.dim() == 1
             and params.numel() == numel and params.is_contiguous()):
         params = None
+    try:
+        settings = uplink_from_json(args.compress, "--compress")
+    except (ConfigError, ValueError) as exc:
+        raise SystemExit(f"--compress: {exc}") from None
     follower = FollowerShard(plan, args.index, optimizer, params=params, wire=args.wire, send=args.send,
-                             max_pending=args.max_pending)
+                             max_pending=args.max_pending,
+                             compressor=Compressor(settings) if settings is not None else None)
     follower.load_state_dict(ckpt.state)
     log.info("follower %d: loaded checkpoint %s (version %d, %d elements)", args.index, ckpt.path,
              follower.version, numel)

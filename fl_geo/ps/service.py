@@ -59,6 +59,7 @@ from fl_geo.ps.frames import (
     tensor_bytes,
     wire_field,
 )
+from fl_geo.ps.payload_frames import read_payload
 
 __all__ = ["FollowerService"]
 
@@ -140,7 +141,7 @@ class FollowerService:
         if first is None:
             raise bad_request("empty push stream (no header frame)")
         header = parse_json(first, "push header")
-        check_keys(header, "push header", ("job", "shard", "dtype", "numel"), ("meta", "token"))
+        check_keys(header, "push header", ("job", "shard", "dtype", "numel"), ("meta", "token", "payload"))
         job = str_field(header, "job", "push header")
         shard = int_field(header, "shard", "push header")
         claims = self.access.check_token(header.get("token"), job, f"push of job {job!r}", peer)
@@ -155,6 +156,8 @@ class FollowerService:
             raise bad_request(f"push of job {job!r} is {wire}, this follower's wire precision is {f.wire}")
         if numel != f.numel:
             raise bad_request(f"push of job {job!r} announces {numel} elements, shard {f.index} has {f.numel}")
+        if "payload" in header or f.compressor is not None:
+            return self._push_compressed(header, frames, job, claims, meta, peer)
 
         token = object()
         with self.lock:
@@ -201,6 +204,37 @@ class FollowerService:
                     del self._owners[job]
                     if not complete and f.pending.get(job) is buf:
                         f.drop(job)  # a broken push leaves nothing behind
+
+    def _push_compressed(self, header: dict[str, Any], frames: Iterator[bytes], job: str, claims: Any,
+                         meta: dict[str, Any], peer: str) -> bytes:
+        """A ``wire.compress`` push (`fl_geo.ps.payload_frames`): at most the bytes this follower's
+        own settings give for its shard are read, then the whole payload is decoded and checked
+        under the lock (`FollowerShard.push_payload`): a malformed one is INVALID_ARGUMENT and
+        leaves the shard, its running sum and its pending pushes as they were."""
+        f = self.follower
+        if f.compressor is None:
+            raise bad_request(f"push of job {job!r} is a compressed payload, follower {f.index} takes {f.wire} "
+                              "shards (wire.compress is off)")
+        if "payload" not in header:
+            raise bad_request(f"push of job {job!r} is an uncompressed shard, follower {f.index} takes "
+                              f"{f.compressor.settings.describe()} payloads (wire.compress)")
+        total = f.compressor.nbytes(f.numel)
+        try:
+            arrays = read_payload(header["payload"], frames, job, total)
+        except grpc.RpcError:
+            raise RequestError(grpc.StatusCode.CANCELLED, f"push {job} was cancelled") from None
+        with self.lock:
+            self.access.check_open(job, f"push of job {job!r}", peer)
+            if job not in f.pending and len(f.pending) >= f.max_pending:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"follower {f.index} already holds {len(f.pending)} unhandled pushes")
+            try:
+                f.push_payload(job, arrays, meta)
+            except FollowerError as exc:
+                log.warning("follower %d refused the push of job %s from %s: %s", f.index, job, peer, exc)
+                raise bad_request(str(exc)) from None
+            self.access.opened(job, claims)
+        return json_frame({"ok": True, "job": job, "received": f.numel, "payload_bytes": total})
 
     def _consume(self, q: queue.Queue[bytes | None], job: str, token: object, buf: PushBuffer,
                  state: _PushState) -> None:

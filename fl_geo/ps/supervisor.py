@@ -26,6 +26,7 @@ import torch
 
 from fl_geo.atomic import write_text_atomic
 from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.compress import CompressSettings
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import ParamSpec
@@ -36,6 +37,7 @@ from fl_geo.ps.client import FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
 from fl_geo.ps.frames import BIT_VIEWS, DEFAULT_CHUNK_BYTES
 from fl_geo.ps.heartbeat import LeaderHeartbeatService
+from fl_geo.runtime.wire_settings import settings_json
 
 __all__ = ["FollowerSupervisor", "data_path_throughput"]
 
@@ -101,7 +103,7 @@ class FollowerSupervisor:
                  max_pending: int = 64, torch_threads: int = 1, tls: TlsFiles | None = None,
                  heartbeats: LeaderHeartbeatService | None = None,
                  start_timeout_s: float = 120.0, host: str = "127.0.0.1", key: bytes | None = None,
-                 allow_plaintext_remote: bool = False) -> None:
+                 allow_plaintext_remote: bool = False, compress: CompressSettings | None = None) -> None:
         if isinstance(num, str | os.PathLike):  # FollowerSupervisor(plan, workdir, ...)
             if workdir is not None:
                 raise ValueError("workdir given twice (second positional argument and workdir=)")
@@ -123,6 +125,7 @@ class FollowerSupervisor:
         build_outer_optimizer(optimizer_name, 1, **self.optimizer_kwargs)  # validate names early
         self.wire = wire
         self.send = send
+        self.compress = compress  # wire.compress: followers decode their shard's payloads
         self.keep = keep
         self.max_pending = max_pending
         # Reductions (the norms) are summed in a thread-count-dependent order: followers use the
@@ -238,6 +241,7 @@ class FollowerSupervisor:
             "--optimizer-kwargs", json.dumps(self.optimizer_kwargs), "--wire", self.wire, "--send", self.send,
             "--heartbeat-s", str(self.heartbeat_s), "--addr-file", str(addr), "--parent-pid", str(os.getpid()),
             "--max-pending", str(self.max_pending), "--torch-threads", str(self.torch_threads),
+            *(["--compress", settings_json(self.compress) or ""] if self.compress is not None else []),
             *(["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
               if self.tls is not None else []),
             *(["--allow-plaintext-host", self.host]

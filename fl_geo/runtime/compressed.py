@@ -17,9 +17,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fl_geo.core.codecs import CodedValues, DenseValues, Values
-from fl_geo.core.compress import Compressor, Payload
-from fl_geo.core.sparse import SparsePayload, kept_count
+from fl_geo.core.compress import Compressor, Payload, payload_from_arrays
+from fl_geo.core.compress import expected_keys as _keys_of
 from fl_geo.core.state import ParamSpec
 from fl_geo.errors import PayloadError
 from fl_geo.runtime.wire import decode_into
@@ -33,22 +32,9 @@ def compress_record(payload: Payload) -> ArrayRecord:
     return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in payload.arrays().items()})
 
 
-def _value_keys(kind: str) -> tuple[str, ...]:
-    return ("values",) if kind in ("fp32", "bf16") else ("codes", "scales")
-
-
 def expected_keys(compressor: Compressor) -> tuple[str, ...]:
     """The array names a payload of these settings holds."""
-    s = compressor.settings
-    if s.sparse:
-        return ("indices", *_value_keys(s.values))
-    return _value_keys(s.codec)
-
-
-def _values(kind: str, m: int, block: int, arrays: dict[str, np.ndarray]) -> Values:
-    if kind in ("fp32", "bf16"):
-        return DenseValues(kind, m, arrays["values"])
-    return CodedValues(kind, m, block, arrays["codes"], arrays["scales"])
+    return _keys_of(compressor.settings)
 
 
 def decompress_record(record: ArrayRecord, compressor: Compressor, numel: int) -> torch.Tensor:
@@ -65,14 +51,7 @@ def decompress_record(record: ArrayRecord, compressor: Compressor, numel: int) -
             arrays[key] = record[key].numpy()
         except Exception as exc:  # noqa: BLE001 - a corrupt .npy is bad input, whatever numpy raises
             raise PayloadError(f"unreadable {s.codec} payload array {key!r}: {exc}"[:300]) from None
-    payload: Payload
-    if s.sparse:
-        m = kept_count(s.codec, numel, s.chunk_size, s.k_per_chunk)
-        payload = SparsePayload(s.codec, numel, s.chunk_size, s.k_per_chunk, arrays["indices"],
-                                _values(s.values, m, s.block, arrays))
-    else:
-        payload = _values(s.codec, numel, s.block, arrays)
-    return compressor.decompress(payload, numel=numel)
+    return compressor.decompress(payload_from_arrays(s, numel, arrays), numel=numel)
 
 
 def chain_record(steps: list[tuple[int, Payload]]) -> ArrayRecord:

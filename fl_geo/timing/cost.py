@@ -49,6 +49,9 @@ class CostModel:
     uplink: CompressSettings | None = None
     # wire.compress_down: the downlink's compression (None: the whole model at wire.down, always)
     downlink: CompressSettings | None = None
+    # the sharded PS's data path with wire.compress: the update goes as one payload per shard of
+    # these trained-parameter counts (chunks restart at every shard), () = one payload
+    up_shards: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.numel < 0:
@@ -87,9 +90,12 @@ class CostModel:
     def charged_up_bytes(self, wire_up: str) -> int:
         """Bytes the virtual clock charges for one update (a site's pseudo-gradient): the compressed
         payload of the modelled model with ``uplink`` (`fl_geo.core.compress.payload_nbytes`, the
-        arrays' bytes), else a model-sized payload at ``wire_up``."""
+        arrays' bytes; with ``up_shards``, the sum of each shard's share's payload), else a
+        model-sized payload at ``wire_up``."""
         if self.uplink is None:
             return self.charged_bytes(wire_up)
+        if self.up_shards:
+            return sum(self.charged_compressed_bytes(self.uplink, n) for n in self.up_shards)
         return self.charged_compressed_bytes(self.uplink)
 
     def charged_compressed_bytes(self, settings: CompressSettings, share_numel: int | None = None) -> int:
