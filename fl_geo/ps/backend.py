@@ -144,15 +144,16 @@ class InProcessBackend:
         return install
 
     def push(self, job: str, pieces: Pieces) -> None:
-        """The pieces (spec order) stream into each shard's push buffer."""
+        """The pieces (spec order) stream into each shard's push buffer; a piece that spans
+        shards (a compressed reply's whole Δ̂) is cut at their bounds."""
         pieces = sorted(pieces, key=lambda p: p[0])
-        k = 0
         for f, s in zip(self.followers, self.plan.shards, strict=True):
             buf = f.open_push(job)
-            while k < len(pieces) and pieces[k][0] < s.end:
-                offset, piece = pieces[k]
-                buf.write(offset - s.begin, piece.reshape(-1))
-                k += 1
+            for offset, piece in pieces:
+                flat = piece.reshape(-1)
+                b, e = max(offset, s.begin), min(offset + flat.numel(), s.end)
+                if b < e:
+                    buf.write(b - s.begin, flat[b - offset:e - offset])
             f.close_push(job)
 
     def job_config(self, job: str, version: int) -> dict[str, Any]:
