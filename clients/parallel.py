@@ -49,14 +49,19 @@ def parallel_trainer(client: DatacenterClient, req: protocol.TrainRequest, site:
     if client.optimizer_fn is not None:
         raise ValueError("client.devices > 1 runs the default inner optimizer (client.optimizer) only "
                          "(its state lives in the job's shared buffers); drop optimizer_fn")
+    parallel = str(site.sections["client"].get("parallel", "ddp"))  # an older client section: ddp
+    address = str(site.node_config.get(SITE_GROUP_KEY, "") or "")
+    if site.inner.optimizer != "adamw" and (address or parallel == "fsdp"):
+        # The site group's shared files and the FSDP ranks hold AdamW's state layout only; the
+        # spawned DDP job (no site group) also shares Muon's (fl_geo.inner.muon).
+        raise ValueError(f"client.optimizer={site.inner.optimizer} runs in the spawned DDP job only, not "
+                         f"{'the site group' if address else 'client.parallel=fsdp'}; use client.optimizer=adamw there")
     device = str(site.node_config.get("device", site.inner.device))
     devices, backend = resolve_devices(device, count, str(site.sections["client"].get("dist_backend", "auto")))
     factory = functools.partial(client.model_fn, site)
     spec = spec_of(factory)
-    parallel = str(site.sections["client"].get("parallel", "ddp"))  # an older client section: ddp
     options = {"loss_fn": client.loss_fn, "lr_schedule": client.lr_schedule, "tokens_fn": client.tokens_fn,
                "parallel": parallel}
-    address = str(site.node_config.get(SITE_GROUP_KEY, "") or "")
     if not address:
         return DataParallelTrainer(factory, site.inner, spec, devices, backend, threads=req.threads, **options)
     from fl_geo.inner.site_group import DEFAULT_IDLE_S, SiteGroup, SiteGroupTrainer

@@ -90,6 +90,8 @@ class ClientSection:
         require(self.dist_backend != "nccl" or kind in ("auto", "cuda"),
                 f"client.dist_backend=nccl needs CUDA devices, but client.device is '{self.device}'")
         require(self.parallel in ("ddp", "fsdp"), f"client.parallel must be ddp or fsdp, got '{self.parallel}'")
+        require(not (self.parallel == "fsdp" and self.optimizer != "adamw"),
+                f"client.parallel=fsdp shards AdamW's state only; client.optimizer={self.optimizer} needs client.parallel=ddp")
         require(self.devices == 1 or self.device in ("auto", "cuda", "cpu"),
                 f"client.devices > 1 runs on cuda or cpu, not on client.device '{self.device}'")
 

@@ -215,6 +215,7 @@ def test_shared_state_of_the_data_parallel_job_holds_muon_momentum() -> None:
     ("client.muon_ns_steps=100", "client.muon_ns_steps must be in 1..99"),
     ("client.muon_weight_decay=-0.1", "client.muon_weight_decay must be >= 0"),
     ("client.muon_adjust_lr=rms", "client.muon_adjust_lr 'rms' is unknown"),
+    ("client.parallel=fsdp", "client.parallel=fsdp shards AdamW's state only; client.optimizer=muon needs client.parallel=ddp"),
 ])
 def test_bad_settings_are_one_line_errors(tiny, override: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match) as info:
@@ -277,3 +278,21 @@ def test_two_gloo_ranks_with_muon_equal_one_process_with_double_batch() -> None:
     assert set(want) == set(have)
     for key in want:
         torch.testing.assert_close(have[key].float(), want[key].float(), rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("node, parallel, where", [
+    ({"site-group": "unix:///nonexistent/fl-geo-test.sock"}, "ddp", "the site group"),
+    ({}, "fsdp", "client.parallel=fsdp"),
+])
+def test_muon_is_refused_where_the_shared_state_holds_adamw_only(node, parallel, where) -> None:
+    """The persistent site group's files and the FSDP ranks hold AdamW's state layout: a Muon job
+    there is a one-line error before anything starts (the spawned DDP job takes Muon)."""
+    from types import SimpleNamespace
+
+    from fl_geo.clients.parallel import parallel_trainer
+
+    site = SimpleNamespace(node_config={"device": "cpu", **node}, inner=SimpleNamespace(optimizer="muon", device="cpu"),
+                           sections={"client": {"parallel": parallel}})
+    client = SimpleNamespace(optimizer_fn=None)
+    with pytest.raises(ValueError, match=f"client.optimizer=muon runs in the spawned DDP job only, not {where}"):
+        parallel_trainer(client, SimpleNamespace(threads=1), site, 2)

@@ -261,6 +261,7 @@ class SiteGroupTrainer:
         self.group, self.model_factory, self.cfg, self.spec = group, model_factory, cfg, spec
         self.batches, self.loss_fn, self.lr_schedule, self.tokens_fn = batches, loss_fn, lr_schedule, tokens_fn
         self.join_timeout_s, self.rank_setup, self.parallel = join_timeout_s, rank_setup, parallel
+        self.optimizer_kind = cfg.optimizer  # AdamW: the ClientApp refuses another (fl_geo.clients.parallel)
         group.acquire()
         try:
             self.info = group.ensure()

@@ -52,6 +52,8 @@ METHODS: dict[str, list[str]] = {
     # a 512-token BPE trains in well under a second on pydoc (the config's 4096 would too, but
     # would make the 1-layer model's embedding most of its parameters)
     "diloco_bpe": [*SYNC, "data.bpe_vocab_size=512"],
+    # Muon on the hidden matrices, AdamW on the rest (client.optimizer=muon)
+    "diloco_muon": SYNC,
     "fedavg": SYNC,
     "fedavgm": SYNC,
     "fedadam": SYNC,
