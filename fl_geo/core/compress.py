@@ -31,6 +31,7 @@ Wired for the uplink of fl-geo's ClientApp (wire.compress): see docs/compression
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -41,7 +42,8 @@ from fl_geo.core.codecs import VALUE_KINDS, CodedValues, DenseValues
 from fl_geo.core.sparse import MAX_DCT_CHUNK, SPARSE_CODECS, SparsePayload, kept_count
 from fl_geo.errors import ConfigError, PayloadError, require
 
-__all__ = ["CODECS", "DEFAULT_CHUNK", "CompressSettings", "Compressor", "Payload", "build_compressor",
+__all__ = ["CODECS", "DEFAULT_CHUNK", "SETTINGS_JSON_KEYS", "CompressSettings", "Compressor", "Payload",
+           "build_compressor", "settings_from_json", "settings_to_json",
            "compress_shards", "expected_keys", "payload_from_arrays", "payload_nbytes"]
 
 CODECS = (*VALUE_KINDS, *SPARSE_CODECS)
@@ -258,3 +260,31 @@ def compress_shards(compressor: Compressor, delta: torch.Tensor, bounds: list[tu
         if r is not None:
             pieces.append(r)
     return payloads, (torch.cat(pieces) if pieces else None)
+
+
+# The settings as the JSON a request or a follower's command line carries: both ends rebuild the
+# same `CompressSettings` (``k`` is not sent: the wire settings never set it).
+SETTINGS_JSON_KEYS = ("codec", "ratio", "chunk", "values", "block", "error_feedback")
+
+
+def settings_to_json(s: CompressSettings | None) -> str | None:
+    """``s`` as its JSON (`SETTINGS_JSON_KEYS`, sorted), None when compression is off."""
+    if s is None:
+        return None
+    return json.dumps({k: getattr(s, k) for k in SETTINGS_JSON_KEYS}, sort_keys=True)
+
+
+def settings_from_json(text: str | None, field: str = "wire_compress") -> CompressSettings | None:
+    """The `CompressSettings` of a `settings_to_json` text (None for None), checked: `ConfigError`
+    naming ``field`` when it is not exactly those keys or a value is out of range."""
+    if text is None:
+        return None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{field} is not JSON ({exc}): {text:.120}") from None
+    if not isinstance(values, dict) or set(values) != set(SETTINGS_JSON_KEYS):
+        raise ConfigError(f"{field} must hold {', '.join(SETTINGS_JSON_KEYS)}; got {text:.120}")
+    settings = CompressSettings(**values)
+    settings.check()
+    return settings

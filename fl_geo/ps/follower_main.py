@@ -30,6 +30,7 @@ import torch
 
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.compress import Compressor
+from fl_geo.core.compress import settings_from_json as uplink_from_json
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan
 from fl_geo.errors import ConfigError
@@ -39,7 +40,6 @@ from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.follower import SEND_MODES, WIRE_DTYPES, FollowerShard
 from fl_geo.ps.frames import INCARNATION
 from fl_geo.ps.server import FollowerServer
-from fl_geo.runtime.wire_settings import uplink_from_json
 
 log = logging.getLogger("fl_geo")
 

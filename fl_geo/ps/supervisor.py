@@ -27,6 +27,7 @@ import torch
 from fl_geo.atomic import write_text_atomic
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.core.compress import CompressSettings
+from fl_geo.core.compress import settings_to_json as settings_json
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import ParamSpec
@@ -37,7 +38,6 @@ from fl_geo.ps.client import FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
 from fl_geo.ps.frames import BIT_VIEWS, DEFAULT_CHUNK_BYTES
 from fl_geo.ps.heartbeat import LeaderHeartbeatService
-from fl_geo.runtime.wire_settings import settings_json
 
 __all__ = ["FollowerSupervisor", "data_path_throughput"]
 

@@ -11,7 +11,6 @@ feedback is the server's x − x̂ (`fl_geo.core.downlink`), so it has no ``erro
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,6 @@ WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 UPLINK_CODECS = ("none", "int8", "int4", "int2", "topk", "dct_topk")
 # wire.compress_down: the same codecs for the model delta the server sends (fl_geo.core.downlink)
 DOWNLINK_CODECS = UPLINK_CODECS
-_SETTINGS_KEYS = ("codec", "ratio", "chunk", "values", "block", "error_feedback")
 
 
 @dataclass
@@ -106,10 +104,11 @@ def _check_named(settings: CompressSettings | None, key: str) -> None:
 
 
 def settings_json(s: CompressSettings | None) -> str | None:
-    """Compression settings as the JSON a request carries, None when off."""
-    if s is None:
-        return None
-    return json.dumps({k: getattr(s, k) for k in _SETTINGS_KEYS}, sort_keys=True)
+    """Compression settings as the JSON a request carries, None when off
+    (`fl_geo.core.compress.settings_to_json`)."""
+    from fl_geo.core.compress import settings_to_json
+
+    return settings_to_json(s)
 
 
 def uplink_json(wire: WireSection) -> str | None:
@@ -124,14 +123,8 @@ def downlink_json(wire: WireSection) -> str | None:
 
 def uplink_from_json(text: str | None, field: str = "wire_compress") -> CompressSettings | None:
     """`CompressSettings` from a request's ``wire_compress`` (or ``wire_compress_down``: ``field``);
-    checked: `ConfigError` when out of range or not the six keys."""
-    if text is None:
-        return None
-    from fl_geo.core.compress import CompressSettings
+    checked: `ConfigError` when out of range or not the six keys
+    (`fl_geo.core.compress.settings_from_json`)."""
+    from fl_geo.core.compress import settings_from_json
 
-    values = json.loads(text)
-    if not isinstance(values, dict) or set(values) != set(_SETTINGS_KEYS):
-        raise ConfigError(f"{field} must hold {', '.join(_SETTINGS_KEYS)}; got {text:.120}")
-    settings = CompressSettings(**values)
-    settings.check()
-    return settings
+    return settings_from_json(text, field)
