@@ -3,7 +3,7 @@
 ``client.devices`` (or node config ``devices``) > 1 runs the inner loop as a data-parallel job
 (docs/multidevice.md). By default the ClientApp spawns the ranks for this message
 (`DataParallelTrainer`); a node whose config names a site group (``site-group="unix:///..."``)
-hands the job to its persistent ranks instead (`SiteGroupTrainer`, fl_geo.inner.site_group).
+hands the job to its persistent ranks instead (`SiteGroupTrainer`, fl_geo.clients.site_group).
 Both give the handler the same interface and the same numbers; the group's trainer holds the
 node's group lock until the handler calls ``release``.
 """
@@ -64,7 +64,7 @@ def parallel_trainer(client: DatacenterClient, req: protocol.TrainRequest, site:
                "parallel": parallel}
     if not address:
         return DataParallelTrainer(factory, site.inner, spec, devices, backend, threads=req.threads, **options)
-    from fl_geo.inner.site_group import DEFAULT_IDLE_S, SiteGroup, SiteGroupTrainer
+    from fl_geo.clients.site_group import DEFAULT_IDLE_S, SiteGroup, SiteGroupTrainer
 
     identity = {"run": req.run_name, "model": site.model_key(), "model_fn": _qualname(client.model_fn),
                 "batches_fn": _qualname(client.batches_fn), "partition": site.partition_id, "parallel": parallel}

@@ -2,8 +2,8 @@
 
 Under a SuperNode every message runs in a fresh ClientApp process, so ranks that outlive a round
 must belong to a process that outlives the ClientApp. This is that process, one per node
-(``python -m fl_geo.inner.site_daemon``, started by the first coordinator that finds none,
-`fl_geo.inner.site_group`). It owns:
+(``python -m fl_geo.clients.site_daemon``, started by the first coordinator that finds none,
+`fl_geo.clients.site_group`). It owns:
 
 - the socket at the node's ``site-group`` address, answering one request per connection in
   fl-geo's framed IPC format (`fl_geo.halos.ipc`): ``hello`` (who it is: identity, pid, rank
@@ -291,8 +291,8 @@ def serve(address: str, identity: dict[str, Any], setup: dict[str, Any], idle_s:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fl_geo.inner.site_daemon",
-                                     description="a node's persistent inner-training group (fl_geo.inner.site_group)")
+    parser = argparse.ArgumentParser(prog="python -m fl_geo.clients.site_daemon",
+                                     description="a node's persistent inner-training group (fl_geo.clients.site_group)")
     parser.add_argument("--address", required=True, help="unix:///abs/path.sock")
     parser.add_argument("--identity", required=True, help="JSON: what this group was started for")
     parser.add_argument("--devices", required=True, help="comma-separated rank devices")

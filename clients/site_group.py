@@ -4,7 +4,7 @@ The spawned data-parallel job (`fl_geo.inner.distributed`) starts ``devices`` ra
 every train message and tears them down after it: each round pays process start, imports,
 process-group set-up and model construction (on accelerators also CUDA/NCCL initialisation).
 With a node config ``site-group="unix:///path/site.sock"`` the ranks instead live in a daemon
-(`fl_geo.inner.site_daemon`) that outlives the ClientApp process, which under a SuperNode is a
+(`fl_geo.clients.site_daemon`) that outlives the ClientApp process, which under a SuperNode is a
 new process per message. The ClientApp process is then the coordinator of one message:
 
 1. take the node's group lock (``<socket>.lock``, ``flock``: one job per group at a time; the
@@ -191,7 +191,7 @@ class SiteGroup:
         # this process's import path (a ClientApp's FAB directory, a test's rootdir).
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        cmd = [sys.executable, "-m", "fl_geo.inner.site_daemon", "--address", self.address,
+        cmd = [sys.executable, "-m", "fl_geo.clients.site_daemon", "--address", self.address,
                "--identity", json.dumps(self.identity), "--devices", ",".join(self.devices),
                "--backend", self.backend, "--threads", str(self.threads), "--timeout-s", str(self.timeout_s),
                "--idle-s", str(self.idle_s)]

@@ -1,12 +1,12 @@
-"""The persistent site group (fl_geo.inner.site_group, site_daemon, site_rank): one daemon with two
-gloo ranks trains round after round with the numbers of one process with the whole batch (which
+"""The persistent site group (fl_geo.clients.site_group, .site_daemon, fl_geo.inner.site_rank): one
+daemon with two gloo ranks trains round after round with the numbers of one process with the whole batch (which
 tests/test_distributed.py ties to the spawn-per-message job), keeps its ranks across rounds, fails
 only the job in which a rank dies, is replaced when stale, and leaves no process behind.
 
 Process starts cost ~3 s of CPU each here, so the file shares one daemon across its tests (module
 fixture) and starts 9 processes in all: the daemon and its 2 ranks, 2 ranks again after the kill,
-a daemon (no ranks) that replaces it, and a daemon with 2 FSDP ranks for the ClientApp's run. The ranks unpickle the hooks and data of
-this module, so Flower is imported only inside the test that needs it."""
+a daemon (no ranks) that replaces it, and a daemon with 2 FSDP ranks for the ClientApp's run. The
+ranks unpickle the hooks and data of this module, so it imports no more than they need."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import signal
 import pytest
 import torch
 
+from fl_geo.clients.site_group import SiteGroup, SiteGroupTrainer, _gone
 from fl_geo.core.state import ParamSpec, flatten
 from fl_geo.data import BatchSampler, ByteTokenizer
 from fl_geo.inner.distributed import DistributedTrainingError, config_model
 from fl_geo.inner.model import ModelConfig, build_model
-from fl_geo.inner.site_group import SiteGroup, SiteGroupTrainer, _gone
 from fl_geo.inner.training import InnerConfig, InnerTrainer
 
 pytestmark = [pytest.mark.slow(seconds=45), pytest.mark.xdist_group("site-group")]

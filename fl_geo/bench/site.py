@@ -3,7 +3,7 @@
 A multi-device site runs each round's inner loop as a data-parallel job (docs/multidevice.md).
 Spawned per message (`DataParallelTrainer`), every round pays process start, imports,
 process-group set-up, model and optimizer construction and tear-down; the persistent group
-(`SiteGroupTrainer`, fl_geo.inner.site_group) pays them once and then, per round, a socket
+(`SiteGroupTrainer`, fl_geo.clients.site_group) pays them once and then, per round, a socket
 round trip, the state files and the ranks' reload of parameters and AdamW state.
 
 Both paths train the same model from the same start on the same batches for ``rounds`` rounds of
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
+from fl_geo.clients.site_group import SiteGroup, SiteGroupTrainer
 from fl_geo.core.state import flatten
 from fl_geo.data import BatchSampler
 from fl_geo.inner.distributed import DataParallelTrainer, as_factory, model_spec, resolve_devices
 from fl_geo.inner.model import ModelConfig, build_model
-from fl_geo.inner.site_group import SiteGroup, SiteGroupTrainer
 from fl_geo.inner.training import InnerConfig, TrainResult
 
 __all__ = ["format_site_bench", "main", "run_site_bench"]

@@ -124,7 +124,7 @@ class SharedTrainState:
         """The buffers as files in ``directory`` mapped ``MAP_SHARED`` (created zeroed if absent).
 
         For processes that are not each other's children (a site group's coordinator and its
-        ranks, `fl_geo.inner.site_group`): a ``share_memory_()`` tensor can only be handed to a
+        ranks, `fl_geo.clients.site_group`): a ``share_memory_()`` tensor can only be handed to a
         process this one starts, a named file can be mapped by anyone who knows its path. Put
         ``directory`` on a tmpfs (``/dev/shm``) so that the pages never go to disk. Every
         process must map the files with the same ``spec`` (the sizes are not re-checked).

@@ -1,6 +1,6 @@
 """One rank of a persistent site group: joins the process group once, then trains job after job.
 
-The site-group daemon (`fl_geo.inner.site_daemon`) starts ``world`` of these with
+The site-group daemon (`fl_geo.clients.site_daemon`) starts ``world`` of these with
 :func:`rank_loop` and hands each job to every rank as pickled bytes over its pipe. A rank keeps
 what is expensive to set up for its whole life: the process (its imports, CUDA context), the
 process group, the model on its device and its DDP replica. What a round depends on is loaded
