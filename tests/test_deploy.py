@@ -456,7 +456,7 @@ def _received_by_node(topo: topology.Topology) -> dict[str, tuple[int, int]]:
 
 
 @SHARED
-@pytest.mark.slow(seconds=91)
+@pytest.mark.slow(seconds=76)
 def test_e2e_diloco_on_insecure_supernodes(plaintext_federation, tmp_path, capsys):
     """Synchronous DiLoCo across a SuperLink and two SuperNodes, all through the fl-geo CLI."""
     topo, path = plaintext_federation
@@ -487,7 +487,7 @@ def test_e2e_diloco_on_insecure_supernodes(plaintext_federation, tmp_path, capsy
 
 
 @SHARED
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=72)
 def test_e2e_sharded_dips_data_path_beside_flower(plaintext_federation, tmp_path, capsys):
     """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
     SuperNodes: the ServerApp leads, clients pull and push shards on the data path."""
@@ -507,7 +507,7 @@ def test_e2e_sharded_dips_data_path_beside_flower(plaintext_federation, tmp_path
         assert "launching follower" in (run_dir / "ps" / f"follower-{i}.log").read_text()
 
 
-@pytest.mark.slow(seconds=125)
+@pytest.mark.slow(seconds=82)
 def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     """Asynchronous FedBuff with TLS and SuperNode authentication; an unregistered node is refused."""
     topo, _ = federation(tls=True)

@@ -154,7 +154,7 @@ def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
             parse_topology(data, tmp_path, "t.yaml")
 
 
-@pytest.mark.slow(seconds=125)
+@pytest.mark.slow(seconds=105)
 def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     """SIGKILL one SuperNode after the first outer step: the run neither stalls nor crashes; the
     rounds after run on the other until a SuperNode with the same node config (partition)
@@ -221,7 +221,7 @@ def _server_apps(topo: topology.Topology) -> list[int]:
     return sorted(p for p in processes._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
 
 
-@pytest.mark.slow(seconds=170)
+@pytest.mark.slow(seconds=196)
 def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     """SIGKILL the ServerApp after checkpoint 1, submit the same run with ``run.resume=true``: it
     resumes from the checkpoint (a new Flower run: the nodes reload their inner state from their

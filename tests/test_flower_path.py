@@ -80,7 +80,7 @@ def test_rejects_bad_sizes():
         flower_path.measure_flower_path(0)
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=47)
 def test_flower_path_8_mib_round_trip_on_loopback(tmp_path):
     result = flower_path.measure_flower_path(8, workdir=tmp_path, timeout_s=300)
 

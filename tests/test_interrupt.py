@@ -61,7 +61,7 @@ def _group_alive(pgid: int) -> list[str]:
             for pid in pids]
 
 
-@pytest.mark.parametrize("backend", ["inline", pytest.param("ray", marks=pytest.mark.slow(seconds=23))])
+@pytest.mark.parametrize("backend", ["inline", pytest.param("ray", marks=pytest.mark.slow(seconds=22))])
 def test_ctrl_c_stops_a_run_cleanly(tmp_path: Path, backend: str) -> None:
     out = tmp_path / "runs"
     args = [a for a in TINY if not a.startswith(("run.rounds=", "run.backend="))]

@@ -386,7 +386,7 @@ def test_diloco_gives_the_same_model_with_both_reply_styles():
 
 # ---- Flower's Ray simulation: a hand-written ServerApp, the plain ClientApp ---------------------------
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=33)
 @pytest.mark.xdist_group("ray")  # starts Ray: one at a time with the other Ray tests under `make test`
 def test_public_strategies_under_flowers_ray_simulation(capfd, caplog):
     """A user's own ServerApp (no fl-geo config, no fl-geo ClientApp) runs every strategy that takes

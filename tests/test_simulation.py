@@ -34,7 +34,7 @@ def _ray_processes() -> list[str]:
     return found
 
 
-@pytest.mark.slow(seconds=25)
+@pytest.mark.slow(seconds=55)
 def test_ray_simulation_matches_inline_and_cleans_up(tiny, tmp_path):
     before = _ray_processes()
     # The node wait bounds a hang, it is not this test's claim: on a loaded 2-core CI machine the
@@ -77,7 +77,7 @@ def test_cli_reports_config_errors(capsys):
     assert "rounds: 5" in capsys.readouterr().out
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=47)
 def test_flwr_run_dot_runs_the_same_app_and_stops_its_superlink(tmp_path):
     """`fl-geo flwr-run` (the README's command: Flower's own `flwr run . --stream` on a local
     simulation SuperLink sized for the config) runs the shipped config and leaves nothing running."""

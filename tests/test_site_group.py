@@ -25,7 +25,9 @@ from fl_geo.inner.distributed import DistributedTrainingError, config_model
 from fl_geo.inner.model import ModelConfig, build_model
 from fl_geo.inner.training import InnerConfig, InnerTrainer
 
-pytestmark = [pytest.mark.slow(seconds=45), pytest.mark.xdist_group("site-group")]
+# One xdist group (the module fixture's daemon); each CPU test states its wall time in a full
+# `make test` for the lanes (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("site-group")
 
 TINY = ModelConfig(n_layers=1, d_model=32, n_heads=2, max_seq_len=32)
 TOKENS = torch.from_numpy(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 200))
@@ -82,6 +84,7 @@ def _round(group: SiteGroup, params: torch.Tensor, opt: dict, start: int, **opti
         trainer.release()
 
 
+@pytest.mark.slow(seconds=38)
 def test_group_trains_three_rounds_like_one_process_and_keeps_its_ranks(group) -> None:
     reference = InnerTrainer(build_model(TINY, 0), _inner(2 * B))
     spec = _spec()
@@ -109,6 +112,7 @@ def test_group_trains_three_rounds_like_one_process_and_keeps_its_ranks(group) -
     assert len(infos[0]["ranks"]) == 2
 
 
+@pytest.mark.slow(seconds=19)
 def test_a_killed_rank_fails_only_its_job_and_the_next_round_trains(group) -> None:
     params, start = flatten(build_model(TINY, 0).state_dict(), _spec()), 0
     before = group.ensure()
@@ -126,6 +130,7 @@ def test_a_killed_rank_fails_only_its_job_and_the_next_round_trains(group) -> No
     torch.testing.assert_close(trained, flatten(reference.model.state_dict(), _spec()), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow(seconds=9)
 def test_a_daemon_of_another_identity_is_replaced(group) -> None:
     old = group.ensure()
     other = SiteGroup(group.address, {"test": "another model"}, CPU2, "gloo", timeout_s=60)
@@ -135,6 +140,7 @@ def test_a_daemon_of_another_identity_is_replaced(group) -> None:
     assert _gone(old["pid"]) and all(_gone(pid) for pid in old["ranks"])
 
 
+@pytest.mark.slow(seconds=49)
 def test_client_app_trains_fsdp_through_the_node_site_group(tiny, tmp_path, group) -> None:
     """Through the real train handler, 2 rounds: node config devices=2 and site-group, with
     client.parallel=fsdp (FSDP2: each rank holds half of every tensor) and batch 4, vs one process

@@ -195,7 +195,7 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-@pytest.mark.slow(seconds=26)
+@pytest.mark.slow(seconds=10)
 def test_inner_loop_converges_on_real_text(two_threads: None) -> None:
     """0.43 M-parameter decoder on corpus `auto` (Bible if fetched, else stdlib): ≈ ln 256 → < 2.9 in
     60 steps, below what the training text's byte frequencies alone score on the Bible's held-out text
