@@ -48,7 +48,7 @@ from fl_geo.core.state import ParamSpec
 from fl_geo.errors import ConfigError
 from fl_geo.halos.ipc import IpcError, recv_frame, send_frame, unix_path
 from fl_geo.inner.distributed import DEFAULT_TIMEOUT_S, DistributedTrainingError
-from fl_geo.inner.distributed_state import ModelFactory, SharedTrainState
+from fl_geo.inner.distributed_state import ModelFactory, SharedStateTrainer, SharedTrainState
 from fl_geo.inner.site_rank import GroupJob
 from fl_geo.inner.training import (
     BatchSource,
@@ -243,7 +243,7 @@ class SiteGroup:
         return reply
 
 
-class SiteGroupTrainer:
+class SiteGroupTrainer(SharedStateTrainer):
     """``InnerTrainer``'s interface (load state, train, export state) for a job of a site group.
 
     The ClientApp's ``train`` handler uses it as it uses `DataParallelTrainer`: fill
@@ -270,16 +270,6 @@ class SiteGroupTrainer:
             group.release()
             raise
 
-    @property
-    def params(self) -> torch.Tensor:
-        """θ in the daemon's shared file: the global model before :meth:`train`, the local after."""
-        return self.shared.params
-
-    def load_optimizer_state(self, flat: Mapping[str, torch.Tensor]) -> None:
-        self.shared.load_optimizer_state(flat)
-
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        return self.shared.optimizer_state()
 
     def train(self, sampler: BatchSource | None, steps: int, start_step: int,
               time_budget_s: float = 0.0) -> TrainResult:

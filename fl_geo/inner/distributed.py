@@ -28,7 +28,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from fl_geo.inner.device import pick_device
 from fl_geo.inner.distributed_rank import _Job, _rank_main
 from fl_geo.inner.distributed_state import (
     ModelFactory,
+    SharedStateTrainer,
     SharedTrainState,
     as_factory,
     config_model,
@@ -297,7 +298,7 @@ def _run_ranks(job: _Job, world: int, join_timeout_s: float | None) -> None:
                     process.join()
 
 
-class DataParallelTrainer:
+class DataParallelTrainer(SharedStateTrainer):
     """``InnerTrainer``'s interface (load state, train, export state) for a data-parallel job.
 
     Lets the ClientApp's ``train`` handler keep one body for both paths: the handler loads the
@@ -334,16 +335,6 @@ class DataParallelTrainer:
         matrices = matrices_of(as_factory(model_cfg)) if cfg.optimizer == "muon" else frozenset()
         self.shared = SharedTrainState.allocate(spec, matrices)
 
-    @property
-    def params(self) -> torch.Tensor:
-        """θ as a flat shared buffer: the global model before :meth:`train`, the local after."""
-        return self.shared.params
-
-    def load_optimizer_state(self, flat: Mapping[str, torch.Tensor]) -> None:
-        self.shared.load_optimizer_state(flat)
-
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        return self.shared.optimizer_state()
 
     def train(
         self, sampler: BatchSource, steps: int, start_step: int, time_budget_s: float = 0.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -171,21 +171,30 @@ def load_params(trainer: InnerTrainer, shared: SharedTrainState) -> None:
         load_flat_into(trainer.model, shared.params, shared.spec)
 
 
-def _rank_main(rank: int, job: _Job) -> None:
-    """Body of one rank process (``torch.multiprocessing`` calls it with the rank first)."""
-    world = len(job.devices)
-    torch.set_num_threads(job.threads)
-    device = torch.device(job.devices[rank])
+def join_process_group(rank: int, devices: Sequence[str], backend: str, store_path: str, timeout_s: float,
+                       threads: int) -> torch.device:
+    """Set this rank's threads and device and join the job's process group (a file store at
+    ``store_path``, one rank per entry of ``devices``); returns the rank's device. Shared by the
+    ranks spawned per message and a site group's resident ranks (`fl_geo.inner.site_rank`)."""
+    torch.set_num_threads(threads)
+    device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        job.backend,
-        init_method=f"file://{job.store_path}",
+        backend,
+        init_method=f"file://{store_path}",
         rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=job.timeout_s),
+        world_size=len(devices),
+        timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    return device
+
+
+def _rank_main(rank: int, job: _Job) -> None:
+    """Body of one rank process (``torch.multiprocessing`` calls it with the rank first)."""
+    world = len(job.devices)
+    device = join_process_group(rank, job.devices, job.backend, job.store_path, job.timeout_s, job.threads)
     if job.rank_setup is not None:
         job.rank_setup(rank, world)
     _train_rank(rank, world, device, job)

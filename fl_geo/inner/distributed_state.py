@@ -23,7 +23,7 @@ from fl_geo.inner.model import Decoder, ModelConfig
 from fl_geo.inner.muon import hidden_matrices
 from fl_geo.inner.training import InnerTrainer, state_keys
 
-__all__ = ["ModelFactory", "SharedTrainState", "as_factory", "config_model", "matrices_of", "model_spec", "spec_of"]
+__all__ = ["ModelFactory", "SharedStateTrainer", "SharedTrainState", "as_factory", "config_model", "matrices_of", "model_spec", "spec_of"]
 
 # Builds the site's model (its initial values are overwritten by the shared parameters). Must be
 # picklable (a module-level function or a functools.partial of one): the ranks are spawned.
@@ -214,3 +214,23 @@ class SharedTrainState:
                     view[name].copy_(state[key])
                 self.steps[self.spec.index(name)] = float(torch.as_tensor(state["step"]))
         self.has_moments.fill_(1)
+
+
+class SharedStateTrainer:
+    """What a trainer whose state lives in a `SharedTrainState` (``self.shared``) offers the
+    ClientApp's handler as `InnerTrainer` does: θ as a flat buffer, and the optimizer state in and
+    out. The ranks spawned per message (`fl_geo.inner.distributed.DataParallelTrainer`) and a site
+    group's job (`fl_geo.clients.site_group.SiteGroupTrainer`) both are one."""
+
+    shared: SharedTrainState
+
+    @property
+    def params(self) -> torch.Tensor:
+        """θ in the shared buffer: the global model before ``train``, the local model after."""
+        return self.shared.params
+
+    def load_optimizer_state(self, flat: Mapping[str, torch.Tensor]) -> None:
+        self.shared.load_optimizer_state(flat)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        return self.shared.optimizer_state()

@@ -28,7 +28,6 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
@@ -36,7 +35,13 @@ import torch.distributed as dist
 
 from fl_geo.core.state import ParamSpec
 from fl_geo.inner.distributed import _global_sampler
-from fl_geo.inner.distributed_rank import _RankBatches, _train_and_store, load_params, rank_trainer
+from fl_geo.inner.distributed_rank import (
+    _RankBatches,
+    _train_and_store,
+    join_process_group,
+    load_params,
+    rank_trainer,
+)
 from fl_geo.inner.distributed_state import ModelFactory, SharedTrainState
 from fl_geo.inner.training import (
     BatchSource,
@@ -165,18 +170,7 @@ def rank_loop(rank: int, setup: GroupSetup, conn: Connection) -> None:
     """
     _die_with_parent()
     world = len(setup.devices)
-    torch.set_num_threads(setup.threads)
-    device = torch.device(setup.devices[rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        setup.backend,
-        init_method=f"file://{setup.store_path}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=setup.timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
+    device = join_process_group(rank, setup.devices, setup.backend, setup.store_path, setup.timeout_s, setup.threads)
     resident = _Resident(rank, world, device)
     while True:
         try:
