@@ -31,7 +31,8 @@ from fl_geo.deploy.control import ControlUnavailable, query_nodes, query_run_sta
 from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import down_and_assert_clean, free_ports, tiny_overrides
 
-# SuperLink/SuperNode processes on free ports, each test its own: safe on both of `make test`'s workers.
+# SuperLink/SuperNode processes on free ports (the end-to-end runs share one federation, below): safe
+# on every worker of `make test`.
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ROOT / "configs" / "deploy" / "loopback.yaml"
@@ -405,37 +406,21 @@ def _start_federation(tmp: Path, tls: bool, started: list[topology.Topology],
     return topo, path
 
 
-@pytest.fixture
-def federation(tmp_path):
-    """Start a loopback topology (plain or TLS + auth) on free ports in tmp_path; always stop it.
-
-    Teardown runs even when the test failed, and then asserts that no recorded process (nor any
-    process they spawned, such as flower-superexec and app processes) is still alive.
-    """
-    started: list[topology.Topology] = []
-
-    def start(tls: bool, via_cli: bool = False) -> tuple[topology.Topology, Path]:
-        return _start_federation(tmp_path, tls, started, via_cli)
-
-    yield start
-
-    for topo in started:
-        down_and_assert_clean(topo)
-
-
-# The plaintext end-to-end runs share one federation, started through `fl-geo deploy up` (each
-# federation costs ~20 s of CPU to start: a SuperLink, two SuperNodes, three SuperExecs). Runs on
-# one SuperLink are independent Flower runs with their own run ids, so neither test sees the
-# other's; the group keeps both on one xdist worker, where the module fixture lives.
-SHARED = pytest.mark.xdist_group("e2e-plaintext")
+# The end-to-end runs share one TLS + SuperNode-auth federation, started through `fl-geo deploy up`
+# (each federation costs ~20 s of CPU to start: a SuperLink, two SuperNodes, three SuperExecs). Runs
+# on one SuperLink are independent Flower runs with their own run ids, so no test sees another's;
+# message counts are read as differences. The group keeps the tests on one xdist worker, where the
+# module fixture lives. Plaintext SuperNodes run end to end in tests/test_deploy_faults.py.
+SHARED = pytest.mark.xdist_group("e2e-shared")
 
 
 @pytest.fixture(scope="module")
-def plaintext_federation(tmp_path_factory):
-    """The shared plaintext two-site federation; stopped (and checked clean) after the module."""
+def shared_federation(tmp_path_factory):
+    """The shared TLS + auth two-site federation; stopped (and checked clean) after the module,
+    also when a test failed: no recorded process, nor anything it spawned, may survive."""
     started: list[topology.Topology] = []
     try:
-        yield _start_federation(tmp_path_factory.mktemp("e2e-plaintext"), False, started, via_cli=True)
+        yield _start_federation(tmp_path_factory.mktemp("e2e-shared"), True, started, via_cli=True)
     finally:
         for topo in started:
             down_and_assert_clean(topo)
@@ -456,42 +441,16 @@ def _received_by_node(topo: topology.Topology) -> dict[str, tuple[int, int]]:
 
 
 @SHARED
-@pytest.mark.slow(seconds=76)
-def test_e2e_diloco_on_insecure_supernodes(plaintext_federation, tmp_path, capsys):
-    """Synchronous DiLoCo across a SuperLink and two SuperNodes, all through the fl-geo CLI."""
-    topo, path = plaintext_federation
+@pytest.mark.slow(seconds=72)
+def test_e2e_sharded_dips_data_path_beside_flower(shared_federation, tmp_path, capsys):
+    """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
+    SuperNodes, all through the fl-geo CLI (`deploy status`, `deploy run`): the ServerApp leads,
+    clients pull and push shards on the data path (plaintext loopback beside Flower's TLS)."""
+    topo, path = shared_federation
     assert cli.main(["deploy", "status", str(path)]) == 0
     shown = capsys.readouterr().out
     assert shown.count("alive") == 1 + SITES and shown.count(": online") == SITES
-
-    out = tmp_path / "runs"
     before = _received_by_node(topo)  # the shared federation may have run the other test's run
-    t0 = time.monotonic()
-    rc = cli.main(["deploy", "run", str(path), "configs/diloco.yaml", *TINY_RUN, "run.rounds=2",
-                   "run.name=e2e-diloco", "--out", str(out), "--timeout", "300"])
-    wall = time.monotonic() - t0
-    assert rc == 0, capsys.readouterr().err
-    (run_dir,) = out.glob("e2e-diloco-*")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["strategy"] == "diloco" and summary["outer_steps"] == 2
-    assert summary["tokens"] == SITES * 2 * TOKENS_PER_UPDATE  # every site x 2 rounds, every update counted
-    assert math.isfinite(summary["final_val_loss"]) and summary["final_val_loss"] > 0
-    steps = [m for m in _metrics(run_dir) if m.get("step", 0) > 0]
-    assert [m["outer/accepted"] for m in steps] == [SITES, SITES]  # each outer step averaged every site
-    after = _received_by_node(topo)
-    assert len(after) == SITES
-    for name, (train, query) in after.items():
-        # one train message per round on every site, and the profile query (site, partition)
-        assert (train - before[name][0], query - before[name][1]) == (2, 1), (name, before, after)
-    print(f"\n[e2e diloco] deploy run {wall:.1f} s, ServerApp {summary['wall_s']:.1f} s", file=sys.stderr)
-
-
-@SHARED
-@pytest.mark.slow(seconds=72)
-def test_e2e_sharded_dips_data_path_beside_flower(plaintext_federation, tmp_path, capsys):
-    """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
-    SuperNodes: the ServerApp leads, clients pull and push shards on the data path."""
-    _, path = plaintext_federation
     out = tmp_path / "runs"
     rc = cli.main(["deploy", "run", str(path), "configs/dips_sharded.yaml", *TINY_RUN, "run.rounds=2", "run.clock=wall",
                    "strategy.grace_s=2", "run.name=e2e-sharded", "--out", str(out), "--timeout", "300"])
@@ -505,12 +464,16 @@ def test_e2e_sharded_dips_data_path_beside_flower(plaintext_federation, tmp_path
     for i in range(2):  # each follower checkpointed its shard after both steps, then was stopped
         assert (run_dir / "ps" / f"follower-{i}" / "ckpt-00000002.pt").is_file()
         assert "launching follower" in (run_dir / "ps" / f"follower-{i}.log").read_text()
+    after = _received_by_node(topo)
+    for name, (train, query) in after.items():  # every site was profiled once and trained
+        assert train > before[name][0] and query - before[name][1] == 1, (name, before, after)
 
 
+@SHARED
 @pytest.mark.slow(seconds=82)
-def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
+def test_e2e_fedbuff_with_tls_and_supernode_auth(shared_federation, tmp_path):
     """Asynchronous FedBuff with TLS and SuperNode authentication; an unregistered node is refused."""
-    topo, _ = federation(tls=True)
+    topo, _ = shared_federation
     conf = tomllib.loads((topo.flwr_home / "config.toml").read_text())["superlink"][topo.name]
     assert "insecure" not in conf and conf["root-certificates"] == str(topo.certs.ca_cert)
     (link,) = [r for r in processes.load_records(topo) if r.role == "superlink"]
@@ -522,11 +485,14 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     key, pub = tmp_path / "intruder.key", tmp_path / "intruder.pub"
     certificates.generate_node_key(certificates._openssl(), key, pub, "intruder")
     intruder = topology.NodeSpec("intruder", free_ports(1)[0], dict(topo.nodes[0].node_config))
-    proc, rec = processes.start_process(topo, "supernode", "intruder", processes.supernode_command(topo, intruder, key))
+    # recorded apart (its own state folder), so the shared federation's records stay its own
+    apart = dataclasses.replace(topo, state_dir=tmp_path / "intruder-state")
+    proc, rec = processes.start_process(apart, "supernode", "intruder", processes.supernode_command(topo, intruder, key))
     assert proc.wait(timeout=60) != 0
     assert "Failed to activate SuperNode" in Path(rec.log).read_text()
     assert len([n for n in processes.list_nodes(topo) if n.get("status") == "online"]) == SITES
 
+    before = _received_by_node(topo)
     res = launch.run_experiment(topo, "configs/fedbuff.yaml", [*TINY_RUN, "run.rounds=2", "run.name=e2e-fedbuff"],
                                 out_dir=tmp_path / "runs", timeout_s=300, echo=False)
     assert res.ok, (res.status, res.details)
@@ -535,9 +501,10 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(federation, tmp_path):
     assert s is not None and s["strategy"] == "fedbuff" and s["outer_steps"] == 2
     assert s["tokens"] == 2 * 2 * TOKENS_PER_UPDATE  # buffer_size 2 per outer step
     assert math.isfinite(s["final_val_loss"]) and s["final_val_loss"] > 0
-    for r in processes.load_records(topo):
-        if r.role == "supernode" and r.name != "intruder":
-            assert _received(r.log) >= 1, r.log  # the asynchronous loop dispatched to every site
+    after = _received_by_node(topo)
+    assert len(after) == SITES
+    for name, (train, query) in after.items():  # the asynchronous loop profiled and dispatched to every site
+        assert train > before[name][0] and query - before[name][1] == 1, (name, before, after)
     # The launcher asked Flower's Control API in-process (fl_geo.deploy.control): over TLS its
     # answers are the CLI's, word for word.
     shown = processes._json_out(processes.flwr_cli(topo, ["ls", topo.name, "--run-id", str(res.run_id),
