@@ -97,47 +97,58 @@ def _wait_run(topo: topology.Topology, run_id: int, run_dir: Path, timeout_s: fl
     return f"{state} {details}".strip()
 
 
-@pytest.fixture
-def fault_federation(tmp_path, monkeypatch):
-    """A plaintext loopback topology on free ports whose SuperNodes use a 10 s heartbeat.
+class FaultFederation:
+    """The shared fault federation: its topology, the node config ``state-dir`` of its SuperNodes,
+    and the pids a test killed by hand (teardown checks they are gone too)."""
+
+    def __init__(self, topo: topology.Topology, node_state: Path) -> None:
+        self.topo, self.node_state, self.killed = topo, node_state, set()
+
+
+# Both fault tests run on one federation (a federation costs ~20 s of CPU to start): each is its own
+# Flower run with its own run name, and counts messages as differences. The SuperNode test leaves a
+# replacement node in place of the one it killed, with the same node config, so either order works.
+# The group keeps both on the xdist worker where the module fixture lives.
+SHARED = pytest.mark.xdist_group("deploy-faults")
+
+
+@pytest.fixture(scope="module")
+def fault_federation(tmp_path_factory):
+    """A plaintext loopback topology on free ports whose SuperNodes use a 10 s heartbeat and keep
+    their inner state under one node config ``state-dir``.
 
     Teardown (also after a failure) stops everything the topology recorded and asserts that no
     process of it, nor any process it spawned or a test killed by hand, is left alive.
     """
-    wrapper = tmp_path / "supernode_short_heartbeat.py"
+    tmp = tmp_path_factory.mktemp("faults")
+    wrapper = tmp / "supernode_short_heartbeat.py"
     wrapper.write_text(_SUPERNODE_WRAPPER, encoding="utf-8")
     original = processes.supernode_command
 
     def supernode_command(topo, node, private_key=None):
         return [sys.executable, str(wrapper), *original(topo, node, private_key)[1:]]
 
-    monkeypatch.setattr(lifecycle, "supernode_command", supernode_command)  # where up() looks it up
-    started: list[topology.Topology] = []
-    killed: set[int] = set()
-
-    def start(node_state_dir: Path | None = None) -> topology.Topology:
-        data = _sites()
-        ports = free_ports(1 + len(data["nodes"]))
-        data["name"] = "faults"
-        data["superlink"]["port"] = ports[0]
-        for node, port in zip(data["nodes"], ports[1:], strict=True):
-            node["port"] = port
-            if node_state_dir is not None:
-                node["node_config"]["state-dir"] = str(node_state_dir)
-        data["flwr_home"] = str(tmp_path / "flwr")
-        data["state_dir"] = str(tmp_path / "state")
-        path = tmp_path / "topology.yaml"
-        path.write_text(yaml.safe_dump(data), encoding="utf-8")
-        topo = load_topology(path)
-        started.append(topo)
-        lifecycle.up(topo, timeout_s=180)
-        return topo
-
-    start.killed = killed  # type: ignore[attr-defined]
-    yield start
-
-    for topo in started:
-        down_and_assert_clean(topo, also=killed)
+    node_state = tmp / "node-state"
+    data = _sites()
+    ports = free_ports(1 + len(data["nodes"]))
+    data["name"] = "faults"
+    data["superlink"]["port"] = ports[0]
+    for node, port in zip(data["nodes"], ports[1:], strict=True):
+        node["port"] = port
+        node["node_config"]["state-dir"] = str(node_state)
+    data["flwr_home"] = str(tmp / "flwr")
+    data["state_dir"] = str(tmp / "state")
+    path = tmp / "topology.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    topo = load_topology(path)
+    federation = FaultFederation(topo, node_state)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lifecycle, "supernode_command", supernode_command)  # where up() looks it up
+        try:
+            lifecycle.up(topo, timeout_s=180)
+            yield federation
+        finally:
+            down_and_assert_clean(topo, also=federation.killed)
 
 
 def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
@@ -154,14 +165,16 @@ def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
             parse_topology(data, tmp_path, "t.yaml")
 
 
+@SHARED
 @pytest.mark.slow(seconds=105)
 def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     """SIGKILL one SuperNode after the first outer step: the run neither stalls nor crashes; the
     rounds after run on the other until a SuperNode with the same node config (partition)
     is started again, which is profiled and trains from the server's current model."""
     t0 = time.monotonic()
-    topo = fault_federation()
-    up_s = time.monotonic() - t0
+    topo = fault_federation.topo
+    live = _live_supernodes(topo)
+    trained_before = {r.name: _received(r.log) for r in live}
     out = tmp_path / "runs"
     rounds = 3  # before the kill, the round the kill falls in, after the rejoin
     res = launch.run_experiment(topo, "configs/diloco.yaml", [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-node"],
@@ -170,16 +183,15 @@ def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     run_dir = _run_dir(out, "kill-node")
     assert run_dir is not None
 
-    victim_name = topo.nodes[-1].name
-    victim = next(r for r in processes.load_records(topo) if r.role == "supernode" and r.name == victim_name)
+    victim = live[-1]
     t_kill = time.monotonic()
     fault_federation.killed.update(_kill_family(victim.pid))
     done_before_kill = len(_steps(run_dir))
 
     # The same site comes back (same node config, so the same partition); a fresh Runtime API
     # port avoids waiting for the dead one's socket. Flower gives it a new node id.
-    spec = topo.nodes[-1]
-    again = topology.NodeSpec(f"{victim_name}-again", free_ports(1)[0], dict(spec.node_config))
+    spec = next(n for n in topo.nodes if victim.name.startswith(n.name))
+    again = topology.NodeSpec(f"{spec.name}-again", free_ports(1)[0], dict(spec.node_config))
     _, rejoined = processes.start_process(topo, "supernode", again.name, processes.supernode_command(topo, again))
 
     final = _wait_run(topo, res.run_id, run_dir, 400)
@@ -203,12 +215,16 @@ def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     # is only accepted when the base_version it reports equals the server's current version.
     assert _received(rejoined.log, "query") == 1, rejoined.log
     assert _received(rejoined.log) >= 1, rejoined.log
-    for node in topo.nodes[:-1]:
-        rec = next(r for r in processes.load_records(topo) if r.name == node.name)
-        assert _received(rec.log) == rounds, rec.log  # the survivors trained every round
-    print(f"\n[fault: supernode killed] up {up_s:.1f} s, run {wall - up_s:.1f} s "
+    for rec in live[:-1]:  # the survivors trained every round
+        assert _received(rec.log) - trained_before[rec.name] == rounds, rec.log
+    print(f"\n[fault: supernode killed] run {wall:.1f} s "
           f"(kill at {t_kill - t0:.1f} s), accepted per step {accepted}, ServerApp {summary['wall_s']:.1f} s",
           file=sys.stderr)
+
+
+def _live_supernodes(topo: topology.Topology) -> list[processes.ProcRecord]:
+    """The topology's SuperNodes that are running now (a killed one is left out, its replacement in)."""
+    return [r for r in processes.load_records(topo) if r.role == "supernode" and r.alive()]
 
 
 def _sent(log: str, kind: str = "train") -> int:
@@ -221,6 +237,7 @@ def _server_apps(topo: topology.Topology) -> list[int]:
     return sorted(p for p in processes._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
 
 
+@SHARED
 @pytest.mark.slow(seconds=196)
 def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     """SIGKILL the ServerApp after checkpoint 1, submit the same run with ``run.resume=true``: it
@@ -233,9 +250,9 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     from fl_geo.server_app import run_server
 
     t0 = time.monotonic()
-    node_state = tmp_path / "node-state"
-    topo = fault_federation(node_state_dir=node_state)
-    up_s = time.monotonic() - t0
+    topo, node_state = fault_federation.topo, fault_federation.node_state
+    logs = [r.log for r in _live_supernodes(topo)]
+    sent_before = {log: _sent(log) for log in logs}
     out, ckpts = tmp_path / "runs", tmp_path / "checkpoints"
     rounds = 2  # the kill falls in the last round: the resumed run folds it once, from checkpoint 1
     common = [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-server", "run.checkpoint_every=1",
@@ -247,12 +264,14 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     # Kill in the middle of round 2: as soon as one site has sent its round-2 update (the others
     # are usually still training, so the server never folds that round; the nodes that already
     # trained it must rewind when the resumed server sends it again).
-    logs = [r.log for r in processes.load_records(topo) if r.role == "supernode"]
-    _wait_for("a round-2 reply", lambda: any(_sent(log) >= rounds for log in logs), 240, poll_s=0.05)
+    def sent(log: str) -> int:  # this run's train replies
+        return _sent(log) - sent_before[log]
+
+    _wait_for("a round-2 reply", lambda: any(sent(log) >= rounds for log in logs), 240, poll_s=0.05)
     fault_federation.killed.update(_kill_family(apps[0]))
     t_kill = time.monotonic()
     folded = (ckpts / f"ckpt-{rounds:08d}.pt").exists()  # every site was quicker than the kill: rare
-    trained_last = sum(_sent(log) >= rounds for log in logs)
+    trained_last = sum(sent(log) >= rounds for log in logs)
     (cut_dir,) = out.glob("kill-server-*")
     assert not (cut_dir / "final_model.pt").exists()
     # What an operator does next: stop the dead run. Otherwise the SuperLink keeps it RUNNING
@@ -285,7 +304,7 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     ref = torch.load(tmp_path / "reference" / "final_model.pt")["params"]
     got = torch.load(resumed.run_dir / "final_model.pt")["params"]
     assert torch.equal(ref, got), f"max |diff| {float((ref - got).abs().max())}"
-    print(f"\n[fault: ServerApp killed] up {up_s:.1f} s, killed at {t_kill - t0:.1f} s, resumed run "
+    print(f"\n[fault: ServerApp killed] killed at {t_kill - t0:.1f} s, resumed run "
           f"{resumed.wall_s:.1f} s (ServerApp {s['wall_s']:.1f} s), deployment total {wall:.1f} s, reference "
           f"{time.monotonic() - t_ref:.1f} s; {trained_last} node(s) had trained round {rounds} before the kill, "
           f"round {rounds} {'already' if folded else 'not'} folded", file=sys.stderr)
