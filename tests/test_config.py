@@ -176,3 +176,26 @@ def test_to_dict_gives_what_omegaconf_gives(path):
     for value in (cfg, cfg.client, cfg.data, cfg.model, cfg.strategy):
         mine, theirs = to_dict(value), OmegaConf.to_container(OmegaConf.structured(value), resolve=True)
         assert json.dumps(mine, sort_keys=True) == json.dumps(theirs, sort_keys=True)
+
+
+def test_a_repeated_load_is_a_copy_of_the_first_and_a_changed_file_is_read_again(tmp_path):
+    """load_config keeps finished configs by their inputs (fl_geo.config._cache_key): a second load
+    of the same inputs is an equal config of its own, and the key is the file's bytes, not its name."""
+    from fl_geo import config as config_module
+
+    path = tmp_path / "c.yaml"
+    path.write_text("strategy: {name: diloco, outer_lr: 0.5}\n", encoding="utf-8")
+    first = load_config(path, ["run.rounds=3"])
+    again = load_config(path, ["run.rounds=3"])
+    assert again == first and again is not first and again.strategy is not first.strategy
+    again.strategy.outer_lr = 9.0  # a caller changing its copy changes no later load
+    assert load_config(path, ["run.rounds=3"]).strategy.outer_lr == 0.5
+    path.write_text("strategy: {name: diloco, outer_lr: 0.25}\n", encoding="utf-8")
+    assert load_config(path, ["run.rounds=3"]).strategy.outer_lr == 0.25
+    # types are part of the key: True, 1 and 1.0 are different inputs (and 1 vs "1")
+    keys = {config_module._cache_key(None, None, {"strategy": {"x": v}}, False) for v in (True, 1, 1.0, "1")}
+    assert len(keys) == 4
+    assert config_module._cache_key(None, None, {"strategy": {"x": object()}}, False) is None  # not plain data
+    assert config_module._cache_key(tmp_path / "missing.yaml", None, None, False) is None
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
