@@ -441,7 +441,7 @@ def _received_by_node(topo: topology.Topology) -> dict[str, tuple[int, int]]:
 
 
 @SHARED
-@pytest.mark.slow(seconds=72)
+@pytest.mark.slow(seconds=62)
 def test_e2e_sharded_dips_data_path_beside_flower(shared_federation, tmp_path, capsys):
     """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
     SuperNodes, all through the fl-geo CLI (`deploy status`, `deploy run`): the ServerApp leads,

@@ -238,7 +238,7 @@ def _server_apps(topo: topology.Topology) -> list[int]:
 
 
 @SHARED
-@pytest.mark.slow(seconds=196)
+@pytest.mark.slow(seconds=133)
 def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     """SIGKILL the ServerApp after checkpoint 1, submit the same run with ``run.resume=true``: it
     resumes from the checkpoint (a new Flower run: the nodes reload their inner state from their
