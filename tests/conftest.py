@@ -5,14 +5,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from flwr.app import RecordDict
-
-from fl_geo.config import FlGeoConfig, load_config
-from fl_geo.deploy.processes import free_ports  # noqa: F401  (re-exported: the deployment tests import it from here)
-from fl_geo.runtime.protocol import REQUEST_RECORD
-
 # One intra-op thread in every test (`_seed_and_threads`), in the threads they start and in the
 # processes they start (ClientApps, ranks and followers inherit the variable), unless the caller
 # set OMP_NUM_THREADS. `make test` runs three workers on two cores beside the deployments'
@@ -20,8 +12,20 @@ from fl_geo.runtime.protocol import REQUEST_RECORD
 # they wait burn CPU the other tests need (six heavy in-process test files, 3 workers, idle
 # machine: 146 and 126 CPU-s with one thread against 152 and 159 with two). The runs whose bits
 # are recorded set their threads themselves (`run.threads_per_client`, `run.server_threads`).
+# Set before torch is imported: OpenMP reads it once, and every thread a test starts (an in-process
+# follower, a server) gets that count; `set_num_threads` only changes the calling thread. Under
+# `-n 0` torch was imported first and such threads ran two OpenMP threads, so a follower thread's
+# float sums differed in the last bit from the test's own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TEST_THREADS = int(os.environ["OMP_NUM_THREADS"])
+
+import pytest  # noqa: E402  (after OMP_NUM_THREADS, above)
+import torch  # noqa: E402  (after OMP_NUM_THREADS, above)
+from flwr.app import RecordDict  # noqa: E402  (after OMP_NUM_THREADS, above)
+
+from fl_geo.config import FlGeoConfig, load_config  # noqa: E402  (after OMP_NUM_THREADS, above)
+from fl_geo.deploy.processes import free_ports  # noqa: E402, F401  (re-exported: the deployment tests import it from here)
+from fl_geo.runtime.protocol import REQUEST_RECORD  # noqa: E402  (after OMP_NUM_THREADS, above)
 
 TINY = [
     "run.rounds=2",
