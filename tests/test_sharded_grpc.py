@@ -44,11 +44,20 @@ def _follower_pids(workdir) -> list[int]:
 
 
 def test_grpc_followers_give_the_bits_of_in_process_followers(tiny, tmp_path):
+    """Follower processes on plaintext gRPC, and on TLS with the `fl-geo deploy certs` files
+    (``ps.tls_certs_dir``: followers serve TLS, clients verify them with the CA certificate the
+    leader sends), end on the bits of in-process followers."""
+    from fl_geo.deploy.certificates import generate_certs
+
     local_s, local = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=5", "ps.followers=2"), tmp_path / "local")
     grpc_s, remote = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=5", "ps.followers=2", "ps.transport=grpc",
                                "ps.checkpoint_keep=2"), tmp_path / "grpc")
     assert torch.equal(local, remote)
     assert grpc_s["outer_steps"] == local_s["outer_steps"] == 5
+    certs = generate_certs(tmp_path / "certs", ["127.0.0.1", "localhost"], [])
+    tls_s, secure = _run(tiny(*VIRTUAL, *DIPS, "run.rounds=5", "ps.followers=2", "ps.transport=grpc",
+                              f"ps.tls_certs_dir={certs.root}"), tmp_path / "tls")
+    assert tls_s["outer_steps"] == 5 and torch.equal(local, secure)
     workdir = tmp_path / "grpc" / "ps"
     for i in range(2):  # every follower checkpointed each step and kept the newest two
         ckpts = sorted(p.name for p in (workdir / f"follower-{i}").glob("ckpt-*.pt"))
@@ -134,17 +143,12 @@ def test_reply_with_arrays_is_refused_when_updates_go_to_the_followers(tiny, tmp
     assert "carries arrays" in caplog.text
 
 
-def test_tls_data_path_with_deploy_certificates(tiny, tmp_path):
-    """ps.tls_certs_dir: followers serve TLS with the `fl-geo deploy certs` files, clients verify
-    them with the CA certificate the leader sends; the bits are those of the plaintext run."""
+def test_a_tls_follower_answers_a_client_that_trusts_its_ca_and_refuses_a_plaintext_one(tmp_path):
+    """The follower side of ``ps.tls_certs_dir`` (a whole run over TLS, bit for bit, is in
+    test_grpc_followers_give_the_bits_of_in_process_followers)."""
     from fl_geo.deploy.certificates import generate_certs
 
     certs = generate_certs(tmp_path / "certs", ["127.0.0.1", "localhost"], [])
-    base = [*VIRTUAL, *DIPS, "run.rounds=3", "ps.followers=2", "ps.transport=grpc"]
-    _, plain = _run(tiny(*base), tmp_path / "plain")
-    summary, secure = _run(tiny(*base, f"ps.tls_certs_dir={certs.root}"), tmp_path / "tls")
-    assert summary["outer_steps"] == 3 and torch.equal(plain, secure)
-    # a TLS follower answers a client that trusts the CA and refuses a plaintext one
     from fl_geo.core.shards import ShardPlan
     from fl_geo.core.state import ParamSpec
     from fl_geo.ps.channel import TlsFiles
