@@ -32,7 +32,8 @@ from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import down_and_assert_clean, free_ports
 from tests.test_deploy import SITES, TINY_RUN, TOKENS_PER_UPDATE, _base, _metrics, _received, _sites
 
-# SuperLink/SuperNode processes on free ports, each test its own: safe on both of `make test`'s workers.
+# SuperLink/SuperNode processes on free ports (both tests share one federation, below): safe on every
+# worker of `make test`.
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10  # flwr.common.constant.HEARTBEAT_MIN_INTERVAL: the SuperLink refuses less
