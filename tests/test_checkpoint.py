@@ -401,7 +401,7 @@ def test_damaged_inner_state_file_means_a_fresh_optimizer_not_a_crash(tiny, tmp_
     assert "is unusable" in caplog.text and "restored the inner state" in caplog.text
 
 
-@pytest.mark.slow(seconds=29)
+@pytest.mark.slow(seconds=79)
 def test_kill_minus_9_then_the_same_command_resumes_bit_identically(tmp_path):
     """A real process kill: `fl-geo run` is SIGKILLed mid-run, the same command with
     run.resume=true finishes it, and the model equals an uninterrupted run's bit for bit

@@ -441,7 +441,7 @@ def _received_by_node(topo: topology.Topology) -> dict[str, tuple[int, int]]:
 
 
 @SHARED
-@pytest.mark.slow(seconds=62)
+@pytest.mark.slow(seconds=144)
 def test_e2e_sharded_dips_data_path_beside_flower(shared_federation, tmp_path, capsys):
     """Di-PS with two follower processes (ps.transport=grpc) across a SuperLink and two
     SuperNodes, all through the fl-geo CLI (`deploy status`, `deploy run`): the ServerApp leads,
@@ -470,7 +470,7 @@ def test_e2e_sharded_dips_data_path_beside_flower(shared_federation, tmp_path, c
 
 
 @SHARED
-@pytest.mark.slow(seconds=82)
+@pytest.mark.slow(seconds=97)
 def test_e2e_fedbuff_with_tls_and_supernode_auth(shared_federation, tmp_path):
     """Asynchronous FedBuff with TLS and SuperNode authentication; an unregistered node is refused."""
     topo, _ = shared_federation

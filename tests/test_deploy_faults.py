@@ -167,7 +167,7 @@ def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
 
 
 @SHARED
-@pytest.mark.slow(seconds=105)
+@pytest.mark.slow(seconds=78)
 def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     """SIGKILL one SuperNode after the first outer step: the run neither stalls nor crashes; the
     rounds after run on the other until a SuperNode with the same node config (partition)
@@ -239,7 +239,7 @@ def _server_apps(topo: topology.Topology) -> list[int]:
 
 
 @SHARED
-@pytest.mark.slow(seconds=133)
+@pytest.mark.slow(seconds=104)
 def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     """SIGKILL the ServerApp after checkpoint 1, submit the same run with ``run.resume=true``: it
     resumes from the checkpoint (a new Flower run: the nodes reload their inner state from their

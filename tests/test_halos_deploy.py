@@ -257,7 +257,7 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow(seconds=127)
+@pytest.mark.slow(seconds=116)
 def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
     topo, path = halos_federation
     t0 = time.monotonic()
