@@ -6,7 +6,9 @@ model and, per CPU kernel fingerprint, the sha256 of its fp32 bits. This test ru
 with the same overrides through the function ``fl-geo run`` calls and compares:
 
 - on every CPU, the statistics within ``statistics_rtol`` of the model's norm (CPU kernels move
-  them by at most 2.7e-7 of it; a 1 % change of an outer learning rate by 1.8e-3);
+  them by at most 2.7e-7 of it; a 1 % change of an outer learning rate by 1.8e-3); a method whose
+  arithmetic amplifies rounding carries its own, larger tolerance in its record (Muon's bf16
+  orthogonalisation: 4e-4, `make_bit_identity.METHOD_STATISTICS_RTOL`);
 - where this CPU's kernel fingerprint has records, the bits too, exactly.
 
 So the suite passes on any CPU the README supports and a change of the maths fails everywhere. A
@@ -39,6 +41,7 @@ from tests.data.make_bit_identity import (
     pydoc_corpus_sha256,
     run_entry,
     statistics_mismatch,
+    statistics_rtol,
 )
 
 RECORDS = json.loads(RECORD.read_text(encoding="utf-8"))
@@ -98,7 +101,7 @@ def test_same_numbers_as_recorded(method, tmp_path):
     got = run_entry(rec["config"], rec["overrides"], tmp_path / method)
     assert got["outer_steps"] == rec["outer_steps"], f"{method}: outer steps changed"
     assert got["numel"] == rec["numel"], f"{method}: model size changed"
-    drift = statistics_mismatch(got["statistics"], rec["statistics"], RECORDS["statistics_rtol"])
+    drift = statistics_mismatch(got["statistics"], rec["statistics"], statistics_rtol(RECORDS, method))
     assert not drift, (
         f"{method}: the final model's numbers changed beyond CPU rounding: {drift}; if that is intended, "
         f"regenerate with `python -m tests.data.make_bit_identity {method}` and say so in the commit"
@@ -180,6 +183,7 @@ def test_record_file_is_well_formed():
         assert (REPO / rec["config"]).is_file(), method
         assert rec["outer_steps"] > 0 and rec["overrides"], method
         assert rec["statistics"]["l2"] > 0 and len(rec["statistics"]["projections"]) >= 4, method
+        assert 0 < statistics_rtol(RECORDS, method) < 1e-3, method
     assert RECORDS["exact"], "no CPU has exact records"
     for fingerprint, entry in RECORDS["exact"].items():
         assert len(fingerprint) == 16 and entry["cpu_capability"] and entry["machine"], fingerprint

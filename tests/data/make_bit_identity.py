@@ -144,6 +144,18 @@ def run_entry(config: str, overrides: list[str], run_dir: Path) -> dict[str, Any
 # 37x above the first and over 100x below the others.
 N_PROJECTIONS = 8
 STATISTICS_RTOL = 1e-5
+# Methods whose arithmetic amplifies kernel rounding, with their own tolerance (kept in their record).
+# diloco_muon: torch.optim.Muon orthogonalises in bf16 (Newton-Schulz), so a last-bit difference of
+# fp32 kernels flips bf16 roundings and grows over the steps. 2026-11-29, the Xeon record (AVX-512)
+# replayed on an AMD EPYC with AVX2 kernels: 1.0e-4 of the norm; a 0.5 % change of the outer lr
+# moves the statistics by 1.1e-3, a 1 % change of muon_lr by 9.9e-4. 4e-4: 4x above the first,
+# 2.5x below the others.
+METHOD_STATISTICS_RTOL: dict[str, float] = {"diloco_muon": 4e-4}
+
+
+def statistics_rtol(records: dict[str, Any], method: str) -> float:
+    """The tolerance ``method``'s statistics are compared with: its record's own, else the file's."""
+    return float(records["methods"][method].get("statistics_rtol", records["statistics_rtol"]))
 
 
 def model_statistics(params) -> dict[str, Any]:
@@ -185,7 +197,8 @@ def _run_twice(name: str) -> dict[str, Any]:
     if first != second:
         raise SystemExit(f"{name}: NOT deterministic: {first} vs {second}")
     print(f"{name:18s} {first['outer_steps']:3d} steps  {first['sha256'][:16]}  {t1 - t0:5.2f} s", file=sys.stderr)
-    return {"config": f"configs/{name}.yaml", "overrides": overrides, **first}
+    own = {"statistics_rtol": METHOD_STATISTICS_RTOL[name]} if name in METHOD_STATISTICS_RTOL else {}
+    return {"config": f"configs/{name}.yaml", "overrides": overrides, **first, **own}
 
 
 def main(argv: list[str]) -> int:
@@ -213,7 +226,7 @@ def main(argv: list[str]) -> int:
         rec = _run_twice(name)
         sha = rec.pop("sha256")
         if add_cpu:
-            drift = statistics_mismatch(rec["statistics"], methods[name]["statistics"], old["statistics_rtol"])
+            drift = statistics_mismatch(rec["statistics"], methods[name]["statistics"], statistics_rtol(old, name))
             if drift or rec["outer_steps"] != methods[name]["outer_steps"]:
                 print(f"{name}: this CPU's run is not within tolerance of the record: {drift}", file=sys.stderr)
                 return 1
