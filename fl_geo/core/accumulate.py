@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges
+from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges, sum_of_squares
 
 __all__ = [
     "WEIGHT_KINDS",
@@ -78,8 +78,9 @@ def describe_non_finite(piece: torch.Tensor) -> str:
 class BatchResult:
     """Outcome of `WeightedAccumulator.add_batch_checked`, one entry per input update.
 
-    ``norms[i]``: L2 norm of update i (fp32 sums of squares per chunk, summed in fp64: relative
-    error ~1e-6, as `fl_geo.runtime.wire.check_finite_and_norm`), None if it was rejected.
+    ``norms[i]``: L2 norm of update i (`fl_geo.core.state.sum_of_squares` per chunk, summed in
+    fp64: relative error ~1e-8 on any CPU, as `fl_geo.runtime.wire.check_finite_and_norm`), None
+    if it was rejected.
     ``rejected``: index in the batch → why; a rejected update left no trace in the sum.
     """
 
@@ -261,7 +262,7 @@ class WeightedAccumulator:
             update = batch[i]
             x = self._load(update, begin, end)
             if check:
-                sq = float(torch.dot(x, x))
+                sq = sum_of_squares(x)
                 if not math.isfinite(sq):
                     failed[i] = _reason(x, begin, end, self.numel)
                     continue

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges
+from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges, sum_of_squares
 
 __all__ = [
     "GRANULARITIES",
@@ -222,7 +222,7 @@ def group_norms(update: Update, groups: Sequence[tuple[str, Ranges]],
     ``update``: a 1-D tensor over the flat buffer, or ``(offset, tensor)`` pieces as
     `fl_geo.runtime.wire.decode` returns them (any order, any floating dtype); elements outside every
     group are ignored. Arithmetic as `fl_geo.runtime.wire.check_finite_and_norm`: per chunk of
-    `CHUNK_ELEMS` an fp32 sum of squares (``torch.dot``), fp16/bf16 chunks first converted into
+    `CHUNK_ELEMS` an fp32 sum of squares (`sum_of_squares`), fp16/bf16 chunks first converted into
     a chunk-sized scratch (never a whole-piece fp32 copy), chunk sums accumulated in fp64.
     A NaN/±Inf element, or an fp32 overflow of a chunk's sum, makes its group's norm NaN/+Inf:
     nothing is raised, the caller rejects (a non-finite norm never passes `Penalty.observe`).
@@ -252,7 +252,7 @@ def group_norms(update: Update, groups: Sequence[tuple[str, Ranges]],
                         scratch = torch.empty(CHUNK_ELEMS, dtype=torch.float32,
                                               device=chunk.device)
                     chunk = scratch[: e - b].copy_(chunk)
-                part += float(torch.dot(chunk, chunk))
+                part += sum_of_squares(chunk)
             sums[g] += part
             k += 1
     return torch.tensor(sums, dtype=torch.float64).sqrt()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from fl_geo.core.groups import module_group_names
-from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges
+from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges, sum_of_squares
 
 __all__ = [
     "NORM_RULES",
@@ -159,7 +159,7 @@ class ShardPlan:
 def tensor_sq_sums(x: torch.Tensor, ranges: Sequence[tuple[int, int]], scratch: torch.Tensor | None = None) -> list[float]:
     """Σ x² per tensor range of a 1-D shard-sized tensor, as Python floats (fp64).
 
-    Each range is read in fp32 chunks of `CHUNK_ELEMS` from its own first element (``torch.dot``
+    Each range is read in fp32 chunks of `CHUNK_ELEMS` from its own first element (`sum_of_squares`
     per chunk, chunk sums added in fp64): the result depends only on the tensor's values, never on
     which shard or buffer holds it. bf16/fp16 chunks are converted into ``scratch`` (one chunk of
     fp32), never into a whole-tensor copy. NaN/Inf give a NaN/Inf sum; the caller rejects."""
@@ -174,7 +174,7 @@ def tensor_sq_sums(x: torch.Tensor, ranges: Sequence[tuple[int, int]], scratch: 
                 if scratch is None:
                     scratch = torch.empty(CHUNK_ELEMS, dtype=torch.float32)
                 chunk = scratch[: ce - cb].copy_(chunk)
-            total += float(torch.dot(chunk, chunk))
+            total += sum_of_squares(chunk)
         out.append(total)
     return out
 

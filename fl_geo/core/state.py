@@ -24,6 +24,7 @@ __all__ = [
     "flatten",
     "load_flat_into",
     "pseudo_grad",
+    "sum_of_squares",
     "unflatten",
 ]
 
@@ -45,6 +46,37 @@ def chunk_ranges(start: int, stop: int, chunk: int = CHUNK_ELEMS) -> Iterator[tu
         raise ValueError(f"chunk must be positive, got {chunk}")
     for begin in range(start, stop, chunk):
         yield begin, min(stop, begin + chunk)
+
+
+# Elements per row of `sum_of_squares`: short enough that a row's fp32 sum is accurate to ~1e-8
+# relative, long enough that a chunk is a few dozen rows (one kernel call, no Python loop).
+SQ_ROW_ELEMS = 1 << 14
+
+
+def sum_of_squares(chunk: torch.Tensor) -> float:
+    """Σ x² of a 1-D fp32/fp64 chunk as a Python float, accurate to ~1e-7 relative on any CPU.
+
+    Rows of `SQ_ROW_ELEMS` are reduced by ``torch.linalg.vecdot`` (ATen's cascade sum within the
+    row), the row sums added in fp64, a short tail by ``torch.dot``. Why not one ``torch.dot(x, x)``
+    over the chunk: BLAS accumulates a dot sequentially in each vector lane, so its error grows
+    with the chunk's length and depends on the CPU's vector width (a 2**20-element chunk: 8e-6
+    relative on a 2-core AMD EPYC with AVX2 kernels, 2.3e-5 for a norm in
+    `tests/test_accumulate.py`), and a norm bound, clip or z-score would then decide differently
+    on different machines. ``vector_norm`` per row is no better (3.8e-6 there: it also sums per
+    lane). Measured there: at most 2.6e-8 relative over random and bf16-rounded chunks, 0.34 ms
+    per 2**20 values against 0.16 ms for the dot. NaN/±Inf anywhere, or an fp32 overflow of a
+    row's sum, give NaN/+Inf as the dot did: callers reject a non-finite result.
+    """
+    flat = chunk.reshape(-1)
+    rows = flat.numel() // SQ_ROW_ELEMS
+    total = 0.0
+    if rows:
+        body = flat[: rows * SQ_ROW_ELEMS].view(rows, SQ_ROW_ELEMS)
+        total = float(torch.linalg.vecdot(body, body).sum(dtype=torch.float64))
+    tail = flat[rows * SQ_ROW_ELEMS:]
+    if tail.numel():
+        total += float(torch.dot(tail, tail))
+    return total
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

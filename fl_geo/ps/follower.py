@@ -33,7 +33,7 @@ import torch
 from fl_geo.core.compress import Compressor, payload_from_arrays
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
-from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges
+from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges, sum_of_squares
 from fl_geo.errors import PayloadError
 
 __all__ = ["SEND_MODES", "WIRE_DTYPES", "FollowerError", "FollowerShard", "PushBuffer", "check_wire_and_send"]
@@ -209,7 +209,7 @@ class FollowerShard:
             total = 0.0
             for cb, ce in chunk_ranges(b, e):
                 g = self._delta_chunk(theta_i, cb, ce)
-                total += float(torch.dot(g, g))
+                total += sum_of_squares(g)
             out.append(total)
         return out
 

@@ -37,7 +37,7 @@ from flwr.app import Array, ArrayRecord
 from numpy.lib import format as npy_format
 
 from fl_geo.core.accumulate import describe_non_finite
-from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges
+from fl_geo.core.state import CHUNK_ELEMS, ParamSpec, chunk_ranges, sum_of_squares
 from fl_geo.errors import PayloadError
 
 __all__ = [
@@ -285,15 +285,14 @@ def check_finite_and_norm(
 ) -> float:
     """L2 norm of a whole payload; PayloadError if any element is NaN or ±Inf.
 
-    One read of the data: per chunk, the fp32 sum of squares (``torch.dot(x, x)``, BLAS speed;
+    One read of the data: per chunk, the sum of squares (`fl_geo.core.state.sum_of_squares`;
     reduced-precision chunks are first converted into a cache-sized fp32 scratch, because
     ``vector_norm(x_bf16, dtype=float32)`` would materialise a full fp32 copy), accumulated in
     fp64 (Python floats) over chunks and pieces. A NaN or ±Inf element makes its chunk's sum NaN
     or +Inf, so finiteness needs no separate pass. Consequence: a finite update whose fp32 chunk
-    sum of squares overflows (elements beyond ~1e19) is rejected too, with a message saying so;
-    such an update is garbage for training anyway. Accuracy: fp32 summation within a chunk of
-    up to 2**20 values gives a relative error of about 1e-6 (at worst ~1e-5), ample for norm
-    tests and clipping. ``spec`` only names the offending parameter in the error.
+    sum of squares overflows (elements beyond ~1e17) is rejected too, with a message saying so;
+    such an update is garbage for training anyway. Accuracy: ~1e-8 relative on any CPU, so a
+    norm test or clip decides the same on every machine up to that. ``spec`` only names the offending parameter in the error.
     """
     total = 0.0
     for offset, piece in pieces:
@@ -303,7 +302,7 @@ def check_finite_and_norm(
             chunk = flat[b:e]
             if chunk.dtype != torch.float32:
                 chunk = _scratch(chunk.device)[: e - b].copy_(chunk)
-            piece_sq += float(torch.dot(chunk, chunk))
+            piece_sq += sum_of_squares(chunk)
         if not math.isfinite(piece_sq):
             where = f"parameter {spec.name_at(offset)!r}" if spec is not None and flat.numel() \
                 else f"piece at offset {offset}"
