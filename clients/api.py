@@ -33,7 +33,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_geo.clients.downlink import receive_public
-from fl_geo.clients.parallel import parallel_trainer, release
+from fl_geo.clients.parallel import parallel_trainer, release, site_nodes
 from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-exported: tools import them from here)
     EF_RESIDUAL_KEY,
     INNER_STATE_KEYS,
@@ -367,10 +367,11 @@ class DatacenterClient:
         # Processes for this site's inner loop: node config ``devices`` (a site knows its
         # hardware), else ``client.devices``; a client section without the key means one.
         count = int(context.node_config.get("devices", site.sections["client"].get("devices", 1)))
+        nodes = site_nodes(site)  # a site of several nodes: node 0 coordinates (fl_geo.clients.parallel)
         if req.send == "grad":
-            return self._gradient(msg, req, site, count)
+            return self._gradient(msg, req, site, count * nodes)
         trainer: Any
-        if count > 1:
+        if count > 1 or nodes > 1:
             trainer, spec, base = self._data_parallel(msg, req, site, count, context.state)
         else:
             trainer, spec, base = self._single(msg, req, site, context.state)
@@ -460,7 +461,7 @@ class DatacenterClient:
                              "with its own optimizer_fn or lr_schedule cannot take part")
         if count > 1:
             raise ValueError(f"strategy ddp computes each site's gradient in one process; this site runs {count} "
-                             "devices (client.devices / node config devices): set it to 1")
+                             "ranks (client.devices x client.nodes, or node config devices and nodes): set them to 1")
         trainer, spec, _ = self._single(msg, req, site)
         source = self.batches(site)
         assert req.start_step is not None  # TrainRequest refuses send=grad without one

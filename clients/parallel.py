@@ -21,10 +21,16 @@ if TYPE_CHECKING:
     from fl_geo.clients.api import DatacenterClient
     from fl_geo.runtime import protocol
 
-__all__ = ["SITE_GROUP_KEY", "parallel_trainer", "release"]
+__all__ = ["SITE_GROUP_KEY", "SITE_RENDEZVOUS_KEY", "parallel_trainer", "release", "site_nodes"]
 
 SITE_GROUP_KEY = "site-group"  # node config: the address of the node's site-group daemon
 SITE_GROUP_IDLE_KEY = "site-group-idle-s"  # node config: the daemon exits after this long unused
+SITE_RENDEZVOUS_KEY = "site-rendezvous"  # node config: host:port of a multi-node site's store, on node 0
+
+
+def site_nodes(site: Site) -> int:
+    """Nodes of this site: node config ``nodes`` (a site knows its hardware), else ``client.nodes``, else 1."""
+    return int(site.node_config.get("nodes", site.sections["client"].get("nodes", 1)))
 
 
 def user_source(batches_fn: Any, site: Site) -> BatchSource:
@@ -51,6 +57,11 @@ def parallel_trainer(client: DatacenterClient, req: protocol.TrainRequest, site:
                          "(its state lives in the job's shared buffers); drop optimizer_fn")
     parallel = str(site.sections["client"].get("parallel", "ddp"))  # an older client section: ddp
     address = str(site.node_config.get(SITE_GROUP_KEY, "") or "")
+    nodes = site_nodes(site)
+    if nodes > 1 and not address:
+        # The other nodes' ranks must outlive the message: only the persistent group has them.
+        raise ValueError(f"a site of {nodes} nodes (client.nodes / node config nodes) runs in the node's "
+                         "persistent site group: set node config site-group and site-rendezvous on node 0")
     if site.inner.optimizer != "adamw" and (address or parallel == "fsdp"):
         # The site group's shared files and the FSDP ranks hold AdamW's state layout only; the
         # spawned DDP job (no site group) also shares Muon's (fl_geo.inner.muon).
@@ -69,7 +80,8 @@ def parallel_trainer(client: DatacenterClient, req: protocol.TrainRequest, site:
     identity = {"run": req.run_name, "model": site.model_key(), "model_fn": _qualname(client.model_fn),
                 "batches_fn": _qualname(client.batches_fn), "partition": site.partition_id, "parallel": parallel}
     idle = float(site.node_config.get(SITE_GROUP_IDLE_KEY, DEFAULT_IDLE_S))
-    group = SiteGroup(address, identity, devices, backend, threads=req.threads, idle_s=idle)
+    group = SiteGroup(address, identity, devices, backend, threads=req.threads, idle_s=idle, nodes=nodes,
+                      rendezvous=str(site.node_config.get(SITE_RENDEZVOUS_KEY, "") or ""))
     return SiteGroupTrainer(group, factory, site.inner, spec,
                             batches=functools.partial(user_source, client.batches_fn, site), **options)
 

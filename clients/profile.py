@@ -49,8 +49,8 @@ def profile_reply(msg: Message, context: Context) -> Message:
             "site": str(context.node_config.get("site", f"dc{pid}")),
         }
     )
-    if "devices" in context.node_config:  # a site's own device count overrides client.devices
-        profile["devices"] = int(context.node_config["devices"])
+    if "devices" in context.node_config:  # a site's own rank count overrides client.devices x client.nodes
+        profile["devices"] = int(context.node_config["devices"]) * int(context.node_config.get("nodes", 1))
     decl = protocol.ReplyDeclaration(payload="none", precision="fp32").to_record()
     return Message(RecordDict({protocol.PROFILE_KEY: profile, protocol.REQUEST_RECORD: decl}), reply_to=msg)
 

@@ -47,6 +47,10 @@ class ClientSection:
     # 1 = one process (the default path); N > 1 = N DDP processes started per train message. A
     # SuperNode may override it (--node-config 'devices=8'); its hardware is checked there.
     devices: int = 1
+    # Nodes of a site (docs/multidevice.md): N > 1 = the site's persistent group spans N nodes of
+    # `devices` ranks each (node config site-group and site-rendezvous on node 0, the agent
+    # fl_geo.clients.site_node on the others); a SuperNode may override it (node config nodes).
+    nodes: int = 1
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     # How the ranks split the model (docs/multidevice.md): ddp = a whole replica per rank; fsdp =
     # FSDP2 shards (parameters, gradients and AdamW moments 1/N per rank: a model larger than one device)
@@ -85,6 +89,7 @@ class ClientSection:
                 f"client.device '{self.device}' is unknown; valid: auto, cuda, cuda:N, npu, npu:N, mps, cpu")
         require(self.precision in ("auto", "bf16", "fp32"), f"client.precision '{self.precision}' is unknown")
         require(self.devices >= 1, f"client.devices must be >= 1, got {self.devices}")
+        require(self.nodes >= 1, f"client.nodes must be >= 1, got {self.nodes}")
         require(self.dist_backend in ("auto", "gloo", "nccl"),
                 f"client.dist_backend must be auto, gloo or nccl, got '{self.dist_backend}'")
         require(self.dist_backend != "nccl" or kind in ("auto", "cuda"),

@@ -16,7 +16,14 @@ must belong to a process that outlives the ClientApp. This is that process, one 
 
 A job that fails (a rank raised or died, or the job ran past its deadline) ends every rank of
 the group and is answered with an error naming the rank and the cause; the next job starts a
-new group. The daemon itself never trains and never unpickles a job, so a user's code cannot
+new group.
+
+A site of several nodes (``--nodes N --rendezvous host:port``): the daemon runs on node 0 and
+hosts the site's TCP store (`fl_geo.inner.site_store`) for its whole life; its own ranks are
+global ranks ``0 … local − 1``; every other node runs an agent (`fl_geo.clients.site_node`) that
+starts that node's ranks for each generation the daemon announces. A job goes to them through
+the store, their answers come back through it, and a node whose agent has no fresh heartbeat
+fails the job at once (instead of a collective waiting for it until its timeout). The daemon itself never trains and never unpickles a job, so a user's code cannot
 break it. Its identity (run, model, devices, ...) is fixed at start: a coordinator that needs
 another one stops it and starts a new daemon. Importable without torch (the ranks import it).
 """
@@ -28,6 +35,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -44,6 +52,8 @@ __all__ = ["main", "serve"]
 
 REQUEST_TIMEOUT_S = 30.0  # a request frame must arrive within this
 _GRACE_S = 1.0  # a failed group's survivors: this long to exit, then SIGTERM, then SIGKILL
+_NODE_WAIT_S = 60.0  # several nodes: a job waits this long for the other nodes' agents to be live
+_REMOTE_POLL_S = 0.02  # several nodes: the store is polled for the other nodes' answers this often
 
 
 class JobFailed(RuntimeError):
@@ -69,6 +79,19 @@ class _Group:
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.memory: list[dict[str, Any]] = []  # each rank's peak memory after the last job
+        # Several nodes: the site's store, served from here for the daemon's life (imports torch).
+        self.nodes = int(setup.get("nodes", 1))
+        self.local = len(setup["devices"])
+        self.store: Any = None
+        self.token = secrets.token_hex(4)  # generation ids unique to this daemon
+        self.gen_id = ""
+        self.job_index = 0  # jobs sent in this generation (the store's job keys)
+        self.beats: dict[int, tuple[str, float]] = {}  # node -> (its heartbeat counter, when it last moved)
+        if self.nodes > 1:
+            from fl_geo.inner.site_store import host_store
+
+            self.store = host_store(str(setup["rendezvous"]), float(setup["timeout_s"]))
+            self.store.set("generation", "")
 
     def pids(self) -> list[int]:
         return [int(p.pid) for p in self.procs]
@@ -79,9 +102,20 @@ class _Group:
 
         self.generation += 1
         store = os.path.join(self.state_dir, f"store-{self.generation}")
+        self.job_index = 0
+        several = self.store is not None
+        if several:
+            self.gen_id = f"{self.token}-{self.generation}"
+            self.store.set(f"{self.gen_id}/setup", json.dumps({
+                "world": self.nodes * self.local, "local": self.local, "nodes": self.nodes,
+                "backend": self.setup["backend"], "timeout_s": float(self.setup["timeout_s"]),
+                "threads": int(self.setup["threads"])}))
+            self.store.set("generation", self.gen_id)  # the other nodes' agents start their ranks
         setup = GroupSetup(devices=tuple(self.setup["devices"]), backend=self.setup["backend"],
-                           store_path=store, timeout_s=float(self.setup["timeout_s"]),
-                           threads=int(self.setup["threads"]))
+                           store_path="" if several else store, timeout_s=float(self.setup["timeout_s"]),
+                           threads=int(self.setup["threads"]), world=self.nodes * self.local,
+                           rendezvous=str(self.setup.get("rendezvous", "")) if several else "",
+                           generation=self.gen_id)
         ctx = mp.get_context("spawn")
         for rank in range(len(setup.devices)):
             parent, child = ctx.Pipe()
@@ -95,7 +129,11 @@ class _Group:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
     def stop(self, graceful: bool = True) -> None:
-        """End every rank: ask (graceful), wait briefly, then SIGTERM and SIGKILL; reap them all."""
+        """End every rank: ask (graceful), wait briefly, then SIGTERM and SIGKILL; reap them all.
+        On several nodes the generation is withdrawn first: the other nodes' agents end their ranks."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # a store that failed cannot be told; agents see it
+                self.store.set("generation", "")
         if graceful:
             for conn in self.conns:
                 with contextlib.suppress(OSError):
@@ -125,9 +163,14 @@ class _Group:
             self.stop(graceful=False)  # a rank that died between jobs: a whole new group
             self._start()
         try:
+            if self.store is not None:
+                self._check_nodes(wait_s=_NODE_WAIT_S)
+                self.store.set(f"{self.gen_id}/job/{self.job_index}", job)
             for conn in self.conns:
                 conn.send_bytes(job)
             self._wait(timeout_s)
+            if self.store is not None:
+                self._forget_job()
         except JobFailed:
             self.stop(graceful=False)
             raise
@@ -139,14 +182,23 @@ class _Group:
         world = len(self.procs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = set(range(world))
+        remote = set(range(world, self.nodes * self.local)) if self.store is not None else set()
         memory: list[dict[str, Any]] = [{} for _ in range(world)]
         by_conn = {id(c): r for r, c in enumerate(self.conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
-        while pending:
+        while pending or remote:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], left)
-            if not ready:
-                raise JobFailed(f"the site group ({world} ranks) did not finish the job within {timeout_s:g} s")
+            if remote:  # the other nodes answer through the store: poll it between waits
+                left = _REMOTE_POLL_S if left is None else min(left, _REMOTE_POLL_S)
+                self._collect_remote(remote)
+            if pending:
+                ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], left)
+            else:
+                ready = []
+                time.sleep(left or 0.0)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                raise JobFailed(f"the site group ({self.nodes * self.local} ranks) did not finish the job "
+                                f"within {timeout_s:g} s")
             for obj in ready:
                 rank = by_sentinel.get(obj) if isinstance(obj, int) else by_conn.get(id(obj))
                 if rank is None or rank not in pending:
@@ -157,6 +209,57 @@ class _Group:
                 pending.discard(rank)
                 memory[rank] = {k: v for k, v in answer.items() if k.startswith("peak_")}
         self.memory = memory
+
+    def _collect_remote(self, remote: set[int]) -> None:
+        """Take the other nodes' answers to the current job from the store (``remote``: the
+        global ranks still owed); `JobFailed` for a rank's error or a node that went silent."""
+        for rank in sorted(remote):
+            key = f"{self.gen_id}/answer/{self.job_index}/{rank}"
+            if not self.store.check([key]):
+                continue
+            answer = json.loads(self.store.get(key))
+            if not isinstance(answer, dict) or "error" in answer:
+                text = answer.get("error") if isinstance(answer, dict) else answer
+                raise JobFailed(f"rank {rank} (node {rank // self.local}) of the site group failed:\n{text}")
+            remote.discard(rank)
+        if remote:
+            self._check_nodes(wait_s=0.0, nodes={rank // self.local for rank in remote})
+
+    def _check_nodes(self, wait_s: float, nodes: set[int] | None = None) -> None:
+        """`JobFailed` unless every other node's agent (or those in ``nodes``) has a fresh heartbeat
+        and no error for this generation; waits up to ``wait_s`` for agents that are starting."""
+        from fl_geo.inner.site_store import STALE_S, get_text
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            problems = []
+            for node in sorted(nodes if nodes is not None else range(1, self.nodes)):
+                error = get_text(self.store, f"node/{node}/error")
+                if error.startswith(f"{self.gen_id}:"):
+                    raise JobFailed(f"node {node} of the site cannot join: {error.split(':', 1)[1].strip()}")
+                beat = get_text(self.store, f"node/{node}/heartbeat")
+                now = time.monotonic()
+                if beat and self.beats.get(node, ("", 0.0))[0] != beat:
+                    self.beats[node] = (beat, now)  # the counter moved: seen alive now (our clock)
+                age = now - self.beats[node][1] if node in self.beats else None
+                if age is None or age > STALE_S:
+                    problems.append(f"node {node} (" + ("never joined" if age is None else f"silent for {age:.0f} s") + ")")
+            if not problems:
+                return
+            if time.monotonic() >= deadline:
+                raise JobFailed(f"the site's nodes {', '.join(problems)} have no live agent at "
+                                f"{self.setup.get('rendezvous')}: run `fl-geo site-node "
+                                f"--rendezvous {self.setup.get('rendezvous')} --node-rank K --devices ...` on each")
+            time.sleep(0.2)
+
+    def _forget_job(self) -> None:
+        """Drop the finished job's keys from the store (a long run would otherwise keep them all)."""
+        keys = [f"{self.gen_id}/job/{self.job_index}"]
+        keys += [f"{self.gen_id}/answer/{self.job_index}/{r}" for r in range(self.local, self.nodes * self.local)]
+        for key in keys:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
+        self.job_index += 1
 
     def _account(self, first: int, answer: dict[str, Any] | None) -> str:
         """Why the job failed. The first rank to report is often a survivor whose collective broke
@@ -204,6 +307,7 @@ class _Daemon:
 
     def info(self) -> dict[str, Any]:
         return {"op": "result", "identity": self.identity, "pid": os.getpid(), "ranks": self.group.pids(),
+                "nodes": self.group.nodes,
                 "generation": self.group.generation, "jobs": self.jobs, "state_dir": self.state_dir,
                 "memory": self.group.memory}
 
@@ -300,9 +404,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="process-group timeout per collective")
     parser.add_argument("--idle-s", type=float, default=1800.0, help="exit after this long without a request")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the site (this one is node 0)")
+    parser.add_argument("--rendezvous", default="", help="several nodes: host:port of the site's store, served here")
     args = parser.parse_args(argv)
+    if args.nodes < 1 or (args.nodes > 1 and not args.rendezvous):
+        parser.error("--nodes must be >= 1, and a site of several nodes needs --rendezvous host:port")
     setup = {"devices": args.devices.split(","), "backend": args.backend, "threads": args.threads,
-             "timeout_s": args.timeout_s}
+             "timeout_s": args.timeout_s, "nodes": args.nodes, "rendezvous": args.rendezvous}
     serve(args.address, json.loads(args.identity), setup, args.idle_s)
     return 0
 

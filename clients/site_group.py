@@ -107,11 +107,14 @@ class SiteGroup:
     ``identity``: JSON-able; a daemon answering at ``address`` with another identity is
     replaced (the coordinator adds devices, backend, threads and the fl-geo version itself).
     ``timeout_s`` bounds every collective in the ranks (a peer that hangs without dying);
-    ``idle_s`` ends a daemon nobody used for that long.
+    ``idle_s`` ends a daemon nobody used for that long. ``nodes`` > 1: the site spans that many
+    nodes, this one node 0; the daemon serves the site's store at ``rendezvous`` (host:port) and
+    every other node runs `fl_geo.clients.site_node` with the same number of ``devices``.
     """
 
     def __init__(self, address: str, identity: Mapping[str, Any], devices: Sequence[torch.device], backend: str,
-                 *, threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S, idle_s: float = DEFAULT_IDLE_S) -> None:
+                 *, threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S, idle_s: float = DEFAULT_IDLE_S,
+                 nodes: int = 1, rendezvous: str = "") -> None:
         try:
             self.path = unix_path(address)
         except IpcError as exc:
@@ -122,8 +125,20 @@ class SiteGroup:
         self.threads = int(threads)
         self.timeout_s = float(timeout_s)
         self.idle_s = float(idle_s)
+        self.nodes, self.rendezvous = int(nodes), str(rendezvous)
+        if self.nodes < 1:
+            raise ConfigError(f"client.nodes (node config nodes) must be >= 1, got {nodes}")
+        if self.nodes > 1:
+            from fl_geo.inner.site_store import parse_rendezvous
+
+            try:
+                parse_rendezvous(self.rendezvous)
+            except ValueError as exc:
+                raise ConfigError(f"a site of {self.nodes} nodes needs node config site-rendezvous: {exc}") from None
+        several = {"nodes": self.nodes, "rendezvous": self.rendezvous} if self.nodes > 1 else {}
         self.identity = json.loads(json.dumps({**identity, "devices": self.devices, "backend": backend,
-                                               "threads": self.threads, "fl_geo": __version__}, sort_keys=True))
+                                               "threads": self.threads, "fl_geo": __version__, **several},
+                                              sort_keys=True))
         self._lock_fd: int | None = None
 
     # ------------------------------------------------------------ requests
@@ -195,6 +210,8 @@ class SiteGroup:
                "--identity", json.dumps(self.identity), "--devices", ",".join(self.devices),
                "--backend", self.backend, "--threads", str(self.threads), "--timeout-s", str(self.timeout_s),
                "--idle-s", str(self.idle_s)]
+        if self.nodes > 1:
+            cmd += ["--nodes", str(self.nodes), "--rendezvous", self.rendezvous]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)  # outlives this process and its signals

@@ -325,8 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks: `fl-geo bench outer --help` (one outer step vs memory bandwidth and Flower's FedAvg)",
     )
     b.set_defaults(func=cmd_bench)
+    sn = sub.add_parser("site-node", help="node K > 0 of a site that spans nodes: run its ranks of the site group "
+                                          "(docs/multidevice.md)")
+    sn.add_argument("--rendezvous", required=True, help="host:port of the site's store (node 0's site-rendezvous)")
+    sn.add_argument("--node-rank", required=True, help="this node's index in the site, 1..nodes-1")
+    sn.add_argument("--devices", required=True, help="comma-separated devices, one rank each (cpu,cpu or cuda:0,cuda:1)")
+    sn.set_defaults(func=cmd_site_node)
     add_deploy_parser(sub)
     return p
+
+
+def cmd_site_node(args: argparse.Namespace) -> int:
+    """`fl-geo site-node`: `python -m fl_geo.clients.site_node` (it runs until SIGTERM or Ctrl-C)."""
+    from fl_geo.clients.site_node import main as site_node_main
+
+    return site_node_main(["--rendezvous", args.rendezvous, "--node-rank", str(args.node_rank),
+                           "--devices", args.devices])
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -200,8 +200,8 @@ class OuterLoop(LoopKernel):
 
     def step_tokens(self, node: int) -> int | None:
         """The token cap of one inner step of ``node``: client.batch_size × client.seq_len × the
-        site's devices: its profile's (else client.devices), at most what the server's operator
-        allows a site (``strategy.site_devices``; 0: client.devices). The profile is the site's
+        site's ranks: its profile's (else client.devices × client.nodes), at most what the server's
+        operator allows a site (``strategy.site_devices``; 0: client.devices × client.nodes). The profile is the site's
         own answer, so it may lower its cap, never raise it past the operator's: a profile
         claiming 4096 devices buys no more weight than ``site_devices`` of them. A reply claiming
         more tokens than its steps can produce is refused, so a token-weighted mean cannot be
@@ -209,9 +209,10 @@ class OuterLoop(LoopKernel):
         plain Flower ClientApp, whose examples are counted by its own code."""
         if self.cfg.strategy.token_cap == "none" or self.is_plain(node):
             return None
-        allowed = self.cfg.strategy.site_devices or self.cfg.client.devices
+        allowed = self.cfg.strategy.site_devices or self.cfg.client.devices * self.cfg.client.nodes
         profile = self.profiles.get(node)
-        claimed = profile.devices if profile is not None and profile.devices else self.cfg.client.devices
+        claimed = profile.devices if profile is not None and profile.devices else \
+            self.cfg.client.devices * self.cfg.client.nodes
         return self.cfg.client.batch_size * self.cfg.client.seq_len * min(claimed, allowed)
 
     def arrays_for(self, node: int, wire_arrays: Any, flat: torch.Tensor) -> Any:

@@ -76,7 +76,7 @@ class MethodSettings:
     token_cap : str (default: "job")
         ``"job"``: a reply claiming more tokens than its job could produce is rejected;
         ``"none"``: trust the claim (a ClientApp whose batches follow other settings).
-    site_devices : int (default: 0 = ``client.devices``)
+    site_devices : int (default: 0 = ``client.devices × client.nodes``)
         The most devices a site's token cap counts, set by the operator: a site's own profile
         may claim fewer, never more.
     robust, robust_factor, robust_window : str, float, int (default: "none", 3.0, 16)

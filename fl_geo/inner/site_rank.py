@@ -11,7 +11,14 @@ rewound inner state, trains exactly as the spawn-per-message path would.
 
 A job that fails in a rank (an exception, or a peer that died) is answered with the traceback
 and the rank exits: a process group with a dead or desynchronised member cannot be reused, so
-the daemon ends the group and starts a fresh one for the next job. Importable without Flower.
+the daemon ends the group and starts a fresh one for the next job.
+
+A site of several nodes (`GroupSetup.rendezvous`): node 0's ranks are the daemon's, the other
+nodes' ranks are started by each node's agent (`fl_geo.clients.site_node`); all join one process
+group through the site's TCP store (`fl_geo.inner.site_store`) and read their jobs from it. Only
+node 0 has the state files: at the start of every job rank 0 broadcasts θ and the optimizer
+state to every rank, and at the end writes the trained state into the files as on one node.
+Importable without Flower.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,11 +69,24 @@ __all__ = ["GroupJob", "GroupSetup", "rank_loop"]
 class GroupSetup:
     """What a rank needs for its whole life (pickled once, when the daemon starts it)."""
 
-    devices: tuple[str, ...]
+    devices: tuple[str, ...]  # this node's ranks
     backend: str
-    store_path: str  # the FileStore of this generation of the group
+    store_path: str  # one node: the FileStore of this generation of the group ("" on several nodes)
     timeout_s: float  # every collective; bounds a peer that hangs without dying
     threads: int
+    rank_offset: int = 0  # global rank of this node's first rank (node k: k x len(devices))
+    world: int = 0  # ranks of the whole site; 0 = len(devices) (one node)
+    rendezvous: str = ""  # several nodes: host:port of the site's TCP store (fl_geo.inner.site_store)
+    generation: str = ""  # several nodes: this generation's id in that store
+
+    @property
+    def world_size(self) -> int:
+        return self.world or len(self.devices)
+
+    @property
+    def has_files(self) -> bool:
+        """Whether this node's ranks map the coordinator's state files (node 0 only)."""
+        return self.rank_offset == 0
 
 
 @dataclass
@@ -111,8 +133,10 @@ def _die_with_parent() -> None:
 class _Resident:
     """What a rank keeps between jobs: the mapped files, the model and its trainer."""
 
-    def __init__(self, rank: int, world: int, device: torch.device) -> None:
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, rank: int, world: int, device: torch.device, has_files: bool = True,
+                 several_nodes: bool = False) -> None:
+        self.rank, self.world, self.device, self.has_files = rank, world, device, has_files
+        self.several_nodes = several_nodes  # only node 0 has the files: rank 0 broadcasts the state
         self.shared: SharedTrainState | None = None
         self.files: tuple[str, ParamSpec] | None = None
         self.model: torch.nn.Module | None = None
@@ -125,10 +149,15 @@ class _Resident:
         if job.rank_setup is not None:
             job.rank_setup(self.rank, self.world)
         if self.files != (job.state_dir, job.spec):
-            self.shared = SharedTrainState.map_files(job.spec, job.state_dir)
+            # A node without the files (a multi-node site's nodes 1..) keeps private buffers of the
+            # same layout, filled by rank 0's broadcast below.
+            self.shared = SharedTrainState.map_files(job.spec, job.state_dir) if self.has_files \
+                else SharedTrainState.allocate(job.spec)
             self.files = (job.state_dir, job.spec)
         shared = self.shared
         assert shared is not None
+        if self.several_nodes:
+            _broadcast_state(shared, self.device)
         if self.model is None:
             with torch.device(self.device):  # values come from the shared parameters below
                 self.model = job.model_factory()
@@ -151,6 +180,16 @@ class _Resident:
                          self.rank, self.world)
 
 
+def _broadcast_state(shared: SharedTrainState, device: torch.device) -> None:
+    """θ, the optimizer state and its presence flag from rank 0 (which read them from the files) to
+    every rank, through the rank's device (NCCL broadcasts device tensors only)."""
+    for buffer in (shared.params, shared.exp_avg, shared.exp_avg_sq, shared.steps, shared.has_moments):
+        staged = buffer.to(device)
+        dist.broadcast(staged, src=0)
+        if staged.data_ptr() != buffer.data_ptr():
+            buffer.copy_(staged)
+
+
 def _peak_memory(device: torch.device) -> dict[str, float]:
     """This rank's peak memory so far, in MiB: resident set (Linux reports KiB) and, on CUDA,
     the most the caching allocator held for tensors (``fl-geo bench site`` prints both)."""
@@ -160,18 +199,45 @@ def _peak_memory(device: torch.device) -> dict[str, float]:
     return peak
 
 
-def rank_loop(rank: int, setup: GroupSetup, conn: Connection) -> None:
+def _join(local_rank: int, setup: GroupSetup) -> tuple[torch.device, Any]:
+    """Join this generation's process group; returns the rank's device and, on a node without the
+    daemon (a multi-node site's nodes 1..), the store it reads its jobs from."""
+    if not setup.rendezvous:
+        return join_process_group(local_rank, setup.devices, setup.backend, setup.store_path, setup.timeout_s,
+                                  setup.threads), None
+    from fl_geo.inner.site_store import connect
+
+    torch.set_num_threads(setup.threads)
+    device = torch.device(setup.devices[local_rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = connect(setup.rendezvous, setup.timeout_s)
+    dist.init_process_group(setup.backend, store=dist.PrefixStore(f"{setup.generation}/pg", store),
+                            rank=setup.rank_offset + local_rank, world_size=setup.world_size,
+                            timeout=timedelta(seconds=setup.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return device, store
+
+
+def rank_loop(rank: int, setup: GroupSetup, conn: Connection | None) -> None:
     """Body of one persistent rank: join the group, then answer jobs until told to stop.
 
-    A job is pickled `GroupJob` bytes; the answer is JSON ``{"ok": true, <peak memory>}`` or
-    ``{"error": tb}``.
+    ``rank``: the rank's index on its node (its global rank adds ``setup.rank_offset``). A job is
+    pickled `GroupJob` bytes, read from ``conn`` (the daemon's pipe) or, where ``conn`` is None (a
+    node of a multi-node site other than node 0), from the site's store (`StoreJobs`); the answer
+    is JSON ``{"ok": true, <peak memory>}`` or ``{"error": tb}``.
     Empty bytes or a closed pipe end the loop. After an error the rank exits at once (status 1)
     without leaving the process group: its peers may be blocked in a collective with it.
     """
     _die_with_parent()
-    world = len(setup.devices)
-    device = join_process_group(rank, setup.devices, setup.backend, setup.store_path, setup.timeout_s, setup.threads)
-    resident = _Resident(rank, world, device)
+    device, store = _join(rank, setup)
+    if conn is None:
+        from fl_geo.inner.site_store import StoreJobs
+
+        conn = StoreJobs(store, setup.generation, setup.rank_offset + rank)  # type: ignore[assignment]
+    assert conn is not None
+    resident = _Resident(setup.rank_offset + rank, setup.world_size, device, setup.has_files,
+                         several_nodes=bool(setup.rendezvous))
     while True:
         try:
             data = conn.recv_bytes()
