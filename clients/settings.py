@@ -55,6 +55,9 @@ class ClientSection:
     # How the ranks split the model (docs/multidevice.md): ddp = a whole replica per rank; fsdp =
     # FSDP2 shards (parameters, gradients and AdamW moments 1/N per rank: a model larger than one device)
     parallel: str = "ddp"
+    # Recompute each repeated block's forward during backward (fl_geo.inner.blocks): the activations
+    # kept for backward drop to one tensor per block, for about one more forward pass of compute
+    activation_checkpointing: bool = False
 
     def _check_optimizer(self) -> None:
         """Raise `ConfigError` for an inner optimizer, schedule or batch setting out of its range."""

@@ -143,8 +143,9 @@ def test_a_daemon_of_another_identity_is_replaced(group) -> None:
 @pytest.mark.slow(seconds=49)
 def test_client_app_trains_fsdp_through_the_node_site_group(tiny, tmp_path, group) -> None:
     """Through the real train handler, 2 rounds: node config devices=2 and site-group, with
-    client.parallel=fsdp (FSDP2: each rank holds half of every tensor) and batch 4, vs one process
-    with batch 8. The ClientApp replaces the file's daemon (another run and model), and one daemon
+    client.parallel=fsdp (FSDP2: each rank holds half of every tensor), activation checkpointing of
+    every FSDP unit (recomputed inside the unit's gathered window) and batch 4, vs one process with
+    batch 8 and no checkpointing. The ClientApp replaces the file's daemon (another run and model), and one daemon
     with one set of ranks serves both rounds. With the first test (DDP group = one process), this is
     FSDP2 = DDP on 2 ranks to fp32 rounding, each within the same bounds of the same reference."""
     from fl_geo.clients.datacenter import OPT_STATE_KEY
@@ -157,7 +158,8 @@ def test_client_app_trains_fsdp_through_the_node_site_group(tiny, tmp_path, grou
     runs = {}
     for name, batch, node in (("one", 8, {}), ("group", 4, {"devices": 2, "device": "cpu", "site-group": group.address})):
         cfg = tiny(*common, f"client.batch_size={batch}", f"strategy.site_devices={node.get('devices', 0)}",
-                   "client.parallel=fsdp")  # one process: ignored (no ranks to shard over)
+                   "client.parallel=fsdp",  # one process: ignored (no ranks to shard over)
+                   f"client.activation_checkpointing={str(bool(node)).lower()}")
         grid = InlineGrid(client_app, 1, seed=0, node_configs=[{"partition-id": 0, "num-partitions": 1, **node}])
         summary = run_server(grid, cfg, tmp_path / name)
         (context,) = grid.contexts.values()

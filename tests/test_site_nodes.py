@@ -1,6 +1,7 @@
 """A site that spans nodes (issue 29; docs/multidevice.md): node 0's site-group daemon hosts the
 site's TCP store, node 1's agent (fl_geo.clients.site_node) starts its ranks there, and the four
-ranks train as one process with the whole batch; a node without a live agent, or with the wrong
+ranks (a Hugging Face model sharded with FSDP2 across both nodes) train as one process with the
+whole batch; a node without a live agent, or with the wrong
 number of devices, fails the job at once with a message that says what to run.
 
 Both "nodes" are this machine (localhost rendezvous): the agent is a separate process that is
@@ -29,10 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 CPU2 = [torch.device("cpu")] * 2
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=45)
 def test_two_nodes_of_two_ranks_train_like_one_process_with_the_whole_batch(tiny, tmp_path) -> None:
     """Through the real train handler, 2 rounds: node 0's node config devices=2 nodes=2 site-group
-    site-rendezvous and batch 2, node 1's agent with 2 CPU ranks, against one process with batch 8."""
+    site-rendezvous and batch 2, node 1's agent with 2 CPU ranks, against one process with batch 8.
+    The model is a Hugging Face preset (its own layer list) sharded with FSDP2 over the four ranks
+    of both nodes: what each rank holds comes from rank 0's broadcast, a shard of what it received."""
     from fl_geo.clients.datacenter import OPT_STATE_KEY
     from fl_geo.clients.datacenter import app as client_app
     from fl_geo.runtime.inline import InlineGrid
@@ -46,7 +49,8 @@ def test_two_nodes_of_two_ranks_train_like_one_process_with_the_whole_batch(tiny
         agent = subprocess.Popen([sys.executable, "-m", "fl_geo.clients.site_node", "--rendezvous", rendezvous,
                                   "--node-rank", "1", "--devices", "cpu,cpu"],
                                  cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    common = ("run.num_clients=1", "run.rounds=2", "strategy.inner_steps=2", "run.eval_every=0", "run.threads_per_client=1")
+    common = ("run.num_clients=1", "run.rounds=2", "strategy.inner_steps=2", "run.eval_every=0", "run.threads_per_client=1",
+              "model.kind=hf", "model.preset=smollm-tiny", "client.parallel=fsdp")  # one process: no ranks to shard over
     node0 = {"devices": 2, "nodes": 2, "device": "cpu", "site-group": address, "site-rendezvous": rendezvous}
     runs, info = {}, None
     try:
@@ -65,7 +69,10 @@ def test_two_nodes_of_two_ranks_train_like_one_process_with_the_whole_batch(tiny
         assert text.count("started global ranks 2..3 of 4") == 1, text
         (s1, final1, opt1), (s2, final2, opt2) = runs["one"], runs["two-nodes"]
         assert s2["rejected"] == 0 and s1["tokens"] == s2["tokens"] == 2 * 2 * 8 * 32  # all 4 ranks' tokens
-        torch.testing.assert_close(final2, final1, rtol=0, atol=1e-6)  # 4 ranks of 2 = 1 process of 8
+        # 4 ranks of 2 = 1 process of 8, to fp32 rounding: summation order differs (gradients reduced
+        # over 4 shards); AdamW divides by sqrt(v), so an element whose gradient is tiny moves most
+        # (measured: 7 of 115,008 parameters differ by 1e-6 to 5.2e-6, the rest by less)
+        torch.testing.assert_close(final2, final1, rtol=0, atol=2e-5)
         assert list(opt2.keys()) and set(opt2.keys()) == set(opt1.keys())
         for key in opt1:
             torch.testing.assert_close(torch.from_numpy(opt2[key].numpy()), torch.from_numpy(opt1[key].numpy()),

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from fl_geo.core.state import ParamSpec, unflatten
+from fl_geo.inner.blocks import block_lists
 from fl_geo.inner.device import autocast_dtype, pick_device
 from fl_geo.inner.distributed_state import SharedTrainState
 from fl_geo.inner.training import InnerConfig, InnerTrainer
@@ -37,26 +38,11 @@ from fl_geo.inner.training import InnerConfig, InnerTrainer
 __all__ = ["FsdpRankTrainer", "shard_model"]
 
 
-def _block_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
-    """The outermost ``nn.ModuleList`` s of the model (a list inside a listed block is part of that block)."""
-    found: list[torch.nn.ModuleList] = []
-
-    def visit(module: torch.nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, torch.nn.ModuleList):
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return found
-
-
 def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
     """``fully_shard`` each listed block, then the root; ``compute_dtype`` (bf16) for mixed precision."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
         if compute_dtype is not None else MixedPrecisionPolicy()
-    for blocks in _block_lists(model):
+    for blocks in block_lists(model):
         for block in blocks:
             fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from fl_geo.inner.blocks import set_activation_checkpointing
 from fl_geo.inner.device import autocast_dtype, pick_device
 from fl_geo.inner.muon import LR_SCALE, MuonAdamW, muon_optimizer
 
@@ -69,6 +70,9 @@ class InnerConfig:
     muon_ns_steps: int = 5
     muon_weight_decay: float = 0.01
     muon_adjust_lr: str = "original"
+    # client.activation_checkpointing: recompute each repeated block's forward in backward
+    # (fl_geo.inner.blocks): activations of one tensor per block instead of all of them
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -211,6 +215,7 @@ class InnerTrainer:
         self.device = pick_device(cfg.device)
         self.amp_dtype = autocast_dtype(self.device, cfg.precision)
         self.model = model.to(self.device)
+        set_activation_checkpointing(self.model, cfg.activation_checkpointing)  # also off: a kept model
         self.forward_module: torch.nn.Module = self.model  # a DDP replica in a data-parallel rank
         self.loss_fn = loss_fn or next_token_loss
         self.lr_schedule = lr_schedule

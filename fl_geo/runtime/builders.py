@@ -68,6 +68,7 @@ def inner_config(section: Any, total_steps: int) -> InnerConfig:
         device=d["device"],
         # (a client section from before the inner optimizer was a setting means AdamW)
         **{key: d[key] for key in _OPTIMIZER_KEYS if key in d},
+        activation_checkpointing=bool(d.get("activation_checkpointing", False)),
     )
 
 
