@@ -116,6 +116,36 @@ def test_topology_errors_name_the_key(tmp_path, mutate, message):
         _topo(data, tmp_path)
 
 
+def _two_node_site(data: dict[str, Any]) -> dict[str, Any]:
+    """Site dc0 as a cluster of three nodes of 2 CPU ranks: node 0's SuperNode, nodes 1 and 2 agents."""
+    data["nodes"][0]["extra_node_config"] = {"devices": 2, "nodes": 3, "site-group": "unix:///tmp/dc0.sock",
+                                             "site-rendezvous": "127.0.0.1:29400"}
+    data["nodes"][0]["site_nodes"] = [{"devices": "cpu,cpu"}, {"devices": "cpu,cpu"}]
+    return data
+
+
+def test_a_site_of_several_nodes_gets_an_agent_per_other_node(tmp_path):
+    from fl_geo.deploy.processes import site_node_command
+
+    node = _topo(_two_node_site(_base()), tmp_path).nodes[0]
+    assert [(s.node_rank, s.devices) for s in node.site_nodes] == [(1, "cpu,cpu"), (2, "cpu,cpu")]
+    assert 'nodes=3' in node.node_config_arg() and 'site-rendezvous="127.0.0.1:29400"' in node.node_config_arg()
+    cmd = site_node_command(node, node.site_nodes[1])
+    assert cmd[1:] == ["-m", "fl_geo.clients.site_node", "--rendezvous", "127.0.0.1:29400", "--node-rank", "2",
+                       "--devices", "cpu,cpu"]
+    for mutate, message in [
+        (lambda n: n["extra_node_config"].update(nodes=2), "2 other nodes, but extra_node_config nodes is 2"),
+        (lambda n: n["extra_node_config"].pop("site-rendezvous"), "needs extra_node_config site-rendezvous"),
+        (lambda n: n["site_nodes"][1].update(devices="cpu"), r"site_nodes\[1\].devices: 'cpu' is not 2 devices"),
+        (lambda n: n["site_nodes"][0].update(rank=1), "rank"),
+        (lambda n: n.update(site_nodes=[]), "non-empty list"),
+    ]:
+        data = _two_node_site(_base())
+        mutate(data["nodes"][0])
+        with pytest.raises(DeployError, match=message):
+            _topo(data, tmp_path)
+
+
 def test_remote_host_defaults_to_tls_and_auth_and_refuses_plaintext(tmp_path):
     data = _base()
     data["superlink"]["host"] = "10.1.2.3"

@@ -31,6 +31,7 @@ from fl_geo.deploy.processes import (
     list_nodes,
     load_records,
     register_node,
+    site_node_command,
     start_process,
     superlink_command,
     supernode_command,
@@ -146,6 +147,12 @@ def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult
             time.sleep(0.1 if not activated else 0.5)
         nodes_s = time.monotonic() - t0
         say(f"{want} SuperNodes online after {nodes_s:.1f} s")
+        for node in topo.nodes:  # a site's other nodes: their agents wait for node 0's first job
+            for site_node in node.site_nodes:
+                started.append(start_process(topo, "site-node", f"{node.name}-{site_node.node_rank}",
+                                             site_node_command(node, site_node)))
+                say(f"site node {site_node.node_rank} of {node.name} ({site_node.devices}), log {started[-1][1].log}")
+        _fail_if_exited(started)
         return UpResult(records=[r for _, r in started], healthy_s=healthy_s, nodes_online_s=nodes_s,
                         node_ids=node_ids)
     except BaseException:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fl_geo.deploy.topology import NO_DEPS_ENV, DeployError, NodeSpec, Topology
+from fl_geo.deploy.topology import NO_DEPS_ENV, DeployError, NodeSpec, SiteNodeSpec, Topology
 
 log = logging.getLogger("fl_geo")
 
@@ -42,6 +42,7 @@ __all__ = [
     "list_nodes",
     "load_records",
     "register_node",
+    "site_node_command",
     "superlink_command",
     "supernode_command",
 ]
@@ -204,6 +205,12 @@ def supernode_command(topo: Topology, node: NodeSpec, private_key: Path | None =
     if topo.security.auth:
         cmd += ["--auth-supernode-private-key", str(private_key or topo.certs.node_private_key(node.name))]
     return cmd
+
+
+def site_node_command(node: NodeSpec, site_node: SiteNodeSpec) -> list[str]:
+    """The ``fl-geo site-node`` agent of node ``site_node.node_rank`` of ``node``'s site."""
+    return [sys.executable, "-m", "fl_geo.clients.site_node", "--rendezvous", str(node.node_config["site-rendezvous"]),
+            "--node-rank", str(site_node.node_rank), "--devices", site_node.devices]
 
 
 def start_process(topo: Topology, role: str, name: str, cmd: list[str]) -> tuple[subprocess.Popen[bytes], ProcRecord]:

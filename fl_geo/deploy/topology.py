@@ -97,12 +97,24 @@ class Security:
 
 
 @dataclass(frozen=True)
+class SiteNodeSpec:
+    """Node ``node_rank`` > 0 of a site that spans nodes: its ``fl-geo site-node`` agent, started by
+    ``up`` on this host beside the site's SuperNode (docs/multidevice.md; across machines, run the
+    same command on each machine instead)."""
+
+    node_rank: int
+    devices: str  # comma-separated, one rank each
+
+
+@dataclass(frozen=True)
 class NodeSpec:
-    """One SuperNode (one site): its Runtime API port on its host and its ``node_config``."""
+    """One SuperNode (one site): its Runtime API port on its host and its ``node_config``; a site
+    of several nodes also lists its other nodes (``site_nodes``)."""
 
     name: str
     port: int
     node_config: dict[str, str | int]
+    site_nodes: tuple[SiteNodeSpec, ...] = ()
 
     def node_config_arg(self) -> str:
         """The ``--node-config`` string Flower parses (TOML values: strings quoted)."""
@@ -160,7 +172,7 @@ class Topology:
 _TOP_KEYS = {"name", "superlink", "flwr_home", "state_dir", "app_dir", "security", "nodes"}
 _SUPERLINK_KEYS = {"host", "port", "bind"}
 _SECURITY_KEYS = {"tls", "auth", "certs_dir", "allow_insecure_remote"}
-_NODE_KEYS = {"name", "port", "node_config", "extra_node_config"}
+_NODE_KEYS = {"name", "port", "node_config", "extra_node_config", "site_nodes"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -246,7 +258,34 @@ def _parse_node(i: int, data: Any, base_dir: Path) -> NodeSpec:
         if not re.match(r"^[A-Za-z0-9_.-]+$", str(key)):
             raise DeployError(f"{where}.extra_node_config: invalid key {key!r}")
         node_config[str(key)] = _node_value(f"{where}.extra_node_config", str(key), value)
-    return NodeSpec(name=name, port=_port(f"{where}.port", d["port"]), node_config=node_config)
+    site_nodes = _parse_site_nodes(where, d.get("site_nodes"), node_config)
+    return NodeSpec(name=name, port=_port(f"{where}.port", d["port"]), node_config=node_config, site_nodes=site_nodes)
+
+
+def _parse_site_nodes(where: str, data: Any, node_config: Mapping[str, str | int]) -> tuple[SiteNodeSpec, ...]:
+    """``site_nodes: [{devices: "cpu,cpu"}, ...]``: nodes 1, 2, ... of the site, checked against the
+    node config that node 0's SuperNode gets (``nodes``, ``devices``, ``site-group``, ``site-rendezvous``)."""
+    if data is None:
+        return ()
+    if not isinstance(data, list) or not data:
+        raise DeployError(f"{where}.site_nodes: expected a non-empty list of {{devices: ...}}")
+    need = ("nodes", "devices", "site-group", "site-rendezvous")
+    missing = [k for k in need if k not in node_config]
+    if missing:
+        raise DeployError(f"{where}.site_nodes: a site of several nodes needs extra_node_config {', '.join(missing)} "
+                          "(docs/multidevice.md)")
+    if node_config["nodes"] != len(data) + 1:
+        raise DeployError(f"{where}.site_nodes: {len(data)} other nodes, but extra_node_config nodes is "
+                          f"{node_config['nodes']} (it counts node 0 too: {len(data) + 1})")
+    out = []
+    for k, entry in enumerate(data, start=1):
+        spec = _check_keys(f"{where}.site_nodes[{k - 1}]", entry, {"devices"}, required=("devices",))
+        devices = _str(f"{where}.site_nodes[{k - 1}].devices", spec["devices"])
+        if len([d for d in devices.split(",") if d.strip()]) != node_config["devices"]:
+            raise DeployError(f"{where}.site_nodes[{k - 1}].devices: {devices!r} is not {node_config['devices']} "
+                              "devices (every node of a site runs as many ranks as node 0's devices)")
+        out.append(SiteNodeSpec(node_rank=k, devices=devices))
+    return tuple(out)
 
 
 def parse_topology(data: Any, base_dir: Path, source: str = "<topology>") -> Topology:
