@@ -17,29 +17,25 @@ mkdir -p "$OUT"
 COMMON="run.sim_cpus=1 run.progress=false run.tensorboard=false"
 ETA="run.max_tokens=819200"
 HALOS="run.max_tokens=1024000"
-declare -A CODEC=(
-  [fp32]="wire.up=fp32 wire.down=fp32"
-  [bf16]="wire.up=bf16 wire.down=fp32"
-  [int4]="wire.up=fp32 wire.down=fp32 wire.compress=int4 wire.error_feedback=false"
-  [int2-ef]="wire.up=fp32 wire.down=fp32 wire.compress=int2 wire.error_feedback=true"
-  [topk-int2-ef]="wire.up=fp32 wire.down=fp32 wire.compress=topk wire.compress_ratio=0.01 wire.compress_values=int2 wire.error_feedback=true"
-  [dct-int2-ef]="wire.up=fp32 wire.down=fp32 wire.compress=dct_topk wire.compress_ratio=0.01 wire.compress_values=int2 wire.error_feedback=true"
-)
-# HALoS: the local servers' sends to the global server cross the WAN (halos.compress); the
-# workers' sends to their local server stay in the region, at wire.up.
-declare -A HCODEC=(
-  [fp32]="wire.up=fp32 wire.down=fp32"
-  [bf16]="wire.up=bf16 wire.down=fp32"
-  [int4]="wire.up=fp32 wire.down=fp32 halos.compress=int4 halos.error_feedback=false"
-  [int2-ef]="wire.up=fp32 wire.down=fp32 halos.compress=int2 halos.error_feedback=true"
-  [topk-int2-ef]="wire.up=fp32 wire.down=fp32 halos.compress=topk halos.compress_ratio=0.01 halos.compress_values=int2 halos.error_feedback=true"
-  [dct-int2-ef]="wire.up=fp32 wire.down=fp32 halos.compress=dct_topk halos.compress_ratio=0.01 halos.compress_values=int2 halos.error_feedback=true"
-)
+# codec SECTION NAME: the overrides of one codec, on the wire section's uplink (DiLoCo, Di-PS) or on
+# HALoS's local-to-global link (SECTION=halos: it crosses the WAN; the workers' sends to their
+# local server stay in the region, at wire.up).
+codec() {
+  local base="wire.up=fp32 wire.down=fp32" c="$1.compress" r="$1.compress_ratio=0.01 $1.compress_values=int2"
+  case "$2" in
+    fp32) echo "$base" ;;
+    bf16) echo "wire.up=bf16 wire.down=fp32" ;;
+    int4) echo "$base $c=int4 $1.error_feedback=false" ;;
+    int2-ef) echo "$base $c=int2 $1.error_feedback=true" ;;
+    topk-int2-ef) echo "$base $c=topk $r $1.error_feedback=true" ;;
+    dct-int2-ef) echo "$base $c=dct_topk $r $1.error_feedback=true" ;;
+  esac
+}
 jobs=()
 for codec in fp32 bf16 int4 int2-ef topk-int2-ef dct-int2-ef; do
-  jobs+=("configs/bench/eta_diloco.yaml $COMMON $ETA strategy.inner_steps=8 ${CODEC[$codec]} run.name=diloco-$codec")
-  jobs+=("configs/bench/eta_dips.yaml $COMMON $ETA ${CODEC[$codec]} run.name=dips-$codec")
-  jobs+=("configs/bench/halos_halos.yaml $COMMON $HALOS ${HCODEC[$codec]} run.name=halos-$codec")
+  jobs+=("configs/bench/eta_diloco.yaml $COMMON $ETA strategy.inner_steps=8 $(codec wire $codec) run.name=diloco-$codec")
+  jobs+=("configs/bench/eta_dips.yaml $COMMON $ETA $(codec wire $codec) run.name=dips-$codec")
+  jobs+=("configs/bench/halos_halos.yaml $COMMON $HALOS $(codec halos $codec) run.name=halos-$codec")
 done
 printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO compare {} --seeds 3 --out $OUT/tables/\$(echo '{}' | sed 's/.*run.name=//') > /dev/null 2>> $OUT/study.log"
 "$FLGEO" compare --runs "$OUT"/tables/*/runs/* --out "$OUT/table"  # each group: mean and 95 % interval
