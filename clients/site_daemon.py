@@ -236,7 +236,7 @@ class _Group:
             for node in sorted(nodes if nodes is not None else range(1, self.nodes)):
                 error = get_text(self.store, f"node/{node}/error")
                 if error.startswith(f"{self.gen_id}:"):
-                    raise JobFailed(f"node {node} of the site cannot join: {error.split(':', 1)[1].strip()}")
+                    raise JobFailed(f"node {node} of the site: {error.split(':', 1)[1].strip()}")
                 beat = get_text(self.store, f"node/{node}/heartbeat")
                 now = time.monotonic()
                 if beat and self.beats.get(node, ("", 0.0))[0] != beat:
@@ -275,10 +275,29 @@ class _Group:
                 errors[rank] = late["error"]
         died = [r for r, p in enumerate(self.procs) if r not in errors and p.exitcode not in (None, 0)]
         died += [first] if answer is None and first not in died else []
-        lines = [f"rank {r} of the site group died during the job: it {_describe_exit(self.procs[r].exitcode)}"
-                 for r in died]
+        lines = self._remote_deaths()  # another node's rank that died is the cause: name it first
+        lines += [f"rank {r} of the site group died during the job: it {_describe_exit(self.procs[r].exitcode)}"
+                  for r in died]
         lines += [f"rank {r} of the site group failed:\n{text}" for r, text in sorted(errors.items())]
         return "\n".join(lines)
+
+    def _remote_deaths(self) -> list[str]:
+        """Several nodes: what the other nodes' agents reported for this generation (a rank of theirs
+        that died), after giving them one heartbeat to notice; empty on one node."""
+        if self.store is None:
+            return []
+        from fl_geo.inner.site_store import HEARTBEAT_S, get_text
+
+        reports: list[str] = []
+        deadline = time.monotonic() + 2 * HEARTBEAT_S
+        while not reports and time.monotonic() < deadline:
+            for node in range(1, self.nodes):
+                error = get_text(self.store, f"node/{node}/error")
+                if error.startswith(f"{self.gen_id}:"):
+                    reports.append(f"node {node}: {error.split(':', 1)[1].strip()}")
+            if not reports:
+                time.sleep(0.1)
+        return reports
 
     def _answer(self, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s answer if one is waiting in its pipe, else None (also at end of file)."""

@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fl_geo.clients.site_daemon import _describe_exit
+
 __all__ = ["SiteNodeAgent", "main"]
 
 _RECONNECT_S = 1.0
@@ -50,6 +52,7 @@ class SiteNodeAgent:
             raise ValueError("--devices must name at least one device")
         self.rendezvous, self.node_rank, self.devices = rendezvous, int(node_rank), [str(d) for d in devices]
         self.procs: list[Any] = []
+        self.reported: set[int] = set()  # local ranks of this generation whose death was reported
         self.generation = ""
         self.stopping = False
 
@@ -64,6 +67,7 @@ class SiteNodeAgent:
                 proc.kill()
                 proc.join()
         self.procs = []
+        self.reported = set()
 
     def _start_ranks(self, store: Any, generation: str) -> None:
         from fl_geo.inner.site_rank import GroupSetup, rank_loop
@@ -89,12 +93,25 @@ class SiteNodeAgent:
         print(f"site node {self.node_rank}: generation {generation}: started global ranks "
               f"{group.rank_offset}..{group.rank_offset + local - 1} of {group.world}", flush=True)
 
+    def report_dead_ranks(self, store: Any) -> None:
+        """Tell node 0 (``node/<k>/error``) which of this generation's ranks died, once: the job's
+        error then names the rank that died, not only node 0's rank whose collective broke."""
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs)
+                if not p.is_alive() and p.exitcode not in (None, 0) and r not in self.reported]
+        if not dead or not self.generation:
+            return
+        local = len(self.devices)
+        why = "; ".join(f"rank {self.node_rank * local + r} died: it {_describe_exit(code)}" for r, code in dead)
+        store.set(f"node/{self.node_rank}/error", f"{self.generation}: {why}")
+        self.reported.update(r for r, _ in dead)
+
     def follow(self, store: Any) -> None:
         """Heartbeat and follow the generations until the store fails or the agent is stopped."""
         from fl_geo.inner.site_store import HEARTBEAT_S, get_text
 
         while not self.stopping:
             store.add(f"node/{self.node_rank}/heartbeat", 1)  # a counter: no clocks compared across nodes
+            self.report_dead_ranks(store)
             generation = get_text(store, "generation")
             if generation != self.generation:
                 self.end_ranks()

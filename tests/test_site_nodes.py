@@ -11,10 +11,12 @@ through the store are what the test exercises, as across machines."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,9 +108,24 @@ def test_a_job_fails_at_once_naming_the_nodes_without_a_live_agent(tmp_path, mon
     client.set("g-1/setup", '{"world": 6, "local": 2, "nodes": 3, "backend": "gloo", "timeout_s": 30, "threads": 1}')
     agent._start_ranks(client, "g-1")
     assert agent.procs == []
-    with pytest.raises(JobFailed, match="node 2 of the site cannot join: node 2 has 1 devices, node 0 runs 2 ranks"):
+    with pytest.raises(JobFailed, match="node 2 of the site: node 2 has 1 devices, node 0 runs 2 ranks"):
         group._check_nodes(wait_s=0.0)
     client.delete_key("node/2/error")
+    # A rank of node 1 is killed mid-job: its agent reports it, and the job's account names it
+    # before node 0's rank whose collective broke.
+    agent = SiteNodeAgent(rendezvous, 1, ["cpu", "cpu"])
+    agent.generation = "g-1"
+    agent.procs = [SimpleNamespace(is_alive=lambda: True, exitcode=None),
+                   SimpleNamespace(is_alive=lambda: False, exitcode=-signal.SIGKILL)]
+    agent.report_dead_ranks(client)
+    agent.report_dead_ranks(client)  # once
+    assert agent.reported == {1}
+    account = group._account(0, {"error": "RuntimeError: [gloo] Connection closed by peer"})
+    assert account.splitlines()[0] == "node 1: rank 3 died: it was killed by SIGKILL", account
+    assert "rank 0 of the site group failed:\nRuntimeError: [gloo] Connection closed by peer" in account
+    with pytest.raises(JobFailed, match="node 1 of the site: rank 3 died: it was killed by SIGKILL"):
+        group._check_nodes(wait_s=0.0)  # a job still waiting on node 1 fails at once too
+    client.delete_key("node/1/error")
     import fl_geo.inner.site_store as site_store
 
     monkeypatch.setattr(site_store, "STALE_S", 0.0)  # every heartbeat is now too old: counters that stopped
