@@ -23,8 +23,9 @@ hosts the site's TCP store (`fl_geo.inner.site_store`) for its whole life; its o
 global ranks ``0 … local − 1``; every other node runs an agent (`fl_geo.clients.site_node`) that
 starts that node's ranks for each generation the daemon announces. A job goes to them through
 the store, their answers come back through it, and a node whose agent has no fresh heartbeat
-fails the job at once (instead of a collective waiting for it until its timeout). The daemon itself never trains and never unpickles a job, so a user's code cannot
-break it. Its identity (run, model, devices, ...) is fixed at start: a coordinator that needs
+fails the job at once (instead of a collective waiting for it until its timeout).
+
+The daemon itself never trains and never unpickles a job, so a user's code cannot break it. Its identity (run, model, devices, ...) is fixed at start: a coordinator that needs
 another one stops it and starts a new daemon. Importable without torch (the ranks import it).
 """
 
@@ -234,9 +235,9 @@ class _Group:
         while True:
             problems = []
             for node in sorted(nodes if nodes is not None else range(1, self.nodes)):
-                error = get_text(self.store, f"node/{node}/error")
-                if error.startswith(f"{self.gen_id}:"):
-                    raise JobFailed(f"node {node} of the site: {error.split(':', 1)[1].strip()}")
+                error = self._node_error(node)
+                if error is not None:
+                    raise JobFailed(f"node {node} of the site: {error}")
                 beat = get_text(self.store, f"node/{node}/heartbeat")
                 now = time.monotonic()
                 if beat and self.beats.get(node, ("", 0.0))[0] != beat:
@@ -286,18 +287,22 @@ class _Group:
         that died), after giving them one heartbeat to notice; empty on one node."""
         if self.store is None:
             return []
-        from fl_geo.inner.site_store import HEARTBEAT_S, get_text
+        from fl_geo.inner.site_store import HEARTBEAT_S
 
-        reports: list[str] = []
         deadline = time.monotonic() + 2 * HEARTBEAT_S
-        while not reports and time.monotonic() < deadline:
-            for node in range(1, self.nodes):
-                error = get_text(self.store, f"node/{node}/error")
-                if error.startswith(f"{self.gen_id}:"):
-                    reports.append(f"node {node}: {error.split(':', 1)[1].strip()}")
-            if not reports:
-                time.sleep(0.1)
-        return reports
+        while True:
+            reports = [f"node {node}: {error}" for node in range(1, self.nodes)
+                       if (error := self._node_error(node)) is not None]
+            if reports or time.monotonic() >= deadline:
+                return reports
+            time.sleep(0.1)
+
+    def _node_error(self, node: int) -> str | None:
+        """What node ``node``'s agent reported for the current generation (``node/<k>/error``), if anything."""
+        from fl_geo.inner.site_store import get_text
+
+        error = get_text(self.store, f"node/{node}/error")
+        return error.split(":", 1)[1].strip() if error.startswith(f"{self.gen_id}:") else None
 
     def _answer(self, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s answer if one is waiting in its pipe, else None (also at end of file)."""

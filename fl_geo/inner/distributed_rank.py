@@ -172,21 +172,27 @@ def load_params(trainer: InnerTrainer, shared: SharedTrainState) -> None:
 
 
 def join_process_group(rank: int, devices: Sequence[str], backend: str, store_path: str, timeout_s: float,
-                       threads: int) -> torch.device:
-    """Set this rank's threads and device and join the job's process group (a file store at
-    ``store_path``, one rank per entry of ``devices``); returns the rank's device. Shared by the
-    ranks spawned per message and a site group's resident ranks (`fl_geo.inner.site_rank`)."""
+                       threads: int, *, store: dist.Store | None = None, rank_offset: int = 0,
+                       world: int = 0) -> torch.device:
+    """Set this rank's threads and device and join the job's process group; returns the rank's device.
+
+    ``rank`` indexes ``devices`` (this process's device). One machine: a file store at
+    ``store_path``, one rank per entry of ``devices``. A site of several nodes
+    (`fl_geo.inner.site_rank`): ``store`` (the site's TCP store, under this generation's prefix),
+    global rank ``rank_offset + rank`` of ``world``. Shared by the ranks spawned per message and a
+    site group's resident ranks."""
     torch.set_num_threads(threads)
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    init: dict[str, Any] = {"store": store} if store is not None else {"init_method": f"file://{store_path}"}
     dist.init_process_group(
         backend,
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=len(devices),
+        rank=rank_offset + rank,
+        world_size=world or len(devices),
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
+        **init,
     )
     return device
 

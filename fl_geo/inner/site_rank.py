@@ -35,7 +35,6 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -202,20 +201,14 @@ def _peak_memory(device: torch.device) -> dict[str, float]:
 def _join(local_rank: int, setup: GroupSetup) -> tuple[torch.device, Any]:
     """Join this generation's process group; returns the rank's device and, on a node without the
     daemon (a multi-node site's nodes 1..), the store it reads its jobs from."""
-    if not setup.rendezvous:
-        return join_process_group(local_rank, setup.devices, setup.backend, setup.store_path, setup.timeout_s,
-                                  setup.threads), None
-    from fl_geo.inner.site_store import connect
+    store = None
+    if setup.rendezvous:
+        from fl_geo.inner.site_store import connect
 
-    torch.set_num_threads(setup.threads)
-    device = torch.device(setup.devices[local_rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = connect(setup.rendezvous, setup.timeout_s)
-    dist.init_process_group(setup.backend, store=dist.PrefixStore(f"{setup.generation}/pg", store),
-                            rank=setup.rank_offset + local_rank, world_size=setup.world_size,
-                            timeout=timedelta(seconds=setup.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+        store = connect(setup.rendezvous, setup.timeout_s)
+    device = join_process_group(local_rank, setup.devices, setup.backend, setup.store_path, setup.timeout_s,
+                                setup.threads, rank_offset=setup.rank_offset, world=setup.world_size,
+                                store=None if store is None else dist.PrefixStore(f"{setup.generation}/pg", store))
     return device, store
 
 

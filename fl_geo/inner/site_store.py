@@ -32,7 +32,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_S", "STALE_S", "StoreJobs", "connect", "host_store", "parse_rendezvous"]
+__all__ = ["HEARTBEAT_S", "STALE_S", "StoreJobs", "connect", "get_text", "host_store", "parse_rendezvous"]
 
 HEARTBEAT_S = 1.0  # an agent refreshes node/<k>/heartbeat this often
 STALE_S = 15.0  # a heartbeat older than this: the node is gone
