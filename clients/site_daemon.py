@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import secrets
 import shutil
@@ -99,6 +98,7 @@ class _Group:
 
     def _start(self) -> None:
         # imports torch: only when ranks are needed
+        from fl_geo.inner.rank_processes import rank_context
         from fl_geo.inner.site_rank import GroupSetup, rank_loop
 
         self.generation += 1
@@ -117,7 +117,7 @@ class _Group:
                            threads=int(self.setup["threads"]), world=self.nodes * self.local,
                            rendezvous=str(self.setup.get("rendezvous", "")) if several else "",
                            generation=self.gen_id)
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()  # a fork server: torch imported once per node, not per rank
         for rank in range(len(setup.devices)):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_loop, args=(rank, setup, child), name=f"fl-geo-site-rank-{rank}")

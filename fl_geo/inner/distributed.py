@@ -3,7 +3,8 @@
 A datacenter has several accelerators; one process per device with DistributedDataParallel is how
 such a site trains a model it can hold on one device. The ClientApp process stays the owner of
 everything Flower sees (the message, ``context.state``, the reply): for one message it starts
-``world_size`` rank processes (``spawn``: safe from inside a Ray actor or a threaded SuperNode),
+``world_size`` rank processes (from a fork server, `fl_geo.inner.rank_processes`: safe from inside
+a Ray actor or a threaded SuperNode, and torch is imported once rather than by every rank),
 hands them the model and the inner optimizer state (AdamW's, or Muon's with AdamW's under
 ``client.optimizer: muon``) through shared-memory tensors, and waits. Rank 0 writes
 the trained parameters and optimizer state back into the *same* shared buffers, so the parent
@@ -51,6 +52,7 @@ from fl_geo.inner.distributed_state import (
     spec_of,
 )
 from fl_geo.inner.model import ModelConfig
+from fl_geo.inner.rank_processes import rank_context
 from fl_geo.inner.training import (
     BatchSource,
     InnerConfig,
@@ -270,9 +272,8 @@ def train_data_parallel(
 
 def _run_ranks(job: _Job, world: int, join_timeout_s: float | None) -> None:
     """Start the ranks and wait; any failure or the deadline ends all of them and raises."""
-    context = mp.start_processes(
-        _rank_main, args=(job,), nprocs=world, join=False, start_method="spawn"
-    )
+    method = rank_context().get_start_method()  # forkserver: torch imported once, not per rank
+    context = mp.start_processes(_rank_main, args=(job,), nprocs=world, join=False, start_method=method)
     deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
     try:
         while not context.join(timeout=1.0, grace_period=_GRACE_S):
