@@ -94,7 +94,7 @@ def test_flwr_run_dot_runs_the_same_app_and_stops_its_superlink(tmp_path):
     overrides = [
         "run.rounds=1", "strategy.inner_steps=2", "run.name=flwr-e2e", f"run.out_dir={tmp_path / 'runs'}",
         "run.tensorboard=false", "run.eval_batches=2", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-        "run.num_clients=3",
+        "run.num_clients=3", "run.sim_cpus=1",  # one Ray actor: each costs ~12 CPU-s to start
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "fl_geo.cli", "flwr-run", "configs/quickstart_diloco.yaml", *overrides],
@@ -105,9 +105,10 @@ def test_flwr_run_dot_runs_the_same_app_and_stops_its_superlink(tmp_path):
     from importlib.metadata import version
 
     if tuple(int(x) for x in version("flwr").split(".")[:2]) >= (1, 42):  # --federation-config, 3 SuperNodes
-        assert "--federation-config 'num-supernodes=3" in out, out[-3000:]
+        assert "--federation-config 'num-supernodes=3" in out and "init-args-num-cpus=1" in out, out[-3000:]
     else:  # Flower 1.41 reads the connection's options
-        assert 'num-supernodes = 3' in (home / "config.toml").read_text()
+        toml = (home / "config.toml").read_text()
+        assert 'num-supernodes = 3' in toml and 'num-cpus = 1' in toml, toml
     assert "deprecated" not in out, out[-3000:]
     assert "(3 simulated SuperNodes)" in out and "diloco with 3 nodes" in out
     runs = list((tmp_path / "runs").glob("flwr-e2e-*"))
