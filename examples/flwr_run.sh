@@ -4,7 +4,8 @@
 #   FLWR_APP_DIR=examples/own-model examples/flwr_run.sh --run-config 'num-server-rounds=3'
 #   examples/flwr_run.sh --run-config 'run.rounds=4 strategy.inner_steps=10'      (fl-geo's own app)
 # For fl-geo's own app `fl-geo flwr-run CONFIG key=value ...` does the same and sizes the
-# federation from the config's run.num_clients; here FLWR_NUM_SUPERNODES (default 4) sets it.
+# federation from the config's run.num_clients; here FLWR_NUM_SUPERNODES (default 4) sets it, and
+# FLWR_SIM_CPUS (default 2) the Ray CPUs, one actor each (an actor is a process that imports the app).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr}"
@@ -12,14 +13,17 @@ export PATH="$PWD/.venv/bin:$PATH"
 # The app runs in this venv: never let the SuperLink build a fresh env (it would fetch CUDA torch).
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 NODES="${FLWR_NUM_SUPERNODES:-4}"
+CPUS="${FLWR_SIM_CPUS:-2}"
 mkdir -p "$FLWR_HOME"
 trap 'pkill -f "flower-superlink.*${FLWR_HOME}" || true' EXIT
 if flwr run --help 2>&1 | grep -q -- "--federation-config"; then  # Flower >= 1.42
     printf '[superlink]\ndefault = "fl-geo-local"\n\n[superlink.fl-geo-local]\naddress = ":local:"\n' \
         > "$FLWR_HOME/config.toml"
     flwr run "${FLWR_APP_DIR:-.}" fl-geo-local --stream \
-        --federation-config "num-supernodes=$NODES backend=\"ray\" init-args-num-cpus=2 client-resources-num-cpus=1" "$@"
+        --federation-config "num-supernodes=$NODES backend=\"ray\" init-args-num-cpus=$CPUS client-resources-num-cpus=1" "$@"
 else  # Flower 1.41 reads the same settings from the connection's options
-    sed "s/^options.num-supernodes = .*/options.num-supernodes = $NODES/" examples/flwr_config.toml > "$FLWR_HOME/config.toml"
+    sed -e "s/^options.num-supernodes = .*/options.num-supernodes = $NODES/" \
+        -e "s/^options.backend.init-args.num-cpus = .*/options.backend.init-args.num-cpus = $CPUS/" \
+        examples/flwr_config.toml > "$FLWR_HOME/config.toml"
     flwr run "${FLWR_APP_DIR:-.}" fl-geo-local --stream "$@"
 fi

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow(seconds=41)
 def test_own_model_example_runs_under_flwr_run(tmp_path):
-    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"), FLWR_APP_DIR="examples/own-model")
+    # one Ray actor (FLWR_SIM_CPUS=1): each costs ~12 CPU-s to start, and the claim is the app, not parallel actors
+    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"), FLWR_APP_DIR="examples/own-model", FLWR_SIM_CPUS="1")
     proc = subprocess.run(
         [str(ROOT / "examples" / "flwr_run.sh"), "--run-config", "num-server-rounds=3 inner-steps=10"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
