@@ -14,7 +14,7 @@ from fl_geo.config import ConfigError
 from fl_geo.core.robust import NormWindow, median_norm_outliers
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.server_app import run_server
-from tests.conftest import site_reply_hook
+from tests.conftest import site_reply_hook, tiny_config
 
 # ---- the rule --------------------------------------------------------------------------------------
 
@@ -112,6 +112,15 @@ def _val(summary):
     return summary["final_val_loss"]
 
 
+@pytest.fixture(scope="module")
+def async_honest(tmp_path_factory):
+    """The final validation loss of the honest ASYNC run (no attacker, no rule): the reference of
+    three tests below, run once per module instead of once per test (a run is deterministic:
+    the same bits whichever test asks first)."""
+    torch.manual_seed(0)
+    return _val(_run(tiny_config(*ASYNC), tmp_path_factory.mktemp("async_honest"), "honest")[0])
+
+
 def test_sync_a_turned_tripled_update_is_stopped_by_each_direction_rule_but_not_by_the_norm_bound(tiny, tmp_path):
     """DiLoCo, 1 of 4 sites replies −3Δ (θ_sent − 3·(θ_local − θ_sent) as a model). Its norm is
     about 3 × its own honest one: within median_norm's factor 3 when its own is below the
@@ -130,11 +139,12 @@ def test_sync_a_turned_tripled_update_is_stopped_by_each_direction_rule_but_not_
     assert rejected["cosine"] == 6  # every round's turned update, and nothing else
 
 
-def test_async_a_turned_tripled_update_is_bounded_by_centered_clipping_but_not_by_the_norm_window(tiny, tmp_path):
+def test_async_a_turned_tripled_update_is_bounded_by_centered_clipping_but_not_by_the_norm_window(tiny, tmp_path,
+                                                                                                   async_honest):
     """FedBuff (K = 2), 1 of 4 sites replies −3Δ: the norm window never sees a norm beyond 3 ×
     its median; centered clipping bounds the turned update's distance to the running center."""
     turned = site_reply_hook(0, scale=-3.0)
-    honest = _val(_run(tiny(*ASYNC), tmp_path, "honest")[0])
+    honest = async_honest
     norm_bound = _val(_run(tiny(*ASYNC, "strategy.robust=median_norm"), tmp_path, "median_norm", turned)[0])
     assert norm_bound > 1.2 * honest
     summary, final = _run(tiny(*ASYNC, "strategy.robust=centered_clip"), tmp_path, "centered_clip", turned)
@@ -142,13 +152,14 @@ def test_async_a_turned_tripled_update_is_bounded_by_centered_clipping_but_not_b
     assert _val(summary) <= 1.2 * honest, (_val(summary), honest)
 
 
-def test_async_cosine_refuses_every_turned_update_against_a_consensus_seeded_by_the_first_step(tiny, tmp_path, caplog):
+def test_async_cosine_refuses_every_turned_update_against_a_consensus_seeded_by_the_first_step(tiny, tmp_path, caplog,
+                                                                                                 async_honest):
     """FedBuff (K = 2), site 0 replies −10Δ. ``cosine`` holds the first step until every live
     site has replied (4 < robust_seed = 5), seeds the running consensus with their coordinate
     median, and refuses each of site 0's replies against it; no honest reply is refused here."""
     caplog.set_level("WARNING", logger="fl_geo")
     turned = site_reply_hook(0, scale=-10.0)
-    honest = _val(_run(tiny(*ASYNC), tmp_path, "honest")[0])
+    honest = async_honest
     summary, final = _run(tiny(*ASYNC, "strategy.robust=cosine"), tmp_path, "cosine", turned)
     assert torch.isfinite(final).all() and summary["outer_steps"] == 12
     refusals = [r.getMessage() for r in caplog.records if "with the running consensus" in r.getMessage()]
@@ -163,9 +174,9 @@ def test_async_cosine_refuses_every_turned_update_against_a_consensus_seeded_by_
     assert clean["rejected"] <= 2 and _val(clean) <= 1.1 * honest, (clean["rejected"], _val(clean), honest)
 
 
-def test_with_honest_sites_centered_clipping_keeps_the_run_close(tiny, tmp_path):
+def test_with_honest_sites_centered_clipping_keeps_the_run_close(tiny, tmp_path, async_honest):
     """No attacker: clipping at the median distance changes the steps, not the outcome."""
-    honest = _val(_run(tiny(*ASYNC), tmp_path, "honest")[0])
+    honest = async_honest
     clipped, _ = _run(tiny(*ASYNC, "strategy.robust=centered_clip"), tmp_path, "clipped")
     assert clipped["rejected"] == 0 and _val(clipped) <= 1.1 * honest
 
