@@ -27,7 +27,7 @@ from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.server_app import run_server
-from tests.conftest import keep_declaration, partition_reply_hook
+from tests.conftest import keep_declaration, partition_reply_hook, tiny_config
 
 STREAM = ["run.sim_cpus=1", "model.n_layers=2"]
 # CoCoDC on the fixed schedule (its default is the adaptive one, CoCoDC Algorithm 2)
@@ -444,16 +444,25 @@ def test_worker_eval_without_a_streaming_model_is_an_error_reply(tiny, tmp_path,
 # ---- quantised fragment updates (streaming.quantize) ----------------------------------------------
 
 
+QUANTISED_PERIOD = ("strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=1",
+                    "streaming.overlap=0", "run.rounds=1")
+
+
+@pytest.fixture(scope="module")
+def fp32_period_bytes_up(tmp_path_factory):
+    """Uplink bytes of the fp32 QUANTISED_PERIOD run: the reference of both codecs, run once."""
+    torch.manual_seed(0)
+    return _run(_cfg(tiny_config, *QUANTISED_PERIOD), tmp_path_factory.mktemp("fp32"), "fp32")[0]["bytes_up"]
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind):
+def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind, fp32_period_bytes_up):
     """P = 1, τ = 0, one period: the global model is one Nesterov step on the token-weighted mean
     of the workers' dequantised Δ, and the payloads are a quarter / an eighth of fp32's."""
     from fl_geo.core.outer import build_outer_optimizer
     from fl_geo.core.quantize import dequantize
 
-    common = ["strategy.name=streaming_diloco", "strategy.inner_steps=4", "streaming.fragments=1",
-              "streaming.overlap=0", "run.rounds=1"]
-    s_fp, _, _, _ = _run(_cfg(tiny, *common), tmp_path, "fp32")
+    common = QUANTISED_PERIOD
     seen = []
 
     def hook(node, msg, reply):
@@ -473,7 +482,7 @@ def test_the_outer_step_runs_on_the_dequantised_mean(tiny, tmp_path, kind):
     build_outer_optimizer("nesterov", init.numel(), lr=0.7, momentum=0.9).step(expected, mean)
     assert len(seen) == cfg.run.num_clients
     assert torch.allclose(final, expected, rtol=0, atol=1e-6)
-    assert s_q["bytes_up"] / s_fp["bytes_up"] < (0.3 if kind == "int8" else 0.17)
+    assert s_q["bytes_up"] / fp32_period_bytes_up < (0.3 if kind == "int8" else 0.17)
 
 
 def test_quantised_syncs_are_cheaper_on_the_virtual_clock_so_the_adaptive_schedule_syncs_more(tiny, tmp_path):
@@ -589,18 +598,31 @@ def _fixed_step_time(step_time_s=1e-5, liar=None):
     return hook
 
 
+ADAPTIVE_WALL = ("strategy.name=cocodc", "strategy.inner_steps=8", "streaming.fragments=2",
+                 "streaming.overlap=1", "streaming.adaptive=true", "run.rounds=3")
+
+
+@pytest.fixture(scope="module")
+def adaptive_honest(tmp_path_factory):
+    """The honest run of the ADAPTIVE_WALL configuration (every site reports the same fixed
+    step time): (summary, metrics rows), run once for the three lies below, not once per lie."""
+    torch.manual_seed(0)
+    honest, _, _, rows = _run(_cfg(tiny_config, *ADAPTIVE_WALL), tmp_path_factory.mktemp("adaptive"), "honest",
+                              hook=_fixed_step_time())
+    return honest, rows
+
+
 @pytest.mark.parametrize("lie", [{"step_time_s": 3600.0}, {"train_time_s": 1e300},
                                  {"step_time_s": 3600.0, "train_time_s": 1e300}],
                          ids=["step-time-3600", "train-time-1e300", "both"])
-def test_one_site_lying_about_its_times_does_not_move_the_adaptive_schedule(tiny, tmp_path, lie):
+def test_one_site_lying_about_its_times_does_not_move_the_adaptive_schedule(tiny, tmp_path, lie, adaptive_honest):
     """CoCoDC's adaptive schedule on a wall clock is built from the reported times. One site of
     three reporting a 3600 s step or a 1e300 s training (the issue: outer steps 6 -> 14, uplink
     bytes x2.3) gets the honest run's schedule: same interval every round, same outer steps
     and uplink bytes, nothing refused (each site's time is capped by its own history, and the
     median across sites, not the maximum, is used)."""
-    cfg = _cfg(tiny, "strategy.name=cocodc", "strategy.inner_steps=8", "streaming.fragments=2",
-               "streaming.overlap=1", "streaming.adaptive=true", "run.rounds=3")
-    honest, _, _, hrows = _run(cfg, tmp_path, "honest", hook=_fixed_step_time())
+    cfg = _cfg(tiny, *ADAPTIVE_WALL)
+    honest, hrows = adaptive_honest
     lied, _, _, lrows = _run(cfg, tmp_path, "lied", hook=_fixed_step_time(liar=lie))
     assert [r["stream/interval"] for r in hrows[1:]] == [4, 4, 4]  # h = H/P: N = P syncs a period
     assert [r["stream/interval"] for r in lrows[1:]] == [r["stream/interval"] for r in hrows[1:]]
