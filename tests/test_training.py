@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -187,19 +186,13 @@ def test_autocast_dtype() -> None:
 # ---------------------------------------------------------------- convergence
 
 
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.mark.slow(seconds=10)
-def test_inner_loop_converges_on_real_text(two_threads: None) -> None:
+@pytest.mark.slow(seconds=16)
+def test_inner_loop_converges_on_real_text() -> None:
     """0.43 M-parameter decoder on corpus `auto` (Bible if fetched, else stdlib): ≈ ln 256 → < 2.9 in
     60 steps, below what the training text's byte frequencies alone score on the Bible's held-out text
-    (3.07 nats/byte), so it has learned context; 2.73 there. (It was 120 steps to < 2.5: half the suite time, the same check.)"""
+    (3.07 nats/byte), so it has learned context; 2.73 there. (It was 120 steps to < 2.5: half the suite time, the same check.)
+    One intra-op thread, as every test (tests/conftest.py): two made it ~5 s faster alone but cost
+    ~2 CPU-s more (14.3 against 12.2 for the 60 steps), and the same 2.736 to the last printed digit."""
     partitions, global_val = get_partitions("auto", 1, "by_group", val_fraction=0.05, seed=0)
     corpus = get_corpus("auto")
     cfg = InnerConfig(
