@@ -19,9 +19,13 @@ Contract: :func:`rank_context` returns a multiprocessing context whose ``Process
 as ``spawn``'s (the target and its arguments are pickled; nothing else of the parent is copied).
 One difference matters: the server's environment and ``sys.path`` are the parent's *when the
 server started* (the first job), not when a later rank starts. The ranks read no environment
-variable that changes between jobs; their settings travel in the pickled job. Where the platform
-has no fork server (Windows), it is ``spawn``. ``FL_GEO_RANK_START=spawn`` forces ``spawn``.
-Importable without torch (the site-group daemon imports it and must stay light).
+variable that changes between jobs; their settings travel in the pickled job. A rank's parent
+process is the fork server, which exits as soon as the process that started it exits (its pipe
+to that process closes, also on SIGKILL), so a rank that asks to die with its parent
+(``PR_SET_PDEATHSIG``, `fl_geo.inner.site_rank`) still dies with the process that owns it
+(``tests/test_site_nodes.py`` checks it for a node's agent). Where the platform has no fork
+server (Windows), it is ``spawn``. ``FL_GEO_RANK_START=spawn`` forces ``spawn``. Importable
+without torch: only the server imports what ``PRELOAD`` lists.
 """
 
 from __future__ import annotations
