@@ -96,18 +96,18 @@ def _allreduce_s(num_params: int) -> float:
 
 
 def test_streaming_p1_tau0_alpha1_is_diloco_bit_for_bit(tiny, tmp_path):
-    common = ["run.rounds=3", "strategy.inner_steps=4", "strategy.weighting=tokens",
+    common = ["run.rounds=2", "strategy.inner_steps=4", "strategy.weighting=tokens",
               "run.clock=virtual", f"run.scenario={_scenario(tmp_path, 1_000_000)}"]
     sd, diloco, _, drows = _run(_cfg(tiny, *common), tmp_path, "diloco")
     ss, streaming, grid, srows = _run(_cfg(tiny, *common, "strategy.name=streaming_diloco",
                                            "streaming.fragments=1", "streaming.overlap=0",
                                            "streaming.alpha=1.0"), tmp_path, "streaming")
     assert torch.equal(diloco, streaming)
-    assert ss["outer_steps"] == sd["outer_steps"] == 3
+    assert ss["outer_steps"] == sd["outer_steps"] == 2
     assert ss["tokens"] == sd["tokens"] and ss["bytes_up"] == sd["bytes_up"]
     # same virtual time, round by round: H steps + one full all-reduce per round
     assert [r["time/virtual_s"] for r in srows] == pytest.approx([r["time/virtual_s"] for r in drows])
-    assert ss["virtual_s"] == pytest.approx(sd["virtual_s"]) == pytest.approx(3 * (4 + _allreduce_s(1_000_000)))
+    assert ss["virtual_s"] == pytest.approx(sd["virtual_s"]) == pytest.approx(2 * (4 + _allreduce_s(1_000_000)))
     assert [r["val/loss"] for r in srows] == [r["val/loss"] for r in drows]
     assert {t for _, t in grid.executed} == {"query", "train.stream"}
     assert all(r["stream/overlap_steps"] == 0 for r in srows[2:])  # applied at the next message
@@ -191,7 +191,7 @@ def test_adaptive_schedule_picks_and_syncs_every_fragment(tiny, tmp_path):
     # one fragment sync (the mean fragment: half the model) takes one inner step: T_s = T_c
     num_params = round(2 * 1e9 / (2 * 2 / 3 * 4 * 8))
     cfg = _cfg(tiny, "strategy.name=cocodc", f"strategy.inner_steps={H}", f"streaming.fragments={P}",
-               f"streaming.overlap={tau}", "streaming.adaptive=true", "run.rounds=3", "run.clock=virtual",
+               f"streaming.overlap={tau}", "streaming.adaptive=true", "run.rounds=2", "run.clock=virtual",
                f"run.scenario={_scenario(tmp_path, num_params)}")
     expected_h = AdaptiveSchedule(P, H, 0.4).interval(1.0, _allreduce_s(num_params) / P)
     assert expected_h == 2  # N = max(2, floor(0.4 · 8 · 1 / 1)) = 3
@@ -200,7 +200,7 @@ def test_adaptive_schedule_picks_and_syncs_every_fragment(tiny, tmp_path):
     assert torch.isfinite(final).all() and numel == final.numel()
     msgs = next(iter(rec.messages.values()))
     syncs = [(m["step"] + m["steps"], p) for m in msgs for p in m["sync"]]
-    assert [t for t, _ in syncs] == list(range(expected_h, 3 * H + 1, expected_h))
+    assert [t for t, _ in syncs] == list(range(expected_h, 2 * H + 1, expected_h))
     assert [p for _, p in syncs[:P]] == list(range(P))  # R_p = ∞ before a first sync: in order
     assert {p for _, p in syncs} == set(range(P))
     assert summary["outer_steps"] == len(syncs)
@@ -292,7 +292,7 @@ def test_when_every_reply_is_bad_the_global_model_is_untouched(tiny, tmp_path, c
 
 def test_a_vanished_worker_does_not_stall_the_run(tiny, tmp_path):
     cfg = _cfg(tiny, *COCODC_FIXED, "strategy.inner_steps=4", "streaming.fragments=2",
-               "streaming.overlap=1", "run.rounds=3")
+               "streaming.overlap=1", "run.rounds=2")  # 18 replies; the victim vanishes after the 7th
     grid = InlineGrid(client_app, 3, seed=0)
     victim = sorted(grid.contexts)[2]
     state = {"n": 0}
@@ -304,7 +304,7 @@ def test_a_vanished_worker_does_not_stall_the_run(tiny, tmp_path):
         return reply
 
     summary, final, _, rows = _run(cfg, tmp_path, hook=hook, grid=grid)
-    assert summary["outer_steps"] == 6 and torch.isfinite(final).all()
+    assert summary["outer_steps"] == 4 and torch.isfinite(final).all()
 
 
 # ---- bandwidth: P = 4 moves a quarter of the model (plus the tied embedding) per sync ------------
