@@ -26,7 +26,9 @@ the store, their answers come back through it, and a node whose agent has no fre
 fails the job at once (instead of a collective waiting for it until its timeout).
 
 The daemon itself never trains and never unpickles a job, so a user's code cannot break it. Its identity (run, model, devices, ...) is fixed at start: a coordinator that needs
-another one stops it and starts a new daemon. Importable without torch (the ranks import it).
+another one stops it and starts a new daemon. On one node it never imports torch: it starts its
+ranks through `fl_geo.inner.site_setup` from a fork server that imported torch once
+(`fl_geo.inner.rank_processes`); on several nodes it does, for the site's TCP store.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class _Group:
     def _start(self) -> None:
         # imports torch: only when ranks are needed
         from fl_geo.inner.rank_processes import rank_context
-        from fl_geo.inner.site_rank import GroupSetup, rank_loop
+        from fl_geo.inner.site_setup import GroupSetup, rank_entry
 
         self.generation += 1
         store = os.path.join(self.state_dir, f"store-{self.generation}")
@@ -120,7 +122,7 @@ class _Group:
         ctx = rank_context()  # a fork server: torch imported once per node, not per rank
         for rank in range(len(setup.devices)):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_loop, args=(rank, setup, child), name=f"fl-geo-site-rank-{rank}")
+            proc = ctx.Process(target=rank_entry, args=(rank, setup, child), name=f"fl-geo-site-rank-{rank}")
             proc.start()
             child.close()
             self.procs.append(proc)

@@ -70,7 +70,7 @@ class SiteNodeAgent:
 
     def _start_ranks(self, store: Any, generation: str) -> None:
         from fl_geo.inner.rank_processes import rank_context
-        from fl_geo.inner.site_rank import GroupSetup, rank_loop
+        from fl_geo.inner.site_setup import GroupSetup, rank_entry
         from fl_geo.inner.site_store import get_text
 
         setup = json.loads(get_text(store, f"{generation}/setup", "{}") or "{}")
@@ -87,7 +87,7 @@ class SiteNodeAgent:
                            rendezvous=self.rendezvous, generation=generation)
         ctx = rank_context()  # a fork server: torch imported once per node, not per rank
         for rank in range(local):
-            proc = ctx.Process(target=rank_loop, args=(rank, group, None), name=f"fl-geo-site-node{self.node_rank}-rank-{rank}")
+            proc = ctx.Process(target=rank_entry, args=(rank, group, None), name=f"fl-geo-site-node{self.node_rank}-rank-{rank}")
             proc.start()
             self.procs.append(proc)
         print(f"site node {self.node_rank}: generation {generation}: started global ranks "

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,6 +111,9 @@ def test_group_trains_three_rounds_like_one_process_and_keeps_its_ranks(group) -
     # One daemon and one set of ranks served all four jobs.
     assert len({i["pid"] for i in infos}) == 1 and len({tuple(i["ranks"]) for i in infos}) == 1
     assert len(infos[0]["ranks"]) == 2
+    # The daemon only passes bytes: it never loaded torch (its ranks come from a fork server that did).
+    maps = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in (info["pid"], *info["ranks"])}
+    assert "libtorch" not in maps[info["pid"]] and all("libtorch" in maps[r] for r in info["ranks"])
 
 
 @pytest.mark.slow(seconds=19)

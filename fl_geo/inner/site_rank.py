@@ -51,6 +51,7 @@ from fl_geo.inner.distributed_rank import (
     rank_trainer,
 )
 from fl_geo.inner.distributed_state import ModelFactory, SharedTrainState
+from fl_geo.inner.site_setup import GroupSetup
 from fl_geo.inner.training import (
     BatchSource,
     InnerConfig,
@@ -62,30 +63,6 @@ from fl_geo.inner.training import (
 )
 
 __all__ = ["GroupJob", "GroupSetup", "rank_loop"]
-
-
-@dataclass(frozen=True)
-class GroupSetup:
-    """What a rank needs for its whole life (pickled once, when the daemon starts it)."""
-
-    devices: tuple[str, ...]  # this node's ranks
-    backend: str
-    store_path: str  # one node: the FileStore of this generation of the group ("" on several nodes)
-    timeout_s: float  # every collective; bounds a peer that hangs without dying
-    threads: int
-    rank_offset: int = 0  # global rank of this node's first rank (node k: k x len(devices))
-    world: int = 0  # ranks of the whole site; 0 = len(devices) (one node)
-    rendezvous: str = ""  # several nodes: host:port of the site's TCP store (fl_geo.inner.site_store)
-    generation: str = ""  # several nodes: this generation's id in that store
-
-    @property
-    def world_size(self) -> int:
-        return self.world or len(self.devices)
-
-    @property
-    def has_files(self) -> bool:
-        """Whether this node's ranks map the coordinator's state files (node 0 only)."""
-        return self.rank_offset == 0
 
 
 @dataclass
