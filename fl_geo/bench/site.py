@@ -1,7 +1,8 @@
 """``fl-geo bench site``: what a persistent site group saves per round against spawning the ranks.
 
 A multi-device site runs each round's inner loop as a data-parallel job (docs/multidevice.md).
-Spawned per message (`DataParallelTrainer`), every round pays process start, imports,
+Started per message (`DataParallelTrainer`, its ranks spawned as a fresh ClientApp process pays
+them: `_ranks_spawned`), every round pays process start, imports,
 process-group set-up, model and optimizer construction and tear-down; the persistent group
 (`SiteGroupTrainer`, fl_geo.clients.site_group) pays them once and then, per round, a socket
 round trip, the state files and the ranks' reload of parameters and AdamW state.
@@ -20,13 +21,15 @@ arithmetic, so 0 up to float summation order). Target: >= 5x less overhead per r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ from fl_geo.core.state import flatten
 from fl_geo.data import BatchSampler
 from fl_geo.inner.distributed import DataParallelTrainer, as_factory, model_spec, resolve_devices
 from fl_geo.inner.model import ModelConfig, build_model
+from fl_geo.inner.rank_processes import RANK_START_ENV
 from fl_geo.inner.training import InnerConfig, TrainResult
 
 __all__ = ["format_site_bench", "main", "run_site_bench"]
@@ -91,6 +95,27 @@ def _group_rounds(parallel: str, mcfg: ModelConfig, inner: InnerConfig, spec: An
     return rows, params, memory
 
 
+@contextlib.contextmanager
+def _ranks_spawned() -> Iterator[None]:
+    """Per-message ranks as a ClientApp pays them: each imports torch itself (``spawn``).
+
+    A ClientApp process lives for one message, so its ranks' fork server (`fl_geo.inner.rank_processes`)
+    starts with it and pays the imports once per message, about what spawned ranks pay in wall time
+    on as many cores as ranks. In this one bench process a fork server would outlive the round and
+    serve every later round with the imports done, which no ClientApp sees; and spawned ranks are
+    this process's children, whose peak memory ``RUSAGE_CHILDREN`` reads.
+    """
+    saved = os.environ.get(RANK_START_ENV)
+    os.environ[RANK_START_ENV] = "spawn"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(RANK_START_ENV, None)
+        else:
+            os.environ[RANK_START_ENV] = saved
+
+
 def run_site_bench(*, rounds: int = 4, steps: int = 5, ranks: int = 2, batch: int = 4, seq_len: int = 64,
                    layers: int = 2, d_model: int = 128, threads: int = 1, device: str = "cpu",
                    parallels: Sequence[str] = ("ddp", "fsdp")) -> dict[str, Any]:
@@ -110,14 +135,15 @@ def run_site_bench(*, rounds: int = 4, steps: int = 5, ranks: int = 2, batch: in
 
     spawn: list[dict[str, float]] = []
     params, opt = start.clone(), {}
-    for r in range(rounds):
-        t0 = time.perf_counter()
-        job = DataParallelTrainer(mcfg, inner, spec, devices, backend, threads=threads)
-        job.params.copy_(params)
-        job.load_optimizer_state(opt)
-        result = job.train(source(), steps, r * steps)
-        params, opt = _carry(job)
-        spawn.append(_stats(result, time.perf_counter() - t0))
+    with _ranks_spawned():
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            job = DataParallelTrainer(mcfg, inner, spec, devices, backend, threads=threads)
+            job.params.copy_(params)
+            job.load_optimizer_state(opt)
+            result = job.train(source(), steps, r * steps)
+            params, opt = _carry(job)
+            spawn.append(_stats(result, time.perf_counter() - t0))
     spawn_params = params
     spawn_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest rank (KiB on Linux)
 

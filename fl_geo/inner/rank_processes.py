@@ -34,7 +34,7 @@ import multiprocessing as mp
 import os
 from multiprocessing.context import BaseContext
 
-__all__ = ["PRELOAD", "rank_context", "start_method"]
+__all__ = ["PRELOAD", "RANK_START_ENV", "rank_context", "start_method"]
 
 # Imported once by the fork server. Each name is imported by the server itself, never by the
 # parent, and a name that fails to import is skipped there (multiprocessing's rule), so a rank
@@ -47,15 +47,15 @@ PRELOAD = (
     "fl_geo.inner.site_rank",
 )
 
-_ENV = "FL_GEO_RANK_START"
+RANK_START_ENV = "FL_GEO_RANK_START"  # "spawn" or "forkserver": overrides the platform's choice
 
 
 def start_method() -> str:
     """``forkserver`` where the platform has it, else ``spawn``; ``FL_GEO_RANK_START`` overrides."""
-    wanted = os.environ.get(_ENV, "").strip()
+    wanted = os.environ.get(RANK_START_ENV, "").strip()
     if wanted:
         if wanted not in ("forkserver", "spawn"):
-            raise ValueError(f"{_ENV}={wanted!r}: expected 'forkserver' or 'spawn'")
+            raise ValueError(f"{RANK_START_ENV}={wanted!r}: expected 'forkserver' or 'spawn'")
         return wanted
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
