@@ -99,7 +99,7 @@ class _Group:
         return [int(p.pid) for p in self.procs]
 
     def _start(self) -> None:
-        # imports torch: only when ranks are needed
+        # no torch here: the ranks come from a fork server that imported it (fl_geo.inner.rank_processes)
         from fl_geo.inner.rank_processes import rank_context
         from fl_geo.inner.site_setup import GroupSetup, rank_entry
 
