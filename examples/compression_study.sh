@@ -17,20 +17,7 @@ mkdir -p "$OUT"
 COMMON="run.sim_cpus=1 run.progress=false run.tensorboard=false"
 ETA="run.max_tokens=819200"
 HALOS="run.max_tokens=1024000"
-# codec SECTION NAME: the overrides of one codec, on the wire section's uplink (DiLoCo, Di-PS) or on
-# HALoS's local-to-global link (SECTION=halos: it crosses the WAN; the workers' sends to their
-# local server stay in the region, at wire.up).
-codec() {
-  local base="wire.up=fp32 wire.down=fp32" c="$1.compress" r="$1.compress_ratio=0.01 $1.compress_values=int2"
-  case "$2" in
-    fp32) echo "$base" ;;
-    bf16) echo "wire.up=bf16 wire.down=fp32" ;;
-    int4) echo "$base $c=int4 $1.error_feedback=false" ;;
-    int2-ef) echo "$base $c=int2 $1.error_feedback=true" ;;
-    topk-int2-ef) echo "$base $c=topk $r $1.error_feedback=true" ;;
-    dct-int2-ef) echo "$base $c=dct_topk $r $1.error_feedback=true" ;;
-  esac
-}
+source "$(dirname "$0")/compression_codecs.sh"  # codec SECTION NAME: one codec's overrides
 jobs=()
 for codec in fp32 bf16 int4 int2-ef topk-int2-ef dct-int2-ef; do
   jobs+=("configs/bench/eta_diloco.yaml $COMMON $ETA strategy.inner_steps=8 $(codec wire $codec) run.name=diloco-$codec")

@@ -1,0 +1,15 @@
+# Sourced by examples/compression_study.sh and examples/compression_long_budget.sh.
+# codec SECTION NAME: the overrides of one codec, on the wire section's uplink (DiLoCo, Di-PS) or on
+# HALoS's local-to-global link (SECTION=halos: it crosses the WAN; the workers' sends to their
+# local server stay in the region, at wire.up).
+codec() {
+  local base="wire.up=fp32 wire.down=fp32" c="$1.compress" r="$1.compress_ratio=0.01 $1.compress_values=int2"
+  case "$2" in
+    fp32) echo "$base" ;;
+    bf16) echo "wire.up=bf16 wire.down=fp32" ;;
+    int4) echo "$base $c=int4 $1.error_feedback=false" ;;
+    int2-ef) echo "$base $c=int2 $1.error_feedback=true" ;;
+    topk-int2-ef) echo "$base $c=topk $r $1.error_feedback=true" ;;
+    dct-int2-ef) echo "$base $c=dct_topk $r $1.error_feedback=true" ;;
+  esac
+}

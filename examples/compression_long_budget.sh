@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# DiLoCo on the eta = 100 scenario at the config's whole budget (3.28 M tokens: 50 outer steps of
+# H = 8, four times the three-seed study's quarter budget), uncompressed and with the two
+# sparse codes of that study (top-1 % and DCT top-1 %, int2 values, error feedback), 3 seeds each
+# (run.seed 0, 1, 2), two runs at a time (one per core), then one table with 95 % intervals
+# (runs named <name>-seed=<k> form one group per codec, as `fl-geo compare --seeds` names them).
+# docs/benchmarks.md ("Compression at four times the budget") has the figures.
+#
+#   bash examples/compression_long_budget.sh [OUT]      # OUT default runs/compression-long
+set -euo pipefail
+OUT=${1:-runs/compression-long}
+FLGEO=${FLGEO:-.venv/bin/fl-geo}
+export OMP_NUM_THREADS=1
+mkdir -p "$OUT/runs"
+source "$(dirname "$0")/compression_codecs.sh"  # codec SECTION NAME: one codec's overrides
+COMMON="run.sim_cpus=1 run.progress=false run.tensorboard=false strategy.inner_steps=8 run.rounds=50 run.max_tokens=3276800"
+jobs=()
+for seed in 0 1 2; do
+  for codec in fp32 topk-int2-ef dct-int2-ef; do
+    jobs+=("configs/bench/eta_diloco.yaml $COMMON $(codec wire $codec) run.seed=$seed run.name=diloco-long-$codec-seed=$seed")
+  done
+done
+printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs > /dev/null 2>> $OUT/study.log"
+"$FLGEO" compare --runs "$OUT"/runs/* --out "$OUT/table"  # each group: mean and 95 % interval
