@@ -38,7 +38,8 @@ __all__ = ["PRELOAD", "RANK_START_ENV", "rank_context", "start_method"]
 
 # Imported once by the fork server. Each name is imported by the server itself, never by the
 # parent, and a name that fails to import is skipped there (multiprocessing's rule), so a rank
-# still imports what it needs. None of them touches a device at import.
+# still imports what it needs. None of them initialises CUDA at import (torch keeps it lazy);
+# `make gpu-check` runs CUDA ranks forked this way, which no GPU has run yet (2026-11-29).
 PRELOAD = (
     "torch",
     "torch.distributed",
