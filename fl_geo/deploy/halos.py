@@ -53,7 +53,7 @@ __all__ = [
     "run_halos",
 ]
 
-_TOP_KEYS = {"name", "flwr_home", "state_dir", "ipc_dir", "app_dir", "security", "global", "regions"}
+_TOP_KEYS = {"name", "flwr_home", "state_dir", "ipc_dir", "app_dir", "security", "global", "regions", "warm_apps"}
 _GLOBAL_KEYS = {"superlink"}
 _REGION_KEYS = {"name", "superlink", "bridge_port", "nodes"}
 REGIONAL_APP = "apps/halos-regional"
@@ -91,6 +91,8 @@ def parse_halos_topology(data: Any, base_dir: Path, source: str = "<halos topolo
     state_dir = Path(str(d.get("state_dir", f"{flwr_home}/state")))
     security = d.get("security") or {}
     app_dir = d.get("app_dir", ".")
+    # Every tier (each region's and the global one) gets the same setting, and its own app server.
+    warm = {"warm_apps": d["warm_apps"]} if "warm_apps" in d else {}
     ipc = Path(_str(f"{source}: ipc_dir", str(d.get("ipc_dir", f"/tmp/fl-geo-{name}")))).expanduser()
     ipc = (ipc if ipc.is_absolute() else base_dir / ipc).resolve()
 
@@ -108,7 +110,7 @@ def parse_halos_topology(data: Any, base_dir: Path, source: str = "<halos topolo
         region_names.append(rname)
         tier = parse_topology({"name": f"{name}-{rname}", "superlink": r["superlink"], "flwr_home": flwr_home,
                                "state_dir": str(state_dir / rname), "app_dir": app_dir, "security": security,
-                               "nodes": r["nodes"]}, base_dir, f"{source}: regions[{i}] ({rname})")
+                               "nodes": r["nodes"], **warm}, base_dir, f"{source}: regions[{i}] ({rname})")
         for node in tier.nodes:
             if node.node_config.get("region") != rname:
                 raise DeployError(f"{source}: regions[{i}] ({rname}): node {node.name} has region "
@@ -125,7 +127,7 @@ def parse_halos_topology(data: Any, base_dir: Path, source: str = "<halos topolo
                    "node_config": {"partition-id": 0, "num-partitions": 1, "site": "x", "region": "x", "device": "cpu"}}
     gtier = parse_topology({"name": f"{name}-global", "superlink": g["superlink"], "flwr_home": flwr_home,
                             "state_dir": str(state_dir / "global"), "app_dir": app_dir, "security": security,
-                            "nodes": [placeholder]}, base_dir, f"{source}: global")
+                            "nodes": [placeholder], **warm}, base_dir, f"{source}: global")
     gtier = dataclasses.replace(gtier, nodes=tuple(bridges))
 
     ports = [t.port for t in [gtier, *(t for _, t in regions)]]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fl_geo.deploy import warm_apps
 from fl_geo.deploy.certificates import ensure_certs
 from fl_geo.deploy.flower_config import write_flwr_config
 from fl_geo.deploy.processes import (
@@ -40,6 +41,7 @@ from fl_geo.deploy.topology import DEFAULT_GRACE_S, DeployError, Topology
 
 __all__ = ["DownResult", "UpResult", "down", "status", "up"]
 
+APP_SERVER = "app-server"  # the role of the warm app server's record (fl_geo/deploy/warm_apps.py)
 KILL_EXIT_S = 10.0  # how long a SIGKILLed process may take to exit before down calls it a survivor
 
 
@@ -106,13 +108,21 @@ def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult
     deadline = t0 + timeout_s
     started: list[tuple[subprocess.Popen[bytes], ProcRecord]] = []
     try:
-        started.append(start_process(topo, "superlink", topo.name, superlink_command(topo)))
-        say(f"superlink {topo.address} (pid {started[0][1].pid}), log {started[0][1].log}")
+        if topo.warm_apps:
+            # Before the SuperLink, so its first ServerApp is already forked warm: the server binds
+            # its socket at once and imports while the SuperLink starts (shims wait in its backlog).
+            socket_name = warm_apps.new_socket_name()
+            warm_apps.write_shims(topo.app_shims_dir, socket_name)
+            started.append(start_process(topo, APP_SERVER, topo.name, warm_apps.server_command(socket_name)))
+            say(f"app server (pid {started[-1][1].pid}), log {started[-1][1].log}")
+        link = start_process(topo, "superlink", topo.name, superlink_command(topo))
+        started.append(link)
+        say(f"superlink {topo.address} (pid {link[1].pid}), log {link[1].log}")
         while not health_ok(topo):
             _fail_if_exited(started)
             if time.monotonic() > deadline:
                 raise DeployError(f"SuperLink at {topo.address} not healthy after {timeout_s:.0f} s; "
-                                  f"see {started[0][1].log}:\n{_tail(started[0][1].log)}")
+                                  f"see {link[1].log}:\n{_tail(link[1].log)}")
             time.sleep(0.2)
         healthy_s = time.monotonic() - t0
         say(f"superlink healthy after {healthy_s:.1f} s")
@@ -134,14 +144,14 @@ def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult
             # Asking the SuperLink is a `flwr supernode ls` process (~1.5 s of CPU, competing with
             # the SuperNodes starting): ask once every node has logged its activation, and
             # otherwise every NODE_LIST_EVERY_S in case a Flower version words its log differently.
-            activated = all(_logged_since_start(r.log, NODE_ACTIVATED) for _, r in started[1:])
+            activated = all(_logged_since_start(r.log, NODE_ACTIVATED) for _, r in started if r.role == "supernode")
             if activated or time.monotonic() - asked >= NODE_LIST_EVERY_S:
                 online = [n for n in list_nodes(topo) if n.get("status") == "online"]
                 asked = time.monotonic()
                 if len(online) >= want:
                     break
             if time.monotonic() > deadline:
-                logs = ", ".join(r.log for _, r in started[1:])
+                logs = ", ".join(r.log for _, r in started if r.role == "supernode")
                 raise DeployError(f"only {len(online)} of {want} SuperNodes online after {timeout_s:.0f} s; "
                                   f"see the node logs: {logs}")
             time.sleep(0.1 if not activated else 0.5)
@@ -172,14 +182,15 @@ class DownResult:
 def down(topo: Topology, grace_s: float = DEFAULT_GRACE_S) -> DownResult:
     """Stop every recorded process: SIGTERM to its group and descendants, SIGKILL after ``grace_s``.
 
-    SuperNodes go first so they can deregister while the SuperLink still answers. Safe to call
-    twice: without ``pids.json`` it does nothing.
+    SuperNodes go first so they can deregister while the SuperLink still answers, and the app
+    server last: the app processes it forked stop with their shims (SuperExec children), and the
+    server's process group holds whatever is left. Safe to call twice: without ``pids.json`` it
+    does nothing.
     """
     records = load_records(topo)
     if not records:
         topo.pids_path.unlink(missing_ok=True)
         return DownResult([], [], [])
-    ordered = [r for r in records if r.role != "superlink"] + [r for r in records if r.role == "superlink"]
     signalled: list[int] = []
     killed: list[int] = []
 
@@ -209,8 +220,9 @@ def down(topo: Topology, grace_s: float = DEFAULT_GRACE_S) -> DownResult:
         for pid in pids:
             _reap(pid)
 
-    stop([r for r in ordered if r.role != "superlink"])
-    stop([r for r in ordered if r.role == "superlink"])
+    stop([r for r in records if r.role not in ("superlink", APP_SERVER)])
+    stop([r for r in records if r.role == "superlink"])
+    stop([r for r in records if r.role == APP_SERVER])
     survivors = sorted(p for p in signalled if _alive(p))
     if not survivors:
         topo.pids_path.unlink(missing_ok=True)

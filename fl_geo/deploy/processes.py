@@ -160,12 +160,15 @@ def flower_env(topo: Topology) -> dict[str, str]:
     """Environment for every Flower process and CLI call of this topology.
 
     PATH starts with this interpreter's bin folder: the SuperLink and SuperNode spawn
-    ``flower-superexec`` by name and must find the one of this venv.
+    ``flower-superexec`` by name and must find the one of this venv. With ``warm_apps`` the app
+    shims' folder comes first, so the SuperExecs start ``flwr-clientapp`` / ``flwr-serverapp``
+    through the app server (`fl_geo.deploy.warm_apps`).
     """
     env = dict(os.environ)
     env.update(NO_DEPS_ENV)
     env["FLWR_HOME"] = str(topo.flwr_home)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    first = [str(topo.app_shims_dir)] if topo.warm_apps else []
+    env["PATH"] = os.pathsep.join([*first, str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

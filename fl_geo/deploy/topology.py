@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fl_geo.deploy.warm_apps import supported as warm_apps_supported
 from fl_geo.hosts import is_loopback
 from fl_geo.inner.device import DEVICE_KINDS
 
@@ -138,6 +139,9 @@ class Topology:
     state_dir: Path
     security: Security
     nodes: tuple[NodeSpec, ...]
+    # Fork Flower's per-message app processes from an app server that has imported torch and
+    # Flower once (fl_geo/deploy/warm_apps.py); off: Flower starts each one fresh.
+    warm_apps: bool = False
 
     @property
     def address(self) -> str:
@@ -157,6 +161,11 @@ class Topology:
         return self.state_dir / "pids.json"
 
     @property
+    def app_shims_dir(self) -> Path:
+        """Where ``up`` writes the ``flwr-clientapp`` / ``flwr-serverapp`` shims (first on PATH)."""
+        return self.state_dir / "app-shims"
+
+    @property
     def certs(self) -> CertPaths:
         return CertPaths(self.security.certs_dir)
 
@@ -169,7 +178,7 @@ class Topology:
         return hosts
 
 
-_TOP_KEYS = {"name", "superlink", "flwr_home", "state_dir", "app_dir", "security", "nodes"}
+_TOP_KEYS = {"name", "superlink", "flwr_home", "state_dir", "app_dir", "security", "nodes", "warm_apps"}
 _SUPERLINK_KEYS = {"host", "port", "bind"}
 _SECURITY_KEYS = {"tls", "auth", "certs_dir", "allow_insecure_remote"}
 _NODE_KEYS = {"name", "port", "node_config", "extra_node_config", "site_nodes"}
@@ -311,6 +320,11 @@ def parse_topology(data: Any, base_dir: Path, source: str = "<topology>") -> Top
     flwr_home = path(d.get("flwr_home", f".flwr-deploy/{name}"), "flwr_home")
     state_dir = path(d["state_dir"], "state_dir") if "state_dir" in d else flwr_home / "state"
 
+    warm_apps = _bool(f"{source}: warm_apps", d.get("warm_apps", warm_apps_supported()))
+    if warm_apps and not warm_apps_supported():
+        raise DeployError(f"{source}: warm_apps=true needs Linux (abstract Unix sockets, SO_PEERCRED); "
+                          "remove the key or set it to false")
+
     sec = _check_keys(f"{source}: security", d.get("security") or {}, _SECURITY_KEYS)
     loopback = is_loopback(host)
     # Real sites get TLS + SuperNode authentication unless the file says otherwise.
@@ -352,7 +366,7 @@ def parse_topology(data: Any, base_dir: Path, source: str = "<topology>") -> Top
         name=name, source=source, app_dir=app_dir, host=host, bind=bind, port=port,
         flwr_home=flwr_home, state_dir=state_dir,
         security=Security(tls=tls, auth=auth, certs_dir=certs_dir, allow_insecure_remote=allow_remote),
-        nodes=nodes,
+        nodes=nodes, warm_apps=warm_apps,
     )
 
 

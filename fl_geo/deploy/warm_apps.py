@@ -1,0 +1,452 @@
+"""Flower's per-message app processes, forked from a server that has imported torch and Flower once.
+
+Flower 1.42 runs every ClientApp message, and every ServerApp run, in a fresh process: the
+SuperNode's (or SuperLink's) SuperExec starts ``flwr-clientapp`` (``flwr-serverapp``) by name
+from ``PATH`` and the process exits after one message. Before it trains, such a process imports
+torch (~3 CPU-s on a 2-core machine), ``torch._dynamo`` (~2-3 CPU-s: ``torch.optim`` imports it at
+the first optimizer step) and Flower's runtime (~3 CPU-s). A site whose round takes a few
+seconds pays more to start the process than to train.
+
+With ``warm_apps`` on (the topology key, default on Linux), :func:`fl_geo.deploy.lifecycle.up`
+starts one **app server** per topology (``python -m fl_geo.deploy.warm_apps``, recorded like the
+SuperLink) and puts a folder of **shims** first on the Flower processes' ``PATH``. The SuperExec
+then starts our shim under Flower's command name; the shim, a stdlib-only interpreter started
+with ``-IS`` (~20 ms), hands its argument list, working directory, environment and its standard
+input, output and error (the file descriptors themselves) to the server over a Unix socket. The
+server forks a child that takes all of them over and runs the Flower entry point the installed
+package declares for that command, with torch, ``torch._dynamo``, numpy and Flower's runtime
+already imported. Flower's code is unchanged; only the imports are shared.
+
+Contract, so that Flower sees the same process as before:
+
+- **Exit status**: the shim exits with the child's status (a signal death is re-raised on the
+  shim itself).
+- **Signals**: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to the shim are forwarded to the child.
+- **Death**: the child watches the shim (a pidfd); when the shim dies, also by SIGKILL (a killed
+  SuperNode's process group, a test's kill), the child kills itself with SIGKILL at once. The
+  child is in the app server's process group, so ``down`` stops it with the server too.
+- **Fallback**: when the server is not there (stopped, crashed, not yet bound) or declines (it is
+  not single-threaded, the command is unknown), the shim ``exec``\\ s Flower's own command: the
+  message runs cold, never fails for this reason.
+- **Who may ask**: the socket is in Linux's abstract namespace under a random name, and the
+  server serves only a peer with its own user id (``SO_PEERCRED``); any other request is refused
+  and logged.
+- **What differs from a fresh process**: ``sys.modules`` already holds the preloaded modules, and
+  the server's import-time environment was the topology's Flower environment (`flower_env`), the
+  same the child receives apart from what Flower adds per process. numpy's global generator and
+  Python's ``random`` are reseeded in each child, as a fresh process would seed them.
+
+Why fork is safe here: the server imports modules only, never starts a thread, touches no device
+and opens no gRPC channel, and it checks that it is still single-threaded before every fork (else
+it declines and the shim runs cold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import atexit
+import importlib
+import logging
+import os
+import secrets
+import select
+import signal
+import socket
+import stat
+import struct
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# The server's own log: a handler of its own, nothing on the root logger, so that a forked app
+# process logs exactly as a fresh one would (the child drops this handler, see AppServer._child).
+log = logging.getLogger("fl_geo.app_server")
+
+__all__ = [
+    "APP_COMMANDS",
+    "PRELOAD",
+    "AppServer",
+    "entry_points",
+    "new_socket_name",
+    "server_command",
+    "supported",
+    "write_shims",
+]
+
+# The Flower commands whose processes the server forks: what a SuperExec starts per message / run.
+APP_COMMANDS = ("flwr-clientapp", "flwr-serverapp")
+# Imported by the server before it serves (a name that fails to import is skipped). None of them
+# starts a thread or initialises a device at import.
+PRELOAD = ("numpy", "torch", "torch._dynamo")
+MAX_REQUEST = 1 << 20  # one request packet: argv + cwd + environment, as JSON
+SHIM_MARK = "# fl-geo warm app shim"
+
+
+def supported() -> bool:
+    """Abstract Unix sockets, ``SO_PEERCRED`` and fd passing: Linux only."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "send_fds")
+
+
+def new_socket_name() -> str:
+    """A fresh abstract-namespace socket name (leading NUL: nothing on disk to clean up)."""
+    return "\0fl-geo-apps-" + secrets.token_hex(12)
+
+
+def entry_points(commands: Sequence[str] = APP_COMMANDS) -> dict[str, str]:
+    """``{command: "module:function"}`` for the console scripts the installed Flower declares."""
+    found: dict[str, str] = {}
+    for ep in metadata.entry_points(group="console_scripts"):
+        if ep.name in commands:
+            found[ep.name] = ep.value
+    missing = [c for c in commands if c not in found]
+    if missing:
+        raise RuntimeError(f"no console script {', '.join(missing)} in this environment (is flwr installed?)")
+    return found
+
+
+def server_command(socket_name: str) -> list[str]:
+    """The command that runs the app server for ``socket_name`` (from :func:`new_socket_name`)."""
+    return [sys.executable, "-m", "fl_geo.deploy.warm_apps", "--socket", socket_name.lstrip("\0")]
+
+
+_SHIM = '''#!{python} -IS
+{mark}: run {command} forked from fl-geo's app server (fl_geo/deploy/warm_apps.py), or cold.
+import os, signal, socket, sys
+REAL = {real!r}
+NAME = {name!r}
+def cold():
+    os.execv(REAL, [REAL, *sys.argv[1:]])
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(NAME)
+    req = repr({{"command": {command!r}, "argv": [REAL, *sys.argv[1:]], "cwd": os.getcwd(),
+                "env": dict(os.environ)}}).encode()
+    socket.send_fds(s, [req], [0, 1, 2])
+    first = s.recv(64).split()
+except OSError:
+    cold()
+if first[:1] != [b"pid"]:
+    s.close()
+    cold()
+child = int(first[1])
+def forward(sig, _frame):
+    try:
+        os.kill(child, sig)
+    except OSError:
+        pass
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(sig, forward)
+while True:
+    try:
+        last = s.recv(64).split()
+        break
+    except InterruptedError:
+        continue
+code = int(last[1]) if last[:1] == [b"exit"] else 1
+sys.stdout.flush()
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+os._exit(code)
+'''
+
+
+def write_shims(bin_dir: Path, socket_name: str, commands: Sequence[str] = APP_COMMANDS,
+                real_dir: Path | None = None) -> list[Path]:
+    """Write one executable shim per command into ``bin_dir`` (put it first on ``PATH``).
+
+    ``real_dir`` holds the real commands a shim falls back to (default: this interpreter's bin
+    folder, where ``flwr`` installed them). The request is a Python literal (``repr``), read
+    back with ``ast.literal_eval``: the shim imports no ``json``, to start in ~20 ms.
+    """
+    real_dir = real_dir or Path(sys.executable).parent
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for command in commands:
+        real = real_dir / command
+        text = _SHIM.format(python=sys.executable, mark=SHIM_MARK, command=command, real=str(real), name=socket_name)
+        path = bin_dir / command
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolve(value: str) -> Callable[[], Any]:
+    module, _, attr = value.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _parse_request(data: bytes, fds: Sequence[int], commands: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one request; raise ``ValueError`` naming what is wrong."""
+    if len(fds) != 3:
+        raise ValueError(f"expected 3 file descriptors (stdin, stdout, stderr), got {len(fds)}")
+    try:
+        req = ast.literal_eval(data.decode("utf-8"))
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
+        raise ValueError(f"unreadable request ({type(exc).__name__})") from None
+    if not isinstance(req, dict) or set(req) != {"command", "argv", "cwd", "env"}:
+        raise ValueError("request must be a mapping with exactly command, argv, cwd, env")
+    if req["command"] not in commands:
+        raise ValueError(f"unknown command {req['command']!r}")
+    argv, env, cwd = req["argv"], req["env"], req["cwd"]
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        raise ValueError("argv must be a non-empty list of strings")
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ValueError("env must map strings to strings")
+    if not isinstance(cwd, str):
+        raise ValueError("cwd must be a string")
+    return req
+
+
+def _watch_parent_shim(shim_pid: int) -> None:
+    """Kill this process (SIGKILL) as soon as the shim that asked for it is gone."""
+    try:
+        fd = os.pidfd_open(shim_pid)
+    except (AttributeError, OSError):
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:  # no pidfd (kernel < 5.3): poll
+            while True:
+                try:
+                    os.kill(shim_pid, 0)
+                except ProcessLookupError:
+                    break
+                threading.Event().wait(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="fl-geo-shim-watch", daemon=True).start()
+
+
+def _reseed() -> None:
+    """What a fresh interpreter seeds from the OS (``random`` reseeds itself after fork)."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+class AppServer:
+    """Accept shim requests on an abstract Unix socket and fork one app process per request.
+
+    Single-threaded by design: one ``select`` loop over the listening socket, the open shim
+    connections and a SIGCHLD wake-up pipe. ``commands`` maps a command name to its entry point
+    (``"module:function"``); the modules are imported by :meth:`preload`, before serving.
+    """
+
+    def __init__(self, socket_name: str, commands: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
+        self.socket_name = socket_name if socket_name.startswith("\0") else "\0" + socket_name
+        self.commands = dict(commands)
+        self.preload_names = tuple(preload)
+        self.entries: dict[str, Callable[[], Any]] = {}
+        self.children: dict[int, socket.socket | None] = {}  # child pid -> its shim's connection
+        self.served = 0
+        self.declined = 0
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(self.socket_name)  # bound first: shims that come early wait in the backlog
+        self.listener.listen(64)
+        self._stop = False
+
+    def preload(self) -> None:
+        for name in self.preload_names:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - a missing optional module only makes children slower
+                log.warning("app server: could not preload %s (%s)", name, exc)
+        for command, value in self.commands.items():
+            self.entries[command] = _resolve(value)
+
+    def serve(self) -> None:
+        """Serve until SIGTERM / SIGINT; then close the socket (children keep running, see module doc)."""
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        os.set_blocking(rfd, False)
+        signal.set_wakeup_fd(wfd)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+        def stop(*_: Any) -> None:
+            self._stop = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        log.info("app server: serving %s (pid %d)", ", ".join(sorted(self.commands)), os.getpid())
+        while not self._stop:
+            conns = [c for c in self.children.values() if c is not None]
+            try:
+                ready, _, _ = select.select([self.listener, rfd, *conns], [], [])
+            except InterruptedError:
+                continue
+            if rfd in ready:
+                with _suppress_oserror():
+                    os.read(rfd, 4096)
+            self._reap()
+            if self.listener in ready:
+                self._accept()
+            for conn in conns:
+                if conn in ready:
+                    self._shim_gone_if_eof(conn)
+        self.listener.close()
+        log.info("app server: stopping after %d app process(es), %d declined", self.served, self.declined)
+
+    def _shim_gone_if_eof(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(64, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the shim died: its child kills itself (it watches the shim); forget the link
+            for pid, c in self.children.items():
+                if c is conn:
+                    self.children[pid] = None
+            conn.close()
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            with _suppress_oserror():
+                conn.send(f"exit {os.waitstatus_to_exitcode(status)}".encode())
+            conn.close()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        fds: list[int] = []
+        try:
+            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 struct.calcsize("3i")))
+            if uid != os.getuid():
+                raise ValueError(f"peer pid {pid} runs as uid {uid}, not {os.getuid()}")
+            conn.settimeout(5.0)  # a shim sends its request right after connecting
+            data, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, 3)
+            req = _parse_request(data, fds, self.entries)
+        except (OSError, ValueError) as exc:
+            self.declined += 1
+            log.warning("app server: request refused: %s", exc)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        if threading.active_count() != 1:  # a forked copy of a threaded process can deadlock
+            self.declined += 1
+            log.warning("app server: %d threads are running; %s runs cold", threading.active_count(), req["command"])
+            with _suppress_oserror():
+                conn.send(b"cold")
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        child = os.fork()
+        if child == 0:
+            self._child(conn, fds, req, shim_pid=pid)  # never returns
+        for fd in fds:
+            os.close(fd)
+        self.served += 1
+        self.children[child] = conn
+        with _suppress_oserror():
+            conn.send(f"pid {child}".encode())
+        log.info("app server: %s pid %d for shim %d", req["command"], child, pid)
+
+    def _child(self, conn: socket.socket, fds: Sequence[int], req: dict[str, Any], shim_pid: int) -> None:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            log.handlers.clear()
+            log.propagate = True
+            log.setLevel(logging.NOTSET)
+            for sig in (signal.SIGTERM, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.listener.close()
+            conn.close()
+            for c in self.children.values():
+                if c is not None:
+                    c.close()
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            _watch_parent_shim(shim_pid)
+            os.environ.clear()
+            os.environ.update(req["env"])
+            os.chdir(req["cwd"])
+            sys.argv = list(req["argv"])
+            sys.path[0] = str(Path(sys.argv[0]).parent)  # as a console script's own folder
+            _reseed()
+            try:
+                result = self.entries[req["command"]]()
+                code = 0 if result is None else int(result) if isinstance(result, int) else 1
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # noqa: BLE001 - report as a fresh interpreter would, then exit 1
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            atexit._run_exitfuncs()
+        finally:
+            with _suppress_oserror():
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+class _suppress_oserror:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
+        return typ is not None and issubclass(typ, OSError)
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fl_geo.deploy.warm_apps",
+                                     description="fl-geo's app server: fork Flower app processes with torch imported.")
+    parser.add_argument("--socket", required=True, help="abstract socket name (without the leading NUL)")
+    parser.add_argument("--command", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
+                        help="serve this command instead of Flower's app commands (repeatable)")
+    parser.add_argument("--preload", action="append", default=None, metavar="MODULE",
+                        help=f"modules to import before serving (default: {', '.join(PRELOAD)})")
+    args = parser.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    commands = dict(c.split("=", 1) for c in args.command) if args.command else entry_points()
+    server = AppServer(args.socket, commands, PRELOAD if args.preload is None else args.preload)
+    server.preload()
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
