@@ -460,6 +460,13 @@ def _received(log: str, kind: str = "train") -> int:
     return Path(log).read_text(encoding="utf-8", errors="replace").count(f"Receiving: {kind} message")
 
 
+def _forked(topo: topology.Topology) -> dict[str, int]:
+    """How many processes of each Flower app command the topology's app server has forked so far."""
+    (rec,) = [r for r in processes.load_records(topo) if r.role == "app-server"]
+    text = Path(rec.log).read_text(encoding="utf-8", errors="replace")
+    return {c: text.count(f"app server: {c} pid ") for c in ("flwr-serverapp", "flwr-clientapp")}
+
+
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -479,7 +486,8 @@ def test_e2e_sharded_dips_data_path_beside_flower(shared_federation, tmp_path, c
     topo, path = shared_federation
     assert cli.main(["deploy", "status", str(path)]) == 0
     shown = capsys.readouterr().out
-    assert shown.count("alive") == 1 + SITES and shown.count(": online") == SITES
+    # the app server, the SuperLink and the SuperNodes
+    assert shown.count("alive") == 2 + SITES and shown.count(": online") == SITES and "app-server" in shown
     before = _received_by_node(topo)  # the shared federation may have run the other test's run
     out = tmp_path / "runs"
     rc = cli.main(["deploy", "run", str(path), "configs/dips_sharded.yaml", *TINY_RUN, "run.rounds=2", "run.clock=wall",
@@ -522,7 +530,7 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(shared_federation, tmp_path):
     assert "Failed to activate SuperNode" in Path(rec.log).read_text()
     assert len([n for n in processes.list_nodes(topo) if n.get("status") == "online"]) == SITES
 
-    before = _received_by_node(topo)
+    before, forked_before = _received_by_node(topo), _forked(topo)
     res = launch.run_experiment(topo, "configs/fedbuff.yaml", [*TINY_RUN, "run.rounds=2", "run.name=e2e-fedbuff"],
                                 out_dir=tmp_path / "runs", timeout_s=300, echo=False)
     assert res.ok, (res.status, res.details)
@@ -535,6 +543,11 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(shared_federation, tmp_path):
     assert len(after) == SITES
     for name, (train, query) in after.items():  # the asynchronous loop profiled and dispatched to every site
         assert train > before[name][0] and query - before[name][1] == 1, (name, before, after)
+    # Every message of the run ran in an app process forked by the topology's app server (warm_apps):
+    # one ServerApp, and a ClientApp per message each SuperNode received.
+    forked = {k: v - forked_before[k] for k, v in _forked(topo).items()}
+    messages = sum(t + q - before[name][0] - before[name][1] for name, (t, q) in after.items())
+    assert forked == {"flwr-serverapp": 1, "flwr-clientapp": messages}, (forked, messages)
     # The launcher asked Flower's Control API in-process (fl_geo.deploy.control): over TLS its
     # answers are the CLI's, word for word.
     shown = processes._json_out(processes.flwr_cli(topo, ["ls", topo.name, "--run-id", str(res.run_id),

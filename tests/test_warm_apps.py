@@ -1,0 +1,167 @@
+"""The warm app server (fl_geo/deploy/warm_apps.py): a shim's process is forked from the server with
+the shim's arguments, directory, environment and standard streams; its exit status, signals and
+death are the shim's; without a server the shim runs the real command; bad requests are refused
+and the server goes on serving. The deployment end-to-end tests (test_deploy.py,
+test_deploy_faults.py, test_halos_deploy.py) run Flower's real app commands this way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fl_geo.deploy import processes, warm_apps
+from fl_geo.deploy.topology import DeployError, parse_topology
+
+pytestmark = pytest.mark.skipif(not warm_apps.supported(), reason="warm apps need Linux")
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _real_command(tmp: Path) -> Path:
+    """What a shim falls back to: the probe run by a fresh interpreter."""
+    real_dir = tmp / "real"
+    real_dir.mkdir(exist_ok=True)
+    real = real_dir / "probe"
+    real.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+                    "from warm_app_probe import main\nsys.exit(main())\n", encoding="utf-8")
+    real.chmod(0o755)
+    return real_dir
+
+
+class _Server:
+    def __init__(self, tmp: Path) -> None:
+        self.name = warm_apps.new_socket_name()
+        self.log = tmp / "server.log"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        cmd = [*warm_apps.server_command(self.name), "--command", "probe=warm_app_probe:main", "--preload", "fractions"]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        (self.shim,) = warm_apps.write_shims(tmp / "bin", self.name, ["probe"], real_dir=_real_command(tmp))
+        deadline = time.monotonic() + 30
+        while "serving probe" not in self.log.read_text() and time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = _Server(tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _report(out: str) -> dict:
+    return json.loads(out.splitlines()[0])
+
+
+def test_a_shim_runs_its_command_forked_from_the_server_with_its_own_streams_and_environment(server, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    res = subprocess.run([str(server.shim), "exit5", "a b"], capture_output=True, text=True, cwd=work,
+                         env={**os.environ, "PROBE_X": "hello"}, timeout=60)
+    assert res.returncode == 5, res.stderr
+    seen = _report(res.stdout)
+    assert seen["argv"] == ["exit5", "a b"] and seen["cwd"] == str(work) and seen["x"] == "hello"
+    assert seen["ppid"] == server.proc.pid  # forked by the server ...
+    assert seen["preloaded"] is True  # ... with what it imported
+    assert res.stderr.strip() == "probe stderr"
+    # The next one sees its own environment, not the previous request's.
+    again = subprocess.run([str(server.shim)], capture_output=True, text=True, cwd=work, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "PROBE_X"})
+    assert again.returncode == 0 and _report(again.stdout)["x"] is None
+    assert server.log.read_text().count("probe pid ") == 2
+
+
+def test_signals_reach_the_child_and_its_death_is_the_shims(server):
+    # SIGTERM to the shim is forwarded: the probe exits 7 from its handler.
+    shim = subprocess.Popen([str(server.shim), "sleep"], stdout=subprocess.PIPE, text=True)
+    child = _report(shim.stdout.readline())["pid"]
+    shim.send_signal(signal.SIGTERM)
+    assert shim.wait(30) == 7
+    # A child killed by a signal: the shim dies of the same signal.
+    died = subprocess.run([str(server.shim), "signal"], capture_output=True, text=True, timeout=60)
+    assert died.returncode == -signal.SIGUSR1
+    # SIGKILL on the shim (a killed SuperNode's group): the child kills itself at once.
+    shim = subprocess.Popen([str(server.shim), "sleep"], stdout=subprocess.PIPE, text=True)
+    child = _report(shim.stdout.readline())["pid"]
+    assert processes._alive(child)
+    shim.kill()
+    shim.wait(10)
+    deadline = time.monotonic() + 10
+    while processes._alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not processes._alive(child)
+    assert server.proc.poll() is None  # the server serves on
+
+
+def test_without_a_server_the_shim_runs_the_real_command(tmp_path):
+    (shim,) = warm_apps.write_shims(tmp_path / "bin", warm_apps.new_socket_name(), ["probe"],
+                                    real_dir=_real_command(tmp_path))
+    res = subprocess.run([str(shim), "exit3", "x"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    seen = _report(res.stdout)
+    assert seen["argv"] == ["exit3", "x"] and seen["preloaded"] is False
+    assert seen["ppid"] == os.getpid()  # exec'd in place of the shim: our child, not a server's
+
+
+def _ask(name: str, payload: bytes, fds: list[int]) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(name)
+        socket.send_fds(s, [payload], fds)
+        s.settimeout(20)
+        return s.recv(64)
+
+
+@pytest.mark.parametrize("payload, fds, why", [
+    (b"{'command': 'probe'}", 3, "exactly command, argv, cwd, env"),
+    (b"not a literal (", 3, "unreadable request"),
+    (b"{'command': 'rm', 'argv': ['x'], 'cwd': '/', 'env': {}}", 3, "unknown command 'rm'"),
+    (b"{'command': 'probe', 'argv': [], 'cwd': '/', 'env': {}}", 3, "argv must be"),
+    (b"{'command': 'probe', 'argv': ['x'], 'cwd': '/', 'env': {'A': 1}}", 3, "env must map"),
+    (b"{'command': 'probe', 'argv': ['x'], 'cwd': 7, 'env': {}}", 3, "cwd must be"),
+    (b"{'command': 'probe', 'argv': ['x'], 'cwd': '/', 'env': {}}", 1, "expected 3 file descriptors"),
+    (b"\xff\xfe", 3, "unreadable request"),
+])
+def test_a_bad_request_is_refused_and_logged_and_the_server_serves_on(server, payload, fds, why):
+    with open(os.devnull, "rb") as null:
+        assert _ask(server.name, payload, [null.fileno()] * fds) == b""  # closed: no child
+    log = server.log.read_text()
+    assert "request refused: " in log and why in log, log
+    assert "probe pid" not in log
+    ok = subprocess.run([str(server.shim)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and _report(ok.stdout)["ppid"] == server.proc.pid
+
+
+def test_the_topology_key_and_the_path_the_flower_processes_get(tmp_path):
+    base = {"superlink": {"host": "127.0.0.1", "port": 9092}, "state_dir": str(tmp_path / "state"),
+            "nodes": [{"name": "dc0", "port": 9094, "node_config": {"partition-id": 0, "num-partitions": 1, "site": "a",
+                                                                   "region": "r", "device": "cpu"}}]}
+    on = parse_topology(base, tmp_path)
+    assert on.warm_apps is True  # the default where it is supported (this module runs only there)
+    path = processes.flower_env(on)["PATH"].split(os.pathsep)
+    assert path[:2] == [str(on.app_shims_dir), str(Path(sys.executable).parent)]
+    off = parse_topology({**base, "warm_apps": False}, tmp_path)
+    assert str(off.app_shims_dir) not in processes.flower_env(off)["PATH"].split(os.pathsep)
+    with pytest.raises(DeployError, match="warm_apps: must be true or false"):
+        parse_topology({**base, "warm_apps": "yes"}, tmp_path)
+
+
+def test_the_flower_commands_resolve_to_their_installed_entry_points():
+    found = warm_apps.entry_points()
+    assert set(found) == set(warm_apps.APP_COMMANDS)
+    for command, value in found.items():
+        assert callable(warm_apps._resolve(value)), command
