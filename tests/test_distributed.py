@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +92,25 @@ def test_two_gloo_ranks_with_batch_b_equal_one_process_with_batch_2b() -> None:
 def _fail_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise RuntimeError("injected failure on rank 1")
+
+
+def test_the_error_names_the_rank_that_failed_first(tmp_path) -> None:
+    """Rank 1 raised; rank 0 then failed in its all-reduce (peer gone) and torch happened to see
+    rank 0's exit first: the error must name rank 1, whose error file was written first."""
+    from fl_geo.inner.distributed import _first_failure
+
+    files = [str(tmp_path / f"rank{i}.pickle") for i in range(3)]
+    for i, (text, ns) in {0: ("Connection closed by peer", 2_000_000_000), 1: ("injected", 1_000_000_000)}.items():
+        Path(files[i]).write_bytes(pickle.dumps(text))
+        os.utime(files[i], ns=(ns, ns))
+    index, message = _first_failure(files, 0, "torch's message")
+    assert index == 1 and message.endswith("injected") and "Process 1 terminated" in message
+    os.utime(files[0], ns=(1_000_000_000, 1_000_000_000))  # a tie: torch's choice stands
+    assert _first_failure(files, 0, "torch's message")[0] == 0
+    Path(files[1]).write_bytes(b"not a pickle")  # unreadable files are skipped ...
+    assert _first_failure(files, 1, "torch's message")[0] == 0
+    # ... and with none readable, torch's choice is kept as it was
+    assert _first_failure(files[2:], 2, "torch's message") == (2, "torch's message")
 
 
 def test_a_failing_rank_raises_in_the_parent_without_hanging() -> None:

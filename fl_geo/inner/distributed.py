@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -283,9 +284,9 @@ def _run_ranks(job: _Job, world: int, join_timeout_s: float | None) -> None:
                     f"within {join_timeout_s:g} s"
                 )
     except ProcessException as exc:
+        index, message = _first_failure(context.error_files, exc.error_index, str(exc))
         raise DistributedTrainingError(
-            f"rank {exc.error_index} of the data-parallel inner loop ({world} ranks, "
-            f"{job.backend}) failed: {exc}"
+            f"rank {index} of the data-parallel inner loop ({world} ranks, {job.backend}) failed: {message}"
         ) from None
     finally:
         for process in context.processes:
@@ -297,6 +298,31 @@ def _run_ranks(job: _Job, world: int, join_timeout_s: float | None) -> None:
                 with contextlib.suppress(Exception):
                     process.kill()
                     process.join()
+
+
+def _first_failure(error_files: Sequence[str], index: int, message: str) -> tuple[int, str]:
+    """The rank that failed first and its traceback.
+
+    One rank's failure makes its peers fail too, in their next collective ("Connection closed by
+    peer"), and torch reports whichever failed exit its ``join`` saw first: the cause or a
+    consequence. Each failing rank writes its traceback to its own error file (torch creates
+    none for a rank that did not raise), so the file written first names the cause. Falls back
+    to torch's choice (``index``, ``message``) when no file can be read.
+    """
+    written = []
+    for i, path in enumerate(error_files):
+        try:
+            stamp = os.stat(path).st_mtime_ns
+            with open(path, "rb") as fh:
+                trace = pickle.load(fh)
+        except Exception:  # noqa: BLE001 - absent (no raise), or torch changed its format
+            continue
+        if isinstance(trace, str):
+            written.append((stamp, i != index, i, trace))  # a tie goes to torch's choice
+    if not written:
+        return index, message
+    _, _, first, trace = min(written)
+    return first, f"\n\n-- Process {first} terminated with the following error:\n{trace}"
 
 
 class DataParallelTrainer(SharedStateTrainer):
