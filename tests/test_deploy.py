@@ -26,7 +26,15 @@ import pytest
 import yaml
 
 from fl_geo import cli
-from fl_geo.deploy import certificates, flower_config, launch, lifecycle, processes, topology
+from fl_geo.deploy import (
+    certificates,
+    flower_config,
+    launch,
+    lifecycle,
+    processes,
+    topology,
+    warm_apps,
+)
 from fl_geo.deploy.control import ControlUnavailable, query_nodes, query_run_status
 from fl_geo.deploy.topology import DeployError, load_topology, parse_topology
 from tests.conftest import down_and_assert_clean, free_ports, tiny_overrides
@@ -464,7 +472,7 @@ def _forked(topo: topology.Topology) -> dict[str, int]:
     """How many processes of each Flower app command the topology's app server has forked so far."""
     (rec,) = [r for r in processes.load_records(topo) if r.role == "app-server"]
     text = Path(rec.log).read_text(encoding="utf-8", errors="replace")
-    return {c: text.count(f"app server: {c} pid ") for c in ("flwr-serverapp", "flwr-clientapp")}
+    return {c: text.count(f"app server: {c} pid ") for c in warm_apps.APP_COMMANDS}
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -544,10 +552,14 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(shared_federation, tmp_path):
     for name, (train, query) in after.items():  # the asynchronous loop profiled and dispatched to every site
         assert train > before[name][0] and query - before[name][1] == 1, (name, before, after)
     # Every message of the run ran in an app process forked by the topology's app server (warm_apps):
-    # one ServerApp, and a ClientApp per message each SuperNode received.
+    # one ServerApp, and a ClientApp per message each SuperNode received; the SuperExecs (one per
+    # SuperNode and the SuperLink's) were forked by it when the federation came up.
     forked = {k: v - forked_before[k] for k, v in _forked(topo).items()}
     messages = sum(t + q - before[name][0] - before[name][1] for name, (t, q) in after.items())
-    assert forked == {"flwr-serverapp": 1, "flwr-clientapp": messages}, (forked, messages)
+    assert {k: forked[k] for k in ("flwr-serverapp", "flwr-clientapp")} == {"flwr-serverapp": 1,
+                                                                            "flwr-clientapp": messages}, forked
+    assert forked["flwr"] >= 1  # the submission, at least
+    assert _forked(topo)["flower-superexec"] == 1 + SITES
     # The launcher asked Flower's Control API in-process (fl_geo.deploy.control): over TLS its
     # answers are the CLI's, word for word.
     shown = processes._json_out(processes.flwr_cli(topo, ["ls", topo.name, "--run-id", str(res.run_id),

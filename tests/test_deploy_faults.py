@@ -233,9 +233,10 @@ def _sent(log: str, kind: str = "train") -> int:
 
 
 def _server_apps(topo: topology.Topology) -> list[int]:
-    """The ServerApp processes the topology's SuperLink spawned (``flwr-serverapp``)."""
-    link = next(r for r in processes.load_records(topo) if r.role == "superlink")
-    return sorted(p for p in processes._descendants([link.pid]) if "flwr-serverapp" in _cmdline(p))
+    """The topology's ServerApp processes (``flwr-serverapp``): started by the SuperLink's
+    SuperExec, which is the SuperLink's child, or the app server's with ``warm_apps``."""
+    records = processes.load_records(topo)
+    return sorted(p for p in processes._descendants(r.pid for r in records) if "flwr-serverapp" in _cmdline(p))
 
 
 @SHARED

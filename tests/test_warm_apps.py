@@ -37,14 +37,27 @@ def _real_command(tmp: Path) -> Path:
 
 
 class _Server:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, preload: tuple[str, ...] = ("fractions",), wait: bool = True) -> None:
         self.name = warm_apps.new_socket_name()
         self.log = tmp / "server.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-        cmd = [*warm_apps.server_command(self.name), "--command", "probe=warm_app_probe:main", "--preload", "fractions"]
+        path = [str(TESTS), str(tmp), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        cmd = [*warm_apps.server_command(self.name), "--command", "probe=warm_app_probe:main"]
+        cmd += [arg for name in preload for arg in ("--preload", name)]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         (self.shim,) = warm_apps.write_shims(tmp / "bin", self.name, ["probe"], real_dir=_real_command(tmp))
+        if wait:
+            self.wait_serving()
+
+    def wait_bound(self) -> None:
+        """Until the server's socket is listening (it binds before it imports)."""
+        deadline = time.monotonic() + 30
+        while "@" + self.name[1:] not in Path("/proc/net/unix").read_text() and time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.02)
+
+    def wait_serving(self) -> None:
         deadline = time.monotonic() + 30
         while "serving probe" not in self.log.read_text() and time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
@@ -108,6 +121,26 @@ def test_signals_reach_the_child_and_its_death_is_the_shims(server):
     assert server.proc.poll() is None  # the server serves on
 
 
+def test_a_signal_sent_while_the_server_still_imports_stops_the_child(tmp_path):
+    """A shim that connected while the server imports waits in its backlog; a SIGTERM it gets then
+    is delivered to the child as soon as the server names it (not lost, not fatal to the shim)."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n", encoding="utf-8")
+    server = _Server(tmp_path, preload=("slow_import",), wait=False)
+    try:
+        server.wait_bound()
+        shim = subprocess.Popen([str(server.shim), "sleep"], stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # connected, waiting for the server's import to end
+        assert "serving probe" not in server.log.read_text()
+        shim.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert shim.poll() is None  # the shim holds the signal for its child, still being imported for
+        # the probe exits 7 from its handler, or dies of SIGTERM if it came before the handler
+        assert shim.wait(30) in (7, -signal.SIGTERM)
+        assert "probe pid" in server.log.read_text()  # it was forked, then stopped: not run cold
+    finally:
+        server.stop()
+
+
 def test_without_a_server_the_shim_runs_the_real_command(tmp_path):
     (shim,) = warm_apps.write_shims(tmp_path / "bin", warm_apps.new_socket_name(), ["probe"],
                                     real_dir=_real_command(tmp_path))
@@ -160,6 +193,7 @@ def test_the_topology_key_and_the_path_the_flower_processes_get(tmp_path):
         parse_topology({**base, "warm_apps": "yes"}, tmp_path)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # typer's, at importing Flower's CLI
 def test_the_flower_commands_resolve_to_their_installed_entry_points():
     found = warm_apps.entry_points()
     assert set(found) == set(warm_apps.APP_COMMANDS)

@@ -265,8 +265,11 @@ def health_ok(topo: Topology, timeout_s: float = 2.0) -> bool:
 
 
 def flwr_cli(topo: Topology, args: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run the ``flwr`` CLI of this venv against the topology's FLWR_HOME."""
-    return subprocess.run([flower_exe("flwr"), *args], capture_output=True, text=True, env=flower_env(topo),
+    """Run the ``flwr`` CLI of this venv against the topology's FLWR_HOME (through the app
+    server's shim with ``warm_apps``: it falls back to the plain command when the server is down)."""
+    shim = topo.app_shims_dir / "flwr"
+    exe = str(shim) if topo.warm_apps and shim.is_file() else flower_exe("flwr")
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=flower_env(topo),
                           cwd=topo.app_dir, timeout=timeout_s, check=False)
 
 

@@ -5,7 +5,8 @@ SuperNode's (or SuperLink's) SuperExec starts ``flwr-clientapp`` (``flwr-servera
 from ``PATH`` and the process exits after one message. Before it trains, such a process imports
 torch (~3 CPU-s on a 2-core machine), ``torch._dynamo`` (~2-3 CPU-s: ``torch.optim`` imports it at
 the first optimizer step) and Flower's runtime (~3 CPU-s). A site whose round takes a few
-seconds pays more to start the process than to train.
+seconds pays more to start the process than to train. The SuperExecs (started by name too) and
+the ``flwr`` CLI calls of ``fl-geo deploy`` pay Flower's imports the same way.
 
 With ``warm_apps`` on (the topology key, default on Linux), :func:`fl_geo.deploy.lifecycle.up`
 starts one **app server** per topology (``python -m fl_geo.deploy.warm_apps``, recorded like the
@@ -77,8 +78,10 @@ __all__ = [
     "write_shims",
 ]
 
-# The Flower commands whose processes the server forks: what a SuperExec starts per message / run.
-APP_COMMANDS = ("flwr-clientapp", "flwr-serverapp")
+# The Flower commands whose processes the server forks: what a SuperExec starts per message / run,
+# the SuperExec itself (a SuperLink or SuperNode starts one by name), and the `flwr` CLI that
+# `fl-geo deploy` calls to submit, list and stop runs.
+APP_COMMANDS = ("flwr-clientapp", "flwr-serverapp", "flower-superexec", "flwr")
 # Imported by the server before it serves (a name that fails to import is skipped). None of them
 # starts a thread or initialises a device at import.
 PRELOAD = ("numpy", "torch", "torch._dynamo")
@@ -118,7 +121,22 @@ _SHIM = '''#!{python} -IS
 import os, signal, socket, sys
 REAL = {real!r}
 NAME = {name!r}
+child = None
+pending = []
+def forward(sig, _frame):
+    if child is None:  # before the server named the child: deliver once it has
+        pending.append(sig)
+        return
+    try:
+        os.kill(child, sig)
+    except OSError:
+        pass
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(sig, forward)
 def cold():
+    if pending:  # asked to stop before anything started: stop as the command would have
+        signal.signal(pending[0], signal.SIG_DFL)
+        os.kill(os.getpid(), pending[0])
     os.execv(REAL, [REAL, *sys.argv[1:]])
 try:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -133,21 +151,13 @@ if first[:1] != [b"pid"]:
     s.close()
     cold()
 child = int(first[1])
-def forward(sig, _frame):
-    try:
-        os.kill(child, sig)
-    except OSError:
-        pass
-for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-    signal.signal(sig, forward)
-while True:
-    try:
-        last = s.recv(64).split()
-        break
-    except InterruptedError:
-        continue
+for sig in pending:
+    forward(sig, None)
+try:
+    last = s.recv(64).split()
+except OSError:
+    last = []
 code = int(last[1]) if last[:1] == [b"exit"] else 1
-sys.stdout.flush()
 if code < 0:
     signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
