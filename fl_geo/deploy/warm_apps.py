@@ -85,6 +85,8 @@ APP_COMMANDS = ("flwr-clientapp", "flwr-serverapp", "flower-superexec", "flwr")
 # Imported by the server before it serves (a name that fails to import is skipped). None of them
 # starts a thread or initialises a device at import.
 PRELOAD = ("numpy", "torch", "torch._dynamo")
+# What a shim forwards to its child (the same set is written into the shim's text).
+_FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
 MAX_REQUEST = 1 << 20  # one request packet: argv + cwd + environment, as JSON
 SHIM_MARK = "# fl-geo warm app shim"
 
@@ -374,9 +376,13 @@ class AppServer:
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        # Signals stay blocked across the fork until the child has dropped the server's handlers:
+        # a SIGTERM the shim forwards at once must stop the child, not run the server's handler.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
         child = os.fork()
         if child == 0:
             self._child(conn, fds, req, shim_pid=pid)  # never returns
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
         for fd in fds:
             os.close(fd)
         self.served += 1
@@ -389,12 +395,13 @@ class AppServer:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            log.handlers.clear()
-            log.propagate = True
-            log.setLevel(logging.NOTSET)
             for sig in (signal.SIGTERM, signal.SIGCHLD):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # blocked by the server at fork
+            log.handlers.clear()
+            log.propagate = True
+            log.setLevel(logging.NOTSET)
             self.listener.close()
             conn.close()
             for c in self.children.values():
@@ -413,8 +420,10 @@ class AppServer:
             try:
                 result = self.entries[req["command"]]()
                 code = 0 if result is None else int(result) if isinstance(result, int) else 1
-            except SystemExit as exc:
+            except SystemExit as exc:  # as the interpreter ends on it: an int, None, or a message
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if exc.code is not None and not isinstance(exc.code, int):
+                    print(exc.code, file=sys.stderr)
             except BaseException:  # noqa: BLE001 - report as a fresh interpreter would, then exit 1
                 import traceback
 
