@@ -32,6 +32,7 @@ from fl_geo.deploy.halos import (
     run_halos,
 )
 from fl_geo.deploy.topology import DeployError
+from fl_geo.deploy.warm_apps import supported as warm_apps_supported
 from fl_geo.halos.apps import LpsService
 from fl_geo.halos.ipc import IpcError, exchange, recv_frame, send_frame, unix_path
 from fl_geo.runtime.wire import encode
@@ -196,6 +197,10 @@ def test_shipped_halos_topology():
     assert 'lps-address="unix:///tmp/fl-geo-halos-loopback/r0.sock"' in bridges[0].node_config_arg()
     assert len({t.state_dir for t in topo.tiers}) == 3  # one pids.json per tier
     assert not any(t.security.tls for t in topo.tiers)
+    # warm_apps: the platform's default on every tier, or the file's value on every tier
+    assert {t.warm_apps for t in topo.tiers} == {warm_apps_supported()}
+    cold = parse_halos_topology({**_halos_base(), "warm_apps": False}, HALOS_LOOPBACK.parent, "cold")
+    assert not any(t.warm_apps for t in cold.tiers) and len(cold.tiers) == 3
 
 
 @pytest.mark.parametrize(
