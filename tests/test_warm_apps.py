@@ -133,7 +133,7 @@ def test_a_signal_sent_while_the_server_still_imports_stops_the_child(tmp_path):
         assert "serving probe" not in server.log.read_text()
         shim.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        assert shim.poll() is None  # the shim holds the signal for its child, still being imported for
+        assert shim.poll() is None  # the shim holds the signal until the server names its child
         # the probe exits 7 from its handler, or dies of SIGTERM if it came before the handler
         assert shim.wait(30) in (7, -signal.SIGTERM)
         assert "probe pid" in server.log.read_text()  # it was forked, then stopped: not run cold
