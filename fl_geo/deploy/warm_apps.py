@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import ast
 import atexit
+import contextlib
 import importlib
 import logging
 import os
@@ -305,7 +306,7 @@ class AppServer:
             except InterruptedError:
                 continue
             if rfd in ready:
-                with _suppress_oserror():
+                with contextlib.suppress(OSError):
                     os.read(rfd, 4096)
             self._reap()
             if self.listener in ready:
@@ -340,7 +341,7 @@ class AppServer:
             conn = self.children.pop(pid, None)
             if conn is None:
                 continue
-            with _suppress_oserror():
+            with contextlib.suppress(OSError):
                 conn.send(f"exit {os.waitstatus_to_exitcode(status)}".encode())
             conn.close()
 
@@ -368,7 +369,7 @@ class AppServer:
         if threading.active_count() != 1:  # a forked copy of a threaded process can deadlock
             self.declined += 1
             log.warning("app server: %d threads are running; %s runs cold", threading.active_count(), req["command"])
-            with _suppress_oserror():
+            with contextlib.suppress(OSError):
                 conn.send(b"cold")
             for fd in fds:
                 os.close(fd)
@@ -387,7 +388,7 @@ class AppServer:
             os.close(fd)
         self.served += 1
         self.children[child] = conn
-        with _suppress_oserror():
+        with contextlib.suppress(OSError):
             conn.send(f"pid {child}".encode())
         log.info("app server: %s pid %d for shim %d", req["command"], child, pid)
 
@@ -431,18 +432,11 @@ class AppServer:
                 code = 1
             atexit._run_exitfuncs()
         finally:
-            with _suppress_oserror():
+            with contextlib.suppress(OSError):
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
 
-
-class _suppress_oserror:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
-        return typ is not None and issubclass(typ, OSError)
 
 
 
