@@ -16,12 +16,13 @@ import time
 
 
 def main() -> int:
+    mode = sys.argv[1] if len(sys.argv) > 1 else "exit0"
+    if mode == "sleep":  # before the report: a test signals as soon as it reads it
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("PROBE_X"), "pid": os.getpid(),
                       "ppid": os.getppid(), "preloaded": "fractions" in sys.modules}), flush=True)
     print("probe stderr", file=sys.stderr, flush=True)
-    mode = sys.argv[1] if len(sys.argv) > 1 else "exit0"
     if mode == "sleep":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
         time.sleep(120)
     if mode == "signal":
         os.kill(os.getpid(), signal.SIGUSR1)
