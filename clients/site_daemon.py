@@ -28,7 +28,7 @@ fails the job at once (instead of a collective waiting for it until its timeout)
 The daemon itself never trains and never unpickles a job, so a user's code cannot break it. Its identity (run, model, devices, ...) is fixed at start: a coordinator that needs
 another one stops it and starts a new daemon. On one node it never imports torch: it starts its
 ranks through `fl_geo.inner.site_setup` from a fork server that imported torch once
-(`fl_geo.inner.rank_processes`); on several nodes it does, for the site's TCP store.
+(`fl_geo.fork_server`); on several nodes it does, for the site's TCP store.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class _Group:
         return [int(p.pid) for p in self.procs]
 
     def _start(self) -> None:
-        # no torch here: the ranks come from a fork server that imported it (fl_geo.inner.rank_processes)
-        from fl_geo.inner.rank_processes import rank_context
+        # no torch here: the ranks come from a fork server that imported it (fl_geo.fork_server)
+        from fl_geo.fork_server import process_context
         from fl_geo.inner.site_setup import GroupSetup, rank_entry
 
         self.generation += 1
@@ -119,7 +119,7 @@ class _Group:
                            threads=int(self.setup["threads"]), world=self.nodes * self.local,
                            rendezvous=str(self.setup.get("rendezvous", "")) if several else "",
                            generation=self.gen_id)
-        ctx = rank_context()  # a fork server: torch imported once per node, not per rank
+        ctx = process_context()  # a fork server: torch imported once per node, not per rank
         for rank in range(len(setup.devices)):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_entry, args=(rank, setup, child), name=f"fl-geo-site-rank-{rank}")

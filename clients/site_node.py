@@ -69,7 +69,7 @@ class SiteNodeAgent:
         self.reported = set()
 
     def _start_ranks(self, store: Any, generation: str) -> None:
-        from fl_geo.inner.rank_processes import rank_context
+        from fl_geo.fork_server import process_context
         from fl_geo.inner.site_setup import GroupSetup, rank_entry
         from fl_geo.inner.site_store import get_text
 
@@ -85,7 +85,7 @@ class SiteNodeAgent:
                            timeout_s=float(setup["timeout_s"]), threads=int(setup["threads"]),
                            rank_offset=self.node_rank * local, world=int(setup["world"]),
                            rendezvous=self.rendezvous, generation=generation)
-        ctx = rank_context()  # a fork server: torch imported once per node, not per rank
+        ctx = process_context()  # a fork server: torch imported once per node, not per rank
         for rank in range(local):
             proc = ctx.Process(target=rank_entry, args=(rank, group, None), name=f"fl-geo-site-node{self.node_rank}-rank-{rank}")
             proc.start()

@@ -1,31 +1,40 @@
-"""Where a site's rank processes come from: a fork server that has imported torch once.
+"""Where fl-geo's worker processes come from: a fork server that has imported torch once.
 
-A rank is a fresh process (one per device) that needs torch, ``torch.distributed`` and, as soon
-as it builds its optimizer, ``torch._dynamo`` (``torch.optim`` imports it on first use). With the
-``spawn`` start method every rank imports all of that itself: about 5 CPU-seconds per rank on a
-2-core CPU machine (torch 2.9 s, ``torch._dynamo`` 2.2 s), paid again by every rank of every job.
-The ``forkserver`` start method imports them once, in a server process started at the first job,
-and forks each rank from it: a rank then starts with everything imported, and a process that
-starts several ranks, or ranks for several jobs (a SuperNode's ClientApp with ``client.devices``,
-the site-group daemon, a multi-node agent, a test session), pays the imports once.
+Two kinds of process are started many times by one parent: a site's **rank processes** (one per
+device, per job: `fl_geo.inner.distributed`, `clients.site_node`) and the sharded parameter
+server's **follower processes** (one per shard, and again after a crash: `fl_geo.ps.supervisor`).
+Each needs torch, and a rank also ``torch.distributed`` and, as soon as it builds its optimizer,
+``torch._dynamo`` (``torch.optim`` imports it on first use). Started with ``spawn`` (or as a new
+interpreter), every one imports all of that itself: about 5 CPU-seconds per rank and 3 per
+follower on a 2-core CPU machine (torch 2.9 s, ``torch._dynamo`` 2.2 s), paid again by every
+rank of every job and by every restart of a follower. The ``forkserver`` start method imports
+them once, in a server process started at the first use, and forks each process from it: it then
+starts with everything imported, and a process that starts several ranks or followers (a
+SuperNode's ClientApp with ``client.devices``, the site-group daemon, a multi-node agent, a
+Di-PS leader, a test session) pays the imports once. A crashed follower is back in a fraction
+of a second instead of seconds.
 
 Why not ``fork``: the parent may be threaded (a SuperNode, a Ray actor, gRPC) and may have touched
 CUDA; a forked copy of such a process can deadlock, and CUDA refuses to run in it. The fork
-server is a clean, single-threaded process that never touches a device: importing torch does not
-initialise CUDA, so its children may. Python 3.14 made ``forkserver`` the default on Linux for the
-same reasons.
+server is a clean, single-threaded process that never touches a device and has created no gRPC
+channel or server (importing ``grpc`` starts nothing): importing torch does not initialise CUDA,
+so its children may. Python 3.14 made ``forkserver`` the default on Linux for the same reasons.
 
-Contract: :func:`rank_context` returns a multiprocessing context whose ``Process`` objects behave
-as ``spawn``'s (the target and its arguments are pickled; nothing else of the parent is copied).
-One difference matters: the server's environment and ``sys.path`` are the parent's *when the
-server started* (the first job), not when a later rank starts. The ranks read no environment
-variable that changes between jobs; their settings travel in the pickled job. A rank's parent
-process is the fork server, which exits as soon as the process that started it exits (its pipe
-to that process closes, also on SIGKILL), so a rank that asks to die with its parent
-(``PR_SET_PDEATHSIG``, `fl_geo.inner.site_rank`) still dies with the process that owns it
-(``tests/test_site_nodes.py`` checks it for a node's agent). Where the platform has no fork
-server (Windows), it is ``spawn``. ``FL_GEO_RANK_START=spawn`` forces ``spawn``. Importable
-without torch: only the server imports what ``PRELOAD`` lists.
+Contract: :func:`process_context` returns a multiprocessing context whose ``Process`` objects
+behave as ``spawn``'s (the target and its arguments are pickled; nothing else of the parent is
+copied). One difference matters: the server's environment and ``sys.path`` are the parent's *when
+the server started* (the first use), not when a later process starts. Ranks and followers read
+no environment variable that changes between starts: their settings travel in the pickled
+arguments (a follower's data-path key among them). A child's parent process is the fork server,
+not the process that asked for it, and the server outlives that process while any child it
+forked still runs (each child holds the server's "alive" pipe, multiprocessing's design), so a
+child must not judge its owner by its parent: a follower watches the supervisor's own process
+through a pidfd (``--parent-pid``, `fl_geo.ps.follower_main`; ``tests/test_dataplane.py`` kills a
+leader with SIGKILL and sees its follower end). Where the platform has no fork server
+(Windows), it is ``spawn``. ``FL_GEO_RANK_START=spawn``
+forces ``spawn`` for ranks and a fresh interpreter for followers. Importable without torch: only
+the server imports what ``PRELOAD`` lists. A leaf module (standard library only), so every layer
+may use it.
 """
 
 from __future__ import annotations
@@ -34,21 +43,25 @@ import multiprocessing as mp
 import os
 from multiprocessing.context import BaseContext
 
-__all__ = ["PRELOAD", "RANK_START_ENV", "rank_context", "start_method"]
+__all__ = ["PRELOAD", "RANK_START_ENV", "process_context", "start_method"]
 
 # Imported once by the fork server. Each name is imported by the server itself, never by the
-# parent, and a name that fails to import is skipped there (multiprocessing's rule), so a rank
+# parent, and a name that fails to import is skipped there (multiprocessing's rule), so a child
 # still imports what it needs. None of them initialises CUDA at import (torch keeps it lazy);
-# `make gpu-check` runs CUDA ranks forked this way, which no GPU has run yet (2026-11-29).
+# `make gpu-check` runs CUDA ranks forked this way, which no GPU has run yet (2026-11-29). No
+# `fl_geo.ps` module is listed: each follower process must import `fl_geo.ps.frames` itself,
+# which draws the process's own incarnation id at import.
 PRELOAD = (
     "torch",
     "torch.distributed",
     "torch._dynamo",  # torch.optim imports it at the first optimizer: ~2 CPU-s per process
+    "grpc",  # the followers' transport; importing it creates no thread, channel or server
     "fl_geo.inner.distributed_rank",
     "fl_geo.inner.site_rank",
 )
 
-RANK_START_ENV = "FL_GEO_RANK_START"  # "spawn" or "forkserver": overrides the platform's choice
+# "spawn" or "forkserver": overrides the platform's choice (for ranks and followers alike)
+RANK_START_ENV = "FL_GEO_RANK_START"
 
 
 def start_method() -> str:
@@ -61,15 +74,17 @@ def start_method() -> str:
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
-def rank_context() -> BaseContext:
-    """The multiprocessing context to start rank processes with (see the module docstring).
+def process_context() -> BaseContext:
+    """The multiprocessing context to start rank and follower processes with (see the module
+    docstring).
 
     The preload list is set on this process's fork server before it starts; where the server is
     already running (started by this process earlier, or by the user's own code) it is reused as
-    it is, and ranks import whatever it lacks themselves.
+    it is, and children import whatever it lacks themselves.
     """
     method = start_method()
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
+

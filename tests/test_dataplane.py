@@ -516,6 +516,47 @@ def test_supervisor_restarts_dead_followers_from_their_checkpoints(plan, tmp_pat
             os.kill(p.pid, 0)
 
 
+_LEADER = """
+import sys, torch
+from fl_geo.core.shards import ShardPlan
+from fl_geo.core.state import ParamSpec
+from fl_geo.ps.supervisor import FollowerSupervisor
+spec = ParamSpec(names=("w",), shapes=((1000,),), dtypes=("float32",))
+sup = FollowerSupervisor(ShardPlan.build(spec, 1), sys.argv[1], optimizer_name="avg", keep=1, heartbeat_s=0.2)
+sup.start(torch.zeros(1000))
+print(sup.pid(0), sup._procs[0].process.args[0], flush=True)
+sys.stdin.read()  # until the test kills this leader
+"""
+
+
+def test_a_follower_ends_with_the_leader_that_started_it(tmp_path):
+    """A leader killed with SIGKILL (no chance to stop anything) leaves no follower behind: the
+    fork server it was forked from exits with the leader, and the follower follows within its 1 s
+    watch."""
+    import subprocess
+    import sys
+
+    leader = subprocess.Popen([sys.executable, "-c", _LEADER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "FL_GEO_RANK_START": ""})
+    try:
+        follower, runs = leader.stdout.readline().split()
+        follower = int(follower)
+        assert runs == "fl_geo.ps.follower_main"  # forked: its command line would be the fork server's
+        os.kill(follower, 0)  # serving
+        with open(f"/proc/{follower}/stat") as fh:
+            server = int(fh.read().rsplit(")", 1)[1].split()[1])
+        assert server != leader.pid  # its parent is the fork server, not the leader
+    finally:
+        leader.kill()
+        leader.wait(30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{follower}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{follower}"), "the follower outlived its leader"
+    assert "parent" in (tmp_path / "follower-0.log").read_text() and "is gone; shutting down" in (
+        tmp_path / "follower-0.log").read_text()
+
+
 def test_supervisor_resumes_existing_checkpoints(plan, tmp_path):
     """A second start() on the same workdir keeps the followers' checkpoints (resume)."""
     store = CheckpointStore(tmp_path / "follower-0", keep=2)

@@ -1,4 +1,4 @@
-"""Rank processes start from a fork server that imported torch once (`fl_geo.inner.rank_processes`)."""
+"""Rank processes start from a fork server that imported torch once (`fl_geo.fork_server`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from fl_geo.inner import rank_processes
-from fl_geo.inner.rank_processes import PRELOAD, rank_context, start_method
+from fl_geo import fork_server
+from fl_geo.fork_server import PRELOAD, process_context, start_method
 
 
 def _report_modules(conn) -> None:
@@ -22,7 +22,7 @@ def test_a_rank_starts_with_torch_and_the_rank_modules_already_imported(monkeypa
     """The saving this module exists for: a rank finds torch, torch._dynamo and the rank code
     imported (by the server, once) instead of importing them itself (~5 CPU-s per rank)."""
     monkeypatch.delenv("FL_GEO_RANK_START", raising=False)
-    ctx = rank_context()
+    ctx = process_context()
     assert ctx.get_start_method() == "forkserver"
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_report_modules, args=(child,))
@@ -38,10 +38,10 @@ def test_a_rank_starts_with_torch_and_the_rank_modules_already_imported(monkeypa
 
 def test_the_start_method_can_be_forced_and_a_wrong_one_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("FL_GEO_RANK_START", "spawn")
-    assert start_method() == "spawn" and rank_context().get_start_method() == "spawn"
+    assert start_method() == "spawn" and process_context().get_start_method() == "spawn"
     monkeypatch.setenv("FL_GEO_RANK_START", "fork")
     with pytest.raises(ValueError, match="FL_GEO_RANK_START='fork': expected 'forkserver' or 'spawn'"):
         start_method()
     monkeypatch.delenv("FL_GEO_RANK_START")
-    monkeypatch.setattr(rank_processes.mp, "get_all_start_methods", lambda: ["spawn"])  # e.g. Windows
+    monkeypatch.setattr(fork_server.mp, "get_all_start_methods", lambda: ["spawn"])  # e.g. Windows
     assert start_method() == "spawn"

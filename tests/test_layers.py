@@ -21,7 +21,7 @@ PACKAGE = ROOT / "fl_geo"
 # Layer -> (fl_geo modules or packages it may import, third-party top-level modules it may import).
 # The standard library is always allowed. A rule names prefixes: "fl_geo.core" allows
 # fl_geo.core and everything below it.
-_LEAVES = ("fl_geo.errors", "fl_geo.atomic", "fl_geo.hosts")  # standard library (and fl_geo.errors) only: importable from every layer
+_LEAVES = ("fl_geo.errors", "fl_geo.atomic", "fl_geo.hosts", "fl_geo.fork_server")  # standard library (and fl_geo.errors) only: importable from every layer
 RULES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "core": (("fl_geo.core", *_LEAVES), frozenset({"torch", "numpy"})),
     "timing": (("fl_geo.core", "fl_geo.timing", *_LEAVES), frozenset({"torch", "numpy"})),

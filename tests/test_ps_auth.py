@@ -411,18 +411,23 @@ def _capture(errors: list[BaseException], fn, *args) -> None:
         errors.append(exc)
 
 
-def test_supervisor_gives_followers_the_key_in_the_environment_not_argv(plan, tmp_path):
-    """A follower process verifies the supervisor's tokens and leader MAC; its command line (what
-    `ps` shows) holds no key."""
+def test_supervisor_gives_followers_the_key_in_the_environment_not_argv(plan, tmp_path, monkeypatch):
+    """A follower started as a fresh interpreter (``FL_GEO_RANK_START=spawn``; every other
+    supervisor test forks them from the fork server, whose pickled arguments carry the key)
+    verifies the supervisor's tokens and leader MAC; its command line (what `ps` shows) holds no
+    key."""
     from fl_geo.ps.supervisor import FollowerSupervisor
 
+    monkeypatch.setenv("FL_GEO_RANK_START", "spawn")
     key = new_key()
     one = ShardPlan.build(plan.spec, 1)  # one process is enough
     with FollowerSupervisor(one, tmp_path, optimizer_name="avg", keep=1, key=key) as sup:
         sup.start(torch.zeros(plan.spec.numel))
         for i in range(sup.num):
             cmdline = Path(f"/proc/{sup.pid(i)}/cmdline").read_bytes().decode()
+            assert "fl_geo.ps.follower_main" in cmdline  # a fresh interpreter, not a forked one
             assert key.hex() not in cmdline and key.hex() not in " ".join(sup._procs[i].process.args)
+            assert key.hex() in Path(f"/proc/{sup.pid(i)}/environ").read_bytes().decode(errors="replace")
         with FollowerClient(sup.addresses[0], retry_s=1.0) as site:
             _refused(UNAUTHENTICATED, site.control, "health")
             token = sup.auth.mint_job("j", [0], 0, ttl_s=60.0)

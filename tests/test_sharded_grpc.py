@@ -31,14 +31,16 @@ def _run(cfg, run_dir):
 
 
 def _follower_pids(workdir) -> list[int]:
+    """Processes writing their stdout into ``workdir``: the followers, forked from the fork
+    server (whose command line they keep) or started as ``python -m fl_geo.ps.follower_main``."""
     pids = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                out = os.readlink(f"/proc/{pid}/fd/1")
             except OSError:
                 continue
-            if "fl_geo.ps.follower_main" in cmd and str(workdir) in cmd:
+            if out.startswith(str(workdir) + os.sep) and Path(out).name.startswith("follower-"):
                 pids.append(int(pid))
     return pids
 

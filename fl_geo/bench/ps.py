@@ -79,7 +79,7 @@ def _one_config(spec: ParamSpec, followers: int, clients: int, steps: int, wire:
     theta0 = torch.randn(spec.numel, generator=gen) * 0.02
     sup = FollowerSupervisor(plan, workdir=workdir / f"F{followers}", optimizer_name="nesterov",
                              optimizer_kwargs={"lr": 0.7, "momentum": 0.8}, wire=wire, send="pseudo_grad",
-                             keep=1, heartbeat_s=1.0)
+                             keep=1, heartbeat_s=1.0, fork=False)  # fresh processes: RSS of the follower alone
     dtype = WIRE_DTYPES[wire]
     out: dict[str, Any] = {"followers": followers, "clients": clients}
     t0 = time.perf_counter()
@@ -190,7 +190,7 @@ def _idle_follower_rss(workdir: Path) -> float:
     from fl_geo.ps.supervisor import FollowerSupervisor
 
     spec = ParamSpec(("blocks.0.w",), ((1024,),), ("float32",))
-    with FollowerSupervisor(ShardPlan.build(spec, 1), workdir=workdir / "idle", keep=1) as sup:
+    with FollowerSupervisor(ShardPlan.build(spec, 1), workdir=workdir / "idle", keep=1, fork=False) as sup:
         sup.start(torch.zeros(spec.numel))
         return _rss(sup.pid(0))
 

@@ -37,9 +37,9 @@ import torch
 from fl_geo.clients.site_group import SiteGroup, SiteGroupTrainer
 from fl_geo.core.state import flatten
 from fl_geo.data import BatchSampler
+from fl_geo.fork_server import RANK_START_ENV
 from fl_geo.inner.distributed import DataParallelTrainer, as_factory, model_spec, resolve_devices
 from fl_geo.inner.model import ModelConfig, build_model
-from fl_geo.inner.rank_processes import RANK_START_ENV
 from fl_geo.inner.training import InnerConfig, TrainResult
 
 __all__ = ["format_site_bench", "main", "run_site_bench"]
@@ -99,7 +99,7 @@ def _group_rounds(parallel: str, mcfg: ModelConfig, inner: InnerConfig, spec: An
 def _ranks_spawned() -> Iterator[None]:
     """Per-message ranks as a ClientApp pays them: each imports torch itself (``spawn``).
 
-    A ClientApp process lives for one message, so its ranks' fork server (`fl_geo.inner.rank_processes`)
+    A ClientApp process lives for one message, so its ranks' fork server (`fl_geo.fork_server`)
     starts with it and pays the imports once per message, about what spawned ranks pay in wall time
     on as many cores as ranks. In this one bench process a fork server would outlive the round and
     serve every later round with the imports done, which no ClientApp sees; and spawned ranks are

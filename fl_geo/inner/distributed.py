@@ -3,7 +3,7 @@
 A datacenter has several accelerators; one process per device with DistributedDataParallel is how
 such a site trains a model it can hold on one device. The ClientApp process stays the owner of
 everything Flower sees (the message, ``context.state``, the reply): for one message it starts
-``world_size`` rank processes (from a fork server, `fl_geo.inner.rank_processes`: safe from inside
+``world_size`` rank processes (from a fork server, `fl_geo.fork_server`: safe from inside
 a Ray actor or a threaded SuperNode, and torch is imported once rather than by every rank),
 hands them the model and the inner optimizer state (AdamW's, or Muon's with AdamW's under
 ``client.optimizer: muon``) through shared-memory tensors, and waits. Rank 0 writes
@@ -40,6 +40,7 @@ from torch.multiprocessing.spawn import ProcessException
 from fl_geo.core.state import ParamSpec
 from fl_geo.data.loader import BatchSampler
 from fl_geo.errors import ConfigError
+from fl_geo.fork_server import process_context
 from fl_geo.inner.device import pick_device
 from fl_geo.inner.distributed_rank import _Job, _rank_main
 from fl_geo.inner.distributed_state import (
@@ -53,7 +54,6 @@ from fl_geo.inner.distributed_state import (
     spec_of,
 )
 from fl_geo.inner.model import ModelConfig
-from fl_geo.inner.rank_processes import rank_context
 from fl_geo.inner.training import (
     BatchSource,
     InnerConfig,
@@ -273,7 +273,7 @@ def train_data_parallel(
 
 def _run_ranks(job: _Job, world: int, join_timeout_s: float | None) -> None:
     """Start the ranks and wait; any failure or the deadline ends all of them and raises."""
-    method = rank_context().get_start_method()  # forkserver: torch imported once, not per rank
+    method = process_context().get_start_method()  # forkserver: torch imported once, not per rank
     context = mp.start_processes(_rank_main, args=(job,), nprocs=world, join=False, start_method=method)
     deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
     try:

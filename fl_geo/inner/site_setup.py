@@ -3,7 +3,7 @@
 The site-group daemon (`fl_geo.clients.site_daemon`) and a node's agent (`fl_geo.clients.site_node`)
 start ranks; the ranks train. The starting process needs only the rank's settings and an entry
 point to hand to the process it starts, both here, so a one-node daemon never imports torch: the
-ranks come from a fork server that imported it once (`fl_geo.inner.rank_processes`), and the
+ranks come from a fork server that imported it once (`fl_geo.fork_server`), and the
 daemon stays a small process (no torch import, about 2.5 CPU-seconds and a few hundred MB less).
 """
 

@@ -7,6 +7,10 @@ from the last step the leader saw acknowledged. It then serves the data path, he
 leader, writes ``host:port`` to ``--addr-file`` (tmp + rename, so a reader never sees half an
 address), and exits cleanly on SIGTERM/SIGINT or when the process that started it is gone.
 
+The supervisor starts it one of two ways: forked from this host's fork server (`fl_geo.fork_server`,
+which imported torch once: `run_forked` is the entry, a follower is up in a fraction of a second)
+or as a fresh interpreter running this module (``FL_GEO_RANK_START=spawn``, or another Python).
+
 The data path's shared key (`fl_geo.ps.auth`) comes from ``--key-file`` (hex, a file private to
 its owner: ``(umask 077; openssl rand -hex 32 > ps.key)``) or else the environment variable
 ``FLGEO_PS_KEY`` (hex; what the supervisor uses), never from the command line, where ``ps``
@@ -21,9 +25,11 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-workers", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--max-pending", type=int, default=64, help="unhandled pushes held before refusing more")
     p.add_argument("--parent-pid", type=int, default=None,
-                   help="exit when this process is no longer our parent (the supervisor died)")
+                   help="exit when this process (the supervisor's) has ended")
     p.add_argument("--tls-ca", default=None, help="CA certificate (PEM): serve TLS and send heartbeats over it")
     p.add_argument("--tls-cert", default=None, help="this follower's certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="its private key (PEM)")
@@ -137,6 +143,40 @@ def check_bind(args: argparse.Namespace) -> None:
                      f"--tls-cert/--tls-key, or --allow-plaintext-host {args.host} for a trusted network")
 
 
+def _watch(pid: int | None) -> Callable[[], bool]:
+    """A test of whether process ``pid`` still runs (always true for None).
+
+    A follower forked from the fork server is not the supervisor's child, and the fork server
+    outlives a killed supervisor while any process it forked holds its pipe, so the parent
+    process id says nothing; a pidfd does (Linux 5.3+): it becomes readable when ``pid`` ends, and
+    unlike ``kill(pid, 0)`` it cannot mistake a newer process that reused the number for it. Where
+    there is none, a started child compares its parent id, a forked one probes the number."""
+    if pid is None:
+        return lambda: True
+    if hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return lambda: False  # ended before we looked
+        except OSError:
+            fd = None
+        if fd is not None:
+            return lambda: not select.select([fd], [], [], 0)[0]
+    if os.getppid() == pid:
+        return lambda: os.getppid() == pid
+
+    def probe() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    return probe
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -165,15 +205,37 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, addr)
     log.info("follower %d serving at %s (incarnation %s, leader %s)", args.index, server.address,
              INCARNATION, args.leader)
+    parent_alive = _watch(args.parent_pid)
     try:
         while not stop.wait(1.0):
-            if args.parent_pid is not None and os.getppid() != args.parent_pid:
+            if not parent_alive():
                 log.warning("follower %d: parent %d is gone; shutting down", args.index, args.parent_pid)
                 break
     finally:
         server.stop(grace=1.0)
         log.info("follower %d stopped", args.index)
     return 0
+
+
+def run_forked(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """The entry of a follower forked from the fork server: the same process a fresh
+    interpreter running `main` would be.
+
+    It leads a session of its own (the supervisor signals the follower's process group), writes
+    stdout and stderr to ``log_path`` (appended), reads nothing from stdin, takes ``env`` into its
+    environment (the data path's key travels here, pickled over the fork server's pipe, never on
+    a command line), and, as any follower, exits when the supervisor's process named by
+    ``--parent-pid`` has ended (not its parent, the fork server). The exit status is `main`'s."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(null)
+    os.close(out)
+    os.environ.update(env)
+    sys.exit(main(argv))
 
 
 if __name__ == "__main__":

@@ -31,11 +31,13 @@ from fl_geo.core.compress import settings_to_json as settings_json
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import ParamSpec
+from fl_geo.fork_server import process_context
 from fl_geo.hosts import is_loopback
 from fl_geo.ps.auth import KEY_ENV, DataPathAuth, new_key
 from fl_geo.ps.channel import TlsFiles
 from fl_geo.ps.client import FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES, FollowerShard, check_wire_and_send
+from fl_geo.ps.follower_main import run_forked
 from fl_geo.ps.frames import BIT_VIEWS, DEFAULT_CHUNK_BYTES
 from fl_geo.ps.heartbeat import LeaderHeartbeatService
 
@@ -46,13 +48,47 @@ log = logging.getLogger("fl_geo")
 
 # ---- supervision (Di-PS §4.3) -------------------------------------------------------------------
 
+class _ForkedProcess:
+    """A follower forked from the fork server (`fl_geo.fork_server`), seen as the supervisor sees a
+    `subprocess.Popen`: ``pid``, ``returncode`` (negative: the signal that ended it), ``poll``,
+    ``wait`` (raises `subprocess.TimeoutExpired`)."""
+
+    def __init__(self, process: Any, argv: list[str]) -> None:  # a started multiprocessing Process
+        self._process = process
+        self.pid: int = process.pid
+        self.args = ["fl_geo.ps.follower_main", *argv]  # what it runs (its command line is the server's)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._process.exitcode
+
+
 @dataclass
 class _Proc:
     index: int
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | _ForkedProcess
     port: int
     incarnation: str
     since: float  # monotonic time of the (re)start: the heartbeat grace period starts here
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal the group a follower leads; the process alone if it has not made its group yet (a
+    forked follower calls ``setsid`` as its first step). Gone already: nothing to do."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -86,6 +122,13 @@ class FollowerSupervisor:
     ``leader_port`` (0: any free port). Followers exit when the process that started them dies
     (``--parent-pid``), so a crashed test or leader leaves no orphans behind.
 
+    Followers are forked from this process's fork server (`fl_geo.fork_server`: torch imported
+    once, a follower or a restart is up in a fraction of a second) where the platform has one and
+    ``python`` is this interpreter; else each is a fresh ``python -m fl_geo.ps.follower_main``
+    (``FL_GEO_RANK_START=spawn`` forces that, as do another ``python`` and ``fork=False``: the
+    memory benchmarks use it, since a forked process's RSS counts the pages it shares with the fork
+    server). Both run the same `main`.
+
     ``num`` (the number of followers) may be left out for a `ShardPlan`; it cuts a `ParamSpec`.
     ``FollowerSupervisor(plan, workdir, ...)`` is accepted too (a path as the second argument).
 
@@ -103,7 +146,8 @@ class FollowerSupervisor:
                  max_pending: int = 64, torch_threads: int = 1, tls: TlsFiles | None = None,
                  heartbeats: LeaderHeartbeatService | None = None,
                  start_timeout_s: float = 120.0, host: str = "127.0.0.1", key: bytes | None = None,
-                 allow_plaintext_remote: bool = False, compress: CompressSettings | None = None) -> None:
+                 allow_plaintext_remote: bool = False, compress: CompressSettings | None = None,
+                 fork: bool = True) -> None:
         if isinstance(num, str | os.PathLike):  # FollowerSupervisor(plan, workdir, ...)
             if workdir is not None:
                 raise ValueError("workdir given twice (second positional argument and workdir=)")
@@ -135,6 +179,7 @@ class FollowerSupervisor:
         self.heartbeat_s = heartbeat_s
         self.miss = miss
         self.python = python
+        self.fork = fork
         self.start_timeout_s = start_timeout_s
         if tls is None and not is_loopback(host) and not allow_plaintext_remote:
             raise ValueError(f"followers on {host} without TLS: give tls=, or allow_plaintext_remote=True "
@@ -233,8 +278,7 @@ class FollowerSupervisor:
     def _launch(self, i: int, port: int) -> None:
         addr = self.addr_path(i)
         addr.unlink(missing_ok=True)
-        cmd = [
-            self.python, "-m", "fl_geo.ps.follower_main",
+        argv = [
             "--plan", str(self.workdir / "plan.json"), "--index", str(i), "--port", str(port),
             "--host", self.host, "--checkpoint-dir", str(self.checkpoint_dir(i)), "--keep", str(self.keep),
             "--leader", f"{self.host}:{self.leader_port}", "--optimizer", self.optimizer_name,
@@ -247,15 +291,27 @@ class FollowerSupervisor:
             *(["--allow-plaintext-host", self.host]
               if self.tls is None and self.allow_plaintext_remote and not is_loopback(self.host) else []),
         ]
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)  # fl_geo importable without installing
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env[KEY_ENV] = self._key.hex()  # the environment, not argv: `ps` shows every argument
+        ctx = process_context() if self.fork and self.python == sys.executable else None
+        forked = ctx is not None and ctx.get_start_method() == "forkserver"
         with self.log_path(i).open("ab") as logf:
-            logf.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} launching follower {i} on port {port}\n".encode())
-            logf.flush()
-            process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                       env=env, start_new_session=True)
+            logf.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} launching follower {i} on port {port}"
+                       f"{' (forked)' if forked else ''}\n".encode())
+        process: subprocess.Popen[bytes] | _ForkedProcess
+        if forked:
+            # the key in the pickled arguments (the fork server's pipe), not argv: `ps` shows every argument
+            child = ctx.Process(target=run_forked, args=(argv, str(self.log_path(i)), {KEY_ENV: self._key.hex()}),
+                                name=f"follower-{i}", daemon=False)
+            child.start()
+            process = _ForkedProcess(child, argv)
+        else:
+            env = dict(os.environ)
+            root = str(Path(__file__).resolve().parent.parent)  # fl_geo importable without installing
+            env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            env[KEY_ENV] = self._key.hex()  # the environment, not argv: `ps` shows every argument
+            cmd = [self.python, "-m", "fl_geo.ps.follower_main", *argv]
+            with self.log_path(i).open("ab") as logf:
+                process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                           env=env, start_new_session=True)
         self._procs[i] = _Proc(i, process, port, "", time.monotonic())
 
     def _await_start(self, i: int) -> None:
@@ -323,16 +379,15 @@ class FollowerSupervisor:
         self._terminate(self._procs[i].process, sig=signal.SIGKILL)
 
     @staticmethod
-    def _terminate(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait_s: float = 5.0) -> None:
+    def _terminate(process: subprocess.Popen[bytes] | _ForkedProcess, sig: int = signal.SIGTERM,
+                   wait_s: float = 5.0) -> None:
         """Signal the process group, escalate to SIGKILL after ``wait_s``, reap."""
         if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
+            _signal_group(process.pid, sig)
             try:
                 process.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
+                _signal_group(process.pid, signal.SIGKILL)
                 process.wait()
 
     def stop(self) -> None:
@@ -399,7 +454,7 @@ def data_path_throughput(payload_mib: int, wire: str = "bf16", workdir: str | Pa
     with tempfile.TemporaryDirectory(prefix="flgeo-dp-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
         with FollowerSupervisor(plan, 1, root, optimizer_name="avg", wire=wire,
-                                torch_threads=torch.get_num_threads()) as sup:
+                                torch_threads=torch.get_num_threads(), fork=False) as sup:  # its own RSS
             sup.start(initial)
             pid = sup.pid(0)
             rss_start = _proc_status_mib(pid, "VmRSS")
