@@ -410,8 +410,10 @@ def test_public_strategies_under_flowers_ray_simulation(capfd, caplog):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
+        # one Ray actor serves the three SuperNodes: each actor costs ~11 CPU-s to start, and the
+        # claim is the strategies on Flower's runtime, not actors in parallel (test_simulation.py)
         run_simulation(server_app=server, client_app=plain.app, num_supernodes=3,
-                       backend_config={"init_args": {"num_cpus": 2, "include_dashboard": False},
+                       backend_config={"init_args": {"num_cpus": 1, "include_dashboard": False},
                                        "client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
     logged = caplog.text + "".join(capfd.readouterr())  # Flower's records reach caplog; Ray's actors print
     assert "No query function registered" not in logged and "ClientAppException" not in logged
