@@ -405,19 +405,23 @@ def test_damaged_inner_state_file_means_a_fresh_optimizer_not_a_crash(tiny, tmp_
 def test_kill_minus_9_then_the_same_command_resumes_bit_identically(tmp_path):
     """A real process kill: `fl-geo run` is SIGKILLed mid-run, the same command with
     run.resume=true finishes it, and the model equals an uninterrupted run's bit for bit
-    (the simulated clients' inner state survives on disk in <run dir>/client_state)."""
+    (the simulated clients' inner state survives on disk in <run dir>/client_state). The
+    uninterrupted run is this test process's own (one torch thread, as the command's; a third
+    process of ~8 CPU-s would prove nothing more: `fl-geo run` calls `run_simulation`)."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    from fl_geo.config import load_config
+    from fl_geo.simulation import run_simulation
     from tests.conftest import TINY
 
     args = [*TINY, "run.rounds=6", "run.clock=virtual", "run.checkpoint_every=1", "run.name=k"]
     cmd = [sys.executable, "-m", "fl_geo.cli", "run", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    subprocess.run([*cmd, "--out", str(tmp_path / "full")], check=True, env=env, capture_output=True, timeout=300)
+    run_simulation(load_config(None, args), tmp_path / "full" / "k")
 
     proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "cut")], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
