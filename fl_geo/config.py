@@ -28,7 +28,7 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_geo.clients.settings import ClientSection
@@ -39,7 +39,7 @@ from fl_geo.config_files import (
     section_to_json,
     to_dict,
     to_yaml,
-    user_values,
+    user_strategy,
     wrap_error,
 )
 from fl_geo.config_schema import FlGeoConfig
@@ -149,11 +149,8 @@ def _plain_key(value: Any) -> Any:
 def _load_config(path: str | Path | None, overrides: list[str] | None, values: Mapping[str, Any] | None,
                  own_model: bool) -> FlGeoConfig:
     sources = read_sources(path, overrides, values)
-    user = user_values(sources)
-    if user is None:  # only the schema's types reconcile them: merge there first, for the name
-        name = merge_sources(schema(), sources).strategy.name
-    else:
-        name = (user.get("strategy") or {}).get("name", StrategySection.name)
+    name, user_keys = user_strategy(sources)
+    name = StrategySection.name if name is None else name
     if name in METHODS:  # under the user's sources; a default naming a key the schema lacks is named as such
         defaults = OmegaConf.merge(OmegaConf.create(dict(METHODS[name].defaults)),
                                    OmegaConf.create(METHODS[name].settings.default_values()))
@@ -161,16 +158,8 @@ def _load_config(path: str | Path | None, overrides: list[str] | None, values: M
     cfg = merge_sources(schema(), sources)
     out: FlGeoConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(out, own_model=own_model)
-    _check_strategy_keys(out.strategy, _user_strategy_keys(user, overrides))
+    _check_strategy_keys(out.strategy, user_keys)  # the keys the file, the values and the overrides set
     return out
-
-
-def _user_strategy_keys(user: DictConfig | None, overrides: list[str] | None) -> set[str]:
-    """The ``strategy:`` keys the file, the values and the overrides set (not the defaults)."""
-    keys = set((user.get("strategy") or {}) if user is not None else ())
-    keys.update(item.partition("=")[0].strip()[len("strategy."):] for item in overrides or []
-                if item.strip().startswith("strategy."))
-    return keys
 
 
 def _check_strategy_keys(strategy: StrategySection, keys: set[str]) -> None:

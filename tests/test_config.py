@@ -178,6 +178,24 @@ def test_to_dict_gives_what_omegaconf_gives(path):
         assert json.dumps(mine, sort_keys=True) == json.dumps(theirs, sort_keys=True)
 
 
+def test_a_parsed_override_is_shared_and_no_load_changes_it():
+    """Each ``key=value`` is parsed once per process (fl_geo.config_files._parse_override) and
+    merged from by every later load; neither the merge nor a load that sets the key again (or a
+    section under it) may change the parsed one."""
+    from omegaconf import OmegaConf
+
+    from fl_geo.config_files import _parse_override
+
+    parsed = _parse_override("strategy.inner_steps=3")
+    assert _parse_override("strategy.inner_steps=3") is parsed
+    before = OmegaConf.to_container(parsed)
+    assert load_config(None, ["strategy.inner_steps=3", "strategy.inner_steps=5"]).strategy.inner_steps == 5
+    assert load_config(None, ["strategy.inner_steps=3", "strategy.name=edit"]).strategy.inner_steps == 3
+    assert OmegaConf.to_container(parsed) == before == {"strategy": {"inner_steps": 3}}
+    with pytest.raises(ConfigError, match="run.rounds"):  # a bad value is still its own one-line error
+        load_config(None, ["run.rounds=three"])
+
+
 def test_a_repeated_load_is_a_copy_of_the_first_and_a_changed_file_is_read_again(tmp_path):
     """load_config keeps finished configs by their inputs (fl_geo.config._cache_key): a second load
     of the same inputs is an equal config of its own, and the key is the file's bytes, not its name."""
