@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fl_geo.core.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from fl_geo.runtime import protocol
+from fl_geo.runtime.wire import array_of, tensor_of
 
 if TYPE_CHECKING:
     from flwr.app import Context
@@ -61,7 +62,7 @@ def save_inner_state(state: RecordDict, keys: tuple[str, ...], path: Path) -> No
     payload: dict[str, dict] = {"arrays": {}, "configs": {}}
     for key in keys:
         if key in state.array_records:
-            payload["arrays"][key] = {k: torch.from_numpy(a.numpy()) for k, a in state.array_records[key].items()}
+            payload["arrays"][key] = {k: tensor_of(a) for k, a in state.array_records[key].items()}
         elif key in state.config_records:
             payload["configs"][key] = dict(state.config_records[key])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,7 @@ def load_inner_state(state: RecordDict, path: Path) -> bool:
         return False
     try:
         payload = decode_checkpoint(path.read_bytes())
-        arrays = {k: ArrayRecord({n: Array(t.numpy()) for n, t in v.items()}) for k, v in payload["arrays"].items()}
+        arrays = {k: ArrayRecord({n: array_of(t) for n, t in v.items()}) for k, v in payload["arrays"].items()}
         configs = {k: ConfigRecord(dict(v)) for k, v in payload["configs"].items()}
     except (CheckpointError, KeyError, AttributeError, TypeError) as exc:
         log.warning("inner state file %s is unusable (%s): starting from a fresh inner optimizer", path, exc)
@@ -92,13 +93,14 @@ def load_inner_state(state: RecordDict, path: Path) -> bool:
 
 
 def opt_record(trainer: InnerTrainer | DataParallelTrainer) -> ArrayRecord:
-    """The trainer's inner optimizer state as the ArrayRecord kept under `OPT_STATE_KEY`."""
-    return ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in trainer.optimizer_state().items()})
+    """The trainer's inner optimizer state as the ArrayRecord kept under `OPT_STATE_KEY` (one
+    array per parameter and state key, written by `array_of`: dozens per train message)."""
+    return ArrayRecord({k: array_of(v) for k, v in trainer.optimizer_state().items()})
 
 
 def opt_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """The optimizer state `opt_record` kept, as the tensors a trainer loads."""
-    return {k: torch.from_numpy(a.numpy()) for k, a in record.items()}
+    return {k: tensor_of(a) for k, a in record.items()}
 
 
 def start_opt_state(state: RecordDict, kind: str) -> ArrayRecord | None:

@@ -13,6 +13,7 @@ from flwr.app import Array, ArrayRecord
 
 from fl_geo.core.accumulate import WeightedAccumulator
 from fl_geo.core.state import ParamSpec
+from fl_geo.runtime import wire
 from fl_geo.runtime.wire import (
     PayloadError,
     check_finite_and_norm,
@@ -248,3 +249,44 @@ def test_decode_and_norm_make_no_model_sized_copy() -> None:
         pytest.skip("/proc/self/clear_refs not available")
     assert growth < 16 * 2**20, f"decode + norm grew RSS by {growth / 2**20:.0f} MiB"
     assert norms[0] == pytest.approx(numel**0.5)
+
+
+# ---- array_of / tensor_of: Flower's Array(ndarray) and array.numpy(), without np.save / np.load --------
+
+@pytest.mark.parametrize("values", [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.array(2.5, dtype=np.float64),  # 0-d, as a stored Python number
+    np.arange(5, dtype=np.int64),
+    np.array([True, False]),
+    np.zeros((0, 3), dtype=np.float16),
+    np.arange(300 * 2, dtype=np.float32).reshape(300, 2).T,  # not C-contiguous: Flower's own path
+    np.arange(6, dtype=">f4"),  # big-endian: the bytes agree; torch reads neither (below)
+])
+def test_array_of_is_flowers_array_byte_for_byte_and_tensor_of_reads_it_back(values):
+    ours, theirs = wire.array_of(values), Array(values)
+    assert (ours.dtype, ours.shape, ours.stype, ours.data) == (theirs.dtype, theirs.shape, theirs.stype, theirs.data)
+    if not values.dtype.isnative:
+        with pytest.raises(ValueError, match="byte order"):  # as torch.from_numpy(theirs.numpy()) does
+            wire.tensor_of(theirs)
+        return
+    back = wire.tensor_of(theirs)
+    expected = torch.from_numpy(theirs.numpy())
+    assert back.dtype == expected.dtype and back.shape == expected.shape and torch.equal(back, expected)
+    if back.numel():  # a copy of its own: writable, and writing it leaves the Array as it was
+        back.reshape(-1)[0] = back.reshape(-1)[-1] if back.dtype == torch.bool else back.reshape(-1)[0] + 1
+        assert torch.equal(torch.from_numpy(theirs.numpy()), expected)
+
+
+def test_array_of_takes_a_tensor_and_tensor_of_falls_back_to_flowers_reader_with_its_errors():
+    t = torch.randn(4, 5)
+    assert wire.array_of(t).data == Array(t.numpy()).data
+    with pytest.raises(TypeError):  # bf16 has no NumPy dtype: the same refusal as Array(tensor)
+        wire.array_of(torch.zeros(2, dtype=torch.bfloat16))
+    good = Array(np.arange(4, dtype=np.float32))
+    for bad in (good.data[:-3], b"not an npy payload at all", good.data[:8] + b"\xff\xff" + good.data[10:]):
+        broken = Array(dtype=good.dtype, shape=good.shape, stype=good.stype, data=bad)
+        with pytest.raises(ValueError) as ours:
+            wire.tensor_of(broken)
+        with pytest.raises(ValueError) as theirs:
+            broken.numpy()
+        assert type(ours.value) is type(theirs.value)
