@@ -292,6 +292,15 @@ def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
         assert g["lps_counters"][region]["sends"] == 2
     steps = [m for m in _metrics(res.run_dirs[topo.global_tier.name]) if m.get("halos/region") is not None]
     assert sorted(m["halos/region"] for m in steps) == [0, 0, 1, 1]
+    if warm_apps_supported():  # one app server, the global tier's, forked every tier's app processes
+        servers = {t.name: [r for r in processes.load_records(t) if r.role == "app-server"] for t in topo.tiers}
+        assert [name for name, found in servers.items() if found] == [topo.global_tier.name], servers
+        (server,) = servers[topo.global_tier.name]
+        forked = Path(server.log).read_text(encoding="utf-8", errors="replace")
+        assert forked.count("app server: flwr-serverapp pid ") == 3  # the global run and both regional runs
+        received = sum(Path(r.log).read_text(encoding="utf-8", errors="replace").count("Receiving: ")
+                       for t in topo.tiers for r in processes.load_records(t) if r.role == "supernode")
+        assert forked.count("app server: flwr-clientapp pid ") == received  # bridges' and workers' messages
 
 
 def test_a_frame_declaring_a_huge_payload_is_refused_before_reading(sock_dir):

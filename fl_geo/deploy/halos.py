@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fl_geo.deploy import warm_apps
 from fl_geo.deploy.flower_config import dumps_toml, write_flwr_config
 from fl_geo.deploy.launch import STATUS_EVERY_S, StatusPacer, run_status, summary_written
 from fl_geo.deploy.lifecycle import down, up
@@ -160,9 +161,13 @@ def halos_up(topo: HalosTopology, timeout_s: float = 120.0, echo: bool = False) 
     """
     topo.ipc_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     t0 = time.monotonic()
+    # One app server for every tier on this host (warm_apps, the same setting on every tier): the
+    # global tier starts and records it, and `halos_down` stops the global tier last.
+    socket = warm_apps.new_socket_name() if topo.global_tier.warm_apps else None
     try:
         with ThreadPoolExecutor(max_workers=len(topo.tiers)) as pool:
-            futures = {t.name: pool.submit(up, t, timeout_s, echo) for t in topo.tiers}
+            futures = {t.name: pool.submit(up, t, timeout_s, echo, app_socket=socket,
+                                           own_app_server=t is topo.global_tier) for t in topo.tiers}
             return {name: f.result().nodes_online_s for name, f in futures.items()} | {"total": time.monotonic() - t0}
     except BaseException:
         halos_down(topo)

@@ -78,11 +78,18 @@ def _logged_since_start(log: str | Path, needle: str) -> bool:
     return needle in text[max(0, text.rfind("\n==== ")):]
 
 
-def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult:
+def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False, *, app_socket: str | None = None,
+       own_app_server: bool = True) -> UpResult:
     """Start the SuperLink, then every SuperNode, and wait until all nodes are online.
 
     On any failure the processes started so far are stopped again (the error names the log
     file to read), so a failed ``up`` never leaves a half-started federation behind.
+
+    With ``warm_apps`` on, the topology's app processes are forked by an app server
+    (`fl_geo.deploy.warm_apps`) listening on ``app_socket`` (None: a fresh name). ``own_app_server``
+    False: another topology on this host started that server and stops it (the tiers of a HALoS
+    deployment share the global tier's: one import of torch and Flower instead of one per tier);
+    this one only points its shims at it, and until it answers they start Flower's commands cold.
     """
     say = (lambda msg: print(msg, file=sys.stderr)) if echo else (lambda msg: None)
     records = load_records(topo)
@@ -111,10 +118,11 @@ def up(topo: Topology, timeout_s: float = 120.0, echo: bool = False) -> UpResult
         if topo.warm_apps:
             # Before the SuperLink, so its first ServerApp is already forked warm: the server binds
             # its socket at once and imports while the SuperLink starts (shims wait in its backlog).
-            socket_name = warm_apps.new_socket_name()
+            socket_name = app_socket or warm_apps.new_socket_name()
             warm_apps.write_shims(topo.app_shims_dir, socket_name)
-            started.append(start_process(topo, APP_SERVER, topo.name, warm_apps.server_command(socket_name)))
-            say(f"app server (pid {started[-1][1].pid}), log {started[-1][1].log}")
+            if own_app_server:
+                started.append(start_process(topo, APP_SERVER, topo.name, warm_apps.server_command(socket_name)))
+                say(f"app server (pid {started[-1][1].pid}), log {started[-1][1].log}")
         link = start_process(topo, "superlink", topo.name, superlink_command(topo))
         started.append(link)
         say(f"superlink {topo.address} (pid {link[1].pid}), log {link[1].log}")
