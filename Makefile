@@ -48,12 +48,19 @@ quickstart: setup
 # end of every run. TEST_WORKERS=0 runs in this one process.
 TEST_WORKERS ?= 3
 PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+# Bytecode caches on for the tests and every process they start, even where the machine sets
+# PYTHONDONTWRITEBYTECODE=1 (this VM kind does): without them each of the ~300 processes a run
+# starts (ClientApps, followers, ranks, Ray workers, the CLI) compiles fl-geo's 108 modules again
+# (0.57 CPU-s against 0.28 from the cache), and each pytest worker recompiles and rewrites every
+# test module. Measured on a clean checkout: 10 min 23 s -> 9 min 37 s of pytest (docs in README).
+# The caches go to the usual __pycache__ folders (git ignores them); site-packages is compiled at set-up.
+TEST_ENV = PYTHONDONTWRITEBYTECODE=
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
 
 test-fast: setup
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .
