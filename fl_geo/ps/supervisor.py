@@ -299,8 +299,10 @@ class FollowerSupervisor:
         process: subprocess.Popen[bytes] | _ForkedProcess
         if forked:
             # the key in the pickled arguments (the fork server's pipe), not argv: `ps` shows every argument
+            # daemon: a leader that exits without stop() ends its followers (multiprocessing sends
+            # them SIGTERM at exit) instead of waiting for them, as it would for a non-daemon child
             child = ctx.Process(target=run_forked, args=(argv, str(self.log_path(i)), {KEY_ENV: self._key.hex()}),
-                                name=f"follower-{i}", daemon=False)
+                                name=f"follower-{i}", daemon=True)
             child.start()
             process = _ForkedProcess(child, argv)
         else:
