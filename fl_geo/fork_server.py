@@ -43,7 +43,7 @@ import multiprocessing as mp
 import os
 from multiprocessing.context import BaseContext
 
-__all__ = ["PRELOAD", "RANK_START_ENV", "process_context", "start_method"]
+__all__ = ["PRELOAD", "RANK_START_ENV", "pid_exists", "process_context", "start_method"]
 
 # Imported once by the fork server. Each name is imported by the server itself, never by the
 # parent, and a name that fails to import is skipped there (multiprocessing's rule), so a child
@@ -88,3 +88,15 @@ def process_context() -> BaseContext:
         ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process numbered ``pid`` exists (``kill(pid, 0)``; one of another user counts).
+    It cannot tell a process from a newer one that reused the number: callers that can prefer a
+    pidfd (`fl_geo.ps.follower_main`) or ``/proc`` start times (`fl_geo.deploy.processes`)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.deploy.topology import NO_DEPS_ENV, DeployError, NodeSpec, SiteNodeSpec, Topology
+from fl_geo.fork_server import pid_exists
 
 log = logging.getLogger("fl_geo")
 
@@ -97,13 +98,7 @@ def _alive(pid: int, start_ticks: int | None = None) -> bool:
         if stat is None or stat[0] == "Z":
             return False
         return start_ticks is None or int(stat[19]) == start_ticks
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_exists(pid)
 
 
 def _descendants(pids: Iterable[int]) -> set[int]:

@@ -40,6 +40,7 @@ from fl_geo.core.compress import settings_from_json as uplink_from_json
 from fl_geo.core.outer import build_outer_optimizer
 from fl_geo.core.shards import ShardPlan
 from fl_geo.errors import ConfigError
+from fl_geo.fork_server import pid_exists
 from fl_geo.hosts import is_loopback
 from fl_geo.ps.auth import KEY_ENV, DataPathAuth, key_from_env, read_key_file
 from fl_geo.ps.channel import TlsFiles
@@ -164,17 +165,7 @@ def _watch(pid: int | None) -> Callable[[], bool]:
             return lambda: not select.select([fd], [], [], 0)[0]
     if os.getppid() == pid:
         return lambda: os.getppid() == pid
-
-    def probe() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    return probe
+    return lambda: pid_exists(pid)
 
 
 def main(argv: list[str] | None = None) -> int:
