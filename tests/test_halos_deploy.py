@@ -298,9 +298,15 @@ def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
         (server,) = servers[topo.global_tier.name]
         forked = Path(server.log).read_text(encoding="utf-8", errors="replace")
         assert forked.count("app server: flwr-serverapp pid ") == 3  # the global run and both regional runs
-        received = sum(Path(r.log).read_text(encoding="utf-8", errors="replace").count("Receiving: ")
-                       for t in topo.tiers for r in processes.load_records(t) if r.role == "supernode")
-        assert forked.count("app server: flwr-clientapp pid ") == received  # bridges' and workers' messages
+        node_logs = [Path(r.log).read_text(encoding="utf-8", errors="replace")
+                     for t in topo.tiers for r in processes.load_records(t) if r.role == "supernode"]
+        received = sum(text.count("Receiving: ") for text in node_logs)
+        replied = sum(text.count("Sending: ") for text in node_logs)
+        # Every reply (bridges' and workers') came from a forked ClientApp, and none ran cold. A
+        # message a node pulls as its run ends may never get a ClientApp (24 forks for 25
+        # receptions happened once), so the receptions bound the forks only from above.
+        assert "runs cold" not in forked
+        assert replied <= forked.count("app server: flwr-clientapp pid ") <= received, (replied, received)
 
 
 def test_a_frame_declaring_a_huge_payload_is_refused_before_reading(sock_dir):
