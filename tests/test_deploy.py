@@ -552,14 +552,16 @@ def test_e2e_fedbuff_with_tls_and_supernode_auth(shared_federation, tmp_path):
     for name, (train, query) in after.items():  # the asynchronous loop profiled and dispatched to every site
         assert train > before[name][0] and query - before[name][1] == 1, (name, before, after)
     # Every message of the run ran in an app process forked by the topology's app server (warm_apps):
-    # one ServerApp, and a ClientApp per message each SuperNode received; the SuperExecs (one per
-    # SuperNode and the SuperLink's) were forked by it when the federation came up.
+    # one ServerApp, and a ClientApp per message each SuperNode received; the SuperLink, the
+    # SuperNodes and their SuperExecs (one per SuperNode and the SuperLink's) were forked by it when
+    # the federation came up (the intruder above was started cold, by its own command).
     forked = {k: v - forked_before[k] for k, v in _forked(topo).items()}
     messages = sum(t + q - before[name][0] - before[name][1] for name, (t, q) in after.items())
     assert {k: forked[k] for k in ("flwr-serverapp", "flwr-clientapp")} == {"flwr-serverapp": 1,
                                                                             "flwr-clientapp": messages}, forked
     assert forked["flwr"] >= 1  # the submission, at least
-    assert _forked(topo)["flower-superexec"] == 1 + SITES
+    since_up = _forked(topo)
+    assert (since_up["flower-superexec"], since_up["flower-superlink"], since_up["flower-supernode"]) == (1 + SITES, 1, SITES)
     # The launcher asked Flower's Control API in-process (fl_geo.deploy.control): over TLS its
     # answers are the CLI's, word for word.
     shown = processes._json_out(processes.flwr_cli(topo, ["ls", topo.name, "--run-id", str(res.run_id),

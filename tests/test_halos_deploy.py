@@ -298,6 +298,9 @@ def test_e2e_halos_two_regions_two_workers(halos_federation, tmp_path, capsys):
         (server,) = servers[topo.global_tier.name]
         forked = Path(server.log).read_text(encoding="utf-8", errors="replace")
         assert forked.count("app server: flwr-serverapp pid ") == 3  # the global run and both regional runs
+        nodes = sum(r.role == "supernode" for t in topo.tiers for r in processes.load_records(t))
+        assert forked.count("app server: flower-superlink pid ") == 3  # every tier's SuperLink
+        assert forked.count("app server: flower-supernode pid ") == nodes  # bridges' and workers' SuperNodes
         node_logs = [Path(r.log).read_text(encoding="utf-8", errors="replace")
                      for t in topo.tiers for r in processes.load_records(t) if r.role == "supernode"]
         received = sum(text.count("Receiving: ") for text in node_logs)

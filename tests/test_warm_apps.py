@@ -199,3 +199,17 @@ def test_the_flower_commands_resolve_to_their_installed_entry_points():
     assert set(found) == set(warm_apps.APP_COMMANDS)
     for command, value in found.items():
         assert callable(warm_apps._resolve(value)), command
+
+
+@pytest.mark.skipif(not warm_apps.supported(), reason="abstract Unix sockets are Linux's")
+def test_listening_tells_a_bound_socket_from_a_listening_one():
+    """`up` starts the SuperLink through its shim only once the app server listens (a shim that
+    finds no listener runs cold): a socket that is only bound, or a name nobody bound, is not."""
+    name = warm_apps.new_socket_name()
+    assert not warm_apps.listening(name)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(name)
+        assert not warm_apps.listening(name)
+        s.listen(1)
+        assert warm_apps.listening(name) and warm_apps.listening(name.lstrip("\0"))
+        assert not warm_apps.listening(warm_apps.new_socket_name())

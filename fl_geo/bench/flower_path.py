@@ -229,7 +229,9 @@ def measure_flower_path(payload_mib: int, repeats: int = 1, workdir: Path | None
     sampler: _MemorySampler | None = None
     ok = False
     try:
-        started = lifecycle.up(topo, timeout_s=min(120.0, timeout_s), echo=echo)
+        # The SuperLink and SuperNode in processes of their own (not forked from the app server,
+        # whose torch pages a forked process's VmRSS would count): their memory is reported below.
+        started = lifecycle.up(topo, timeout_s=min(120.0, timeout_s), echo=echo, fork_daemons=False)
         setup_s = time.monotonic() - t_start
         say(f"loopback federation up in {setup_s:.1f} s ({topo.address}); workdir {work}")
         sampler = _MemorySampler(started.records)

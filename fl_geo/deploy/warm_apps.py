@@ -5,8 +5,9 @@ SuperNode's (or SuperLink's) SuperExec starts ``flwr-clientapp`` (``flwr-servera
 from ``PATH`` and the process exits after one message. Before it trains, such a process imports
 torch (~3 CPU-s on a 2-core machine), ``torch._dynamo`` (~2-3 CPU-s: ``torch.optim`` imports it at
 the first optimizer step) and Flower's runtime (~3 CPU-s). A site whose round takes a few
-seconds pays more to start the process than to train. The SuperExecs (started by name too) and
-the ``flwr`` CLI calls of ``fl-geo deploy`` pay Flower's imports the same way.
+seconds pays more to start the process than to train. The SuperExecs (started by name too), the
+``flwr`` CLI calls of ``fl-geo deploy`` and the SuperLink and SuperNodes it starts pay Flower's
+imports the same way.
 
 With ``warm_apps`` on (the topology key, default on Linux), :func:`fl_geo.deploy.lifecycle.up`
 starts one **app server** per topology (``python -m fl_geo.deploy.warm_apps``, recorded like the
@@ -73,6 +74,7 @@ __all__ = [
     "PRELOAD",
     "AppServer",
     "entry_points",
+    "listening",
     "new_socket_name",
     "server_command",
     "supported",
@@ -80,9 +82,10 @@ __all__ = [
 ]
 
 # The Flower commands whose processes the server forks: what a SuperExec starts per message / run,
-# the SuperExec itself (a SuperLink or SuperNode starts one by name), and the `flwr` CLI that
-# `fl-geo deploy` calls to submit, list and stop runs.
-APP_COMMANDS = ("flwr-clientapp", "flwr-serverapp", "flower-superexec", "flwr")
+# the SuperExec itself (a SuperLink or SuperNode starts one by name), the `flwr` CLI that
+# `fl-geo deploy` calls to submit, list and stop runs, and the SuperLink and SuperNodes that
+# `fl-geo deploy up` starts (through their shims: `fl_geo.deploy.lifecycle.up`).
+APP_COMMANDS = ("flwr-clientapp", "flwr-serverapp", "flower-superexec", "flwr", "flower-superlink", "flower-supernode")
 # Imported by the server before it serves (a name that fails to import is skipped). None of them
 # starts a thread or initialises a device at import.
 PRELOAD = ("numpy", "torch", "torch._dynamo")
@@ -100,6 +103,21 @@ def supported() -> bool:
 def new_socket_name() -> str:
     """A fresh abstract-namespace socket name (leading NUL: nothing on disk to clean up)."""
     return "\0fl-geo-apps-" + secrets.token_hex(12)
+
+
+def listening(socket_name: str) -> bool:
+    """Whether a server listens on the abstract socket ``socket_name`` yet (``/proc/net/unix``:
+    the name with a leading ``@``, and the accepting-connections flag). True where it cannot tell."""
+    name = "@" + socket_name.lstrip("\0")
+    try:
+        lines = Path("/proc/net/unix").read_text(encoding="utf-8", errors="replace").splitlines()[1:]
+    except OSError:
+        return True
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 8 and parts[7] == name and int(parts[3], 16) & 0x10000:  # __SO_ACCEPTCON
+            return True
+    return False
 
 
 def entry_points(commands: Sequence[str] = APP_COMMANDS) -> dict[str, str]:
