@@ -118,7 +118,7 @@ class _Group:
                            store_path="" if several else store, timeout_s=float(self.setup["timeout_s"]),
                            threads=int(self.setup["threads"]), world=self.nodes * self.local,
                            rendezvous=str(self.setup.get("rendezvous", "")) if several else "",
-                           generation=self.gen_id)
+                           generation=self.gen_id, owner_pid=os.getpid())
         ctx = process_context()  # a fork server: torch imported once per node, not per rank
         for rank in range(len(setup.devices)):
             parent, child = ctx.Pipe()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -84,7 +85,7 @@ class SiteNodeAgent:
         group = GroupSetup(devices=tuple(self.devices), backend=str(setup["backend"]), store_path="",
                            timeout_s=float(setup["timeout_s"]), threads=int(setup["threads"]),
                            rank_offset=self.node_rank * local, world=int(setup["world"]),
-                           rendezvous=self.rendezvous, generation=generation)
+                           rendezvous=self.rendezvous, generation=generation, owner_pid=os.getpid())
         ctx = process_context()  # a fork server: torch imported once per node, not per rank
         for rank in range(local):
             proc = ctx.Process(target=rank_entry, args=(rank, group, None), name=f"fl-geo-site-node{self.node_rank}-rank-{rank}")

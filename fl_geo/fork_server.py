@@ -30,7 +30,8 @@ not the process that asked for it, and the server outlives that process while an
 forked still runs (each child holds the server's "alive" pipe, multiprocessing's design), so a
 child must not judge its owner by its parent: a follower watches the supervisor's own process
 through a pidfd (``--parent-pid``, `fl_geo.ps.follower_main`; ``tests/test_dataplane.py`` kills a
-leader with SIGKILL and sees its follower end). Where the platform has no fork server
+leader with SIGKILL and sees its follower end), and a site group's rank its daemon's or agent's
+(`die_with`, ``GroupSetup.owner_pid``; ``tests/test_site_group.py`` kills a daemon mid-job). Where the platform has no fork server
 (Windows), it is ``spawn``. ``FL_GEO_RANK_START=spawn``
 forces ``spawn`` for ranks and a fresh interpreter for followers. Importable without torch: only
 the server imports what ``PRELOAD`` lists. A leaf module (standard library only), so every layer
@@ -41,9 +42,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import select
+import signal
+import threading
 from multiprocessing.context import BaseContext
 
-__all__ = ["PRELOAD", "RANK_START_ENV", "pid_exists", "process_context", "start_method"]
+__all__ = ["PRELOAD", "RANK_START_ENV", "die_with", "pid_exists", "process_context", "start_method"]
 
 # Imported once by the fork server. Each name is imported by the server itself, never by the
 # parent, and a name that fails to import is skipped there (multiprocessing's rule), so a child
@@ -100,3 +104,31 @@ def pid_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def die_with(pid: int, name: str = "fl-geo-owner-watch") -> None:
+    """SIGKILL this process as soon as process ``pid`` ends, however it ends (a daemon thread).
+
+    For a child whose parent is not its owner: a process forked by this module's fork server (its
+    parent is the server, which outlives a SIGKILLed owner while any child holds its pipe, so
+    ``PR_SET_PDEATHSIG`` never fires), or one forked by fl-geo's app server for a shim. A pidfd
+    (Linux 5.3+) becomes readable when ``pid`` ends and cannot mistake a newer process that reused
+    the number for it; without one, the number is probed every 0.2 s. ``pid`` already gone: this
+    process is killed before the call returns."""
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    except (AttributeError, OSError):
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while pid_exists(pid):
+                threading.Event().wait(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name=name, daemon=True).start()

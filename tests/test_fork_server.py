@@ -45,3 +45,27 @@ def test_the_start_method_can_be_forced_and_a_wrong_one_is_a_one_line_error(monk
     monkeypatch.delenv("FL_GEO_RANK_START")
     monkeypatch.setattr(fork_server.mp, "get_all_start_methods", lambda: ["spawn"])  # e.g. Windows
     assert start_method() == "spawn"
+
+
+def test_die_with_kills_the_watcher_when_its_owner_ends_however_it_ends():
+    """`die_with(pid)`: the watching process is SIGKILLed once ``pid`` ends (here by SIGKILL, which
+    no parent-death signal of a forked child would see), and at once when ``pid`` is gone already."""
+    import signal
+    import subprocess
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    code = "import sys, time; from fl_geo.fork_server import die_with; die_with(int(sys.argv[1])); time.sleep(120)"
+    watcher = subprocess.Popen([sys.executable, "-c", code, str(owner.pid)])
+    try:
+        time.sleep(1.0)
+        assert watcher.poll() is None  # the owner lives: so does the watcher
+        owner.kill()
+        owner.wait(10)
+        assert watcher.wait(10) == -signal.SIGKILL
+        late = subprocess.run([sys.executable, "-c", code, str(owner.pid)], timeout=30)
+        assert late.returncode == -signal.SIGKILL
+    finally:
+        for proc in (owner, watcher):
+            if proc.poll() is None:
+                proc.kill()

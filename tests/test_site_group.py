@@ -10,10 +10,13 @@ ranks unpickle the hooks and data of this module, so it imports no more than the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +135,55 @@ def test_a_killed_rank_fails_only_its_job_and_the_next_round_trains(group) -> No
     assert info["pid"] == before["pid"] and len(info["ranks"]) == 2 and set(info["ranks"]).isdisjoint(before["ranks"])
     assert got.mean_loss == pytest.approx(expected.mean_loss, rel=1e-5)
     torch.testing.assert_close(trained, flatten(reference.model.state_dict(), _spec()), rtol=0, atol=1e-6)
+
+
+def _report_and_stall_rank_1(folder: str, rank: int, world: int) -> None:
+    """Each rank writes its pid; rank 1 then stalls, so rank 0 waits in the job's first collective."""
+    Path(folder, f"rank-{rank}.pid").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(600)
+
+
+@pytest.mark.slow(seconds=15)
+def test_the_ranks_end_with_a_daemon_killed_mid_job(tmp_path) -> None:
+    """SIGKILL the daemon (an OOM kill) while rank 0 waits in a collective for rank 1: both ranks
+    end within seconds, not after the collective's timeout (60 s here) or rank 1's stall. Their
+    parent is the fork server, which outlives the daemon while they run, so each rank watches the
+    daemon itself (`GroupSetup.owner_pid`, `fl_geo.fork_server.die_with`)."""
+    handle = SiteGroup(f"unix://{tmp_path}/k.sock", {"test": "daemon killed mid-job"}, CPU2, "gloo", timeout_s=60)
+    daemon = handle.ensure()["pid"]
+    params = flatten(build_model(TINY, 0).state_dict(), _spec())
+    failed: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            _round(handle, params, {}, 0, rank_setup=functools.partial(_report_and_stall_rank_1, str(tmp_path)))
+        except BaseException as exc:  # noqa: BLE001 - the job must fail; the test checks that below
+            failed.append(exc)
+
+    worker = threading.Thread(target=job, daemon=True)
+    worker.start()
+    files = [tmp_path / f"rank-{r}.pid" for r in range(2)]
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(f.is_file() and f.read_text() for f in files):
+            assert time.monotonic() < deadline and worker.is_alive(), f"the ranks did not start the job: {failed}"
+            time.sleep(0.1)
+        ranks = [int(f.read_text()) for f in files]
+        time.sleep(1.0)  # rank 0 is in its first collective by now (it need not be for the claim)
+        os.kill(daemon, signal.SIGKILL)
+        killed = time.monotonic()
+        while not all(_gone(pid) for pid in ranks):
+            assert time.monotonic() - killed < 15, f"ranks still alive 15 s after their daemon: {ranks}"
+            time.sleep(0.1)
+        worker.join(60)
+        assert not worker.is_alive() and failed, "the job outlived its daemon"
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        handle.stop()
 
 
 @pytest.mark.slow(seconds=9)

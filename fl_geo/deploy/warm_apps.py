@@ -65,6 +65,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from fl_geo.fork_server import die_with
+
 # The server's own log: a handler of its own, nothing on the root logger, so that a forked app
 # process logs exactly as a fresh one would (the child drops this handler, see AppServer._child).
 log = logging.getLogger("fl_geo.app_server")
@@ -244,28 +246,6 @@ def _parse_request(data: bytes, fds: Sequence[int], commands: Mapping[str, Any])
     return req
 
 
-def _watch_parent_shim(shim_pid: int) -> None:
-    """Kill this process (SIGKILL) as soon as the shim that asked for it is gone."""
-    try:
-        fd = os.pidfd_open(shim_pid)
-    except (AttributeError, OSError):
-        fd = None
-
-    def wait() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:  # no pidfd (kernel < 5.3): poll
-            while True:
-                try:
-                    os.kill(shim_pid, 0)
-                except ProcessLookupError:
-                    break
-                threading.Event().wait(0.2)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=wait, name="fl-geo-shim-watch", daemon=True).start()
-
-
 def _reseed() -> None:
     """What a fresh interpreter seeds from the OS (``random`` reseeds itself after fork)."""
     np = sys.modules.get("numpy")
@@ -429,7 +409,7 @@ class AppServer:
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
                 os.close(fd)
-            _watch_parent_shim(shim_pid)
+            die_with(shim_pid, name="fl-geo-shim-watch")  # the shim's death is this process's
             os.environ.clear()
             os.environ.update(req["env"])
             os.chdir(req["cwd"])

@@ -256,6 +256,7 @@ def train_data_parallel(
             lr_schedule=lr_schedule,
             tokens_fn=tokens_fn,
             parallel=parallel,
+            owner_pid=os.getpid(),
         )
         _run_ranks(job, world, join_timeout_s)
     values = shared.result.tolist()

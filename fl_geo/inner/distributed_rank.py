@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fl_geo.core.state import load_flat_into
+from fl_geo.fork_server import die_with
 from fl_geo.inner.distributed_state import ModelFactory, SharedTrainState
 from fl_geo.inner.training import (
     BatchSource,
@@ -147,6 +148,9 @@ class _Job:
     lr_schedule: ScheduleFn | None = lr_at
     tokens_fn: TokensFn | None = None
     parallel: str = "ddp"  # client.parallel: ddp | fsdp
+    # The process that started the ranks (a ClientApp): a rank ends when it does, also mid-collective
+    # (its parent is the fork server, which outlives it: fl_geo.fork_server.die_with).
+    owner_pid: int = 0
 
 
 def rank_trainer(parallel: str, model: torch.nn.Module, cfg: InnerConfig, replica: Any = None,
@@ -200,6 +204,8 @@ def join_process_group(rank: int, devices: Sequence[str], backend: str, store_pa
 def _rank_main(rank: int, job: _Job) -> None:
     """Body of one rank process (``torch.multiprocessing`` calls it with the rank first)."""
     world = len(job.devices)
+    if job.owner_pid:
+        die_with(job.owner_pid, name="fl-geo-rank-owner-watch")
     device = join_process_group(rank, job.devices, job.backend, job.store_path, job.timeout_s, job.threads)
     if job.rank_setup is not None:
         job.rank_setup(rank, world)

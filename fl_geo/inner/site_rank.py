@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fl_geo.core.state import ParamSpec
+from fl_geo.fork_server import die_with
 from fl_geo.inner.distributed import _global_sampler
 from fl_geo.inner.distributed_rank import (
     _RankBatches,
@@ -97,13 +98,18 @@ class GroupJob:
         return self.sampler if self.batches is None else self.batches()
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this rank when the daemon dies, however it dies (no orphaned ranks)."""
+def _die_with_owner(owner_pid: int) -> None:
+    """SIGKILL this rank when the process that started it dies, however it dies (no orphaned
+    ranks holding a device or blocking in a collective until its timeout). A rank started by
+    ``spawn`` is its owner's child (``PR_SET_PDEATHSIG``); one forked by the fork server is the
+    server's, which outlives a SIGKILLed owner, so it watches the owner itself (a pidfd)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the daemon died before the call above took effect
+        if os.getppid() == 1:  # the parent died before the call above took effect
             os._exit(1)
+    if owner_pid:
+        die_with(owner_pid, name="fl-geo-rank-owner-watch")
 
 
 class _Resident:
@@ -199,7 +205,7 @@ def rank_loop(rank: int, setup: GroupSetup, conn: Connection | None) -> None:
     Empty bytes or a closed pipe end the loop. After an error the rank exits at once (status 1)
     without leaving the process group: its peers may be blocked in a collective with it.
     """
-    _die_with_parent()
+    _die_with_owner(setup.owner_pid)
     device, store = _join(rank, setup)
     if conn is None:
         from fl_geo.inner.site_store import StoreJobs

@@ -28,6 +28,9 @@ class GroupSetup:
     world: int = 0  # ranks of the whole site; 0 = len(devices) (one node)
     rendezvous: str = ""  # several nodes: host:port of the site's TCP store (fl_geo.inner.site_store)
     generation: str = ""  # several nodes: this generation's id in that store
+    # The process that started the ranks (the daemon, or a node's agent): a rank ends when it does,
+    # also mid-collective (its parent is the fork server, which outlives it: fork_server.die_with).
+    owner_pid: int = 0
 
     @property
     def world_size(self) -> int:
