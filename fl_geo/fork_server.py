@@ -30,10 +30,10 @@ not the process that asked for it, and the server outlives that process while an
 forked still runs (each child holds the server's "alive" pipe, multiprocessing's design), so a
 child must not judge its owner by its parent: a follower watches the supervisor's own process
 through a pidfd (``--parent-pid``, `fl_geo.ps.follower_main`; ``tests/test_dataplane.py`` kills a
-leader with SIGKILL and sees its follower end), and a site group's rank its daemon's or agent's
-(`die_with`, ``GroupSetup.owner_pid``; ``tests/test_site_group.py`` kills a daemon mid-job). Where the platform has no fork server
-(Windows), it is ``spawn``. ``FL_GEO_RANK_START=spawn``
-forces ``spawn`` for ranks and a fresh interpreter for followers. Importable without torch: only
+leader with SIGKILL and sees its follower end), and a rank the process that started it
+(`die_with`; ``tests/test_site_group.py`` kills a site group's daemon mid-job). Where the platform
+has no fork server (Windows), it is ``spawn``. ``FL_GEO_RANK_START=spawn`` forces ``spawn`` for
+ranks and a fresh interpreter for followers. Importable without torch: only
 the server imports what ``PRELOAD`` lists. A leaf module (standard library only), so every layer
 may use it.
 """
