@@ -89,6 +89,29 @@ def test_overrides_apply_on_top_of_the_file():
     assert [s.step_time(i) for i in range(4)] == pytest.approx([1.0, 4 / 3, 5 / 3, 2.0])
 
 
+def test_a_repeated_load_is_a_copy_of_the_first_and_a_changed_file_is_read_again(tmp_path):
+    """load_scenario keeps validated scenarios by file, text and overrides: a second load is an
+    equal scenario of its own (its spec and caches are not the first one's), an override or a
+    change of the file's text is a new load, and an error is never kept."""
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    data = tiny_scenario_dict()
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    first = load_scenario(path)
+    again = load_scenario(path)
+    assert again is not first and again.to_dict() == first.to_dict()
+    assert again._spec is not first._spec and again._ring_cache is not first._ring_cache
+    assert load_scenario(path, ["model.step_time_s=9.0"]).step_time(0) != first.step_time(0)
+    data["model"]["step_time_s"] = 2 * data["model"]["step_time_s"]
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    assert load_scenario(path).step_time(0) == pytest.approx(2 * first.step_time(0))
+    path.write_text("regions: 3\n", encoding="utf-8")
+    for _ in range(2):  # the same bad file fails every time
+        with pytest.raises(ScenarioError):
+            load_scenario(path)
+
+
 # ---- timing model ---------------------------------------------------------------------------------
 
 
