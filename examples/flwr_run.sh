@@ -16,7 +16,10 @@ NODES="${FLWR_NUM_SUPERNODES:-4}"
 CPUS="${FLWR_SIM_CPUS:-2}"
 mkdir -p "$FLWR_HOME"
 trap 'pkill -f "flower-superlink.*${FLWR_HOME}" || true' EXIT
-if flwr run --help 2>&1 | grep -q -- "--federation-config"; then  # Flower >= 1.42
+# Flower >= 1.42 has --federation-config; the installed version tells (asking `flwr run --help`
+# would start a process that imports Flower's CLI).
+if python -c 'import sys; from importlib.metadata import version as v
+sys.exit(tuple(int(x) for x in v("flwr").split(".")[:2]) < (1, 42))'; then
     printf '[superlink]\ndefault = "fl-geo-local"\n\n[superlink.fl-geo-local]\naddress = ":local:"\n' \
         > "$FLWR_HOME/config.toml"
     flwr run "${FLWR_APP_DIR:-.}" fl-geo-local --stream \

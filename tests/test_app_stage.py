@@ -67,3 +67,29 @@ def test_the_project_stages_without_its_venv_and_the_stage_is_removed(tmp_path):
         assert not (staged / ".venv").exists() and not (staged / ".git").exists()
         assert "fl_geo/deploy/app_stage.py" in _names(build_fab_from_disk(staged))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_federation_config_probe_reads_this_venvs_flower_and_asks_any_other(tmp_path, monkeypatch):
+    """`fl-geo flwr-run` uses ``--federation-config`` where Flower has it (1.42): for the ``flwr``
+    beside this interpreter the installed version tells, without a process; another ``flwr`` is
+    asked for its ``run --help``."""
+    import sys
+    from importlib.metadata import version
+
+    from fl_geo.deploy import local_run
+
+    installed = tuple(int(x) for x in version("flwr").split(".")[:2])
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"started a process: {args}")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(local_run.subprocess, "run", no_process)
+        own = str(Path(sys.executable).parent / "flwr")
+        assert local_run._supports_federation_config(own, dict(os.environ)) is (installed >= (1, 42))
+    for help_text, expected in (("  --federation-config TEXT  ...", True), ("  --stream  ...", False)):
+        other = tmp_path / f"other-{expected}" / "flwr"
+        other.parent.mkdir()
+        other.write_text(f"#!/bin/sh\necho '{help_text}'\n")
+        other.chmod(0o755)
+        assert local_run._supports_federation_config(str(other), dict(os.environ)) is expected

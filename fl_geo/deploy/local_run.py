@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 
 from fl_geo.deploy.app_stage import staged_app
@@ -51,7 +52,15 @@ def federation_options(num_supernodes: int, sim_cpus: int) -> dict[str, int | st
 
 
 def _supports_federation_config(flwr: str, env: dict[str, str]) -> bool:
-    """Flower 1.42 added ``flwr run --federation-config``; 1.41 reads ``options.`` fields."""
+    """Flower 1.42 added ``flwr run --federation-config``; 1.41 reads ``options.`` fields.
+
+    The ``flwr`` beside this interpreter is this environment's Flower: its installed version
+    tells (a metadata read). Any other ``flwr`` is asked for its ``run --help`` (a process that
+    imports Flower's CLI, ~2 CPU-s)."""
+    if Path(flwr).parent == Path(sys.executable).parent:
+        with contextlib.suppress(metadata.PackageNotFoundError, ValueError):
+            major, minor = (int(part) for part in metadata.version("flwr").split(".")[:2])
+            return (major, minor) >= (1, 42)
     help_text = subprocess.run([flwr, "run", "--help"], capture_output=True, text=True, env=env, check=False)
     return "--federation-config" in help_text.stdout + help_text.stderr
 
