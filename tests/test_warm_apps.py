@@ -25,28 +25,35 @@ pytestmark = pytest.mark.skipif(not warm_apps.supported(), reason="warm apps nee
 TESTS = Path(__file__).resolve().parent
 
 
-def _real_command(tmp: Path) -> Path:
-    """What a shim falls back to: the probe run by a fresh interpreter."""
+def _real_command(tmp: Path, names: tuple[str, ...] = ("probe",)) -> Path:
+    """What a shim falls back to: the probe run by a fresh interpreter, under each of ``names``."""
     real_dir = tmp / "real"
     real_dir.mkdir(exist_ok=True)
-    real = real_dir / "probe"
-    real.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-                    "from warm_app_probe import main\nsys.exit(main())\n", encoding="utf-8")
-    real.chmod(0o755)
+    for name in names:
+        real = real_dir / name
+        real.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+                        "from warm_app_probe import main\nsys.exit(main())\n", encoding="utf-8")
+        real.chmod(0o755)
     return real_dir
 
 
 class _Server:
-    def __init__(self, tmp: Path, preload: tuple[str, ...] = ("fractions",), wait: bool = True) -> None:
+    """An app server serving the probe under each of ``commands`` (the first one's shim is ``shim``)."""
+
+    def __init__(self, tmp: Path, preload: tuple[str, ...] = ("fractions",), wait: bool = True,
+                 commands: tuple[str, ...] = ("probe",)) -> None:
         self.name = warm_apps.new_socket_name()
         self.log = tmp / "server.log"
         path = [str(TESTS), str(tmp), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-        cmd = [*warm_apps.server_command(self.name), "--command", "probe=warm_app_probe:main"]
+        cmd = [*warm_apps.server_command(self.name)]
+        cmd += [arg for name in commands for arg in ("--command", f"{name}=warm_app_probe:main")]
         cmd += [arg for name in preload for arg in ("--preload", name)]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        (self.shim,) = warm_apps.write_shims(tmp / "bin", self.name, ["probe"], real_dir=_real_command(tmp))
+        written = warm_apps.write_shims(tmp / "bin", self.name, list(commands), real_dir=_real_command(tmp, commands))
+        self.shims = dict(zip(commands, written, strict=True))
+        self.shim = written[0]
         if wait:
             self.wait_serving()
 
@@ -59,7 +66,7 @@ class _Server:
 
     def wait_serving(self) -> None:
         deadline = time.monotonic() + 30
-        while "serving probe" not in self.log.read_text() and time.monotonic() < deadline:
+        while "app server: serving " not in self.log.read_text() and time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
             time.sleep(0.05)
 
@@ -149,6 +156,33 @@ def test_without_a_server_the_shim_runs_the_real_command(tmp_path):
     seen = _report(res.stdout)
     assert seen["argv"] == ["exit3", "x"] and seen["preloaded"] is False
     assert seen["ppid"] == os.getpid()  # exec'd in place of the shim: our child, not a server's
+
+
+def test_app_processes_run_cold_once_a_source_the_server_imported_has_changed(tmp_path):
+    """The server imports an app's modules once; when one of their files changes afterwards (edited
+    while the federation is up), a ClientApp or ServerApp forked from it would run the old code.
+    From then on those run cold (the new code, imported by a fresh interpreter), said once in the
+    log; a command that loads no app (here the probe under its own name) is still forked."""
+    app = tmp_path / "userapp"
+    app.mkdir()
+    (app / "__init__.py").write_text("", encoding="utf-8")
+    (app / "task.py").write_text("VERSION = 1\n", encoding="utf-8")
+    server = _Server(tmp_path, preload=("fractions", "userapp.task"), commands=("flwr-clientapp", "probe"))
+    try:
+        def parent(command: str) -> int:
+            res = subprocess.run([str(server.shims[command])], capture_output=True, text=True, timeout=60)
+            assert res.returncode == 0, res.stderr
+            return _report(res.stdout)["ppid"]
+
+        assert parent("flwr-clientapp") == server.proc.pid  # forked while the import is current
+        (app / "task.py").write_text("VERSION = 22\n", encoding="utf-8")  # another size: changed at any clock
+        assert parent("flwr-clientapp") == os.getpid()  # cold: exec'd in place of the shim, our child
+        assert parent("flwr-clientapp") == os.getpid()
+        assert parent("probe") == server.proc.pid
+        log = server.log.read_text()
+        assert log.count("task.py changed since the server imported it; app processes run cold") == 1, log
+    finally:
+        server.stop()
 
 
 def _ask(name: str, payload: bytes, fds: list[int]) -> bytes:
