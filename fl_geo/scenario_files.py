@@ -170,7 +170,7 @@ def _resolve(path_or_name: str | Path) -> Path:
 
 
 # Validating a scenario builds and merges an omegaconf schema per node, link window and section
-# (30-70 ms for the shipped files on a 2-core machine), and a run loads its scenario more than once
+# (27-100 ms for the shipped files on a 2-core machine), and a run loads its scenario more than once
 # (the clock, wall faults, placement); sweeps, seed groups and tests load the same few files again.
 # A load with the same resolved file, text and overrides gets a copy of the scenario built before.
 _CACHE_SIZE = 64

@@ -185,6 +185,28 @@ def test_app_processes_run_cold_once_a_source_the_server_imported_has_changed(tm
         server.stop()
 
 
+def test_the_source_watch_sees_a_change_and_an_edit_made_while_the_server_imported(tmp_path, monkeypatch):
+    """`_SourceWatch` notes the modules imported from outside the installed environment (not
+    torch's files): a change of size or time is a change, and a file modified after the imports
+    began counts as changed at once (it may have been imported in its old form)."""
+    import importlib
+
+    from fl_geo.deploy.warm_apps import _SourceWatch
+
+    (tmp_path / "watched_mod_x.py").write_text("A = 1\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("watched_mod_x")
+    monkeypatch.setitem(sys.modules, "watched_mod_x", module)  # removed again at teardown
+    path = module.__file__
+    before = os.stat(path).st_mtime_ns
+    watch = _SourceWatch(since_ns=before + 1)
+    assert path in watch.files and watch.changed() is None
+    assert not any("site-packages" in f for f in watch.files)  # torch, numpy, ...: installed, not watched
+    assert _SourceWatch(since_ns=before).changed() == path  # written as the imports began
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    assert watch.changed() == path
+
+
 def _ask(name: str, payload: bytes, fds: list[int]) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(name)

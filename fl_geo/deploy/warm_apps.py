@@ -67,6 +67,7 @@ import struct
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -272,11 +273,15 @@ class _SourceWatch:
     """The source files of the modules this process imported from outside the installed
     environment (fl-geo's editable checkout, an app's own folder: the code people edit), as they
     were then (size and modification time): `changed` names the first that differs now. One
-    ``stat`` per module (~200 for fl-geo's apps, well under a millisecond) per app process."""
+    ``stat`` per module (~130 for fl-geo's apps, well under a millisecond) per app process.
 
-    def __init__(self) -> None:
+    ``since_ns``: when the imports began. A file modified after that may have been imported in its
+    old form and noted in its new one, so it counts as changed from the start."""
+
+    def __init__(self, since_ns: int | None = None) -> None:
         installed = _installed_dirs()
         self.files: dict[str, tuple[int, int]] = {}
+        self.edited_while_importing: str | None = None
         for module in list(sys.modules.values()):
             path = getattr(module, "__file__", None)
             if not isinstance(path, str) or os.path.realpath(path).startswith(installed):
@@ -284,8 +289,12 @@ class _SourceWatch:
             with contextlib.suppress(OSError):
                 st = os.stat(path)
                 self.files[path] = (st.st_size, st.st_mtime_ns)
+                if since_ns is not None and st.st_mtime_ns >= since_ns and self.edited_while_importing is None:
+                    self.edited_while_importing = path
 
     def changed(self) -> str | None:
+        if self.edited_while_importing is not None:
+            return self.edited_while_importing
         for path, seen in self.files.items():
             try:
                 st = os.stat(path)
@@ -328,6 +337,7 @@ class AppServer:
         self._stop = False
 
     def preload(self) -> None:
+        started_ns = time.time_ns()
         for name in self.preload_names:
             try:
                 importlib.import_module(name)
@@ -335,7 +345,7 @@ class AppServer:
                 log.warning("app server: could not preload %s (%s)", name, exc)
         for command, value in self.commands.items():
             self.entries[command] = _resolve(value)
-        self.sources = _SourceWatch()  # after every import: what the children would inherit
+        self.sources = _SourceWatch(started_ns)  # after every import: what the children would inherit
 
     def _stale_import(self, command: str) -> bool:
         """True when ``command`` loads an app and a watched source file changed since the server
