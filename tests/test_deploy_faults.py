@@ -232,6 +232,19 @@ def _sent(log: str, kind: str = "train") -> int:
     return Path(log).read_text(encoding="utf-8", errors="replace").count(f"Sending: {kind} message")
 
 
+def _held(log: str, kind: str = "train") -> int:
+    """The ``kind`` messages a SuperNode has received in full (its objects pulled), from its log: a
+    node receives one message at a time, and "Received successfully" closes the last "Receiving:"
+    (the SuperExec's "Start `flwr-clientapp` process" may come between them)."""
+    count, pending = 0, None
+    for line in Path(log).read_text(encoding="utf-8", errors="replace").splitlines():
+        if "Receiving: " in line:
+            pending = f"Receiving: {kind} message" in line
+        elif "Received successfully" in line and pending is not None:
+            count, pending = count + pending, None
+    return count
+
+
 def _server_apps(topo: topology.Topology) -> list[int]:
     """The topology's ServerApp processes (``flwr-serverapp``): started by the SuperLink's
     SuperExec, which is the SuperLink's child, or the app server's with ``warm_apps``."""
@@ -255,6 +268,7 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     topo, node_state = fault_federation.topo, fault_federation.node_state
     logs = [r.log for r in _live_supernodes(topo)]
     sent_before = {log: _sent(log) for log in logs}
+    held_before = {log: _held(log) for log in logs}
     out, ckpts = tmp_path / "runs", tmp_path / "checkpoints"
     rounds = 2  # the kill falls in the last round: the resumed run folds it once, from checkpoint 1
     common = [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-server", "run.checkpoint_every=1",
@@ -265,11 +279,23 @@ def test_serverapp_killed_mid_run_then_resumed(fault_federation, tmp_path):
     assert len(apps) == 1, [_cmdline(p) for p in apps]
     # Kill in the middle of round 2: as soon as one site has sent its round-2 update (the others
     # are usually still training, so the server never folds that round; the nodes that already
-    # trained it must rewind when the resumed server sends it again).
+    # trained it must rewind when the resumed server sends it again) and every site holds its
+    # round-2 message. A message still queued when the run is stopped below meets a Flower 1.42
+    # SuperNode bug: pulled after the stop, it is "ignored" (RunNotRunningException while its
+    # objects are pulled) but its task is left in place, so a ClientApp trains it anyway and the
+    # node sends that stray reply in place of the next one. The next one, the resumed run's
+    # profile query, then waits in the node until the node pulls another message, which never comes:
+    # the resumed run went on without that site after its first-jobs bound (~2 min) and ended on
+    # other bits (seen once in a fresh clone's `make test`).
     def sent(log: str) -> int:  # this run's train replies
         return _sent(log) - sent_before[log]
 
-    _wait_for("a round-2 reply", lambda: any(sent(log) >= rounds for log in logs), 240, poll_s=0.05)
+    def held(log: str) -> int:  # this run's train messages received in full
+        return _held(log) - held_before[log]
+
+    _wait_for("a round-2 reply, every site holding its round-2 message",
+              lambda: any(sent(log) >= rounds for log in logs) and all(held(log) >= rounds for log in logs),
+              240, poll_s=0.05)
     fault_federation.killed.update(_kill_family(apps[0]))
     t_kill = time.monotonic()
     folded = (ckpts / f"ckpt-{rounds:08d}.pt").exists()  # every site was quicker than the kill: rare
