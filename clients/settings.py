@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fl_geo.errors import require
-from fl_geo.inner.muon import ADJUST_LR, OPTIMIZERS
+from fl_geo.inner.choices import ADJUST_LR, OPTIMIZERS
 
 
 @dataclass

@@ -48,7 +48,7 @@ from fl_geo.core.streaming_settings import StreamingSection
 from fl_geo.data.settings import DataSection
 from fl_geo.errors import ConfigError, require
 from fl_geo.halos.settings import HalosSection
-from fl_geo.inner.model import ModelConfig
+from fl_geo.inner.model_config import ModelConfig
 from fl_geo.ps.settings import PsSection
 from fl_geo.registry import METHODS
 from fl_geo.run_identity import RESUME_MAY_CHANGE, run_identity  # noqa: F401  (re-exported: its historical home)

@@ -10,7 +10,7 @@ from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.core.streaming_settings import StreamingSection
 from fl_geo.data.settings import DataSection
 from fl_geo.halos.settings import HalosSection
-from fl_geo.inner.model import ModelConfig
+from fl_geo.inner.model_config import ModelConfig
 from fl_geo.ps.settings import PsSection
 from fl_geo.run_settings import RunSection
 from fl_geo.runtime.wire_settings import WireSection

@@ -134,3 +134,21 @@ def test_every_name_in_the_algorithms_code_map_exists():
             break
         else:
             raise AssertionError(f"docs/algorithms.md names {dotted}, which cannot be imported")
+
+
+def test_the_command_line_and_the_config_schema_import_without_torch():
+    """Importing the command line, the config module and schema, the corpus fetcher and the
+    deployment topology imports no torch (~3 CPU-s), so `fl-geo --help`, `fl-geo data fetch` and
+    the deploy commands that load no run config start in a fraction of a second: the names the
+    config accepts live in torch-free modules (`fl_geo.inner.choices`, `fl_geo.inner.model_config`,
+    `fl_geo.data.settings`), and `fl_geo.data` imports its members when first used. (Loading a
+    config does import torch: a method's settings are defined beside its strategy class.)
+    Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import fl_geo.cli, fl_geo.config, fl_geo.config_schema, fl_geo.data.fetch, "
+            "fl_geo.deploy.topology; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fl_geo.data.settings import NOISE_KINDS  # BatchNoise.kind (config: data.noise_kind)
+
 __all__ = ["BatchNoise", "BatchSampler", "eval_batches"]
 
 # Fixed extra seed words, so the noise draws never collide with the clean window draw
 # ``default_rng([seed, stream, step])``.
 _NOISE_DECISION = 0x6E6F6973  # "nois": corrupt/clean decision per block
 _NOISE_CONTENT = 0x67617262  # "garb": the garbage itself, per step
-NOISE_KINDS = ("random", "shuffle")  # BatchNoise.kind (config: data.noise_kind)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fl_geo.data.corpus import CORPUS_NAMES
-from fl_geo.data.loader import NOISE_KINDS
 from fl_geo.errors import require
+
+# The kinds of injected batch noise (`fl_geo.data.loader.BatchNoise`), named here so that the
+# config schema needs no torch.
+NOISE_KINDS = ("random", "shuffle")
 
 
 @dataclass

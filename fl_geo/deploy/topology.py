@@ -17,7 +17,7 @@ from typing import Any
 
 from fl_geo.deploy.warm_apps import supported as warm_apps_supported
 from fl_geo.hosts import is_loopback
-from fl_geo.inner.device import DEVICE_KINDS
+from fl_geo.inner.choices import DEVICE_KINDS
 
 __all__ = [
     "CertPaths",

@@ -10,10 +10,10 @@ import importlib
 
 import torch
 
+from fl_geo.inner.choices import DEVICE_KINDS, PRECISIONS
+
 __all__ = ["autocast_dtype", "pick_device", "PRECISIONS"]
 
-DEVICE_KINDS = ("auto", "cuda", "npu", "mps", "cpu")
-PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def _npu_available() -> bool:

@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fl_geo.inner.choices import ADJUST_LR, OPTIMIZERS
+
 if TYPE_CHECKING:
     from fl_geo.inner.training import InnerConfig
 
 __all__ = ["ADJUST_LR", "LR_SCALE", "OPTIMIZERS", "MuonAdamW", "hidden_matrices", "muon_optimizer", "output_head"]
 
-OPTIMIZERS = ("adamw", "muon")  # client.optimizer
-ADJUST_LR = ("original", "match_rms_adamw")  # client.muon_adjust_lr: torch.optim.Muon's adjust_lr_fn
 # A param group's learning rate is the schedule's value times this (1 when absent).
 LR_SCALE = "lr_scale"
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
