@@ -207,6 +207,25 @@ def test_the_source_watch_sees_a_change_and_an_edit_made_while_the_server_import
     assert watch.changed() == path
 
 
+def test_the_server_fills_the_config_schema_cache_before_it_forks(caplog):
+    """`WARM_CALLS` run once after the imports, so every forked app process finds fl-geo's config
+    schema built; a call that fails is logged and the server still serves."""
+    import logging
+
+    from fl_geo import config_files
+
+    config_files.schema.cache_clear()
+    server = warm_apps.AppServer(warm_apps.new_socket_name(), {}, preload=(),
+                                 warm_calls=(*warm_apps.WARM_CALLS, "no_such_module_x:f"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="fl_geo.app_server"):
+            server.preload()
+    finally:
+        server.listener.close()
+    assert config_files.schema.cache_info().currsize == 1
+    assert "could not call no_such_module_x:f" in caplog.text
+
+
 def _ask(name: str, payload: bytes, fds: list[int]) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(name)
