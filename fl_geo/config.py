@@ -18,11 +18,8 @@ that read more than one section (`validate`).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
@@ -43,6 +40,7 @@ from fl_geo.config_files import (
     wrap_error,
 )
 from fl_geo.config_schema import FlGeoConfig
+from fl_geo.copy_cache import CopyCache
 from fl_geo.core.penalty_settings import PenaltySection
 from fl_geo.core.streaming_settings import StreamingSection
 from fl_geo.data.settings import DataSection
@@ -80,9 +78,7 @@ __all__ = [
 # merges ~20 OmegaConf sources into the structured schema (16-37 ms); a copy of a finished one takes
 # 0.1 ms. The public strategy classes load a config on every construction, and callers that build
 # the same method again (sweeps, seed groups, tests: 70 % of loads repeated) get a copy instead.
-_CACHE_SIZE = 256
-_cache: OrderedDict[tuple[Any, ...], FlGeoConfig] = OrderedDict()
-_cache_lock = threading.Lock()
+_cache: CopyCache[FlGeoConfig] = CopyCache(256)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -102,18 +98,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     loaded before: validation reads nothing but its inputs, so equal inputs give equal configs).
     """
     key = _cache_key(path, overrides, values, own_model)
-    if key is not None:
-        with _cache_lock:
-            hit = _cache.get(key)
-            if hit is not None:
-                _cache.move_to_end(key)
-                return copy.deepcopy(hit)
+    if key is not None and (hit := _cache.get(key)) is not None:
+        return hit
     out = _load_config(path, overrides, values, own_model)
     if key is not None:
-        with _cache_lock:
-            _cache[key] = copy.deepcopy(out)
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
+        _cache.put(key, out)
     return out
 
 

@@ -8,11 +8,8 @@ shipped in a run config) into a validated `Scenario`, naming the full key path i
 
 from __future__ import annotations
 
-import copy
 import difflib
 import functools
-import threading
-from collections import OrderedDict
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -20,6 +17,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fl_geo.copy_cache import CopyCache
 from fl_geo.paths import SCENARIOS_DIR as _REPO_SCENARIOS
 from fl_geo.timing.scenario import Scenario
 from fl_geo.timing.scenario_spec import ScenarioError, ScenarioSpec
@@ -173,9 +171,7 @@ def _resolve(path_or_name: str | Path) -> Path:
 # (27-100 ms for the shipped files on a 2-core machine), and a run loads its scenario more than once
 # (the clock, wall faults, placement); sweeps, seed groups and tests load the same few files again.
 # A load with the same resolved file, text and overrides gets a copy of the scenario built before.
-_CACHE_SIZE = 64
-_cache: OrderedDict[tuple[str, str, str, tuple[str, ...]], Scenario] = OrderedDict()
-_cache_lock = threading.Lock()
+_cache: CopyCache[Scenario] = CopyCache(64)
 
 
 def load_scenario(path_or_name: str | Path, overrides: list[str] | None = None) -> Scenario:
@@ -194,16 +190,10 @@ def load_scenario(path_or_name: str | Path, overrides: list[str] | None = None) 
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{path}: cannot read scenario YAML: {exc}") from None
     key = (str(path), str(path.resolve()), text, tuple(str(o) for o in overrides or ()))
-    with _cache_lock:
-        hit = _cache.get(key)
-        if hit is not None:
-            _cache.move_to_end(key)
-            return copy.deepcopy(hit)
+    if (hit := _cache.get(key)) is not None:
+        return hit
     scenario = _parse_scenario(path, text, overrides)
-    with _cache_lock:
-        _cache[key] = copy.deepcopy(scenario)
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
+    _cache.put(key, scenario)
     return scenario
 
 

@@ -331,7 +331,7 @@ class AppServer:
         self.commands = dict(commands)
         self.preload_names = tuple(preload)
         self.warm_calls = tuple(warm_calls)
-        self.sources = _SourceWatch()
+        self.sources: _SourceWatch | None = None  # set by `preload`, after the imports it watches
         self.stale: str | None = None  # the first watched source seen changed since the preload
         self.entries: dict[str, Callable[[], Any]] = {}
         self.children: dict[int, socket.socket | None] = {}  # child pid -> its shim's connection
@@ -361,7 +361,7 @@ class AppServer:
     def _stale_import(self, command: str) -> bool:
         """True when ``command`` loads an app and a watched source file changed since the server
         imported it: the app process must import the new code itself (logged once)."""
-        if command not in _APP_PROCESSES:
+        if command not in _APP_PROCESSES or self.sources is None:
             return False
         if self.stale is None:
             self.stale = self.sources.changed()
