@@ -19,6 +19,12 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TEST_THREADS = int(os.environ["OMP_NUM_THREADS"])
 
+from tests.data import pin_pydoc_topics  # noqa: E402  (after OMP_NUM_THREADS, above)
+
+# The pydoc corpus is the one the records were taken on, whichever Python runs the tests, here and in
+# every process the tests start (they inherit the variable): tests/data/__init__.py.
+pin_pydoc_topics()
+
 import pytest  # noqa: E402  (after OMP_NUM_THREADS, above)
 import torch  # noqa: E402  (after OMP_NUM_THREADS, above)
 from flwr.app import RecordDict  # noqa: E402  (after OMP_NUM_THREADS, above)

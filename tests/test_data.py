@@ -38,6 +38,7 @@ from fl_geo.data.fetch import (
     write_corpus,
 )
 from fl_geo.data.partition import IID_CHUNK_BYTES
+from fl_geo.errors import ConfigError
 
 ARTIFACT_CACHE = Path("/tmp/corp")
 
@@ -80,6 +81,35 @@ def test_pydoc_corpus_loads() -> None:
     assert corpus.name == "pydoc"
     assert len(corpus.documents) == 79
     assert corpus.sha256 == corpus_digest(corpus.documents) == load_corpus("pydoc").sha256
+
+
+def test_pydoc_corpus_reads_the_pinned_topics_not_this_pythons(monkeypatch, tmp_path) -> None:
+    """The suite trains on the topics in tests/data (conftest), whichever Python runs it: Python's
+    own differ between patch releases. Without the variable it is this Python's; a file that is not
+    a JSON object of texts is one config error naming the variable."""
+    import gzip
+    from pydoc_data.topics import topics
+
+    from fl_geo.data.corpus import PYDOC_TOPICS_ENV
+    from tests.data import PYDOC_TOPICS
+
+    with gzip.open(PYDOC_TOPICS, "rt", encoding="utf-8") as f:
+        pinned = json.load(f)
+    assert [d.text for d in load_corpus("pydoc").documents] == [pinned[k] for k in sorted(pinned)]
+    monkeypatch.delenv(PYDOC_TOPICS_ENV)
+    assert [d.name for d in load_corpus("pydoc").documents] == sorted(topics)
+    assert [d.text for d in load_corpus("pydoc").documents] == [topics[k] for k in sorted(topics)]
+    plain = tmp_path / "topics.json"
+    plain.write_text(json.dumps({"b": "two", "a": "one"}), encoding="utf-8")
+    monkeypatch.setenv(PYDOC_TOPICS_ENV, str(plain))
+    assert [(d.name, d.text) for d in load_corpus("pydoc").documents] == [("a", "one"), ("b", "two")]
+    for bad in ("[1, 2]", "{}", '{"a": 3}', "not json"):
+        plain.write_text(bad, encoding="utf-8")
+        with pytest.raises(ConfigError, match=f"^{PYDOC_TOPICS_ENV}=.*topics"):
+            load_corpus("pydoc")
+    monkeypatch.setenv(PYDOC_TOPICS_ENV, str(tmp_path / "missing.json.gz"))
+    with pytest.raises(ConfigError, match="cannot read the pydoc topics"):
+        load_corpus("pydoc")
 
 
 def test_stdlib_corpus_loads_without_tests() -> None:

@@ -12,6 +12,7 @@ absent, so a half-written extraction is never trained on.
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ __all__ = [
     "CORPUS_NAMES",
     "Corpus",
     "Document",
+    "PYDOC_TOPICS_ENV",
     "corpus_digest",
     "default_data_dir",
     "fetch_command",
@@ -195,9 +197,34 @@ def _load_stdlib(cap_bytes: int = STDLIB_CAP_BYTES) -> Corpus:
     return Corpus(name="stdlib", documents=documents, sha256=corpus_digest(documents))
 
 
-def _load_pydoc() -> Corpus:
-    from pydoc_data.topics import topics
+# A JSON file of pydoc topics ({"topic": "text", ...}, gzipped if it ends in .gz) that the ``pydoc``
+# corpus reads instead of the running Python's `pydoc_data.topics`. That text changes between
+# Python patch releases (3.11.2 and 3.11.7 differ by ~1,000 characters), and so does every number
+# trained on it; the test suite pins the topics it was recorded with (tests/conftest.py).
+PYDOC_TOPICS_ENV = "FL_GEO_PYDOC_TOPICS"
 
+
+def _pydoc_topics() -> dict[str, str]:
+    """The pydoc topics: the file ``$FL_GEO_PYDOC_TOPICS`` names, else this Python's."""
+    path = os.environ.get(PYDOC_TOPICS_ENV, "").strip()
+    if not path:
+        from pydoc_data.topics import topics
+
+        return topics
+    try:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            topics = json.load(f)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ConfigError(f"{PYDOC_TOPICS_ENV}={path}: cannot read the pydoc topics ({exc})") from None
+    if (not isinstance(topics, dict) or not topics
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in topics.items())):
+        raise ConfigError(f"{PYDOC_TOPICS_ENV}={path}: expected a JSON object of topic names to texts")
+    return topics
+
+
+def _load_pydoc() -> Corpus:
+    topics = _pydoc_topics()
     documents = [Document(name=key, group=key, text=topics[key]) for key in sorted(topics)]
     return Corpus(name="pydoc", documents=documents, sha256=corpus_digest(documents))
 

@@ -86,8 +86,9 @@ METHODS: dict[str, list[str]] = {
 
 
 def pydoc_corpus_sha256() -> str:
-    """The training text's digest: TINY trains on ``pydoc_data.topics``, which changes between
-    Python releases, and then every hash changes with it although no code did."""
+    """The training text's digest: TINY trains on the pydoc topics, which change between Python
+    releases, and then every hash changes with it although no code did (so the tests and this
+    script read the topics pinned in tests/data, `tests.data.pin_pydoc_topics`)."""
     from fl_geo.data.corpus import load_corpus
 
     return load_corpus("pydoc").sha256
@@ -203,7 +204,10 @@ def _run_twice(name: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """``[--add-this-cpu] [method ...]``; see the module docstring."""
+    from tests.data import pin_pydoc_topics
     from tests.data.kernel_fingerprint import kernel_description
+
+    pin_pydoc_topics()  # the text the tests train on, not this Python's own (tests/data/__init__.py)
 
     add_cpu = "--add-this-cpu" in argv
     only = [a for a in argv if a != "--add-this-cpu"] or list(METHODS)
