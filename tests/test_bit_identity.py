@@ -17,8 +17,10 @@ with ``tests/data/make_bit_identity.py`` and say so in the commit; otherwise fix
 
 To run the suite as a CPU nobody recorded would, set ``FL_GEO_KERNEL_FINGERPRINT=other``, or make
 this CPU use other kernels (x86_64: ``ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2``). The records are
-skipped, saying why, only under another torch release or another Python's pydoc corpus (the
-training text), where every number changes although no code did.
+skipped, saying why, only under another torch release or another pydoc text (the training text:
+the tests pin Python 3.11.7's topics whichever Python runs them, tests/data/__init__.py, so only a
+``FL_GEO_PYDOC_TOPICS`` set to other topics changes it), where every number changes although no
+code did.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import sys
 import tarfile
 import zipfile
@@ -93,6 +94,7 @@ def test_pydoc_corpus_reads_the_pinned_topics_not_this_pythons(monkeypatch, tmp_
     from fl_geo.data.corpus import PYDOC_TOPICS_ENV
     from tests.data import PYDOC_TOPICS
 
+    assert os.environ[PYDOC_TOPICS_ENV] == str(PYDOC_TOPICS)  # pinned by tests/conftest.py
     with gzip.open(PYDOC_TOPICS, "rt", encoding="utf-8") as f:
         pinned = json.load(f)
     assert [d.text for d in load_corpus("pydoc").documents] == [pinned[k] for k in sorted(pinned)]
