@@ -131,4 +131,13 @@ def die_with(pid: int, name: str = "fl-geo-owner-watch") -> None:
                 threading.Event().wait(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=wait, name=name, daemon=True).start()
+    # The watch thread blocks every signal (it inherits the mask it is started with). A signal sent
+    # to the process goes to any one thread that does not block it, and a Python handler runs in
+    # the main thread but only interrupts a blocking call (sleep, recv, a gRPC wait) of the thread
+    # the kernel chose: a SIGTERM the shim forwarded to a sleeping child was once taken by this
+    # thread, and the child slept on (a make test, tests/test_warm_apps.py, 30 s timeout).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        threading.Thread(target=wait, name=name, daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -47,6 +47,31 @@ def test_the_start_method_can_be_forced_and_a_wrong_one_is_a_one_line_error(monk
     assert start_method() == "spawn"
 
 
+def test_die_with_leaves_signals_to_the_main_thread():
+    """The watch thread blocks every signal, so a SIGTERM sent to the process reaches the main
+    thread, whose handler then interrupts what that thread is blocked in; the caller's own mask
+    is as it was. Read from the kernel's view of each thread (/proc/<pid>/task/<tid>/status)."""
+    import signal
+    import subprocess
+
+    code = (
+        "import os, signal, threading\n"
+        "from fl_geo.fork_server import die_with\n"
+        "die_with(os.getppid(), name='watch')\n"
+        "watch = next(t for t in threading.enumerate() if t.name == 'watch')\n"
+        "def blocked(tid):\n"
+        "    status = open(f'/proc/self/task/{tid}/status').read()\n"
+        "    return int(next(l for l in status.splitlines() if l.startswith('SigBlk:')).split()[1], 16)\n"
+        "print(blocked(watch.native_id), blocked(threading.main_thread().native_id))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    watch, main = (int(v) for v in out.stdout.split())
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGCHLD):
+        assert watch >> (sig - 1) & 1, sig
+    assert main == 0
+
+
 def test_die_with_kills_the_watcher_when_its_owner_ends_however_it_ends():
     """`die_with(pid)`: the watching process is SIGKILLed once ``pid`` ends (here by SIGKILL, which
     no parent-death signal of a forked child would see), and at once when ``pid`` is gone already."""
