@@ -3,14 +3,18 @@
 #   make test         # the test suite (what CI runs)
 
 # The Python the venv is made from: PYTHON=... if given; else the system's /usr/bin/python3 when it is
-# 3.11 or newer and can make a venv (its ensurepip has pip); else the first python3 on PATH.
-# Why the system's first: on this 2-core machine kind, python3 on PATH is a pyenv build (3.11.7, built
-# without --enable-optimizations, interpreter in a shared library) and /usr/bin/python3 is Debian's
-# 3.11.2. The same suite ran 16 % faster on Debian's (pytest 7 min 53 s against 9 min 24 s and
-# 9 min 32 s, back to back on one machine; set-up 68 s against 83 s: byte-compiling is ~35 % faster)
-# with the same pinned packages. Nothing depends on the patch release: the tests pin the one piece of
-# text that came with it, the pydoc topics (tests/data/__init__.py).
-PYTHON ?= $(or $(shell for p in /usr/bin/python3 python3; do $$p -c 'import ensurepip, sys; ensurepip.version(); sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo $$p; break; }; done),python3)
+# the same 3.x as python3 on PATH (3.11 or newer) and can make a venv (its ensurepip has pip); else
+# python3 on PATH. The same language version only: another minor version may lack wheels for the pins.
+# Why the system's build of it: on this 2-core machine kind, python3 on PATH is a pyenv build (3.11.7,
+# built without --enable-optimizations, the interpreter in a shared library) and /usr/bin/python3 is
+# Debian's 3.11.2. The same suite ran 16 % faster on Debian's (pytest 7 min 53 s against 9 min 24 s
+# and 9 min 32 s, back to back on one machine; set-up 68 s against 83 s: byte-compiling is ~35 %
+# faster) with the same pinned packages. Nothing depends on the patch release: the tests pin the one
+# piece of text that came with it, the pydoc topics (tests/data/__init__.py).
+PY_MINOR = import sys; print(sys.version_info[:2])
+PYTHON ?= $(or $(shell [ "$$(/usr/bin/python3 -c '$(PY_MINOR)' 2>/dev/null)" = "$$(python3 -c '$(PY_MINOR)' 2>/dev/null)" ] \
+  && /usr/bin/python3 -c 'import ensurepip, sys; ensurepip.version(); sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 \
+  && echo /usr/bin/python3),python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
