@@ -122,6 +122,16 @@ class RunRecord:
         _, ys = self.series(WALL)
         return ys[-1] if ys else None
 
+    @property
+    def tokens_per_param(self) -> float | None:
+        """The run's budget as the scaling-law papers state it: training tokens over model
+        parameters (``summary.json``'s ``tokens`` / ``num_params``; about 20 is compute-optimal).
+        None when the summary lacks either."""
+        tokens, params = self.summary.get("tokens"), self.summary.get("num_params")
+        if not isinstance(tokens, (int, float)) or not isinstance(params, (int, float)) or params <= 0:
+            return None
+        return float(tokens) / float(params)
+
 
 def load_run(path: str | Path, loss: str = "global", metric: str = "loss") -> RunRecord:
     """A run directory (or its metrics.jsonl); clear error if it is not a finished fl-geo run."""
@@ -165,9 +175,9 @@ def markdown_table(runs: list[RunRecord], target: float) -> str:
     final = "final val bpb" if runs and runs[0].metric == "bpb" else "final val loss"
     head = (
         f"| run | strategy | loss of | {final} | steps to {target:.3f} | virtual s to {target:.3f} | "
-        f"wall s to {target:.3f} | tokens to {target:.3f} | total tokens | MB up | MB down | rejected | max spike | goodput |"
+        f"wall s to {target:.3f} | tokens to {target:.3f} | total tokens | tokens / param | MB up | MB down | rejected | max spike | goodput |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     notes = []
     for r in runs:
         s = r.summary
@@ -182,7 +192,7 @@ def markdown_table(runs: list[RunRecord], target: float) -> str:
         lines.append(
             f"| {name} | {strategy} | {of} | {_fmt(r.final_loss, '.4f')} | "
             f"{_fmt(r.first_reaching(target, 'steps'), ',.0f')} | {_fmt(r.first_reaching(target, VIRTUAL), '.1f')} | {_fmt(r.first_reaching(target, WALL), '.1f')} | "
-            f"{_fmt(r.first_reaching(target, TOKENS), ',.0f')} | {_fmt(s.get('tokens'), ',')} | "
+            f"{_fmt(r.first_reaching(target, TOKENS), ',.0f')} | {_fmt(s.get('tokens'), ',')} | {_fmt(r.tokens_per_param, '.2f')} | "
             f"{_fmt(s.get('bytes_up', 0) / 1e6, '.1f')} | {_fmt(s.get('bytes_down', 0) / 1e6, '.1f')} | "
             f"{_fmt(s.get('rejected'), 'd')} | {_fmt(r.max_spike, '.3f')} | {_fmt(s.get('goodput'), '.3f')} |"
         )

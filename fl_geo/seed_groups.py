@@ -218,7 +218,7 @@ def group_summary(groups: list[SeedGroup], target: float, verdicts: list[str]) -
             "n": g.n,
             "seeds": [run_seed(r) for r in g.runs],
             "runs": [{"name": r.name, "run_dir": str(r.path), "seed": run_seed(r), "failure": r.summary.get("failure"),
-                      "figures": {k: s.values[i] for k, s in stats.items()}} for i, r in enumerate(g.runs)],
+                      "tokens_per_param": r.tokens_per_param, "figures": {k: s.values[i] for k, s in stats.items()}} for i, r in enumerate(g.runs)],
             "aggregate": {k: (s.interval.to_dict() if s.interval else None) for k, s in stats.items()},
         })
     metric = runs[0].metric if runs else "loss"

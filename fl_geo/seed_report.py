@@ -31,13 +31,25 @@ def _cell(stat: FigureStat, spec: str) -> str:
     return f"{format(iv.mean, spec)} ± {format(iv.half_width, spec)}"
 
 
+def _budget_cell(group: SeedGroup) -> str:
+    """The group's tokens per parameter: one value when its seeds share the budget (the usual
+    case), their range when they do not, — when no summary has it."""
+    values = [v for v in (r.tokens_per_param for r in group.runs) if v is not None]
+    if not values:
+        return "—"
+    low, high = min(values), max(values)
+    return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}"
+
+
 def seeds_table(groups: list[SeedGroup], target: float) -> str:
-    """One row per group: strategy, whose loss, n, and every figure of `figures_for` as mean ± half-width."""
+    """One row per group: strategy, whose loss, n, the budget in tokens per parameter, and every
+    figure of `figures_for` as mean ± half-width."""
     runs = [r for g in groups for r in g.runs]
     figures = figures_for(runs)
     metric = runs[0].metric if runs else "loss"
-    head = "| run | strategy | loss of | seeds | " + " | ".join(f.label(target, metric) for f in figures) + " |"
-    lines = [f"Seeds: {INTERVAL_NOTE}. Target {target:.3f}.", "", head, "|" + "---|" * (4 + len(figures))]
+    head = ("| run | strategy | loss of | seeds | tokens / param | "
+            + " | ".join(f.label(target, metric) for f in figures) + " |")
+    lines = [f"Seeds: {INTERVAL_NOTE}. Target {target:.3f}.", "", head, "|" + "---|" * (5 + len(figures))]
     notes = []
     for g in groups:
         first = g.runs[0]
@@ -49,7 +61,7 @@ def seeds_table(groups: list[SeedGroup], target: float) -> str:
             strategy += f" ({first.summary['outer_optimizer']})"
         of = "workers" if first.loss_key == WORKER_LOSS else "global"
         cells = [_cell(figure_stat(g, f, target), f.spec) for f in figures]
-        lines.append(f"| {name} | {strategy} | {of} | n={g.n} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {strategy} | {of} | n={g.n} | {_budget_cell(g)} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 

@@ -50,6 +50,17 @@ def test_time_to_target_is_read_at_evaluation_points(tmp_path):
     assert table.splitlines()[2].endswith("| 1 | 0.000 | — |")  # never rose: no spike; no goodput in summary
 
 
+def test_tokens_per_parameter_column(tmp_path):
+    a = load_run(_fake_run(tmp_path, "a", [5.0, 3.0, 2.0, 1.5]))  # 3,000 tokens
+    b = load_run(_fake_run(tmp_path, "b", [5.0, 4.0]))
+    a.summary["num_params"] = 150
+    b.summary["num_params"] = 0  # not a parameter count: no figure rather than a division by zero
+    assert a.tokens_per_param == 20.0 and b.tokens_per_param is None
+    lines = markdown_table([a, b], 4.0).splitlines()
+    assert "| total tokens | tokens / param | MB up |" in lines[0]
+    assert "| 3,000 | 20.00 | 2.0 |" in lines[2] and "| 1,000 | — | 2.0 |" in lines[3]
+
+
 def test_goodput_column_and_breakdown_plot(tmp_path):
     a = load_run(_fake_run(tmp_path, "a", [5.0, 3.0]))
     b = load_run(_fake_run(tmp_path, "b", [5.0, 3.5]))

@@ -76,14 +76,29 @@ def test_seeded_table_shows_mean_and_half_width_and_n1_alone(tmp_path):
     result = compare(runs, tmp_path / "out", None, groups)
     table = result["table"]
     assert "95 % Student-t interval" in table.splitlines()[0]
-    assert "| A | diloco | global | n=3 | 2.0000 ± 2.4841 | 100.0 ± 0.0 | 10.0 ± 0.0 |" in table
-    assert "| B | diloco | global | n=3 | 3.0000 ± 0.2484 |" in table  # s = 0.1
-    assert "| D | diloco | global | n=1 | 3.5000 | 100.0 | 10.0 |" in table  # one run: no interval
+    assert "| A | diloco | global | n=3 | — | 2.0000 ± 2.4841 | 100.0 ± 0.0 | 10.0 ± 0.0 |" in table
+    assert "| B | diloco | global | n=3 | — | 3.0000 ± 0.2484 |" in table  # s = 0.1
+    assert "| D | diloco | global | n=1 | — | 3.5000 | 100.0 | 10.0 |" in table  # one run: no interval
     assert "Per seed:" in table and "| A-seed=2 | diloco | global | 3.0000 |" in table
     assert (tmp_path / "out" / "compare.md").read_text() == table + "\n"
     assert [g["n"] for g in json.loads((tmp_path / "out" / "summary.json").read_text())["groups"]] == [3, 3, 1]
     for kind in ("virtual", "wall", "tokens", "steps"):  # mean + band plots
         assert (tmp_path / "out" / result["plots"][kind].split("/")[-1]).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_budget_in_tokens_per_parameter_per_group(tmp_path):
+    runs = _seeded_fakes(tmp_path, [("A", [1.0, 2.0, 3.0]), ("B", [2.9, 3.0]), ("D", [3.5])])
+    for r in runs:  # each fake trained on 1,000 tokens
+        r.summary["num_params"] = {"A": 50, "B": 400, "D": 3}[r.name.split("-")[0]]
+    runs[3].summary["num_params"] = 500  # B's seeds differ: the range is shown
+    del runs[5].summary["num_params"]  # D's summary lacks it
+    table = seeds_table(group_by_seed_suffix(runs), 3.5)
+    assert "| A | diloco | global | n=3 | 20.00 | " in table
+    assert "| B | diloco | global | n=2 | 2.00–2.50 | " in table
+    assert "| D | diloco | global | n=1 | — | " in table
+    summary = group_summary(group_by_seed_suffix(runs), 3.5, [])
+    assert [r["tokens_per_param"] for r in summary["groups"][1]["runs"]] == [2.0, 2.5]
+    assert summary["groups"][2]["runs"][0]["tokens_per_param"] is None
 
 
 def test_overlapping_intervals_name_no_winner_and_disjoint_ones_do(tmp_path):
@@ -101,7 +116,7 @@ def test_overlapping_intervals_name_no_winner_and_disjoint_ones_do(tmp_path):
 def test_a_seed_that_misses_the_target_leaves_the_group_without_a_mean(tmp_path):
     runs = _seeded_fakes(tmp_path, [("A", [1.0, 2.0, 3.0]), ("B", [2.9, 3.0, 3.1])])
     groups = group_by_seed_suffix(runs)
-    assert "| A | diloco | global | n=3 | 2.0000 ± 2.4841 | — (2/3 seeds) | — (2/3 seeds) |" in seeds_table(groups, 2.5)
+    assert "| A | diloco | global | n=3 | — | 2.0000 ± 2.4841 | — (2/3 seeds) | — (2/3 seeds) |" in seeds_table(groups, 2.5)
     lines = verdicts(groups, 2.5)
     assert "wall s to 2.500: A not compared (only 2/3 seeds have it)" in lines
     summary = group_summary(groups, 2.5, lines)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The long-budget study of docs/benchmarks.md ("DiLoCo against FedAvg at 20 tokens per parameter"):
+# the scale ladder's smallest model (S: 2 x 96, 418,272 parameters with the 2,048-token BPE) on the
+# eta = 100 scenario, trained on 8,601,600 tokens, 20.6 tokens per parameter: 2,800 inner steps per
+# site, so 112 outer steps of H = 25 or 28 of H = 100. Every cell has the same budget, inner AdamW
+# and schedule; only the outer step and H differ.
+#
+#   bash examples/long_budget_study.sh [OUT]       # OUT default runs/long-budget
+#
+# Each cell runs with run.seed 0, then the HEADLINE cells again with seeds 1 and 2 (3 seeds each),
+# two runs at a time (one per core), then one table with the 95 % intervals (`fl-geo compare`
+# groups <name>-seed=<k>). CELLS and HEADLINE choose cells by name; PRINT=1 prints the run lines
+# (config and overrides, one per line) instead of running them.
+set -euo pipefail
+OUT=${1:-runs/long-budget}
+FLGEO=${FLGEO:-.venv/bin/fl-geo}
+export OMP_NUM_THREADS=1
+TOKENS=8601600  # 2,800 inner steps x 4 sites x 6 x 128 tokens
+S="model.n_layers=2 model.d_model=96 model.n_heads=4 client.lr=3e-3"
+COMMON="$S run.max_tokens=$TOKENS run.progress=false run.tensorboard=false"
+# Evaluations every 175 inner steps per site (16 in a run) whatever H is.
+H25="strategy.inner_steps=25 run.rounds=112 run.eval_every=7"
+H100="strategy.inner_steps=100 run.rounds=28 run.eval_every=2"
+declare -A CELL=(
+  [fedavg-H25]="configs/bench/ladder_fedavg.yaml $H25"
+  [diloco-H25]="configs/bench/ladder_diloco.yaml $H25"
+  # the data-parallel reference: one AdamW step on the sites' mean gradient per round, fp32 gradients
+  [ddp]="configs/bench/ladder_fedavg.yaml strategy.name=ddp strategy.inner_steps=1 run.rounds=2800 run.eval_every=175 wire.up=fp32"
+  [diloco-lr0.7-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
+  [diloco-lr1-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=1.0 strategy.outer_momentum=0.5"
+  # FedAvgM as registered: heavy-ball server momentum, lr 1, momentum 0.9
+  [fedavgm-H25]="configs/bench/ladder_fedavg.yaml $H25 strategy.name=fedavgm strategy.outer_lr=1.0 strategy.outer_momentum=0.9"
+  [fedavg-H100]="configs/bench/ladder_fedavg.yaml $H100"
+  [diloco-H100]="configs/bench/ladder_diloco.yaml $H100"
+)
+CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 diloco-lr1-m0.5-H25 fedavgm-H25 fedavg-H100 diloco-H100}
+HEADLINE=${HEADLINE:-fedavg-H25 diloco-H25 ddp}
+jobs=()
+add() {  # add CELL SEED
+  [ -n "${CELL[$1]:-}" ] || { echo "unknown cell $1 (cells: ${!CELL[*]})" >&2; exit 2; }
+  jobs+=("${CELL[$1]} $COMMON run.seed=$2 run.name=$1-seed=$2")
+}
+for c in $CELLS; do add "$c" 0; done
+for seed in 1 2; do for c in $HEADLINE; do add "$c" "$seed"; done; done
+if [ -n "${PRINT:-}" ]; then printf '%s\n' "${jobs[@]}"; exit 0; fi
+mkdir -p "$OUT/runs"
+printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs > /dev/null 2>> $OUT/study.log"
+"$FLGEO" compare --runs "$OUT"/runs/* --out "$OUT/table"  # each group of seeds: mean and 95 % interval
