@@ -33,8 +33,9 @@ declare -A CELL=(
   [fedavg-H100]="configs/bench/ladder_fedavg.yaml $H100"
   [diloco-H100]="configs/bench/ladder_diloco.yaml $H100"
 )
-CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 diloco-lr1-m0.5-H25 fedavgm-H25 fedavg-H100 diloco-H100}
-HEADLINE=${HEADLINE:-fedavg-H25 diloco-H25 ddp}
+# The study ran these (diloco-lr1-m0.5-H25 and fedavgm-H25 are defined but were not run: CELLS=...)
+CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
+HEADLINE=${HEADLINE:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25}
 jobs=()
 add() {  # add CELL SEED
   [ -n "${CELL[$1]:-}" ] || { echo "unknown cell $1 (cells: ${!CELL[*]})" >&2; exit 2; }

@@ -1,4 +1,4 @@
-"""fl_geo.core.compress / codecs / sparse and quantize's int2 against hand counts, and ``fl-geo bench compress``."""
+"""fl_geo.core.compress / codecs / sparse and quantize's int2 and sign codes against hand counts, and ``fl-geo bench compress``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ import torch
 
 from fl_geo.bench.command import main as bench_main
 from fl_geo.core.codecs import CodedValues, DenseValues
-from fl_geo.core.compress import CompressSettings, build_compressor, payload_nbytes
+from fl_geo.core.compress import (
+    CompressSettings,
+    build_compressor,
+    payload_from_arrays,
+    payload_nbytes,
+)
 from fl_geo.core.quantize import dequantize, dequantize_codes, quantize, quantize_codes
 from fl_geo.core.sparse import SparsePayload, dct_basis
 from fl_geo.errors import ConfigError, PayloadError
@@ -55,6 +60,65 @@ def test_int2_packs_four_ternary_codes_per_byte():
     assert scales.tolist() == [np.float32(0.9), np.float32(2.0)]
     y = dequantize_codes(codes, scales, 5, "int2", 4)
     assert y.tolist() == pytest.approx([0.9, 0.0, 0.9, 0.0, -2.0])
+
+
+def test_sign_packs_eight_signs_per_byte_with_the_mean_magnitude():
+    x = torch.tensor([0.9, -0.3, 0.6, 0.0, -2.0, 1.0, -0.5, 0.25, 3.0, -1.0])
+    codes, scales = quantize_codes(x, "sign", 8)
+    # signs + - + +(0) - + - + | + -: bit j of byte k is element 8k + j, 1 for +1; padding bits 0
+    assert codes.dtype == np.uint8 and codes.tolist() == [0b10101101, 0b01]
+    # the mean |x| of each block over its real elements (the short last block: 2 of them)
+    assert scales.tolist() == pytest.approx([(0.9 + 0.3 + 0.6 + 2.0 + 1.0 + 0.5 + 0.25) / 8, 2.0])
+    y = dequantize_codes(codes, scales, 10, "sign", 8)
+    assert y.tolist() == pytest.approx([s * 0.69375 for s in (1, -1, 1, 1, -1, 1, -1, 1)] + [2.0, -2.0])
+
+
+def test_the_sign_scale_is_the_closest_in_l2_of_its_block():
+    x = _x(1000, seed=3)
+    comp = _comp(codec="sign", block=100, error_feedback=False)
+    p, _ = comp.compress(x)
+    y = comp.decompress(p)
+    assert p.nbytes == 125 + 4 * 10
+    assert torch.equal(y.sign(), torch.where(x >= 0, 1.0, -1.0))
+    blocks = x.view(10, 100)
+    for factor in (0.9, 0.99, 1.01, 1.1):  # any other scale per block is further from x
+        other = blocks.sign() * blocks.abs().mean(dim=1, keepdim=True) * factor
+        assert float((blocks - y.view(10, 100)).square().sum()) < float((blocks - other).square().sum())
+
+
+@pytest.mark.parametrize("codes,needle", [
+    (np.array([0xFF, 0b10], "u1"), "padding bits of a 9-element sign payload must be 0"),
+    (np.array([0xFF], "u1"), r"shape \(2,\)"),  # truncated
+    (np.array([-1, 0], "i1"), "must be uint8"),
+])
+def test_sign_malformed_codes(codes, needle):
+    with pytest.raises(PayloadError, match=needle):
+        dequantize_codes(codes, np.ones(3, "f4"), 9, "sign", 4)
+
+
+def test_error_feedback_sign_residual_by_hand():
+    comp = build_compressor(codec="sign", block=4, error_feedback=True)
+    # step 1: x = delta, scale (1 + 0.5 + 0.25 + 0.25) / 4 = 0.5
+    # step 2: x = delta + residual = [1, 0, 0, -0.5], scale 1.5 / 4 = 0.375; a 0 is sent as +scale
+    steps = [([1.0, -0.5, 0.25, 0.25], [0.5, -0.5, 0.5, 0.5], [0.5, 0, -0.25, -0.25]),
+             ([0.5, 0, 0.25, -0.25], [0.375, 0.375, 0.375, -0.375], [0.625, -0.375, -0.375, -0.125])]
+    residual = None
+    for delta, want_sent, want_res in steps:
+        payload, residual = comp.compress(torch.tensor(delta), residual)
+        assert comp.decompress(payload).tolist() == want_sent
+        assert residual.tolist() == want_res
+
+
+def test_received_sign_values_of_dct_topk_are_checked_like_any_payload():
+    comp = _comp(codec="dct_topk", chunk=16, k=3, values="sign", block=4)
+    p, _ = comp.compress(_x(45))  # 3 chunks, 9 kept values: 2 code bytes, 3 scales
+    arrays = {"indices": p.indices, **p.values.arrays()}
+    assert torch.equal(comp.decompress(payload_from_arrays(comp.settings, 45, arrays)), comp.decompress(p))
+    forged = {**arrays, "codes": arrays["codes"] | np.array([0, 0b10], "u1")}  # a padding bit set
+    with pytest.raises(PayloadError, match="padding bits of a 9-element sign payload"):
+        comp.decompress(payload_from_arrays(comp.settings, 45, forged))
+    with pytest.raises(PayloadError, match="finite and >= 0"):
+        comp.decompress(payload_from_arrays(comp.settings, 45, {**arrays, "scales": np.full(3, np.nan, "f4")}))
 
 
 def test_the_streaming_wire_still_refuses_int2():
@@ -236,6 +300,8 @@ def test_compress_refuses_bad_input():
     (dict(codec="int8", block=128), 1001, 1001 + 4 * 8),
     (dict(codec="int4", block=128), 1001, 501 + 4 * 8),
     (dict(codec="int2", block=128), 1001, 251 + 4 * 8),
+    (dict(codec="sign", block=128), 1001, 126 + 4 * 8),  # 1001 bits in 126 bytes
+    (dict(codec="dct_topk", chunk=256, k=3, values="sign", block=128), 1000, 12 + 2 + 4),
     # 4 chunks of 256 (the last 232 long), 3 kept each: 12 uint8 indices + 12 int2 values (3 bytes + 1 scale)
     (dict(codec="topk", chunk=256, k=3, values="int2", block=128), 1000, 12 + 3 + 4),
     # 3 chunks of 4096 (the last 1808), k = round(0.01 * 4096) = 41: 123 uint16 indices + 123 fp32 values
@@ -374,13 +440,15 @@ def test_bench_compress_prints_each_codec_with_its_byte_ratio(capsys):
     out = capsys.readouterr().out
     lines = {m[1].strip(): m for m in re.finditer(r"^  (\S+(?: \S+)*?)\s+([\d,]+) .*?([\d.]+)x fewer bytes than fp32$",
                                                    out, re.M)}
-    assert len(lines) == 17
+    assert len(lines) == 19
     int8 = lines["int8"]
     assert int(int8[2].replace(",", "")) == 4096 + 4 * 32
     assert int8[3] == f"{4 * 4096 / (4096 + 4 * 32):.1f}" == "3.9"
     topk = lines["topk 41/4096 int2 +EF"]  # 41 uint16 indices, 41 int2 codes in 11 bytes, one scale
     assert int(topk[2].replace(",", "")) == 82 + 11 + 4 and topk[3] == f"{16384 / 97:.1f}"
     assert lines["fp32"][3] == "1.0"
+    sign = lines["sign +EF"]  # 4096 bits in 512 bytes, 32 scales
+    assert int(sign[2].replace(",", "")) == 512 + 4 * 32 and sign[3] == f"{16384 / 640:.1f}" == "25.6"
 
 
 def test_bench_compress_json_and_error_feedback_keeps_the_sum_close(capsys):

@@ -43,9 +43,9 @@ RHO, NOISE, SCALE_BLOCK = 0.9, 0.5, 256
 
 
 def default_variants(ratio: float = 0.01) -> list[CompressSettings]:
-    """fp32 (the baseline), bf16 and the int codes, top-k and DCT top-k with fp32 and int2 values;
+    """fp32 (the baseline), bf16, the int codes and sign, top-k and DCT top-k with fp32 and int2 values;
     every lossy one without and with error feedback."""
-    lossy = [CompressSettings(codec=c) for c in ("bf16", "int8", "int4", "int2")]
+    lossy = [CompressSettings(codec=c) for c in ("bf16", "int8", "int4", "int2", "sign")]
     lossy += [CompressSettings(codec=c, ratio=ratio, values=v) for c in ("topk", "dct_topk") for v in ("fp32", "int2")]
     out = [CompressSettings(codec="fp32", error_feedback=False)]
     for s in lossy:

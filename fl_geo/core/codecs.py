@@ -12,12 +12,14 @@ kind         arrays                                    bytes for m values
 ``fp32``     ``values`` ``float32``                    4·m
 ``bf16``     ``values`` ``int16`` (the bf16 bit view)  2·m
 ``intB``     ``codes`` + ``scales`` (quantize.py)      ⌈m·B/8⌉ + 4·⌈m/block⌉
+``sign``     ``codes`` + ``scales`` (quantize.py)      ⌈m/8⌉ + 4·⌈m/block⌉
 ===========  ========================================  ==============================
 
 bf16 travels as its int16 bit pattern, as on the existing wire (NumPy has no bfloat16); fp32 → bf16
 rounds to nearest even, a relative error of at most 2⁻⁸ per element (half an ulp of its 8-bit
 significand). The int codes are
-`fl_geo.core.quantize`'s blockwise symmetric grid: |x − x̂| ≤ scale_b / 2 per element.
+`fl_geo.core.quantize`'s blockwise symmetric grid: |x − x̂| ≤ scale_b / 2 per element. ``sign``
+sends one bit per element and the block's mean magnitude (the L2-best scale for a sign code).
 
 `decode_values` checks the payload against what the receiver expects (type, kind, count, block,
 dtypes, shapes, finiteness; the int codes through quantize.py's checks) and raises `PayloadError`
@@ -60,7 +62,7 @@ class DenseValues:
 
 @dataclass(frozen=True)
 class CodedValues:
-    """``numel`` values as blockwise int codes of ``kind`` (int8, int4, int2), ``block`` per scale."""
+    """``numel`` values as blockwise codes of ``kind`` (int8, int4, int2, sign), ``block`` per scale."""
 
     kind: str
     numel: int

@@ -14,8 +14,8 @@ coordinates every step; a 2-bit grid rounds them to 0) add up. ``residual=None``
 (a site that joins or rejoins starts from zero). With EF off nothing is kept and ``new_residual``
 is ``None``.
 
-**Codecs** (`CompressSettings.codec`): ``fp32``, ``bf16`` and blockwise ``int8`` / ``int4`` /
-``int2`` send every element (`fl_geo.core.codecs`); ``topk`` and ``dct_topk`` send ``k`` entries per
+**Codecs** (`CompressSettings.codec`): ``fp32``, ``bf16``, blockwise ``int8`` / ``int4`` /
+``int2`` and 1-bit ``sign`` send every element (`fl_geo.core.codecs`); ``topk`` and ``dct_topk`` send ``k`` entries per
 chunk, their values in any of those kinds (`fl_geo.core.sparse`). Everything is whole-tensor
 torch on the delta's device, deterministic (ties to the lower index), and the payload's arrays are
 numpy on the CPU with an exact ``nbytes``; `payload_nbytes` gives the same count from the settings
@@ -67,12 +67,12 @@ class CompressSettings:
     of 2 index bytes and 2 bits, one fp32 scale per 128 kept values, 93.5 bytes against 16,384 in
     fp32 (~175x fewer). Error feedback is on because neither top-k nor a 2-bit grid is unbiased.
 
-    codec : fp32 | bf16 | int8 | int4 | int2 (dense) | topk | dct_topk (sparse)
+    codec : fp32 | bf16 | int8 | int4 | int2 | sign (dense) | topk | dct_topk (sparse)
     ratio : the fraction of each chunk a sparse codec keeps, k = max(1, round(ratio · chunk))
     k : entries kept per chunk (overrides ``ratio``), 1 <= k <= chunk
     chunk : elements per chunk (None: `DEFAULT_CHUNK`); dct_topk at most `MAX_DCT_CHUNK`
     values : the kind of the kept values of a sparse codec (a dense codec is its own kind)
-    block : elements per fp32 scale of the int codes (128: an outlier flattens at most 127 others)
+    block : elements per fp32 scale of the int and sign codes (128: an outlier flattens at most 127 others)
     error_feedback : keep the residual (see the module docstring); with fp32 it stays 0
     """
 

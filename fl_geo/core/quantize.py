@@ -23,9 +23,17 @@ these names):
   code + 2 ∈ [1, 3]; a tail short of a whole byte pads with 2);
 * ``scales``: ``float32``, one per block, finite and ≥ 0.
 
+**``sign``** (1 bit per element) is the one kind off that grid: code_i = +1 where x_i ≥ 0 and −1
+elsewhere, and scale_b = mean_{i∈b} |x_i| (over the block's real elements), so
+x̂_i = code_i · scale_b. Of all vectors c · sign(x) of a block, that scale is the one closest to x in
+L2 (the derivative of Σ(|x_i| − c)² vanishes at c = mean |x_i|), the scale of EF-signSGD
+(Karimireddy et al. 2019). DeMo (Peng et al. 2024) sends the sign of its decoded update too. Codes travel
+as ``uint8``, eight per byte, element 8k+j in bit j, 1 for +1 and 0 for −1; the bits past the last
+element are 0. There is no per-element error bound (an element is off by | |x_i| − scale_b |).
+
 Two sets of kinds: `QUANT_BITS` (int8, int4) are those the old streaming quantiser offered
 (`quantize`, `dequantize`, `q_max`, `quantized_nbytes`; ``streaming.quantize`` refuses any other
-and is now an alias of ``wire.compress``), `CODE_BITS` adds int2 for the compression codecs
+and is now an alias of ``wire.compress``), `CODE_BITS` adds int2 and sign for the compression codecs
 of `fl_geo.core.compress` (`quantize_codes`, `dequantize_codes`, `code_q_max`, `code_nbytes`).
 The int8 and int4 payloads are the same bytes through either entry point.
 
@@ -47,7 +55,7 @@ __all__ = ["CODES", "CODE_BITS", "QUANT_BITS", "SCALES", "code_nbytes", "code_q_
            "dequantize_codes", "q_max", "quantize", "quantize_codes", "quantized_nbytes"]
 
 QUANT_BITS = {"int8": 8, "int4": 4}
-CODE_BITS = {**QUANT_BITS, "int2": 2}
+CODE_BITS = {**QUANT_BITS, "int2": 2, "sign": 1}
 CODES, SCALES = "codes", "scales"
 
 
@@ -56,7 +64,7 @@ def _top(kind: str, block: int, kinds: dict[str, int]) -> int:
         raise ValueError(f"unknown quantisation {kind!r}; valid: {', '.join(kinds)}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be an int >= 1, got {block!r}")
-    return 2 ** (kinds[kind] - 1) - 1
+    return 1 if kind == "sign" else 2 ** (kinds[kind] - 1) - 1
 
 
 def q_max(kind: str, block: int) -> int:
@@ -66,7 +74,7 @@ def q_max(kind: str, block: int) -> int:
 
 
 def code_q_max(kind: str, block: int) -> int:
-    """The largest code of ``kind`` in `CODE_BITS` (127, 7 or 1); ValueError as `q_max`."""
+    """The largest code of ``kind`` in `CODE_BITS` (127, 7, 1 or sign's 1); ValueError as `q_max`."""
     return _top(kind, block, CODE_BITS)
 
 
@@ -119,14 +127,34 @@ def quantize(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, 
     return quantize_codes(x, kind, block)
 
 
+def _sign_codes(xb: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sign``: (packed bits, scales) of zero-padded blocks ``xb`` holding ``n`` real elements."""
+    block = xb.shape[1]
+    counts = torch.full((xb.shape[0],), float(block))
+    counts[-1] = float(n - block * (xb.shape[0] - 1))  # the last block may be short: its padding is not data
+    scales = xb.abs().sum(dim=1) / counts
+    bits = (xb.reshape(-1)[:n] >= 0).to(torch.uint8)
+    pad = (-n) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    groups = bits.view(-1, 8)
+    packed = groups[:, 0].clone()
+    for j in range(1, 8):
+        packed |= groups[:, j] << j
+    return packed, scales
+
+
 def quantize_codes(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """`quantize` for any `CODE_BITS` kind (int2 included); same contract and layout."""
+    """`quantize` for any `CODE_BITS` kind (int2 and sign included); same contract and layout."""
     top = code_q_max(kind, block)
     if x.dim() != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a 1-D floating tensor, got {x.dtype} {tuple(x.shape)}")
     n = x.numel()
     with torch.no_grad():
         xb = _blocks(x.detach().to("cpu", torch.float32), block)
+        if kind == "sign":
+            codes, scales = _sign_codes(xb, n)
+            return codes.contiguous().numpy(), scales.contiguous().numpy()
         scales = xb.abs().amax(dim=1) / top
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(xb / safe[:, None]).clamp_(-top, top).to(torch.int8).reshape(-1)[:n]
@@ -173,10 +201,19 @@ def _unpack(raw: torch.Tensor, numel: int, kind: str) -> torch.Tensor:
     return fields.to(torch.float32) - float(offset)
 
 
+def _unpack_signs(raw: torch.Tensor, numel: int) -> torch.Tensor:
+    """The ±1 codes of a ``sign`` payload; refuses padding bits other than 0."""
+    bits = torch.stack([(raw >> j) & 1 for j in range(8)], dim=1).reshape(-1)
+    if bool((bits[numel:] != 0).any()):
+        raise PayloadError(f"the padding bits of a {numel}-element sign payload must be 0")
+    return bits[:numel].to(torch.float32) * 2.0 - 1.0
+
+
 def dequantize_codes(codes_np: np.ndarray, scales_np: np.ndarray, numel: int, kind: str,
                      block: int = 128) -> torch.Tensor:
-    """`dequantize` for any `CODE_BITS` kind: the same checks, and for int2 a 2-bit field of 0
-    (code −2) or padding fields other than 2 raise `PayloadError`."""
+    """`dequantize` for any `CODE_BITS` kind: the same checks, for int2 a 2-bit field of 0
+    (code −2) or padding fields other than 2, and for sign padding bits other than 0, raise
+    `PayloadError`."""
     code_q_max(kind, block)
     n_blocks = math.ceil(numel / block)
     want = (np.dtype("i1"), numel) if kind == "int8" else (np.dtype("u1"), math.ceil(numel * CODE_BITS[kind] / 8))
@@ -189,6 +226,8 @@ def dequantize_codes(codes_np: np.ndarray, scales_np: np.ndarray, numel: int, ki
         if bool((raw == -128).any()):
             raise PayloadError("int8 code -128 is outside the symmetric grid [-127, 127]")
         codes = raw.to(torch.float32)
+    elif kind == "sign":
+        codes = _unpack_signs(raw, numel)
     else:
         codes = _unpack(raw, numel, kind)
     out = _blocks(codes, block) * scales[:, None]

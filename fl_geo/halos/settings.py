@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from fl_geo.core.compress import CompressSettings
 
 # halos.compress: none (U_k at wire.up, as before) or a codec of fl_geo.core.compress
-GLOBAL_CODECS = ("none", "int8", "int4", "int2", "topk", "dct_topk")
+GLOBAL_CODECS = ("none", "int8", "int4", "int2", "sign", "topk", "dct_topk")
 
 
 @dataclass

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 # wire.compress: none (the uplink in wire.up precision, as before) or a codec of fl_geo.core.compress
 # (fp32 / bf16 are wire.up's own precisions: not offered here)
-UPLINK_CODECS = ("none", "int8", "int4", "int2", "topk", "dct_topk")
+UPLINK_CODECS = ("none", "int8", "int4", "int2", "sign", "topk", "dct_topk")
 # wire.compress_down: the same codecs for the model delta the server sends (fl_geo.core.downlink)
 DOWNLINK_CODECS = UPLINK_CODECS
 
@@ -32,7 +32,7 @@ class WireSection:
     """Precision of model-sized payloads on the wire (the outer state is always fp32), and the
     compression of the uplink (client -> server pseudo-gradients of fl-geo's ClientApp).
 
-    ``compress``: none | int8 | int4 | int2 | topk | dct_topk (`UPLINK_CODECS`); the other
+    ``compress``: none | int8 | int4 | int2 | sign | topk | dct_topk (`UPLINK_CODECS`); the other
     ``compress_*`` keys and ``error_feedback`` are `CompressSettings`'s, with its defaults
     (``compress_chunk`` None: 4096 for topk, 256 for dct_topk).
     """
