@@ -73,6 +73,12 @@ def test_sign_packs_eight_signs_per_byte_with_the_mean_magnitude():
     assert y.tolist() == pytest.approx([s * 0.69375 for s in (1, -1, 1, 1, -1, 1, -1, 1)] + [2.0, -2.0])
 
 
+def test_no_elements_are_no_codes_for_sign_as_for_int2():
+    for kind in ("int2", "sign"):
+        codes, scales = quantize_codes(torch.zeros(0), kind, 4)
+        assert codes.shape == scales.shape == (0,) and dequantize_codes(codes, scales, 0, kind, 4).numel() == 0
+
+
 def test_the_sign_scale_is_the_closest_in_l2_of_its_block():
     x = _x(1000, seed=3)
     comp = _comp(codec="sign", block=100, error_feedback=False)

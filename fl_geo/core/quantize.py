@@ -130,6 +130,8 @@ def quantize(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, 
 def _sign_codes(xb: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``sign``: (packed bits, scales) of zero-padded blocks ``xb`` holding ``n`` real elements."""
     block = xb.shape[1]
+    if xb.shape[0] == 0:  # no elements: no codes, no scales (the int kinds' result too)
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
     counts = torch.full((xb.shape[0],), float(block))
     counts[-1] = float(n - block * (xb.shape[0] - 1))  # the last block may be short: its padding is not data
     scales = xb.abs().sum(dim=1) / counts
