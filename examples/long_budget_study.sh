@@ -5,7 +5,7 @@
 # site, so 112 outer steps of H = 25 or 28 of H = 100. Every cell has the same budget, inner AdamW
 # and schedule; only the outer step and H differ.
 #
-#   bash examples/long_budget_study.sh [OUT]       # OUT default runs/long-budget
+#   bash examples/long_budget_study.sh [OUT]       # OUT default runs/long-budget; about 2 h on a 2-core CPU
 #
 # Each cell runs with run.seed 0, then the HEADLINE cells again with seeds 1 and 2 (3 seeds each),
 # two runs at a time (one per core), then one table with the 95 % intervals (`fl-geo compare`
