@@ -102,19 +102,6 @@ def test_sign_malformed_codes(codes, needle):
         dequantize_codes(codes, np.ones(3, "f4"), 9, "sign", 4)
 
 
-def test_error_feedback_sign_residual_by_hand():
-    comp = build_compressor(codec="sign", block=4, error_feedback=True)
-    # step 1: x = delta, scale (1 + 0.5 + 0.25 + 0.25) / 4 = 0.5
-    # step 2: x = delta + residual = [1, 0, 0, -0.5], scale 1.5 / 4 = 0.375; a 0 is sent as +scale
-    steps = [([1.0, -0.5, 0.25, 0.25], [0.5, -0.5, 0.5, 0.5], [0.5, 0, -0.25, -0.25]),
-             ([0.5, 0, 0.25, -0.25], [0.375, 0.375, 0.375, -0.375], [0.625, -0.375, -0.375, -0.125])]
-    residual = None
-    for delta, want_sent, want_res in steps:
-        payload, residual = comp.compress(torch.tensor(delta), residual)
-        assert comp.decompress(payload).tolist() == want_sent
-        assert residual.tolist() == want_res
-
-
 def test_received_sign_values_of_dct_topk_are_checked_like_any_payload():
     comp = _comp(codec="dct_topk", chunk=16, k=3, values="sign", block=4)
     p, _ = comp.compress(_x(45))  # 3 chunks, 9 kept values: 2 code bytes, 3 scales
@@ -261,11 +248,18 @@ def test_error_feedback_topk_residual_by_hand_over_three_steps():
     assert (torch.tensor(sent).sum(0)).tolist() == (torch.tensor(deltas).sum(0) - residual).tolist()
 
 
-def test_error_feedback_int2_residual_by_hand():
-    comp = build_compressor(codec="int2", block=4, error_feedback=True)
-    steps = [([1.0, 0.375, -0.625, 0.25], [1.0, 0, -1.0, 0], [0, 0.375, 0.375, 0.25]),
-             ([0, 0, 0, 0.125], [0, 0.375, 0.375, 0.375], [0, 0, 0, 0]),
-             ([0.5, -0.5, 0.25, 0], [0.5, -0.5, 0, 0], [0, 0, 0.25, 0])]  # 0.25/0.5 rounds to 0 (to even)
+@pytest.mark.parametrize("codec,steps", [
+    ("int2", [([1.0, 0.375, -0.625, 0.25], [1.0, 0, -1.0, 0], [0, 0.375, 0.375, 0.25]),
+              ([0, 0, 0, 0.125], [0, 0.375, 0.375, 0.375], [0, 0, 0, 0]),
+              ([0.5, -0.5, 0.25, 0], [0.5, -0.5, 0, 0], [0, 0, 0.25, 0])]),  # 0.25/0.5 rounds to 0 (to even)
+    # sign, step 1: x = delta, scale (1 + 0.5 + 0.25 + 0.25) / 4 = 0.5; step 2: x = delta + residual
+    # = [1, 0, 0, -0.5], scale 1.5 / 4 = 0.375, and a 0 is sent as +scale
+    ("sign", [([1.0, -0.5, 0.25, 0.25], [0.5, -0.5, 0.5, 0.5], [0.5, 0, -0.25, -0.25]),
+              ([0.5, 0, 0.25, -0.25], [0.375, 0.375, 0.375, -0.375], [0.625, -0.375, -0.375, -0.125])]),
+])
+def test_error_feedback_residual_by_hand(codec, steps):
+    """(delta, what is sent, the new residual) per step, each computed by hand."""
+    comp = build_compressor(codec=codec, block=4, error_feedback=True)
     residual = None
     for delta, want_sent, want_res in steps:
         payload, residual = comp.compress(torch.tensor(delta), residual)
