@@ -101,19 +101,31 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.view(-1, block)
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Sub-byte codes (int8 in [−q_max, q_max]) as ``uint8``, 8/bits fields per byte, low field
-    first, each stored as code + 2^(bits−1); the tail pads with the field that encodes 0."""
-    per, offset = 8 // bits, 1 << (bits - 1)
-    fields = (codes.to(torch.int16) + offset).to(torch.uint8)
+def _pack_fields(fields: torch.Tensor, bits: int, pad_field: int) -> torch.Tensor:
+    """``uint8`` fields of ``bits`` bits packed 8/bits per byte, low field first; the tail pads
+    with ``pad_field``."""
+    per = 8 // bits
     pad = (-fields.numel()) % per
     if pad:
-        fields = torch.cat([fields, fields.new_full((pad,), offset)])
+        fields = torch.cat([fields, fields.new_full((pad,), pad_field)])
     groups = fields.view(-1, per)
     packed = groups[:, 0].clone()
     for j in range(1, per):
         packed |= groups[:, j] << (bits * j)
     return packed
+
+
+def _fields(raw: torch.Tensor, bits: int) -> torch.Tensor:
+    """Every ``bits``-bit field of packed bytes, padding included (the inverse of `_pack_fields`)."""
+    mask = (1 << bits) - 1
+    return torch.stack([(raw >> (bits * j)) & mask for j in range(8 // bits)], dim=1).reshape(-1)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sub-byte codes (int8 in [−q_max, q_max]) as ``uint8``, 8/bits fields per byte, low field
+    first, each stored as code + 2^(bits−1); the tail pads with the field that encodes 0."""
+    offset = 1 << (bits - 1)
+    return _pack_fields((codes.to(torch.int16) + offset).to(torch.uint8), bits, offset)
 
 
 def quantize(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
@@ -135,15 +147,7 @@ def _sign_codes(xb: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.full((xb.shape[0],), float(block))
     counts[-1] = float(n - block * (xb.shape[0] - 1))  # the last block may be short: its padding is not data
     scales = xb.abs().sum(dim=1) / counts
-    bits = (xb.reshape(-1)[:n] >= 0).to(torch.uint8)
-    pad = (-n) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    groups = bits.view(-1, 8)
-    packed = groups[:, 0].clone()
-    for j in range(1, 8):
-        packed |= groups[:, j] << j
-    return packed, scales
+    return _pack_fields((xb.reshape(-1)[:n] >= 0).to(torch.uint8), 1, 0), scales
 
 
 def quantize_codes(x: torch.Tensor, kind: str, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
@@ -189,8 +193,8 @@ def _check_scales(scales_np: np.ndarray, n_blocks: int) -> torch.Tensor:
 def _unpack(raw: torch.Tensor, numel: int, kind: str) -> torch.Tensor:
     """The fp32 codes of a packed sub-byte payload; refuses the field 0 and bad padding."""
     bits = CODE_BITS[kind]
-    per, offset, mask = 8 // bits, 1 << (bits - 1), (1 << bits) - 1
-    fields = torch.stack([(raw >> (bits * j)) & mask for j in range(per)], dim=1).reshape(-1)
+    offset = 1 << (bits - 1)
+    fields = _fields(raw, bits)
     unit = "nibble" if bits == 4 else f"{bits}-bit field"
     if bool((fields[numel:] != offset).any()):
         if bits == 4:
@@ -205,7 +209,7 @@ def _unpack(raw: torch.Tensor, numel: int, kind: str) -> torch.Tensor:
 
 def _unpack_signs(raw: torch.Tensor, numel: int) -> torch.Tensor:
     """The ±1 codes of a ``sign`` payload; refuses padding bits other than 0."""
-    bits = torch.stack([(raw >> j) & 1 for j in range(8)], dim=1).reshape(-1)
+    bits = _fields(raw, 1)
     if bool((bits[numel:] != 0).any()):
         raise PayloadError(f"the padding bits of a {numel}-element sign payload must be 0")
     return bits[:numel].to(torch.float32) * 2.0 - 1.0
