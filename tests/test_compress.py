@@ -18,6 +18,8 @@ from fl_geo.core.compress import (
     build_compressor,
     payload_from_arrays,
     payload_nbytes,
+    settings_from_json,
+    settings_to_json,
 )
 from fl_geo.core.quantize import dequantize, dequantize_codes, quantize, quantize_codes
 from fl_geo.core.sparse import SparsePayload, dct_basis
@@ -267,6 +269,38 @@ def test_error_feedback_residual_by_hand(codec, steps):
         assert residual.tolist() == want_res
 
 
+def test_error_feedback_with_decay_compresses_delta_plus_beta_times_the_residual():
+    """β = 0.5, top-1 of 4 with fp32 values, by hand: x = Δ + 0.5·e, e' = x − sent."""
+    comp = build_compressor(codec="topk", chunk=4, k=1, values="fp32", error_feedback=True, feedback_decay=0.5)
+    deltas = [[0.5, -1.0, 0.25, 0.75], [0.5, 0.5, 0.5, 0.5]]
+    # step 1: x = Δ, keeps -1, e = [.5, 0, .25, .75]; step 2: x = [.75, .5, .625, .875], keeps .875
+    sent = [[0, -1.0, 0, 0], [0, 0, 0, 0.875]]
+    residuals = [[0.5, 0, 0.25, 0.75], [0.75, 0.5, 0.625, 0]]
+    residual = None
+    for delta, want_sent, want_res in zip(deltas, sent, residuals, strict=True):
+        payload, residual = comp.compress(torch.tensor(delta), residual)
+        assert comp.decompress(payload).tolist() == want_sent
+        assert residual.tolist() == want_res
+    assert comp.settings.describe() == "topk 1/4 fp32 +EF(decay 0.5)"
+    # β = 1 is plain EF to the bit
+    plain, one = build_compressor(codec="int2", block=4), build_compressor(codec="int2", block=4, feedback_decay=1.0)
+    x, e = _x(64), _x(64) * 0.3
+    assert torch.equal(plain.compress(x, e)[1], one.compress(x, e)[1])
+
+
+def test_decay_travels_in_the_settings_json_only_when_it_is_not_one():
+    plain = CompressSettings(codec="topk")
+    assert "feedback_decay" not in json.loads(settings_to_json(plain))  # the JSON of before decay existed
+    assert settings_from_json(settings_to_json(plain)) == plain
+    decayed = CompressSettings(codec="dct_topk", feedback_decay=0.9)
+    assert json.loads(settings_to_json(decayed))["feedback_decay"] == 0.9
+    assert settings_from_json(settings_to_json(decayed)) == decayed
+    with pytest.raises(ConfigError, match="must hold"):
+        settings_from_json(json.dumps({**json.loads(settings_to_json(plain)), "decay": 0.9}))
+    with pytest.raises(ConfigError, match="feedback_decay must be in"):
+        settings_from_json(json.dumps({**json.loads(settings_to_json(plain)), "feedback_decay": 1.5}))
+
+
 def test_error_feedback_off_keeps_nothing_and_refuses_a_residual():
     comp = _comp(codec="topk", chunk=4, k=1)
     payload, residual = comp.compress(torch.ones(8))
@@ -424,6 +458,10 @@ def test_defaults_and_their_derived_values():
     (dict(k=0, chunk=8), r"compress.k must be an int in \[1, chunk=8\]"),
     (dict(k=9, chunk=8), r"compress.k must be an int in \[1, chunk=8\]"),
     (dict(error_feedback="yes"), "compress.error_feedback must be true or false"),
+    (dict(feedback_decay=0), r"compress.feedback_decay must be in \(0, 1\]"),
+    (dict(feedback_decay=1.1), r"compress.feedback_decay must be in \(0, 1\]"),
+    (dict(feedback_decay=True), r"compress.feedback_decay must be in \(0, 1\]"),
+    (dict(feedback_decay=0.9, error_feedback=False), "decays the error-feedback residual, but error feedback is off"),
 ])
 def test_settings_check_gives_one_line_errors(kw, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -229,6 +231,9 @@ def test_an_uncompressed_reply_is_refused_when_the_uplink_is_compressed(tiny, tm
     (["wire.compress=int8", "wire.compress_block=0"], "wire.compress_block must be an int >= 1"),
     (["wire.compress=dct_topk", "wire.compress_chunk=8192"], "wire.compress_chunk must be an int in [1, 4096]"),
     (["wire.compress=int8", "wire.up=bf16"], "replaces wire.up"),
+    (["wire.compress=topk", "wire.error_feedback_decay=0"], "wire.error_feedback_decay must be in (0, 1]"),
+    (["wire.compress=int2", "wire.error_feedback=false", "wire.error_feedback_decay=0.9"],
+     "wire.error_feedback_decay=0.9 decays the error-feedback residual, but error feedback is off"),
     (["wire.compress=topk", "strategy.name=ddp"], "streaming loops and HALoS's workers only"),
     (["wire.compress=topk", "strategy.name=dips", "strategy.pseudo_grad_base=current"], "pseudo_grad_base=current"),
 ])
@@ -244,6 +249,9 @@ def test_compress_none_sends_the_same_requests(tiny):
 
     assert "wire_compress" not in client_config_record(tiny())
     assert "wire_compress" in client_config_record(tiny(*TOPK))
+    # the decay reaches the sites with the rest of the settings (their residual is theirs)
+    sent = json.loads(client_config_record(tiny(*TOPK, "wire.error_feedback_decay=0.9"))["wire_compress"])
+    assert sent["feedback_decay"] == 0.9
 
 
 def test_resume_with_compression_is_bit_identical(tiny, tmp_path):
@@ -278,3 +286,6 @@ def test_compress_none_keeps_the_run_identity(tiny):
     assert not any(k.startswith(("wire.compress", "wire.error_feedback")) for k in run_identity(tiny()))
     assert run_identity(tiny(*TOPK))["wire.compress"] == "topk"
     assert run_identity(tiny(*TOPK)) != run_identity(tiny(*TOPK, "wire.compress_values=int4"))
+    # decay 1 (plain EF, what every compressed run did before decay existed) keeps the run id too
+    assert "wire.error_feedback_decay" not in run_identity(tiny(*TOPK))
+    assert run_identity(tiny(*TOPK, "wire.error_feedback_decay=0.9"))["wire.error_feedback_decay"] == 0.9

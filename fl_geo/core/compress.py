@@ -12,7 +12,9 @@ receiver applies is Σ Δ_t − e_T: the cumulative update tracks the cumulative
 last residual, where without EF the errors of a biased codec (top-k drops the same small
 coordinates every step; a 2-bit grid rounds them to 0) add up. ``residual=None`` is a zero residual
 (a site that joins or rejoins starts from zero). With EF off nothing is kept and ``new_residual``
-is ``None``.
+is ``None``. **Decay** β (``feedback_decay``, default 1): the encoder compresses x = Δ + β·e, so
+an entry the codec keeps deferring fades by β per step instead of waiting at full size (SparseLoCo's
+error feedback with decay); β = 1 is EF as above.
 
 **Codecs** (`CompressSettings.codec`): ``fp32``, ``bf16``, blockwise ``int8`` / ``int4`` /
 ``int2`` and 1-bit ``sign`` send every element (`fl_geo.core.codecs`); ``topk`` and ``dct_topk`` send ``k`` entries per
@@ -74,6 +76,7 @@ class CompressSettings:
     values : the kind of the kept values of a sparse codec (a dense codec is its own kind)
     block : elements per fp32 scale of the int and sign codes (128: an outlier flattens at most 127 others)
     error_feedback : keep the residual (see the module docstring); with fp32 it stays 0
+    feedback_decay : β in (0, 1], the residual's weight in the next step (1: plain EF; only with EF)
     """
 
     codec: str = "topk"
@@ -83,6 +86,7 @@ class CompressSettings:
     values: str = "int2"
     block: int = 128
     error_feedback: bool = True
+    feedback_decay: float = 1.0
 
     @property
     def sparse(self) -> bool:
@@ -108,6 +112,11 @@ class CompressSettings:
         require(_is_int(self.block) and self.block >= 1, f"compress.block must be an int >= 1, got {self.block!r}")
         require(isinstance(self.error_feedback, bool),
                 f"compress.error_feedback must be true or false, got {self.error_feedback!r}")
+        beta = self.feedback_decay
+        require(isinstance(beta, int | float) and not isinstance(beta, bool) and 0 < beta <= 1,
+                f"compress.feedback_decay must be in (0, 1], got {beta!r}")
+        require(beta == 1 or self.error_feedback,
+                f"compress.feedback_decay={beta} decays the error-feedback residual, but error feedback is off")
         require(isinstance(self.ratio, int | float) and not isinstance(self.ratio, bool) and 0 < self.ratio <= 1,
                 f"compress.ratio must be in (0, 1], got {self.ratio!r}")
         chunk = self.chunk_size
@@ -120,7 +129,9 @@ class CompressSettings:
     def describe(self) -> str:
         """A short label: ``int8``, ``topk 41/4096 int2``, with ``+EF`` when error feedback is on."""
         name = f"{self.codec} {self.k_per_chunk}/{self.chunk_size} {self.values}" if self.sparse else self.codec
-        return name + (" +EF" if self.error_feedback else "")
+        if not self.error_feedback:
+            return name
+        return name + (" +EF" if self.feedback_decay == 1 else f" +EF(decay {self.feedback_decay:g})")
 
 
 def payload_nbytes(settings: CompressSettings, numel: int) -> int:
@@ -152,7 +163,7 @@ class Compressor:
 
     def compress(self, delta: torch.Tensor, residual: torch.Tensor | None = None
                  ) -> tuple[Payload, torch.Tensor | None]:
-        """Encode ``delta`` (+ ``residual`` under EF); returns the payload and the new residual.
+        """Encode ``delta`` (+ β · ``residual`` under EF); returns the payload and the new residual.
 
         ``delta``: 1-D floating, any device (computed in fp32 there). ``residual``: None (zero) or
         the fp32 residual this compressor returned last time, same numel and device; passing one
@@ -168,7 +179,7 @@ class Compressor:
             if r.shape != x.shape or r.device != x.device:
                 raise ValueError(f"residual must match delta: {tuple(r.shape)} on {r.device} vs "
                                  f"{tuple(x.shape)} on {x.device}")
-            x = x + r
+            x = x + self.settings.feedback_decay * r  # β = 1.0: exactly x + r
         if not bool(torch.isfinite(x).all()):
             raise ValueError("delta (+ residual) is not finite; nothing is encoded and the residual is unchanged")
         payload = self._encode(x)
@@ -263,27 +274,35 @@ def compress_shards(compressor: Compressor, delta: torch.Tensor, bounds: list[tu
 
 
 # The settings as the JSON a request or a follower's command line carries: both ends rebuild the
-# same `CompressSettings` (``k`` is not sent: the wire settings never set it).
+# same `CompressSettings` (``k`` is not sent: the wire settings never set it). ``feedback_decay``
+# travels only when it is not 1, so the JSON of plain EF is what it was before decay existed (a peer
+# of that version reads it unchanged).
 SETTINGS_JSON_KEYS = ("codec", "ratio", "chunk", "values", "block", "error_feedback")
+OPTIONAL_JSON_KEYS = ("feedback_decay",)
 
 
 def settings_to_json(s: CompressSettings | None) -> str | None:
     """``s`` as its JSON (`SETTINGS_JSON_KEYS`, sorted), None when compression is off."""
     if s is None:
         return None
-    return json.dumps({k: getattr(s, k) for k in SETTINGS_JSON_KEYS}, sort_keys=True)
+    values = {k: getattr(s, k) for k in SETTINGS_JSON_KEYS}
+    if s.feedback_decay != 1:
+        values["feedback_decay"] = s.feedback_decay
+    return json.dumps(values, sort_keys=True)
 
 
 def settings_from_json(text: str | None, field: str = "wire_compress") -> CompressSettings | None:
     """The `CompressSettings` of a `settings_to_json` text (None for None), checked: `ConfigError`
-    naming ``field`` when it is not exactly those keys or a value is out of range."""
+    naming ``field`` when it is not exactly those keys (and optionally ``feedback_decay``) or a value
+    is out of range."""
     if text is None:
         return None
     try:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{field} is not JSON ({exc}): {text:.120}") from None
-    if not isinstance(values, dict) or set(values) != set(SETTINGS_JSON_KEYS):
+    if not isinstance(values, dict) or not set(SETTINGS_JSON_KEYS) <= set(values) <= {*SETTINGS_JSON_KEYS,
+                                                                                     *OPTIONAL_JSON_KEYS}:
         raise ConfigError(f"{field} must hold {', '.join(SETTINGS_JSON_KEYS)}; got {text:.120}")
     settings = CompressSettings(**values)
     settings.check()
