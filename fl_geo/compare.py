@@ -123,6 +123,12 @@ class RunRecord:
         return ys[-1] if ys else None
 
     @property
+    def unfinished(self) -> bool:
+        """No ``summary.json``: the run is still going, or was killed before it ended, so its
+        figures are those of a partial run."""
+        return not (self.path / "summary.json").is_file()
+
+    @property
     def tokens_per_param(self) -> float | None:
         """The run's budget as the scaling-law papers state it: training tokens over model
         parameters (``summary.json``'s ``tokens`` / ``num_params``; about 20 is compute-optimal).
@@ -171,6 +177,9 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+UNFINISHED_NOTE = "no summary.json (still running, or killed before it ended): its figures are partial"
+
+
 def markdown_table(runs: list[RunRecord], target: float) -> str:
     final = "final val bpb" if runs and runs[0].metric == "bpb" else "final val loss"
     head = (
@@ -185,6 +194,9 @@ def markdown_table(runs: list[RunRecord], target: float) -> str:
         if s.get("failure"):  # summary.json of a run that must not count as a success
             name += " FAILED"
             notes.append(f"- {r.name} FAILED: {s['failure']}")
+        elif r.unfinished:
+            name += " UNFINISHED"
+            notes.append(f"- {r.name} UNFINISHED: {UNFINISHED_NOTE}")
         strategy = s.get("strategy", "?")
         if s.get("outer_optimizer"):
             strategy += f" ({s['outer_optimizer']})"

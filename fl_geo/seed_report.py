@@ -13,7 +13,7 @@ intervals overlap is printed as "A and B: intervals overlap, no winner".
 
 from __future__ import annotations
 
-from fl_geo.compare import WORKER_LOSS
+from fl_geo.compare import UNFINISHED_NOTE, WORKER_LOSS
 from fl_geo.seed_groups import Figure, FigureStat, SeedGroup, figure_stat, figures_for
 
 __all__ = ["seeds_table", "verdicts"]
@@ -54,8 +54,11 @@ def seeds_table(groups: list[SeedGroup], target: float) -> str:
     for g in groups:
         first = g.runs[0]
         failed = [r for r in g.runs if r.summary.get("failure")]
-        name = g.name + (f" FAILED ({len(failed)}/{g.n})" if failed else "")
+        unfinished = [r for r in g.runs if r.unfinished and not r.summary.get("failure")]
+        name = (g.name + (f" FAILED ({len(failed)}/{g.n})" if failed else "")
+                + (f" UNFINISHED ({len(unfinished)}/{g.n})" if unfinished else ""))
         notes += [f"- {r.name} FAILED: {r.summary['failure']}" for r in failed]
+        notes += [f"- {r.name} UNFINISHED: {UNFINISHED_NOTE}" for r in unfinished]
         strategy = first.summary.get("strategy", "?")
         if first.summary.get("outer_optimizer"):
             strategy += f" ({first.summary['outer_optimizer']})"

@@ -61,6 +61,24 @@ def test_tokens_per_parameter_column(tmp_path):
     assert "| 3,000 | 20.00 | 2.0 |" in lines[2] and "| 1,000 | — | 2.0 |" in lines[3]
 
 
+def test_a_run_without_a_summary_is_marked_unfinished_in_both_tables(tmp_path):
+    """A run still going (or killed) has metrics.jsonl but no summary.json: its figures are partial,
+    so the tables say so instead of ranking it as if it had ended."""
+    from fl_geo.seed_groups import group_by_seed_suffix
+    from fl_geo.seed_report import seeds_table
+
+    done = load_run(_fake_run(tmp_path, "a-seed=0", [5.0, 3.0, 2.0]))
+    going_dir = _fake_run(tmp_path, "a-seed=1", [5.0, 3.5])
+    (going_dir / "summary.json").unlink()
+    going = load_run(going_dir)
+    assert going.unfinished and not done.unfinished
+    table = markdown_table([done, going], 3.5)
+    assert "| a-seed=1 UNFINISHED |" in table and "- a-seed=1 UNFINISHED: no summary.json" in table
+    assert "| a-seed=0 |" in table
+    seeds = seeds_table(group_by_seed_suffix([done, going]), 3.5)
+    assert "| a UNFINISHED (1/2) |" in seeds and "- a-seed=1 UNFINISHED" in seeds
+
+
 def test_goodput_column_and_breakdown_plot(tmp_path):
     a = load_run(_fake_run(tmp_path, "a", [5.0, 3.0]))
     b = load_run(_fake_run(tmp_path, "b", [5.0, 3.5]))
