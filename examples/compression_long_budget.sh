@@ -8,20 +8,22 @@
 #
 #   bash examples/compression_long_budget.sh [OUT]      # OUT default runs/compression-long
 #
-# CODECS (the codecs to run), OUTER (extra strategy overrides, e.g. the outer optimizer's) and TAG
-# (the run names' middle part) vary the study; examples/compression_outer_tuning.sh sets them.
+# CODECS (the codecs to run), OUTER (extra strategy overrides, e.g. the outer optimizer's), TAG
+# (the run names' middle part) and SEEDS (default "0 1 2") vary the study;
+# examples/compression_outer_tuning.sh sets them.
 set -euo pipefail
 OUT=${1:-runs/compression-long}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
 CODECS=${CODECS:-fp32 topk-int2-ef dct-int2-ef}
 OUTER=${OUTER:-}
 TAG=${TAG:-long}
+SEEDS=${SEEDS:-0 1 2}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/runs"
 source "$(dirname "$0")/compression_codecs.sh"  # codec SECTION NAME: one codec's overrides
 COMMON="run.sim_cpus=1 run.progress=false run.tensorboard=false strategy.inner_steps=8 run.rounds=50 run.max_tokens=3276800"
 jobs=()
-for seed in 0 1 2; do
+for seed in $SEEDS; do
   for codec in $CODECS; do
     jobs+=("configs/bench/eta_diloco.yaml $COMMON $OUTER $(codec wire $codec) run.seed=$seed run.name=diloco-$TAG-$codec-seed=$seed")
   done
