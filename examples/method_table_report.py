@@ -124,8 +124,9 @@ def _ddp_clause(figures: dict[str, Any], key: str, ref: SeedGroup, ref_label: st
                 best_label: str, ddp: SeedGroup) -> str:
     over = _record(figures, f"{key}/{best_label}_vs_ddp_final", relative_difference(ddp, best))
     took = _record(figures, f"{key}/ddp_time_to_{ref_label}_final", inverse(speedup(ref, ddp)))
-    return (f"`ddp` ends at {final(ddp)} ({best_label} {percent(over)} above it) and takes "
-            f"{times(took)} {ref_label}'s virtual time to {ref_label}'s final loss")
+    when = (f"takes {times(took)} {ref_label}'s virtual time to {ref_label}'s final loss" if took.interval
+            else f"reaches {ref_label}'s final loss on {_n_seeds(took)}")
+    return f"`ddp` ends at {final(ddp)} ({best_label} {percent(over)} against it) and {when}"
 
 
 def _straggler(g: Groups, figures: dict[str, Any]) -> str:
