@@ -4,8 +4,9 @@
     .venv/bin/python examples/method_table_report.py OUT [--readme README.md]
 
 OUT is the study's directory: OUT/<row>/runs/<row>-<cell>-seed=<k> for the rows straggler, eta100,
-eta200, noisy, halos and streaming. Writes OUT/method_table.md (the table) and OUT/method_table.json
-(every paired figure: seeds, per-seed values, mean, half-width), prints the table, and with
+eta200, noisy, halos and streaming. Writes OUT/method_table.md (the table), OUT/method_table.json
+(every paired figure: seeds, per-seed values, mean, half-width) and OUT/method_table_details.md (the
+same as a table), prints the table, and with
 ``--readme`` replaces what lies between the README's ``<!-- method-table:begin -->`` and
 ``<!-- method-table:end -->`` lines with it.
 
@@ -228,6 +229,20 @@ def build(groups: Groups) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines) + "\n", figures
 
 
+def details(figures: dict[str, Any]) -> str:
+    """Every paired figure behind the table, one line each: its per-seed values and the interval."""
+    lines = ["| figure | seeds | per seed | mean ± 95 % half-width |", "|---|---|---|---|"]
+    for key, f in figures.items():
+        if "values" not in f:
+            lines.append(f"| {key} | | {', '.join(f'{k} {v:.3f}' for k, v in f.items())} | |")
+            continue
+        per_seed = ", ".join("—" if v is None else f"{v:.4f}" for v in f["values"])
+        mean = "—" if f["mean"] is None else (f"{f['mean']:.4f}" + ("" if f["half_width"] is None
+                                                                   else f" ± {f['half_width']:.4f}"))
+        lines.append(f"| {key} | {', '.join(map(str, f['seeds']))} | {per_seed} | {mean} |")
+    return "\n".join(lines) + "\n"
+
+
 def replace_block(text: str, table: str) -> str:
     """``text`` with the lines between the method-table markers replaced by ``table``."""
     start, end = text.find(BEGIN), text.find(END)
@@ -248,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     table, figures = build(groups)
     (args.out / "method_table.md").write_text(table, encoding="utf-8")
     (args.out / "method_table.json").write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
+    (args.out / "method_table_details.md").write_text(details(figures), encoding="utf-8")
     print(table, end="")
     if args.readme:
         args.readme.write_text(replace_block(args.readme.read_text(encoding="utf-8"), table), encoding="utf-8")

@@ -121,6 +121,7 @@ def test_the_readme_row_is_built_from_the_paired_figures_and_missing_rows_are_na
     assert figures["straggler/ddp_time_to_EDiT_final"]["mean"] == pytest.approx(2.0)
     assert "2.00× ± 0.00 EDiT's virtual time" in row
     assert "`halos`" in table.split("runs are missing:")[1]  # the rows without runs are named
+    assert "| straggler/a_edit_speedup | 0, 1, 2 | 4.0000, 3.0000, 2.0000 | 3.0000 ± 2.4841 |" in report.details(figures)
 
 
 def test_the_readme_holds_one_method_table_block_the_report_can_replace():
