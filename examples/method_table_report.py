@@ -93,7 +93,9 @@ def budget(*groups: SeedGroup) -> str:
 
 def seeds_of(*groups: SeedGroup) -> str:
     n = sorted({g.n for g in groups})
-    return f"{n[0]} seeds" if len(n) == 1 else f"{n[0]}-{n[-1]} seeds"
+    if len(n) > 1:
+        return f"{n[0]}-{n[-1]} seeds"
+    return "1 seed" if n[0] == 1 else f"{n[0]} seeds"
 
 
 # ---------------------------------------------------------------- the rows
