@@ -6,6 +6,7 @@
 #   ROWS="straggler noisy" bash examples/method_table.sh OUT   # some rows only
 #   PRINT=1 bash examples/method_table.sh                # the run lines, one per line, nothing run
 #   REPORT_ONLY=1 bash examples/method_table.sh OUT      # the table again from the runs in OUT
+#   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
 #
 # Each row is one comparison of docs/benchmarks.md, run with the configs and budgets of its section
 # there, every cell with run.seed 0, 1, ..., SEEDS - 1 (default 3; a seed fixes the initial weights
@@ -28,6 +29,7 @@ FLGEO=${FLGEO:-.venv/bin/fl-geo}
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-3}
 ROWS=${ROWS:-straggler eta100 eta200 noisy halos streaming}
+SEED0_ONLY=${SEED0_ONLY:-}  # row/cell ... run with seed 0 only (to save time where one seed says enough)
 export OMP_NUM_THREADS=1
 COMMON="run.progress=false run.tensorboard=false run.sim_cpus=1"
 # ddp: one inner step per round on every site's averaged fp32 gradient, no penalty
@@ -76,6 +78,7 @@ for seed in $(seq 0 $((SEEDS - 1))); do  # seed-major: an interrupted study leav
     cells_var="CELLS_OF_$row"
     [ -n "${!cells_var:-}" ] || { echo "unknown row $row (rows: straggler eta100 eta200 noisy halos streaming)" >&2; exit 2; }
     for c in ${!cells_var}; do
+      [[ $seed -gt 0 && " $SEED0_ONLY " == *" $row/$c "* ]] && continue
       jobs+=("${CELL[$row/$c]} $COMMON run.seed=$seed run.name=$row-$c-seed=$seed --out $OUT/$row/runs")
     done
   done
