@@ -149,11 +149,13 @@ def _eta(g: Groups, figures: dict[str, Any]) -> str:
         tuned = _record(figures, f"{row}/dips_speedup", speedup(c["diloco"], c["dips"]))
         paper = _record(figures, f"{row}/dips_paper_speedup", speedup(c["diloco"], c["dips-paper"]))
         diff = _record(figures, f"{row}/dips_vs_diloco_final", relative_difference(c["diloco"], c["dips"]))
+        paper_text = (f"{times(paper)} sooner" if paper.interval
+                      else f"DiLoCo's final loss {times(paper)}, final {final(c['dips-paper'])}")
         parts.append(f"{eta}: **{times(tuned)} sooner** to DiLoCo's final loss, final {percent(diff)}; "
-                     f"with the paper's settings {times(paper)}")
+                     f"with the paper's settings {paper_text}")
     c = g["eta100"]
-    return ("; ".join(parts) + " (Di-PS with fl-geo's lr scaling by share and momentum 0.7; the paper's: "
-            "0.8, no scaling); η = 100: "
+    return ("; ".join(parts) + " (Di-PS as configured: fl-geo's lr scaling by share, momentum 0.7; the "
+            "paper's: momentum 0.8, no scaling); η = 100: "
             + _ddp_clause(figures, "eta100", c["diloco"], "DiLoCo", c["dips"], "Di-PS", c["ddp"])
             + f" ({seeds_of(*c.values())}, {budget(c['diloco'])})")
 
