@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.compare import load_run
-from fl_geo.paired import PairedStat, inverse, relative_difference, speedup, worst_final
+from fl_geo.paired import (
+    PairedStat,
+    format_percent,
+    format_ratio,
+    inverse,
+    relative_difference,
+    speedup,
+    worst_final,
+)
 from fl_geo.seed_groups import SeedGroup, group_by_seed_suffix
 
 BEGIN, END = "<!-- method-table:begin -->", "<!-- method-table:end -->"
@@ -55,21 +63,7 @@ def _n_seeds(stat: PairedStat) -> str:
     return f"{stat.present}/{stat.n} seeds"
 
 
-def times(stat: PairedStat) -> str:
-    """A ratio: ``3.70× ± 0.41``; one seed: ``3.70× (1 seed)``; incomplete: ``reached on 2/3 seeds``."""
-    if stat.interval is None:
-        return f"reached on {_n_seeds(stat)}" if stat.n > 1 or stat.present == 0 else "?"
-    i = stat.interval
-    return f"{i.mean:.2f}× (1 seed)" if i.half_width is None else f"{i.mean:.2f}× ± {i.half_width:.2f}"
-
-
-def percent(stat: PairedStat) -> str:
-    """A relative difference: ``−3.5 % ± 1.2`` (signed, so lower reads as a minus)."""
-    if stat.interval is None:
-        return f"n/a ({_n_seeds(stat)})"
-    i = stat.interval
-    mean = f"{100 * i.mean:+.1f} %".replace("-", "−")
-    return f"{mean} (1 seed)" if i.half_width is None else f"{mean} ± {100 * i.half_width:.1f}"
+times, percent = format_ratio, format_percent  # ``3.70× ± 0.41``, ``−3.5 % ± 1.2``
 
 
 def final(group: SeedGroup) -> str:

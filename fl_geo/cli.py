@@ -114,7 +114,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         runs += group.runs
     if not runs:
         raise ConfigError("fl-geo compare needs config files to run and/or --runs DIR ...")
-    result = compare(runs, out, args.target, groups)
+    try:
+        result = compare(runs, out, args.target, groups, args.reference)
+    except ValueError as exc:
+        if "--reference" not in str(exc):
+            raise
+        raise ConfigError(str(exc)) from None
     print(result["table"])
     for kind, path in result["plots"].items():
         print(f"plot ({kind}): {path}", file=sys.stderr)
@@ -255,6 +260,10 @@ def _add_experiment_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPar
                            "95 %% Student-t interval over the seeds, a difference counts only where the "
                            "intervals are disjoint, and the plots draw the mean with a min-max band "
                            "(default 1: one run, no interval)")
+    cmp_.add_argument("--reference", metavar="NAME",
+                      help="pair every other config with this one by seed (its run.name, without -seed=<k>): "
+                           "the speed-up to its final loss and the relative final loss, each as a mean ± 95 %% "
+                           "t interval over the seeds both ran")
     cmp_.set_defaults(func=cmd_compare)
 
     sw = sub.add_parser("sweep", help="run every combination of key=a,b,c values; one table and plots")

@@ -328,7 +328,7 @@ def plot_goodput(runs: list[RunRecord], path: Path) -> Path | None:
 
 
 def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = None,
-            groups: list[Any] | None = None) -> dict[str, Any]:
+            groups: list[Any] | None = None, reference: str | None = None) -> dict[str, Any]:
     """Write ``compare.md``, the plots and the group ``summary.json`` into ``out_dir``; return what
     was written.
 
@@ -338,7 +338,11 @@ def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = N
     group (mean ± 95 % t interval, `fl_geo.seed_report`), the verdicts on which differences are
     real, and the per-seed table below them, and the loss plots draw each group's mean and
     min-max band. ``summary.json`` keeps every seed's figures and each group's aggregate.
+    ``reference`` (a group's name) adds every other group paired with it by seed
+    (`fl_geo.paired.against_reference`): the speed-up to its final loss and the relative final
+    loss, each as a mean ± 95 % t interval over the seeds, in the table and in ``summary.json``.
     """
+    from fl_geo.paired import against_reference
     from fl_geo.seed_groups import SeedGroup, group_summary
     from fl_geo.seed_report import seeds_table, verdicts
 
@@ -349,6 +353,10 @@ def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = N
     groups = [SeedGroup(r.name, [r]) for r in runs] if groups is None else groups
     if sorted(id(r) for g in groups for r in g.runs) != sorted(id(r) for r in runs):
         raise ValueError("the seed groups must hold every run once")
+    paired_lines, paired = [], {}
+    if reference is not None:
+        x_key = VIRTUAL if any(VIRTUAL in row for r in runs for row in r.rows) else WALL
+        paired_lines, paired = against_reference(groups, reference, x_key)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = default_target(runs) if target is None else target
@@ -360,9 +368,15 @@ def compare(runs: list[RunRecord], out_dir: str | Path, target: float | None = N
             parts.append("Differences (a winner only where the 95 % intervals are disjoint):\n\n"
                          + "\n".join(f"- {line}" for line in lines))
         table = "\n\n".join([*parts, "Per seed:\n\n" + table])
+    if paired_lines:
+        table = (f"Paired with {reference} by seed (mean ± 95 % t half-width over the seeds both ran):\n\n"
+                 + "\n".join(f"- {line}" for line in paired_lines) + "\n\n" + table)
     (out / "compare.md").write_text(table + "\n", encoding="utf-8")
     summary_path = out / "summary.json"
-    summary_path.write_text(json.dumps(group_summary(groups, target, lines), indent=2) + "\n", encoding="utf-8")
+    group_json = group_summary(groups, target, lines)
+    if reference is not None:
+        group_json["paired"] = {"reference": reference, "groups": paired}
+    summary_path.write_text(json.dumps(group_json, indent=2) + "\n", encoding="utf-8")
     stem = "val_bpb" if runs[0].metric == "bpb" else "val_loss"
     plots = {
         "virtual": plot(runs, VIRTUAL, "virtual time (s, modelled WAN + accelerators)", out / f"{stem}_vs_virtual_time.png",

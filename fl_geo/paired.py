@@ -31,7 +31,8 @@ from fl_geo.compare import VIRTUAL, RunRecord
 from fl_geo.intervals import Interval, t_interval
 from fl_geo.seed_groups import SEED_SUFFIX, SeedGroup, run_seed
 
-__all__ = ["PairedStat", "by_seed", "inverse", "reference_final", "relative_difference", "speedup", "worst_final"]
+__all__ = ["PairedStat", "against_reference", "by_seed", "format_percent", "format_ratio", "inverse", "reference_final",
+           "relative_difference", "speedup", "stat_dict", "worst_final"]
 
 # target rule: the runs of one seed, reference first, then every other group's run of that seed
 TargetRule = Callable[[RunRecord, Sequence[RunRecord]], float | None]
@@ -143,3 +144,54 @@ def inverse(stat: PairedStat) -> PairedStat:
     of the inverted values (not the inverted interval, which would not be symmetric)."""
     values = [1.0 / v if v is not None and v != 0 else None for v in stat.values]
     return _stat(list(stat.seeds), values)
+
+
+def format_ratio(stat: PairedStat) -> str:
+    """``3.70× ± 0.41``; one seed: ``3.70× (1 seed)``; a seed without a value: ``reached on 2/3 seeds``."""
+    if stat.interval is None:
+        return f"reached on {stat.present}/{stat.n} seeds"
+    i = stat.interval
+    return f"{i.mean:.2f}× (1 seed)" if i.half_width is None else f"{i.mean:.2f}× ± {i.half_width:.2f}"
+
+
+def format_percent(stat: PairedStat) -> str:
+    """A relative difference as a signed percentage: ``−3.5 % ± 1.2`` (lower reads as a minus)."""
+    if stat.interval is None:
+        return f"n/a ({stat.present}/{stat.n} seeds)"
+    i = stat.interval
+    mean = f"{100 * i.mean:+.1f} %".replace("-", "−")
+    return f"{mean} (1 seed)" if i.half_width is None else f"{mean} ± {100 * i.half_width:.1f}"
+
+
+def stat_dict(stat: PairedStat) -> dict[str, object]:
+    """JSON-ready: the paired seeds, each seed's value and the interval (mean, half-width, bounds)."""
+    return {"seeds": list(stat.seeds), "values": list(stat.values),
+            "interval": stat.interval.to_dict() if stat.interval else None}
+
+
+def against_reference(groups: Sequence[SeedGroup], reference: str, x_key: str = VIRTUAL
+                      ) -> tuple[list[str], dict[str, dict[str, object]]]:
+    """`fl-geo compare --reference NAME`: every other group paired by seed with the group named
+    ``reference``: its speed-up to the reference's own final loss on ``x_key`` (above 1: sooner)
+    and its final loss relative to the reference's. Returns one line per group and the figures
+    (`stat_dict`) by group name. A group that shares no seed with the reference gets a line saying
+    so; an unknown ``reference`` is a ValueError naming the groups there are."""
+    by_name = {g.name: g for g in groups}
+    if reference not in by_name:
+        raise ValueError(f"--reference {reference!r} is none of the compared configs: {', '.join(by_name)}")
+    ref = by_name[reference]
+    axis = "virtual time" if x_key == VIRTUAL else "wall time"
+    lines: list[str] = []
+    figures: dict[str, dict[str, object]] = {}
+    for g in groups:
+        if g is ref:
+            continue
+        try:
+            fast, diff = speedup(ref, g, x_key=x_key), relative_difference(ref, g)
+        except ValueError as exc:
+            lines.append(f"{g.name}: not paired ({exc})")
+            continue
+        figures[g.name] = {"speedup_to_reference_final": stat_dict(fast), "final_relative": stat_dict(diff)}
+        lines.append(f"{g.name}: speed-up to {reference}'s final loss in {axis} {format_ratio(fast)}; "
+                     f"final loss {format_percent(diff)} against {reference} (seeds {', '.join(map(str, fast.seeds))})")
+    return lines, figures

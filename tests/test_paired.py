@@ -4,6 +4,7 @@ them (examples/method_table_report.py), against hand computations on hand-made r
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -132,3 +133,32 @@ def test_the_readme_holds_one_method_table_block_the_report_can_replace():
     assert replaced.count("| a | b | c |") == 1
     assert replaced.split(report.BEGIN)[0] == text.split(report.BEGIN)[0]
     assert replaced.split(report.END)[1] == text.split(report.END)[1]
+
+
+def _write_run(root: Path, name: str, curve: list[tuple[float, float]]) -> Path:
+    """A finished run directory as fl-geo writes one (metrics.jsonl + summary.json)."""
+    d = root / name
+    d.mkdir(parents=True)
+    rows = [{"time/virtual_s": t, "time/wall_s": t, "val/loss": loss, "outer/step": i}
+            for i, (t, loss) in enumerate(curve)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"name": name, "strategy": "diloco", "tokens": 1000,
+                                                "num_params": 100}))
+    return d
+
+
+def test_compare_reference_pairs_every_other_config_by_seed(tmp_path, capsys):
+    from fl_geo.cli import main as cli_main
+
+    dirs = [_write_run(tmp_path / "runs", r.name, list(zip(*r.series("time/virtual_s"), strict=True)))
+            for r in (*REF.runs, *FAST.runs)]
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", *map(str, dirs), "--reference", "ref", "--out", str(out)]) == 0
+    text = (out / "compare.md").read_text()
+    assert "Paired with ref by seed" in text
+    assert "- fast: speed-up to ref's final loss in virtual time 3.00× ± 2.48; final loss −4.6 % ± 1.0 against ref (seeds 0, 1, 2)" in text  # by hand: (−5, −4.17, −4.55 %)
+    paired = json.loads((out / "summary.json").read_text())["paired"]
+    assert paired["reference"] == "ref"
+    assert paired["groups"]["fast"]["speedup_to_reference_final"]["values"] == pytest.approx([4.0, 3.0, 2.0])
+    assert cli_main(["compare", "--runs", *map(str, dirs), "--reference", "nope", "--out", str(out)]) == 2
+    assert "--reference 'nope' is none of the compared configs: ref, fast" in capsys.readouterr().err
