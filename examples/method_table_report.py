@@ -191,7 +191,7 @@ def _streaming(g: Groups, figures: dict[str, Any]) -> str:
 
 DOCS = "docs/benchmarks.md"
 ROWS = (
-    TableRow("one site is consistently slower", "`a_edit` (time-budgeted inner loops)",
+    TableRow("one site is consistently slower", "`a_edit` (time-budgeted inner loops); on this fast LAN plain `ddp` did better still",
              (("straggler", ("edit", "a_edit", "ddp")),), "a-edit-against-a-consistent-straggler-virtual-time",
              _straggler),
     TableRow("sites of uneven speed on a WAN, no one should wait", "`dips` (asynchronous buffered parameter server)",
