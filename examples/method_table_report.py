@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_geo.compare import load_run
+from fl_geo.intervals import t_interval
 from fl_geo.paired import (
     PairedStat,
     format_percent,
@@ -34,6 +35,7 @@ from fl_geo.paired import (
     inverse,
     relative_difference,
     speedup,
+    stat_dict,
     worst_final,
 )
 from fl_geo.seed_groups import SeedGroup, group_by_seed_suffix
@@ -67,8 +69,6 @@ times, percent = format_ratio, format_percent  # ``3.70× ± 0.41``, ``−3.5 % 
 
 
 def final(group: SeedGroup) -> str:
-    from fl_geo.intervals import t_interval
-
     values = [r.final_loss for r in group.runs if r.final_loss is not None]
     if not values:
         return "n/a"
@@ -111,9 +111,7 @@ class TableRow:
 
 
 def _record(figures: dict[str, Any], key: str, stat: PairedStat) -> PairedStat:
-    i = stat.interval
-    figures[key] = {"seeds": list(stat.seeds), "values": list(stat.values),
-                    "mean": i.mean if i else None, "half_width": i.half_width if i else None}
+    figures[key] = stat_dict(stat)
     return stat
 
 
@@ -235,8 +233,8 @@ def details(figures: dict[str, Any]) -> str:
             lines.append(f"| {key} | | {', '.join(f'{k} {v:.3f}' for k, v in f.items())} | |")
             continue
         per_seed = ", ".join("—" if v is None else f"{v:.4f}" for v in f["values"])
-        mean = "—" if f["mean"] is None else (f"{f['mean']:.4f}" + ("" if f["half_width"] is None
-                                                                   else f" ± {f['half_width']:.4f}"))
+        i = f["interval"]
+        mean = "—" if i is None else f"{i['mean']:.4f}" + ("" if i["half_width"] is None else f" ± {i['half_width']:.4f}")
         lines.append(f"| {key} | {', '.join(map(str, f['seeds']))} | {per_seed} | {mean} |")
     return "\n".join(lines) + "\n"
 

@@ -114,12 +114,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         runs += group.runs
     if not runs:
         raise ConfigError("fl-geo compare needs config files to run and/or --runs DIR ...")
-    try:
-        result = compare(runs, out, args.target, groups, args.reference)
-    except ValueError as exc:
-        if "--reference" not in str(exc):
-            raise
-        raise ConfigError(str(exc)) from None
+    result = compare(runs, out, args.target, groups, args.reference)
     print(result["table"])
     for kind, path in result["plots"].items():
         print(f"plot ({kind}): {path}", file=sys.stderr)

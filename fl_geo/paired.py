@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fl_geo.compare import VIRTUAL, RunRecord
+from fl_geo.errors import ConfigError
 from fl_geo.intervals import Interval, t_interval
 from fl_geo.seed_groups import SEED_SUFFIX, SeedGroup, run_seed
 
@@ -175,10 +176,10 @@ def against_reference(groups: Sequence[SeedGroup], reference: str, x_key: str = 
     ``reference``: its speed-up to the reference's own final loss on ``x_key`` (above 1: sooner)
     and its final loss relative to the reference's. Returns one line per group and the figures
     (`stat_dict`) by group name. A group that shares no seed with the reference gets a line saying
-    so; an unknown ``reference`` is a ValueError naming the groups there are."""
+    so; an unknown ``reference`` is a `ConfigError` naming the groups there are."""
     by_name = {g.name: g for g in groups}
     if reference not in by_name:
-        raise ValueError(f"--reference {reference!r} is none of the compared configs: {', '.join(by_name)}")
+        raise ConfigError(f"--reference {reference!r} is none of the compared configs: {', '.join(by_name)}")
     ref = by_name[reference]
     axis = "virtual time" if x_key == VIRTUAL else "wall time"
     lines: list[str] = []

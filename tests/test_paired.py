@@ -119,7 +119,7 @@ def test_the_readme_row_is_built_from_the_paired_figures_and_missing_rows_are_na
     assert "3 seeds, 10 tokens per parameter" in row
     assert figures["straggler/a_edit_speedup"]["values"] == pytest.approx([4.0, 3.0, 2.0])
     # ddp reaches EDiT's final loss at 40 / 20, 60 / 30, 80 / 40: twice EDiT's time on every seed
-    assert figures["straggler/ddp_time_to_EDiT_final"]["mean"] == pytest.approx(2.0)
+    assert figures["straggler/ddp_time_to_EDiT_final"]["interval"]["mean"] == pytest.approx(2.0)
     assert "2.00× ± 0.00 EDiT's virtual time" in row
     assert "`halos`" in table.split("runs are missing:")[1]  # the rows without runs are named
     assert "| straggler/a_edit_speedup | 0, 1, 2 | 4.0000, 3.0000, 2.0000 | 3.0000 ± 2.4841 |" in report.details(figures)
