@@ -170,15 +170,20 @@ def test_node_config_state_dir_is_optional_validated_and_resolved(tmp_path):
 @pytest.mark.slow(seconds=78)
 def test_supernode_killed_mid_run_then_rejoins(fault_federation, tmp_path):
     """SIGKILL one SuperNode after the first outer step: the run neither stalls nor crashes; the
-    rounds after run on the other until a SuperNode with the same node config (partition)
-    is started again, which is profiled and trains from the server's current model."""
+    round in flight finishes on the other once the dead node's heartbeat lapses; with
+    ``run.min_live_nodes`` the next round waits for a SuperNode with the same node config
+    (partition) to start again, which is profiled and trains from the server's current model."""
     t0 = time.monotonic()
     topo = fault_federation.topo
     live = _live_supernodes(topo)
     trained_before = {r.name: _received(r.log) for r in live}
     out = tmp_path / "runs"
     rounds = 3  # before the kill, the round the kill falls in, after the rejoin
-    res = launch.run_experiment(topo, "configs/diloco.yaml", [*TINY_RUN, f"run.rounds={rounds}", "run.name=kill-node"],
+    # run.min_live_nodes holds round 3 until the replacement has registered: without it the round
+    # starts with the survivor alone when the replacement's start is slower than the dead node's
+    # heartbeat lapse (CI once saw accepted [2, 1, 1] on a loaded machine).
+    res = launch.run_experiment(topo, "configs/diloco.yaml",
+                                [*TINY_RUN, f"run.rounds={rounds}", f"run.min_live_nodes={SITES}", "run.name=kill-node"],
                                 out_dir=out, wait=False, echo=False)
     _wait_for("the first outer step", lambda: (d := _run_dir(out, "kill-node")) is not None and _steps(d), 300)
     run_dir = _run_dir(out, "kill-node")
