@@ -13,8 +13,8 @@ codec() {
     dct-int2-ef) echo "$base $c=dct_topk $r $1.error_feedback=true" ;;
     # DCT top-2 %, int2 values (151x fewer bytes than fp32)
     dct2-int2-ef) echo "$base $c=dct_topk $1.compress_ratio=0.02 $1.compress_values=int2 $1.error_feedback=true" ;;
-    # the same with error feedback decaying by 0.9 a step
-    dct2-int2-efd0.9) echo "$base $c=dct_topk $1.compress_ratio=0.02 $1.compress_values=int2 $1.error_feedback=true $1.error_feedback_decay=0.9" ;;
+    # the same with error feedback decaying by BETA a step: dct2-int2-efdBETA (dct2-int2-efd0.9)
+    dct2-int2-efd*) echo "$base $c=dct_topk $1.compress_ratio=0.02 $1.compress_values=int2 $1.error_feedback=true $1.error_feedback_decay=${2#dct2-int2-efd}" ;;
     # finer values for the kept entries: DCT top-1 % with int8 (168x fewer bytes than fp32) and
     # DCT top-2 % with int4 (134x)
     dct-int8-ef) echo "$base $c=dct_topk $1.compress_ratio=0.01 $1.compress_values=int8 $1.error_feedback=true" ;;
