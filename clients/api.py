@@ -292,7 +292,7 @@ class DatacenterClient:
         deltas of the one in ``state``, `fl_geo.clients.downlink`) decoded into ``out``; wrong keys,
         shapes or precision, or a NaN/±Inf (training would only send garbage back), are refused."""
         if has_followers(req):  # sharded Di-PS: the model comes over the data path, not in the message
-            self.pulled_version = pull_model(req, out)
+            self.pulled_version = pull_model(req, out, state)
         elif getattr(req, "wire_compress_down", None) is not None and state is not None:
             receive_public(state, msg.content.array_records.get("arrays"), req, spec, out)
         else:

@@ -58,14 +58,21 @@ def _token(req: TrainRequest) -> str | None:
     return req.ps_token or None
 
 
-def pull_model(req: TrainRequest, out: torch.Tensor) -> int:
-    """θ from every follower into ``out`` (fp32, whole model); returns the model version.
+def pull_model(req: TrainRequest, out: torch.Tensor, state: RecordDict | None = None) -> int:
+    """θ from every follower into ``out`` (fp32, whole model); returns the model version. With
+    ``wire_compress_down`` the followers' public model x̂ instead, rebuilt from the copy kept in
+    ``state`` (`fl_geo.clients.ps_downlink`).
 
     Shards are pulled in parallel. Followers step together on the leader's word, so a pull that
     straddles a step sees two versions: the older shards are pulled again until all agree."""
     addresses, shards = _layout(req)
     if shards[-1][1] != out.numel():
         raise ValueError(f"shards cover {shards[-1][1]} elements, the model has {out.numel()}")
+    if req.wire_compress_down is not None:
+        from fl_geo.clients.ps_downlink import pull_public_model
+
+        return pull_public_model(req, out, state if state is not None else RecordDict(), addresses, shards,
+                                 lambda address: _client(address, req), _token(req))
     wire = req.wire_down
     versions = [-1] * len(shards)
 

@@ -229,8 +229,8 @@ def _check_wire(cfg: FlGeoConfig) -> None:
     """``wire.compress`` / ``wire.compress_down`` (after `WireSection.check`): the uplink is wired
     for the pseudo-gradient replies of the synchronous and asynchronous loops (the sharded
     parameter server's data path included), of HALoS's workers and of the streaming fragments;
-    the downlink for the synchronous and asynchronous loops and HALoS's workers, the sharded
-    parameter server only with in-process followers (docs/compression.md)."""
+    the downlink for the synchronous and asynchronous loops (the sharded parameter server's
+    followers included) and HALoS's workers (docs/compression.md)."""
     w, s = cfg.wire, cfg.strategy
     family = METHODS[s.name].family
     for key, codec, families, where in (
@@ -242,13 +242,6 @@ def _check_wire(cfg: FlGeoConfig) -> None:
             continue
         require(family in families, f"{key}={codec} is wired for {where} only, not strategy '{s.name}' ({family}); "
                                     f"use {key}=none")
-        # the uplink reaches the followers (each shard its own payload); the downlink's public model
-        # and version history live in the leader, which holds θ only with in-process followers (its
-        # train messages then carry the model); follower processes step shard by shard
-        require(key == "wire.compress" or not cfg.ps.followers or cfg.ps.transport == "local",
-                f"{key}={codec} does not reach the sharded parameter server's data path (ps.transport=grpc: sites "
-                f"pull the model shard by shard from followers that keep no public model); use {key}=none or "
-                "ps.transport=local")
         # down: a site trains from x̂ while g = θ_current − θ_site would be taken against x
         require(s.pseudo_grad_base != "current", f"{key}={codec} works with pseudo-gradients: "
                                                   "strategy.pseudo_grad_base=current has the sites send their parameters")

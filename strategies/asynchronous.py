@@ -139,7 +139,9 @@ class AsyncOuterLoop(OuterLoop):
             sent = self.down_message(self.downlink, node, self.global_params, self.version)
             node_records, fields, nbytes, deltas = dict(records), {}, down, None
             if sent is not None:
-                node_records["arrays"], fields, nbytes, deltas = sent
+                arrays, fields, nbytes, deltas = sent
+                if arrays is not None:  # (None: the model travels on the sharded data path)
+                    node_records["arrays"] = arrays
             elif self.downlink is not None:  # a plain Flower ClientApp: the model whole
                 node_records, nbytes = self.model_records()
             config = dict(self._client_cfg, round=self.version, base_version=self.version, inner_steps=steps, send=self._send,

@@ -32,16 +32,18 @@ import torch
 from flwr.app import ArrayRecord
 
 from fl_geo.core.compress import Compressor, CompressSettings
-from fl_geo.core.downlink import PublicModel
+from fl_geo.core.compress import payload_nbytes as codec_nbytes
+from fl_geo.core.downlink import PublicModel, max_chain
 from fl_geo.core.state import ParamSpec
 from fl_geo.runtime.compressed import chain_record
 from fl_geo.runtime.wire import encode, payload_nbytes
 from fl_geo.runtime.wire_settings import settings_json
 from fl_geo.timing.scenario import payload_bytes
 
-__all__ = ["Downlink", "DownMessage"]
+__all__ = ["Downlink", "DownMessage", "ShardedDownPlan"]
 
-DownMessage = tuple[ArrayRecord, dict[str, Any], int, int | None]
+# (the model record, None when the model travels elsewhere; the request fields; bytes; deltas)
+DownMessage = tuple[ArrayRecord | None, dict[str, Any], int, int | None]
 
 
 class Downlink:
@@ -118,3 +120,61 @@ class Downlink:
             self._full = None
 
         return install
+
+
+class ShardedDownPlan:
+    """The leader's account of the compressed downlink on the sharded parameter server's data path.
+
+    There the followers keep x̂ shard by shard and answer each site's pull themselves
+    (`fl_geo.ps.follower.FollowerShard.read_public`); the leader holds no model. It keeps one int
+    per node, the version the node's last successful job pulled, and from it plans what each job
+    will be sent, by the followers' own rule: per shard the chain since that version while it is
+    kept (`fl_geo.core.downlink.max_chain` deltas), else x̂_s whole. The plan gives the
+    bytes counted (the proxy's payloads) and the deltas the clock charges (the modelled model's
+    payloads; a job whose chain some shard no longer keeps is charged the whole model). What a
+    site actually pulls can be less (it pulled a newer version in a failed job, or the
+    followers stepped before its pull); the counts are the plan's.
+    """
+
+    def __init__(self, settings: CompressSettings, shard_numels: list[int], wire_down: str) -> None:
+        self.json = settings_json(settings)
+        self.delta_nbytes = [codec_nbytes(settings, n) for n in shard_numels]
+        self.full_nbytes = [payload_bytes(wire_down, n) for n in shard_numels]
+        self.depth = [max_chain(b, f) for b, f in zip(self.delta_nbytes, self.full_nbytes, strict=True)]
+        self.held: dict[int, int] = {}
+        self.counts = {"full": 0, "delta": 0, "same": 0}
+        self.epoch = 0  # followers' restarts so far: a pull from before one holds a dead lineage
+        self._sent_in: dict[int, int] = {}  # node -> the epoch its job in flight was sent in
+
+    def message(self, node: int, version: int) -> DownMessage:
+        """The fields of ``node``'s job at ``version`` (no record: the model comes from the
+        followers), its planned bytes, and the deltas charged (None: the whole model)."""
+        held = self.held.get(node)
+        gap = None if held is None or held > version else version - held
+        nbytes = sum(gap * b if gap is not None and gap <= d else f
+                     for b, f, d in zip(self.delta_nbytes, self.full_nbytes, self.depth, strict=True))
+        deltas = gap if gap is not None and gap <= min(self.depth) else None
+        self.counts["full" if deltas is None else "delta" if deltas else "same"] += 1
+        self._sent_in[node] = self.epoch
+        return None, {"wire_compress_down": self.json, "down_version": version}, nbytes, deltas
+
+    def pulled(self, node: int, version: int) -> None:
+        """``node``'s job succeeded with the model of ``version``: the node holds that x̂ (unless
+        the job was sent before a follower restarted: what it pulled then is of a dead lineage)."""
+        if self._sent_in.pop(node, None) == self.epoch:
+            self.held[node] = version
+        else:
+            self.held.pop(node, None)
+
+    def forget(self, node: int | None = None) -> None:
+        """A node's job failed (it may hold anything), or (None) the followers restarted: every
+        node gets x̂ whole next."""
+        if node is None:
+            self.held.clear()
+            self.epoch += 1
+        else:
+            self.held.pop(node, None)
+
+    def metrics(self, prefix: str = "comm/down_") -> dict[str, float]:
+        """Cumulative planned messages per path (``comm/down_full``, ``_delta``, ``_same``)."""
+        return {f"{prefix}{k}": float(v) for k, v in self.counts.items()}

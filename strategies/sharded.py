@@ -35,6 +35,7 @@ from fl_geo.ps.backend import FollowerBackend, follower_backend
 from fl_geo.ps.follower import FollowerError
 from fl_geo.runtime.dispatch import Event
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
+from fl_geo.strategies.downlink import ShardedDownPlan
 from fl_geo.strategies.replies import (
     ReplyError,
     TrainReply,
@@ -100,13 +101,34 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         if compress is not None and ps.transport == "grpc":
             # each shard travels as its own payload: the clock charges the shards' payloads
             self.cost = replace(self.cost, up_shards=tuple(sh.numel for sh in self.plan.shards))
+        # wire.compress_down with follower processes: they keep x̂ by shard and answer the pulls;
+        # the leader only plans what each job is sent (bytes, clock). In process: `global_downlink`.
+        down = cfg.wire.downlink() if ps.transport == "grpc" else None
+        self.down_plan = (ShardedDownPlan(down, [sh.numel for sh in self.plan.shards], cfg.wire.down)
+                          if down is not None else None)
         self.backend: FollowerBackend = follower_backend(
             self.plan, ps, self.global_params, lambda numel: outer_optimizer_from_config(cfg, numel),
             # wire.compress: the followers fold the decoded fp32 Δ̂, as the unsharded loop does
             wire="fp32" if compress is not None else cfg.wire.up,
-            send=send, torch_threads=cfg.run.server_threads, run_dir=self._follower_root, compress=compress)
+            send=send, torch_threads=cfg.run.server_threads, run_dir=self._follower_root, compress=compress,
+            compress_down=down, wire_down=cfg.wire.down)
         log.info("sharded parameter server: %d follower(s) (%s), shards of %s elements", ps.followers,
                  ps.transport, ", ".join(str(s.numel) for s in self.plan.shards))
+
+    def global_downlink(self, cfg: FlGeoConfig, spec: Any, global_params: torch.Tensor) -> Any:
+        """In process the leader's downlink serves the sites (its train messages carry the model);
+        with follower processes the followers do (`down_plan`), and the leader keeps no x̂."""
+        if cfg.ps.followers and cfg.ps.transport == "grpc":
+            return None
+        return super().global_downlink(cfg, spec, global_params)
+
+    def down_message(self, downlink: Any, node: int, x: torch.Tensor, key: Any) -> Any:
+        if self.down_plan is None:
+            return super().down_message(downlink, node, x, key)
+        return self.down_plan.message(node, self.version)
+
+    def downlink_metrics(self) -> dict[str, float]:
+        return self.down_plan.metrics() if self.down_plan is not None else super().downlink_metrics()
 
     @property
     def followers(self) -> list[Any]:
@@ -150,6 +172,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         stay on the live followers; a job whose push the restarted follower lost fails when its
         reply is handled, and its worker gets the current model."""
         restarted = self.backend.recover(self.version)
+        if self.down_plan is not None:  # a restarted follower's x̂_s has a new lineage: x̂ whole next
+            self.down_plan.forget()
         for f in self.followers:
             f.reset_window()
         if self.penalty is not None:
@@ -189,6 +213,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         r, pulled = read_control_reply(ev, int(ev.job.meta["version"]), self.version,
                                        max_steps=self.job_steps(node), step_tokens=self.step_tokens(node))
         ev.job.meta["version"] = pulled  # staleness counts from the model the client really pulled
+        if self.down_plan is not None:
+            self.down_plan.pulled(node, pulled)
         return r
 
     def handle(self, ev: Event) -> None:
@@ -196,6 +222,8 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         self._followers_ok()
         if not ev.ok:
             self.discard(ev)  # a client may have pushed before it failed
+            if self.down_plan is not None:
+                self.down_plan.forget(ev.job.node)
         super().handle(ev)
 
     def discard(self, ev: Event) -> None:

@@ -69,10 +69,12 @@ def test_grpc_followers_give_the_bits_of_in_process_followers(tiny, tmp_path):
     assert sum(r.get("outer/accepted", 0) for r in rows) == sum(r.get("outer/accepted", 0) for r in read_metrics(tmp_path / "local"))
 
 
-@pytest.mark.parametrize("when", ["after_step", "mid_window"])
+@pytest.mark.parametrize("when", ["after_step", "mid_window", "after_step_compressed_down"])
 def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(tiny, tmp_path, monkeypatch, caplog, when):
     """``after_step``: killed right after step 2 (pushes it held for step 3 are lost and redone);
-    ``mid_window``: killed once step 3's window has folded an update (the window is voided)."""
+    ``mid_window``: killed once step 3's window has folded an update (the window is voided);
+    ``after_step_compressed_down``: the first with ``wire.compress_down=int8``: the restarted
+    follower reloads its x̂_s with a new lineage, so every site is sent the model whole next."""
     caplog.set_level("WARNING", logger="fl_geo")
     seen: dict[str, object] = {}
     log_step, recover, fold = ShardedDiPSLoop._log_step, ShardedDiPSLoop._recover, ShardedDiPSLoop.fold_update
@@ -86,7 +88,7 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
 
     def kill_after_step_2(self, metrics):
         log_step(self, metrics)
-        if when == "after_step" and self.version == 2 and "killed" not in seen:
+        if when.startswith("after_step") and self.version == 2 and "killed" not in seen:
             kill(self)
 
     def kill_mid_window(self, ev, r, staleness):
@@ -103,7 +105,8 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
     monkeypatch.setattr(ShardedDiPSLoop, "_log_step", kill_after_step_2)
     monkeypatch.setattr(ShardedDiPSLoop, "_recover", watch_recover)
     monkeypatch.setattr(ShardedDiPSLoop, "fold_update", kill_mid_window)
-    cfg = tiny(*VIRTUAL, *DIPS, "run.rounds=6", "ps.followers=2", "ps.transport=grpc", "ps.heartbeat_s=0.5")
+    down = ["wire.compress_down=int8"] if when.endswith("compressed_down") else []
+    cfg = tiny(*VIRTUAL, *DIPS, "run.rounds=6", "ps.followers=2", "ps.transport=grpc", "ps.heartbeat_s=0.5", *down)
     summary, final = _run(cfg, tmp_path / "run")
     assert summary["outer_steps"] == 6 and torch.isfinite(final).all()
     assert seen["new_pid"] != seen["pid"]
@@ -117,6 +120,8 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
     failed = sum(r["outer/failed"] for r in rows_all)
     assert failed >= 1  # what the dead follower held was lost (voided or redone), never stepped half
     assert rows_all[-1]["ps/voided_total"] == (1 if when == "mid_window" else 0)
+    if down:  # 4 sites whole at the start, and whole again after the restart
+        assert rows_all[-1]["comm/down_full"] >= 5 and rows_all[-1]["comm/down_delta"] >= 1
     meta = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert meta["outer_steps"] == 6
     assert not _follower_pids(tmp_path / "run" / "ps")

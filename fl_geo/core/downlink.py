@@ -30,6 +30,7 @@ applies deltas with `apply_delta` (`fl_geo.clients.downlink`).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ import torch
 
 from fl_geo.core.compress import Compressor, Payload
 
-__all__ = ["DeltaStep", "PublicModel", "apply_delta", "on_grid"]
+__all__ = ["DeltaStep", "PublicModel", "apply_delta", "max_chain", "on_grid"]
 
 _GRID = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,6 +55,12 @@ def on_grid(x: torch.Tensor, precision: str) -> torch.Tensor:
 def apply_delta(base: torch.Tensor, delta_hat: torch.Tensor, precision: str) -> torch.Tensor:
     """g(x̂ + D(P)): the public model after one delta, as a new fp32 tensor (both ends call this)."""
     return on_grid(base + delta_hat, precision)
+
+
+def max_chain(delta_nbytes: int, full_nbytes: int) -> int:
+    """The most deltas of ``delta_nbytes`` each that a `PublicModel` of ``full_nbytes`` keeps (the
+    last payloads while their bytes sum below one whole model): the longest chain it sends."""
+    return max(0, math.ceil(full_nbytes / delta_nbytes) - 1) if delta_nbytes > 0 else 0
 
 
 @dataclass(frozen=True)

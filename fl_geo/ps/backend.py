@@ -189,7 +189,8 @@ class ProcessBackend:
 
     def __init__(self, plan: ShardPlan, params: torch.Tensor, make_optimizer: Callable[[int], OuterOptimizer],
                  ps: PsSection, *, wire: str, send: str, torch_threads: int, run_dir: Callable[[], Path],
-                 compress: CompressSettings | None = None) -> None:
+                 compress: CompressSettings | None = None, compress_down: CompressSettings | None = None,
+                 wire_down: str = "fp32") -> None:
         self.plan = plan
         self.params = params
         self.ps = ps
@@ -205,7 +206,8 @@ class ProcessBackend:
             plan, workdir, optimizer_name=opt.name, optimizer_kwargs=kwargs, wire=wire, send=send,
             keep=ps.checkpoint_keep, heartbeat_s=ps.heartbeat_s, max_pending=ps.max_pending,
             torch_threads=torch_threads, host=ps.host, tls=tls, key=data_path_key(ps.key_file),
-            allow_plaintext_remote=ps.allow_insecure_remote, compress=compress)
+            allow_plaintext_remote=ps.allow_insecure_remote, compress=compress, compress_down=compress_down,
+            wire_down=wire_down)
         self.scheduler = TransferScheduler(list(range(ps.followers)), ps.followers)
         self.followers: list[Any] = []  # connected by `start`
 
@@ -325,16 +327,20 @@ class ProcessBackend:
 
 def follower_backend(plan: ShardPlan, ps: PsSection, params: torch.Tensor,
                      make_optimizer: Callable[[int], OuterOptimizer], *, wire: str, send: str, torch_threads: int,
-                     run_dir: Callable[[], Path], compress: CompressSettings | None = None) -> FollowerBackend:
+                     run_dir: Callable[[], Path], compress: CompressSettings | None = None,
+                     compress_down: CompressSettings | None = None, wire_down: str = "fp32") -> FollowerBackend:
     """The backend ``ps.transport`` names, its followers over ``params`` (the leader's θ buffer)
     with ``make_optimizer(numel)``'s outer optimizer. ``run_dir`` is called only for follower
     processes without ``ps.workdir`` (they work under ``<run dir>/ps``): a run may have none.
     ``compress`` (``wire.compress``): follower processes decode their shard's payloads; in-process
-    followers get the update the leader decoded from the Flower reply, so they need no codec."""
+    followers get the update the leader decoded from the Flower reply, so they need no codec.
+    ``compress_down`` (``wire.compress_down``, on the ``wire_down`` grid): follower processes keep
+    their shard of the public model and send sites its deltas; in process the leader's own
+    downlink serves them (its train messages carry the model)."""
     if ps.transport == "local":
         return InProcessBackend(plan, params, make_optimizer, wire=wire, send=send, max_pending=ps.max_pending)
     return ProcessBackend(plan, params, make_optimizer, ps, wire=wire, send=send, torch_threads=torch_threads,
-                          run_dir=run_dir, compress=compress)
+                          run_dir=run_dir, compress=compress, compress_down=compress_down, wire_down=wire_down)
 
 
 def data_path_key(key_file: str) -> bytes:

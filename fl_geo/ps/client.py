@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -48,7 +49,7 @@ from fl_geo.ps.frames import (
     put_or_stop,
     wire_name,
 )
-from fl_geo.ps.payload_frames import payload_frames, payload_layout
+from fl_geo.ps.payload_frames import payload_frames, payload_layout, read_payloads
 
 __all__ = ["FollowerClient"]
 
@@ -236,18 +237,22 @@ class FollowerClient:
         return self._retry("pull", attempt)
 
     def _read_pull(self, stream: Iterator[bytes]) -> tuple[int, torch.Tensor]:
-        def protocol(detail: str) -> DataPathError:
-            return DataPathError("pull", self.address, f"protocol error: {detail}")
-
         first = next(stream, None)
         if first is None:
-            raise protocol("stream ended before the header")
+            raise self._protocol("stream ended before the header")
         try:
             header = json.loads(first)
             version, numel, wire = int(header["version"]), int(header["numel"]), header["dtype"]
             dtype = WIRE_DTYPES[wire]
         except (ValueError, KeyError, TypeError) as exc:
-            raise protocol(f"bad header {first[:200]!r}: {exc}") from None
+            raise self._protocol(f"bad header {first[:200]!r}: {exc}") from None
+        return version, self._read_tensor(stream, numel, dtype, wire)
+
+    def _protocol(self, detail: str) -> DataPathError:
+        return DataPathError("pull", self.address, f"protocol error: {detail}")
+
+    def _read_tensor(self, stream: Iterator[bytes], numel: int, dtype: torch.dtype, wire: str) -> torch.Tensor:
+        protocol = self._protocol
         out = torch.empty(numel, dtype=dtype)
         view_dtype, np_dtype = BIT_VIEWS[dtype]
         dst = out.view(view_dtype).numpy()
@@ -262,7 +267,63 @@ class FollowerClient:
             pos += n
         if pos != numel:
             raise protocol(f"stream ended after {pos} of {numel} elements")
-        return version, out
+        return out
+
+    def pull_public(self, numel: int, held: int | None, lineage: str | None, *, wire: str, delta_nbytes: int,
+                    max_deltas: int, chunk_bytes: int | None = None, token: str | None = None) -> PublicReply:
+        """A site's pull of the follower's public model x̂_s (``wire.compress_down``): it names the
+        version and lineage it holds; the answer is x̂_s whole (in ``wire``), the chain of deltas
+        from ``held`` (each exactly ``delta_nbytes``, at most ``max_deltas``: the site's own
+        counts from the run's settings), or nothing new. Anything else is a protocol error
+        (`DataPathError`); what the deltas' arrays hold is the site's codec's to check."""
+        req: dict[str, Any] = {"begin": 0, "end": numel, "wire": wire, "public": True}
+        if held is not None and lineage:
+            req.update(held=held, lineage=lineage)
+        if token:
+            req["token"] = token
+        if chunk_bytes is not None:
+            req["chunk_bytes"] = chunk_bytes
+        request = json_frame(req)
+
+        def attempt() -> PublicReply:
+            stream = self._pull(request, timeout=self._timeout(numel * WIRE_DTYPES[wire].itemsize))
+            try:
+                return self._read_public(stream, numel, req.get("held"), wire, delta_nbytes, max_deltas)
+            finally:
+                stream.cancel()
+
+        return self._retry("pull", attempt)
+
+    def _read_public(self, stream: Iterator[bytes], numel: int, held: int | None, wire: str, delta_nbytes: int,
+                     max_deltas: int) -> PublicReply:
+        first = next(stream, None)
+        if first is None:
+            raise self._protocol("stream ended before the header")
+        try:
+            header = json.loads(first)
+            version, kind, lineage = int(header["version"]), header["public"], header["lineage"]
+            ok = (int(header["numel"]) == numel and header["dtype"] == wire and isinstance(lineage, str) and lineage
+                  and kind in ("full", "delta", "same") and version >= 0)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise self._protocol(f"bad public-model header {first[:200]!r}: {exc}") from None
+        if not ok:
+            raise self._protocol(f"public-model header {first[:200]!r} does not answer a pull of {numel} at {wire}")
+        if kind == "full":
+            return PublicReply(version, lineage, kind, version, self._read_tensor(stream, numel, WIRE_DTYPES[wire], wire))
+        start = header.get("from")
+        if kind == "same":
+            if start != version or held != version or next(stream, None) is not None:
+                raise self._protocol(f"'same' answer at version {version} to a site holding {held}")
+            return PublicReply(version, lineage, kind, version)
+        layouts = header.get("deltas")
+        if held is None or start != held or not isinstance(layouts, list) or version - held != len(layouts) or not layouts:
+            raise self._protocol(f"a delta chain from {start} to {version} in {len(layouts or [])} payloads "
+                                 f"answers a site holding {held}")
+        try:
+            deltas = read_payloads(layouts, stream, "public-model pull", delta_nbytes, max_deltas)
+        except ValueError as exc:
+            raise self._protocol(str(exc)) from None
+        return PublicReply(version, lineage, kind, held, deltas=deltas)
 
     def control(self, op: str, **args: Any) -> dict[str, Any]:
         """One leader operation (see `CONTROL_OPS`); the id makes retries execute it once."""
@@ -278,6 +339,20 @@ class FollowerClient:
 
     def health(self) -> dict[str, Any]:
         return self.control("health")
+
+
+@dataclass(frozen=True)
+class PublicReply:
+    """A follower's answer to `FollowerClient.pull_public`: x̂_s's ``version`` and ``lineage``;
+    ``kind`` ``full`` (``full``: x̂_s in the wire precision), ``delta`` (``deltas``: the payloads'
+    arrays from version ``start`` on, in order) or ``same``."""
+
+    version: int
+    lineage: str
+    kind: str
+    start: int
+    full: torch.Tensor | None = None
+    deltas: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
 def _chain(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:

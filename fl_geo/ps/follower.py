@@ -17,12 +17,23 @@ is kept beside it.
 Pseudo-gradient base (docs/algorithms.md §5): ``pseudo_grad`` pushes are Δ and are folded as they are;
 ``params`` pushes are the worker's θ_i and Δ = θ_s − θ_i is taken against the shard's *current*
 θ when the leader handles the update (Di-PS Algorithm 1, line 10), one chunk at a time.
+
+Compressed downlink (``wire.compress_down``, follower processes): the follower keeps its shard of
+the public model x̂ (`fl_geo.core.downlink.PublicModel`: x̂_s on the ``wire.down`` grid and its
+last deltas, at most one more shard's wire bytes) and advances it once per outer step, so x̂_s's
+version is always the shard's. A site's pull names the x̂ version it holds and is answered with
+nothing, the chain of deltas since, or x̂_s whole (`read_public`). Each follower compresses its own
+shard, so chunks and blocks restart at every shard start (as the uplink's per-shard payloads).
+``lineage``: a token drawn when this x̂ began (a fresh follower, a restart, a loaded state): a
+site's version counts only within the same lineage, since a leader that resumed from an older
+step re-runs versions with other values.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +42,14 @@ import numpy as np
 import torch
 
 from fl_geo.core.compress import Compressor, payload_from_arrays
+from fl_geo.core.downlink import DeltaStep, PublicModel
 from fl_geo.core.outer import OuterOptimizer
 from fl_geo.core.shards import ShardPlan, tensor_sq_sums
 from fl_geo.core.state import CHUNK_ELEMS, chunk_ranges, sum_of_squares
 from fl_geo.errors import PayloadError
 
-__all__ = ["SEND_MODES", "WIRE_DTYPES", "FollowerError", "FollowerShard", "PushBuffer", "check_wire_and_send"]
+__all__ = ["SEND_MODES", "WIRE_DTYPES", "FollowerError", "FollowerShard", "PublicPull", "PushBuffer",
+           "check_wire_and_send"]
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SEND_MODES = ("pseudo_grad", "params")
@@ -53,6 +66,24 @@ def check_wire_and_send(wire: str, send: str) -> None:
 
 class FollowerError(ValueError):
     """A request a follower refuses (unknown job, bad chunk, wrong shard): nothing changed."""
+
+
+@dataclass(frozen=True)
+class PublicPull:
+    """A consistent answer to a site's pull of x̂_s: its ``version`` and ``lineage``, and either
+    ``full`` (x̂_s, fp32 on the ``precision`` grid; never changed in place, so safe to stream after
+    the lock is released) or ``deltas``, the chain from the site's version (empty: up to date)."""
+
+    version: int
+    lineage: str
+    precision: str
+    full: torch.Tensor | None
+    deltas: tuple[DeltaStep, ...] = ()
+
+    @property
+    def held_from(self) -> int:
+        """The version the chain starts from (``version`` when x̂_s goes whole or nothing)."""
+        return self.version - len(self.deltas)
 
 
 @dataclass
@@ -88,7 +119,8 @@ class FollowerShard:
 
     def __init__(self, plan: ShardPlan, index: int, optimizer: OuterOptimizer, *,
                  params: torch.Tensor | None = None, wire: str = "bf16", send: str = "pseudo_grad",
-                 max_pending: int = 64, compressor: Compressor | None = None) -> None:
+                 max_pending: int = 64, compressor: Compressor | None = None,
+                 down_compressor: Compressor | None = None, wire_down: str = "fp32") -> None:
         if not 0 <= index < plan.num_shards:
             raise ValueError(f"shard index {index} outside the plan of {plan.num_shards}")
         check_wire_and_send(wire, send)
@@ -115,6 +147,14 @@ class FollowerShard:
                              f"send pseudo_grad), got wire {wire}, send {send}")
         self.compressor = compressor
         self.version = 0
+        # wire.compress_down: x̂_s, advanced once per step (`read_public`); its own EF is off
+        if down_compressor is not None and wire_down not in WIRE_DTYPES:
+            raise ValueError(f"unknown downlink precision {wire_down!r}; valid: {', '.join(WIRE_DTYPES)}")
+        self.down_compressor = down_compressor
+        self.wire_down = wire_down
+        self.public: PublicModel | None = None
+        self.lineage = ""
+        self._new_public()
         self.ranges = plan.tensor_ranges(index)
         self.pending: dict[str, PushBuffer] = {}
         self._acc = torch.empty(self.numel, dtype=torch.float32)
@@ -278,8 +318,42 @@ class FollowerShard:
             if lr is not None and base_lr is not None:
                 self.optimizer.lr = base_lr
         self.version += 1
+        if self.public is not None:
+            self.public.advance(self.params)  # version + 1, like θ_s's
         self.reset_window()
         return self.version
+
+    # ---- compressed downlink ----------------------------------------------------------------------
+    def _new_public(self, state: dict[str, Any] | None = None) -> None:
+        """x̂_s = g(θ_s) at this version (or ``state``'s x̂), with a new lineage; nothing without
+        a downlink compressor. Raises (FollowerError) before changing anything."""
+        if self.down_compressor is None:
+            return
+        full_nbytes = self.numel * WIRE_DTYPES[self.wire_down].itemsize
+        public = PublicModel(self.down_compressor, self.params, self.wire_down, full_nbytes)
+        public.version = self.version
+        if state is not None:
+            try:
+                public.load_state_dict(state)
+            except ValueError as exc:
+                raise FollowerError(f"follower state's public model: {exc}") from None
+            if public.version != self.version:
+                raise FollowerError(f"follower state's public model is at version {public.version}, θ_s at "
+                                    f"{self.version}")
+        self.public, self.lineage = public, secrets.token_hex(8)
+
+    def read_public(self, held: int | None, lineage: str | None = None) -> PublicPull:
+        """What a site holding x̂_s at version ``held`` of ``lineage`` is sent (`PublicModel.plan`):
+        nothing new, the chain of deltas since ``held``, or x̂_s whole (a site that holds nothing,
+        another lineage, or a version whose chain is no longer kept). Call under the lock that
+        serialises steps; the answer stays valid after it (x̂_s is replaced, never written)."""
+        if self.public is None:
+            raise FollowerError(f"follower {self.index} keeps no public model (wire.compress_down is off)")
+        pub = self.public
+        plan = pub.plan(held if lineage == self.lineage else None)
+        if plan is None:
+            return PublicPull(pub.version, self.lineage, self.wire_down, pub.params)
+        return PublicPull(pub.version, self.lineage, self.wire_down, None, tuple(plan))
 
     def reset_window(self, drop_pending: bool = False) -> None:
         """Empty the running sum (after a step, or when the leader voids a window)."""
@@ -300,6 +374,7 @@ class FollowerShard:
             "version": self.version,
             "params": self.params,
             "optimizer": self.optimizer.state_dict(),
+            **({"public": self.public.state_dict()} if self.public is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -321,9 +396,23 @@ class FollowerShard:
         optimizer = copy.copy(self.optimizer)  # same class and hyperparameters, fresh buffers
         optimizer._state, optimizer._scratch = {}, []
         optimizer.load_state_dict(dict(state["optimizer"]))  # raises before anything is swapped
+        public = state.get("public")
+        if self.public is not None and public is not None:
+            if not isinstance(public, dict):
+                raise FollowerError("follower state's public model is not a dict")
+            scratch = PublicModel(self.public.compressor, self.public.params, self.wire_down, self.public.full_nbytes)
+            try:
+                scratch.load_state_dict(public)
+            except ValueError as exc:
+                raise FollowerError(f"follower state's public model: {exc}") from None
+            if scratch.version != int(state["version"]):
+                raise FollowerError(f"follower state's public model is at version {scratch.version}, θ_s at "
+                                    f"{state['version']}")
         self.params.copy_(p.reshape(-1))
         self.optimizer = optimizer
         self.version = int(state["version"])
+        # x̂_s as saved, or (the supervisor's first checkpoint, a run without it) g(θ_s) afresh
+        self._new_public(public if isinstance(public, dict) else None)
         self.reset_window(drop_pending=True)
 
     # ---- helpers -------------------------------------------------------------------------------

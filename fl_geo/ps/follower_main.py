@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--send", default="pseudo_grad", choices=SEND_MODES)
     p.add_argument("--compress", default=None,
                    help="JSON of the uplink's CompressSettings (wire.compress): pushes are this shard's payloads")
+    p.add_argument("--compress-down", default=None,
+                   help="JSON of the downlink's CompressSettings (wire.compress_down): keep this shard of the "
+                        "public model and send sites its deltas")
+    p.add_argument("--wire-down", default="fp32", choices=sorted(WIRE_DTYPES),
+                   help="the downlink's precision (wire.down): the public model's grid")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--addr-file", default=None, help="where to write host:port once serving")
     p.add_argument("--max-workers", type=int, default=16, help="gRPC handler threads")
@@ -109,11 +114,14 @@ def load_follower(args: argparse.Namespace) -> tuple[FollowerShard, CheckpointSt
         params = None
     try:
         settings = uplink_from_json(args.compress, "--compress")
+        down = uplink_from_json(args.compress_down, "--compress-down")
+        down_compressor = Compressor(down) if down is not None else None
     except (ConfigError, ValueError) as exc:
-        raise SystemExit(f"--compress: {exc}") from None
+        raise SystemExit(f"--compress / --compress-down: {exc}") from None
     follower = FollowerShard(plan, args.index, optimizer, params=params, wire=args.wire, send=args.send,
                              max_pending=args.max_pending,
-                             compressor=Compressor(settings) if settings is not None else None)
+                             compressor=Compressor(settings) if settings is not None else None,
+                             down_compressor=down_compressor, wire_down=args.wire_down)
     follower.load_state_dict(ckpt.state)
     log.info("follower %d: loaded checkpoint %s (version %d, %d elements)", args.index, ckpt.path,
              follower.version, numel)

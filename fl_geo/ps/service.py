@@ -59,7 +59,7 @@ from fl_geo.ps.frames import (
     tensor_bytes,
     wire_field,
 )
-from fl_geo.ps.payload_frames import read_payload
+from fl_geo.ps.payload_frames import payload_layout, payloads_frames, read_payload
 
 __all__ = ["FollowerService"]
 
@@ -281,30 +281,45 @@ class FollowerService:
         try:
             leader = self.access.is_leader("Pull", request, context)
             req = parse_json(request, "pull request")
-            check_keys(req, "pull request", ("begin", "end"), ("wire", "expect_version", "chunk_bytes", "token"))
+            check_keys(req, "pull request", ("begin", "end"),
+                       ("wire", "expect_version", "chunk_bytes", "token", "public", "held", "lineage"))
             claims = None if leader else self.access.check_token(req.get("token"), None, "pull", context.peer())
-            begin, end = int_field(req, "begin", "pull request"), int_field(req, "end", "pull request")
-            if not begin <= end <= f.numel:
-                raise bad_request(f"pull [{begin}, {end}) outside shard {f.index} of {f.numel} elements")
-            wire = f.wire if req.get("wire") is None else wire_field(req["wire"], "pull request")
-            expect = req.get("expect_version")
-            if expect is not None:
-                expect = int_field(req, "expect_version", "pull request")
-            dtype = WIRE_DTYPES[wire]
-            chunk_bytes = req.get("chunk_bytes") or DEFAULT_CHUNK_BYTES
-            try:
-                step = elems_per_frame(chunk_bytes, dtype.itemsize)
-            except ValueError as exc:
-                raise bad_request(f"pull request: {exc}") from None
-            with self.lock:
-                version = f.version
-                if claims is not None:
-                    self.access.check_pull_scope(claims, version, context.peer())
-            if expect is not None and expect != version:
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"follower {f.index} is at version {version}, the pull expects {expect}")
+            if req.get("public") is not None and req["public"] is not True:
+                raise bad_request(f"pull request: public must be true when given, got {req['public']!r}")
+            if req.get("public"):  # wire.compress_down: a site asks for x̂_s, not θ_s
+                if f.public is None:
+                    raise bad_request(f"pull request: follower {f.index} keeps no public model (the run's "
+                                      "wire.compress_down is off)")
+                public = self._public_request(req, claims, context)
+            else:
+                public = None
+                if "held" in req or "lineage" in req:
+                    raise bad_request("pull request: held and lineage go with public=true")
+                begin, end = int_field(req, "begin", "pull request"), int_field(req, "end", "pull request")
+                if not begin <= end <= f.numel:
+                    raise bad_request(f"pull [{begin}, {end}) outside shard {f.index} of {f.numel} elements")
+                wire = f.wire if req.get("wire") is None else wire_field(req["wire"], "pull request")
+                expect = req.get("expect_version")
+                if expect is not None:
+                    expect = int_field(req, "expect_version", "pull request")
+                dtype = WIRE_DTYPES[wire]
+                chunk_bytes = req.get("chunk_bytes") or DEFAULT_CHUNK_BYTES
+                try:
+                    step = elems_per_frame(chunk_bytes, dtype.itemsize)
+                except ValueError as exc:
+                    raise bad_request(f"pull request: {exc}") from None
+                with self.lock:
+                    version = f.version
+                    if claims is not None:
+                        self.access.check_pull_scope(claims, version, context.peer())
+                if expect is not None and expect != version:
+                    raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"follower {f.index} is at version {version}, the pull expects {expect}")
         except RequestError as exc:
             context.abort(exc.code, exc.message)
+            return
+        if public is not None:
+            yield from public
             return
 
         q: queue.Queue[bytes | RequestError | None] = queue.Queue(self.queue_frames)
@@ -342,6 +357,54 @@ class FollowerService:
         finally:
             stop.set()  # the client may have gone: release the producer
             producer.join()
+
+    def _public_request(self, req: dict[str, Any], claims: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A site's pull of x̂_s (``wire.compress_down``, ``public: true``): the request must cover
+        the whole shard and may name the version and lineage the site holds (``held``, ``lineage``). Checked and
+        answered from one snapshot taken under the lock (`FollowerShard.read_public`), so a step
+        during the stream cannot tear it; returns the frames: a header ``{version, numel, dtype,
+        lineage, public}``, ``public`` being ``full`` (x̂_s follows in ``dtype``), ``delta``
+        (``from`` and ``deltas``, each delta's payload layout; their bytes follow back to back)
+        or ``same`` (nothing follows)."""
+        f = self.follower
+        begin, end = int_field(req, "begin", "pull request"), int_field(req, "end", "pull request")
+        if (begin, end) != (0, f.numel):
+            raise bad_request(f"pull request: a public-model pull covers the whole shard [0, {f.numel}), "
+                              f"not [{begin}, {end})")
+        if req.get("wire") is not None and wire_field(req["wire"], "pull request") != f.wire_down:
+            raise bad_request(f"pull request: the public model travels at wire.down {f.wire_down}, not {req['wire']}")
+        held = req.get("held")
+        if held is not None:
+            held = int_field(req, "held", "pull request")
+        lineage = str_field(req, "lineage", "pull request") if req.get("lineage") is not None else None
+        chunk_bytes = req.get("chunk_bytes") or DEFAULT_CHUNK_BYTES
+        try:
+            step = elems_per_frame(chunk_bytes, WIRE_DTYPES[f.wire_down].itemsize)
+        except ValueError as exc:
+            raise bad_request(f"pull request: {exc}") from None
+        with self.lock:
+            snap = f.read_public(held, lineage)
+            if claims is not None:
+                self.access.check_pull_scope(claims, snap.version, context.peer())
+        if req.get("expect_version") is not None and int_field(req, "expect_version", "pull request") != snap.version:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"follower {f.index} is at version {snap.version}, the pull expects {req['expect_version']}")
+        header = {"version": snap.version, "numel": f.numel, "dtype": snap.precision, "lineage": snap.lineage}
+        return self._public_frames(snap, header, step, chunk_bytes)
+
+    @staticmethod
+    def _public_frames(snap: Any, header: dict[str, Any], step: int, chunk_bytes: int) -> Iterator[bytes]:
+        if snap.full is not None:
+            yield json_frame({**header, "public": "full"})
+            dtype = WIRE_DTYPES[snap.precision]
+            for b in range(0, snap.full.numel(), step):
+                yield tensor_bytes(snap.full[b:b + step].to(dtype).contiguous())
+        elif snap.deltas:
+            yield json_frame({**header, "public": "delta", "from": snap.held_from,
+                              "deltas": [payload_layout(d.payload) for d in snap.deltas]})
+            yield from payloads_frames([d.payload for d in snap.deltas], chunk_bytes)
+        else:
+            yield json_frame({**header, "public": "same", "from": snap.version})
 
     # -- Control -------------------------------------------------------------------------------
     def _control(self, request: bytes, context: grpc.ServicerContext) -> bytes:

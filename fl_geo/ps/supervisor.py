@@ -147,6 +147,7 @@ class FollowerSupervisor:
                  heartbeats: LeaderHeartbeatService | None = None,
                  start_timeout_s: float = 120.0, host: str = "127.0.0.1", key: bytes | None = None,
                  allow_plaintext_remote: bool = False, compress: CompressSettings | None = None,
+                 compress_down: CompressSettings | None = None, wire_down: str = "fp32",
                  fork: bool = True) -> None:
         if isinstance(num, str | os.PathLike):  # FollowerSupervisor(plan, workdir, ...)
             if workdir is not None:
@@ -170,6 +171,8 @@ class FollowerSupervisor:
         self.wire = wire
         self.send = send
         self.compress = compress  # wire.compress: followers decode their shard's payloads
+        self.compress_down = compress_down  # wire.compress_down: followers keep their shard of x̂
+        self.wire_down = wire_down
         self.keep = keep
         self.max_pending = max_pending
         # Reductions (the norms) are summed in a thread-count-dependent order: followers use the
@@ -286,6 +289,8 @@ class FollowerSupervisor:
             "--heartbeat-s", str(self.heartbeat_s), "--addr-file", str(addr), "--parent-pid", str(os.getpid()),
             "--max-pending", str(self.max_pending), "--torch-threads", str(self.torch_threads),
             *(["--compress", settings_json(self.compress) or ""] if self.compress is not None else []),
+            *(["--compress-down", settings_json(self.compress_down) or "", "--wire-down", self.wire_down]
+              if self.compress_down is not None else []),
             *(["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
               if self.tls is not None else []),
             *(["--allow-plaintext-host", self.host]
