@@ -225,8 +225,8 @@ def test_the_leaders_plan_follows_the_followers_rule_by_hand():
 def test_follower_processes_send_the_compressed_downlink_with_the_unsharded_bits(tiny, tmp_path):
     """ps.transport=grpc with wire.compress_down=int8: one follower process ends on the bits of the
     single-server run with the same downlink (same virtual time and paths: x̂ advances with the same
-    x); two (each shard its own int8 blocks) end within 1 % of its loss with fewer bytes down than
-    the whole model each time, and every site keeps a finite copy of x̂ at one version for both shards."""
+    x), with fewer bytes down than the whole model each time. Two follower processes:
+    tests/test_sharded_grpc.py (a follower killed after a step)."""
     from fl_geo.runtime.metrics import read_metrics
     from tests.test_sharded_compress import VIRTUAL, _run
 
@@ -237,19 +237,5 @@ def test_follower_processes_send_the_compressed_downlink_with_the_unsharded_bits
     paths = ("comm/down_full", "comm/down_delta", "comm/down_same")
     last1, last0 = read_metrics(tmp_path / "f1")[-1], read_metrics(tmp_path / "f0")[-1]
     assert [last1[k] for k in paths] == [last0[k] for k in paths] and last1["comm/down_delta"] > 0
-
-    s2, two, grid = _run(tiny(*down, "ps.followers=2", "ps.transport=grpc"), tmp_path / "f2")
-    assert s2["outer_steps"] == 4 and s2["rejected"] == 0 and s2["failed_jobs"] == 0
-    last2 = read_metrics(tmp_path / "f2")[-1]
-    messages = last2["comm/down_full"] + last2["comm/down_delta"] + last2["comm/down_same"]
-    assert last2["comm/down_delta"] > 0
-    whole = {"fp32": 4, "bf16": 2, "fp16": 2}[tiny(*down).wire.down] * s2["num_params"]
-    assert s2["bytes_down"] < 0.8 * messages * whole  # against the model whole each time
-    # the shards' own int8 blocks: not the single-server bits, the same loss to 1 %
-    assert abs(s2["final_val_loss"] - s0["final_val_loss"]) < 0.01 * s0["final_val_loss"]
-    holders = [c.state for c in grid.contexts.values() if SHARD_VERSIONS_KEY in c.state.config_records]
-    assert len(holders) == 4
-    for st in holders:
-        x = torch.from_numpy(st.array_records[PUBLIC_KEY]["params"].numpy())
-        versions = list(st.config_records[SHARD_VERSIONS_KEY]["versions"])
-        assert torch.isfinite(x).all() and len(set(versions)) == 1 and versions[0] >= 1
+    whole = {"fp32": 4, "bf16": 2, "fp16": 2}[tiny(*down).wire.down] * s1["num_params"]
+    assert s1["bytes_down"] < 0.8 * sum(last1[k] for k in paths) * whole  # against the model whole each time
