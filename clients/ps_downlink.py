@@ -19,6 +19,7 @@ from the same versions. A kept copy for other shard bounds (another run's plan) 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -28,6 +29,7 @@ from fl_geo.clients.downlink import PUBLIC_KEY
 from fl_geo.core.compress import Compressor, payload_from_arrays, payload_nbytes
 from fl_geo.core.downlink import apply_delta, max_chain, on_grid
 from fl_geo.errors import PayloadError
+from fl_geo.ps.client import FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire_settings import uplink_from_json
@@ -51,10 +53,12 @@ def _kept(state: RecordDict, shards: list[tuple[int, int]], numel: int) -> tuple
     return base, [int(v) for v in versions], [str(s) for s in lineages]
 
 
-def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict,
-                      addresses: list[str], shards: list[tuple[int, int]], client_of, token: str | None) -> int:
+def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict, addresses: list[str],
+                      shards: list[tuple[int, int]], client_of: Callable[[str], FollowerClient],
+                      token: str | None) -> int:
     """x̂ from every follower into ``out`` (fp32, whole model), from the copy kept in ``state``;
-    returns the version all shards agree on and keeps the new copy in ``state``."""
+    returns the version all shards agree on and keeps the new copy in ``state``. ``client_of``
+    opens a `FollowerClient` for an address (a context manager)."""
     settings = uplink_from_json(req.wire_compress_down, "wire_compress_down")
     if settings is None:
         raise ValueError("the job names no downlink codec (wire_compress_down)")

@@ -38,7 +38,7 @@ import torch
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.ps.access import FollowerAccess
 from fl_geo.ps.auth import AuthError, DataPathAuth
-from fl_geo.ps.follower import WIRE_DTYPES, FollowerError, FollowerShard, PushBuffer
+from fl_geo.ps.follower import WIRE_DTYPES, FollowerError, FollowerShard, PublicPull, PushBuffer
 from fl_geo.ps.frames import (
     CONTROL_OPS,
     DEFAULT_CHUNK_BYTES,
@@ -393,7 +393,7 @@ class FollowerService:
         return self._public_frames(snap, header, step, chunk_bytes)
 
     @staticmethod
-    def _public_frames(snap: Any, header: dict[str, Any], step: int, chunk_bytes: int) -> Iterator[bytes]:
+    def _public_frames(snap: PublicPull, header: dict[str, Any], step: int, chunk_bytes: int) -> Iterator[bytes]:
         if snap.full is not None:
             yield json_frame({**header, "public": "full"})
             dtype = WIRE_DTYPES[snap.precision]
