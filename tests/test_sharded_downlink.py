@@ -94,6 +94,29 @@ def test_a_follower_keeps_its_public_model_in_step_and_answers_by_rule():
         plain.read_public(None)
 
 
+def test_a_site_of_an_older_lineage_is_sent_the_shard_whole_even_at_its_own_version():
+    """A leader that resumed from an older step rewinds the followers, which then reach the
+    version a site holds again with other values: the site's version names another lineage, so
+    it is sent x̂_s whole, never told it is up to date or sent deltas against its stale copy."""
+    plan = _plan()
+    theta = torch.randn(plan.spec.numel, generator=torch.Generator().manual_seed(3))
+    f = _follower(plan, 0, theta)
+    _step(f, 0)
+    saved = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in f.state_dict().items()}
+    _step(f, 1)
+    _step(f, 2)
+    site_version, site_lineage = f.version, f.lineage  # a site pulled version 3 of this lineage
+    rewound = _follower(plan, 0, torch.zeros(plan.spec.numel))
+    rewound.load_state_dict(saved)  # the rewind to step 1
+    _step(rewound, 101)
+    _step(rewound, 102)  # version 3 again, other values
+    assert rewound.version == site_version and not torch.equal(rewound.public.params, f.public.params)
+    answer = rewound.read_public(site_version, site_lineage)
+    assert answer.full is not None and torch.equal(answer.full, rewound.public.params)
+    assert rewound.read_public(1, site_lineage).full is not None  # no chain across lineages either
+    assert rewound.read_public(site_version, rewound.lineage).deltas == ()  # its own lineage: up to date
+
+
 def test_a_follower_checkpoint_keeps_its_public_model_and_a_bad_one_changes_nothing():
     plan = _plan()
     theta = torch.randn(plan.spec.numel, generator=torch.Generator().manual_seed(1))
@@ -239,3 +262,39 @@ def test_follower_processes_send_the_compressed_downlink_with_the_unsharded_bits
     assert [last1[k] for k in paths] == [last0[k] for k in paths] and last1["comm/down_delta"] > 0
     whole = {"fp32": 4, "bf16": 2, "fp16": 2}[tiny(*down).wire.down] * s1["num_params"]
     assert s1["bytes_down"] < 0.8 * sum(last1[k] for k in paths) * whole  # against the model whole each time
+
+
+def test_a_resumed_leader_rewinds_the_followers_and_no_site_keeps_a_stale_public_model(tiny, tmp_path):
+    """The leader dies at its 11th reply and resumes from its step-2 checkpoint: the followers,
+    already past step 2, restart from their step-2 checkpoints (x̂_s included) and run steps 3..
+    again with other values, while the sites keep their copies (they outlive the leader). At the
+    end every site's copy of every shard equals the follower's checkpointed x̂_s of the version the
+    site holds. (Here every site pulls right after the resume, when the followers are behind what
+    it holds, so it is sent x̂_s whole; the lineage rule that covers a site that pulls only later
+    is the next test's.)"""
+    from fl_geo.clients.datacenter import app as client_app
+    from fl_geo.core.checkpoint import CheckpointStore
+    from fl_geo.runtime.inline import InlineGrid
+    from fl_geo.server_app import run_server
+    from tests.test_sharded_grpc import DIPS, VIRTUAL, Crash, _crash_at_reply
+
+    run_dir = tmp_path / "grpc"
+    common = [*VIRTUAL, *DIPS, "run.rounds=6", "run.checkpoint_every=2", "ps.followers=2", "ps.transport=grpc",
+              "ps.checkpoint_keep=8", "wire.compress_down=int8"]
+    grid = InlineGrid(client_app, 4, seed=0)  # the sites outlive the leader
+    grid.reply_hook = _crash_at_reply(11)
+    with pytest.raises(Crash):
+        run_server(grid, tiny(*common), run_dir)
+    grid.reply_hook = None
+    summary = run_server(grid, tiny(*common, "run.resume=true"), run_dir)
+    assert summary["outer_steps"] == 6
+    plan = ShardPlan.from_json((run_dir / "ps" / "plan.json").read_text())
+    checked = 0
+    for ctx in grid.contexts.values():
+        kept = ctx.state.config_records[SHARD_VERSIONS_KEY]
+        x = torch.from_numpy(ctx.state.array_records[PUBLIC_KEY]["params"].numpy())
+        for sh, version in zip(plan.shards, kept["versions"], strict=True):
+            public = CheckpointStore(run_dir / "ps" / f"follower-{sh.index}").load(int(version)).state["public"]
+            assert torch.equal(x[sh.begin:sh.end], public["params"]), (sh.index, version)
+            checked += 1
+    assert checked == 4 * plan.num_shards
