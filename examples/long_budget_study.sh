@@ -33,7 +33,7 @@ declare -A CELL=(
   [fedavg-H100]="configs/bench/ladder_fedavg.yaml $H100"
   [diloco-H100]="configs/bench/ladder_diloco.yaml $H100"
 )
-# The study ran these (diloco-lr1-m0.5-H25 and fedavgm-H25 are defined but were not run: CELLS=...)
+# The first study ran these; diloco-lr1-m0.5-H25 and fedavgm-H25 ran later with CELLS= and HEADLINE= set to them
 CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
 HEADLINE=${HEADLINE:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25}
 jobs=()
