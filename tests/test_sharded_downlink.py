@@ -191,7 +191,7 @@ def test_a_site_pulls_whole_then_deltas_and_holds_the_followers_public_model(ser
             c.pull_public(fs[0].numel, None, None, wire="fp16", delta_nbytes=1, max_deltas=1)
 
 
-@pytest.mark.parametrize("lie", ["nan_scale", "chain_from_elsewhere", "truncated", "unasked_delta"])
+@pytest.mark.parametrize("lie", ["nan_scale", "chain_from_elsewhere", "truncated", "unasked_delta", "other_lineage"])
 def test_a_lying_follower_fails_the_pull_and_the_site_keeps_its_copy(served, monkeypatch, lie):
     plan, fs, servers = served
     state = RecordDict()
@@ -216,6 +216,8 @@ def test_a_lying_follower_fails_the_pull_and_the_site_keeps_its_copy(served, mon
             arrays[big] = arrays[big][:-1]
         elif lie == "chain_from_elsewhere":  # claims version 2 with one delta: from 1, not the site's 0
             return PublicPull(answer.version + 1, answer.lineage, answer.precision, None, answer.deltas)
+        elif lie == "other_lineage":  # a chain, but of another lineage than the copy the site holds
+            return PublicPull(answer.version, "another", answer.precision, None, answer.deltas)
         bad = type(d)(d.version, payload_from_arrays(INT4, fs[1].numel, arrays), d.nbytes)
         return PublicPull(answer.version, answer.lineage, answer.precision, None, (bad,))
 
@@ -223,7 +225,8 @@ def test_a_lying_follower_fails_the_pull_and_the_site_keeps_its_copy(served, mon
     with pytest.raises((PayloadError, DataPathError)) as info:
         _pull(plan, servers, state)
     assert {"nan_scale": "scale", "chain_from_elsewhere": "answers a site holding 0",
-            "truncated": "announces", "unasked_delta": "answers a site holding None"}[lie] in str(info.value)
+            "truncated": "announces", "unasked_delta": "to a site holding lineage None",
+            "other_lineage": "of lineage 'another'"}[lie] in str(info.value)
     assert np.array_equal(state.array_records[PUBLIC_KEY]["params"].numpy(), kept)
     now = state.config_records.get(SHARD_VERSIONS_KEY)
     assert (None if now is None else list(now["versions"])) == kept_versions

@@ -288,14 +288,15 @@ class FollowerClient:
         def attempt() -> PublicReply:
             stream = self._pull(request, timeout=self._timeout(numel * WIRE_DTYPES[wire].itemsize))
             try:
-                return self._read_public(stream, numel, req.get("held"), wire, delta_nbytes, max_deltas)
+                return self._read_public(stream, numel, req.get("held"), req.get("lineage"), wire, delta_nbytes,
+                                         max_deltas)
             finally:
                 stream.cancel()
 
         return self._retry("pull", attempt)
 
-    def _read_public(self, stream: Iterator[bytes], numel: int, held: int | None, wire: str, delta_nbytes: int,
-                     max_deltas: int) -> PublicReply:
+    def _read_public(self, stream: Iterator[bytes], numel: int, held: int | None, held_lineage: str | None,
+                     wire: str, delta_nbytes: int, max_deltas: int) -> PublicReply:
         first = next(stream, None)
         if first is None:
             raise self._protocol("stream ended before the header")
@@ -311,6 +312,8 @@ class FollowerClient:
         if kind == "full":
             return PublicReply(version, lineage, kind, version, self._read_tensor(stream, numel, WIRE_DTYPES[wire], wire))
         start = header.get("from")
+        if lineage != held_lineage:  # nothing new or a chain only makes sense on the copy the site holds
+            raise self._protocol(f"a '{kind}' answer of lineage {lineage!r} to a site holding lineage {held_lineage!r}")
         if kind == "same":
             if start != version or held != version or next(stream, None) is not None:
                 raise self._protocol(f"'same' answer at version {version} to a site holding {held}")
