@@ -100,7 +100,7 @@ def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict, a
             todo = [i for i, v in enumerate(versions) if v != newest]
             if not todo:
                 out.copy_(new)
-                state[PUBLIC_KEY] = ArrayRecord({"params": Array(new.numpy().copy())})
+                state[PUBLIC_KEY] = ArrayRecord({"params": Array(new.numpy())})  # `new` is not reused
                 state[SHARD_VERSIONS_KEY] = ConfigRecord({"shards": json.dumps(shards), "versions": list(versions),
                                                           "lineages": list(lineages)})
                 return newest

@@ -202,8 +202,10 @@ def test_in_process_followers_take_the_compressed_downlink_with_the_unsharded_bi
     s0, unsharded, _ = _run(tiny(*down), tmp_path / "f0")
     assert torch.equal(sharded, unsharded) and s2["bytes_down"] == s0["bytes_down"]
     assert s2["outer_steps"] == 4 and s2["rejected"] == 0
-    last = read_metrics(tmp_path / "f2")[-1]
-    assert last["comm/down_full"] >= 4 and last["comm/down_delta"] >= 1
+    last, last0 = read_metrics(tmp_path / "f2")[-1], read_metrics(tmp_path / "f0")[-1]
+    paths = ("comm/down_full", "comm/down_delta", "comm/down_same")
+    assert [last[k] for k in paths] == [last0[k] for k in paths]  # the same messages as one server
+    assert last["comm/down_full"] == 4 and last["comm/down_delta"] >= 1  # whole once per site, then deltas
 
 
 def test_follower_processes_take_compressed_shards_and_learn(tiny, tmp_path):

@@ -81,7 +81,8 @@ def test_a_follower_keeps_its_public_model_in_step_and_answers_by_rule():
     assert f.read_public(0, f.lineage).full is not None  # 3 deltas: more than int4 keeps of this shard
     assert f.read_public(3, f.lineage).deltas == () and f.read_public(3, f.lineage).full is None  # up to date
     for held, lineage in ((2, "another"), (2, None), (9, f.lineage), (-1, f.lineage)):
-        assert f.read_public(held, lineage).full is not None  # another lineage, nothing, or impossible
+        answer = f.read_public(held, lineage)  # another lineage, nothing, or impossible: x̂_s whole
+        assert answer.deltas == () and answer.version == 3 and torch.equal(answer.full, f.public.params)
     # a chain longer than the history (its bytes would pass one whole shard) goes whole
     depth = max_chain(payload_nbytes(INT4, f.numel), f.numel * 2)
     for k in range(depth + 1):
