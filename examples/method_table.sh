@@ -15,7 +15,8 @@
 # examples/method_table_report.py reads them and writes OUT/method_table.md (the README table's
 # measured rows: each ratio with its 95 % interval and the budget in tokens per parameter) and
 # OUT/method_table.json; with README=path it also replaces the table between the README's
-# "method-table" markers. A row whose runs are missing is left out of the table, with a note.
+# "method-table" markers. A row whose runs are missing keeps the line the README already has for it
+# (so ROWS="halos streaming" updates those rows only); with no such line it is left out, with a note.
 #
 # The ddp cell of a row trains on the same tokens as the row's reference (rounds = its inner steps
 # per site) with fp32 gradients, the quality ceiling; its virtual clock charges a ring all-reduce of

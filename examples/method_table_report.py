@@ -8,7 +8,8 @@ eta200, noisy, halos and streaming. Writes OUT/method_table.md (the table), OUT/
 (every paired figure: seeds, per-seed values, mean, half-width) and OUT/method_table_details.md (the
 same as a table), prints the table, and with
 ``--readme`` replaces what lies between the README's ``<!-- method-table:begin -->`` and
-``<!-- method-table:end -->`` lines with it.
+``<!-- method-table:end -->`` lines with it. A row this study has no runs for keeps the line the
+README already gives it (so ``ROWS="halos streaming"`` updates those two rows and leaves the rest).
 
 Every figure is paired by seed (`fl_geo.paired`): a ratio or a difference is computed per seed and
 given as the mean ± the half-width of its 95 % Student-t interval over the seeds. A table row whose
@@ -207,14 +208,22 @@ ROWS = (
 )
 
 
-def build(groups: Groups) -> tuple[str, dict[str, Any]]:
-    """The table (Markdown) and the figures behind it."""
+def build(groups: Groups, kept: dict[str, str] | None = None) -> tuple[str, dict[str, Any]]:
+    """The table (Markdown) and the figures behind it.
+
+    ``kept`` maps a situation to a table line written by an earlier study (``readme_rows``): a row
+    whose runs are missing here keeps that line unchanged, so a study of some rows (``ROWS=...``)
+    updates those rows and leaves the others as they were. A row with neither is named in a note.
+    """
     figures: dict[str, Any] = {}
     lines = ["| your situation | start with | what we measured (paired by seed: mean ± 95 % t half-width) |",
              "|---|---|---|"]
     skipped = []
     for row in ROWS:
         missing = row.missing(groups)
+        if missing and kept and row.situation in kept:
+            lines.append(kept[row.situation])
+            continue
         if missing:
             skipped.append(f"{row.start_with} ({', '.join(missing)} not run)")
             continue
@@ -239,6 +248,21 @@ def details(figures: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_rows(text: str) -> dict[str, str]:
+    """The measured rows already between the README's method-table markers, by situation (the
+    first cell); empty when the README has no block."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        return {}
+    situations = {row.situation for row in ROWS}
+    rows = {}
+    for line in text[start + len(BEGIN): end].splitlines():
+        cells = line.split("|")
+        if line.startswith("| ") and len(cells) > 2 and cells[1].strip() in situations:
+            rows[cells[1].strip()] = line
+    return rows
+
+
 def replace_block(text: str, table: str) -> str:
     """``text`` with the lines between the method-table markers replaced by ``table``."""
     start, end = text.find(BEGIN), text.find(END)
@@ -256,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     if not groups:
         print(f"{args.out}: no runs of the method-table study (expected {args.out}/<row>/runs)", file=sys.stderr)
         return 2
-    table, figures = build(groups)
+    kept = readme_rows(args.readme.read_text(encoding="utf-8")) if args.readme else {}
+    table, figures = build(groups, kept)
+    reused = [row.situation for row in ROWS if row.missing(groups) and row.situation in kept]
+    if reused:
+        print("kept from the README (no runs for them in this study): " + "; ".join(reused), file=sys.stderr)
     (args.out / "method_table.md").write_text(table, encoding="utf-8")
     (args.out / "method_table.json").write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     (args.out / "method_table_details.md").write_text(details(figures), encoding="utf-8")

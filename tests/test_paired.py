@@ -135,6 +135,28 @@ def test_the_readme_holds_one_method_table_block_the_report_can_replace():
     assert replaced.split(report.END)[1] == text.split(report.END)[1]
 
 
+def test_a_study_of_some_rows_keeps_the_readmes_other_rows_and_replaces_its_own():
+    report = _report()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split(report.BEGIN)[1].split(report.END)[0]
+    old = ("| noisy or low-quality data at some sites (loss spikes) | `edit` | an earlier study's line |\n"
+           "| one site is consistently slower | `a_edit` | an older straggler line |\n")
+    text = readme.replace(block, "\n| your situation | start with | measured |\n|---|---|---|\n" + old)
+    kept = report.readme_rows(text)
+    assert set(kept) == {"noisy or low-quality data at some sites (loss spikes)", "one site is consistently slower"}
+    ddp = SeedGroup("ddp", group("ddp", {0: [(0, 5.0), (40, 1.5)], 1: [(0, 5.0), (60, 1.6)]}).runs)
+    groups = {"straggler": {"edit": SeedGroup("edit", REF.runs), "a_edit": SeedGroup("a_edit", FAST.runs), "ddp": ddp}}
+    table, _ = report.build(groups, kept)
+    lines = table.splitlines()
+    assert old.splitlines()[0] in lines  # no runs for it here: the README's line stays
+    assert old.splitlines()[1] not in lines  # its runs are here: rebuilt from them
+    straggler = [line for line in lines if line.startswith("| one site is consistently slower")]
+    assert len(straggler) == 1 and "**3.00× ± 2.48 sooner**" in straggler[0]
+    note = table.split("runs are missing:")[1]
+    assert "`halos`" in note and "`edit`" not in note  # only rows with neither runs nor a README line
+    assert report.readme_rows("no block here") == {}
+
+
 def _write_run(root: Path, name: str, curve: list[tuple[float, float]]) -> Path:
     """A finished run directory as fl-geo writes one (metrics.jsonl + summary.json)."""
     d = root / name
