@@ -8,6 +8,9 @@
 #   REPORT_ONLY=1 bash examples/method_table.sh OUT      # the table again from the runs in OUT
 #   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
 #
+# Runs that finished in OUT (they have a summary.json) are skipped, so the same command resumes an
+# interrupted study; an unfinished run's directory is started again from scratch.
+#
 # Each row is one comparison of docs/benchmarks.md, run with the configs and budgets of its section
 # there, every cell with run.seed 0, 1, ..., SEEDS - 1 (default 3; a seed fixes the initial weights
 # and every site's batch order, so the same seed is a paired comparison across cells). The runs go to
@@ -80,6 +83,8 @@ for seed in $(seq 0 $((SEEDS - 1))); do  # seed-major: an interrupted study leav
     [ -n "${!cells_var:-}" ] || { echo "unknown row $row (rows: straggler eta100 eta200 noisy halos streaming)" >&2; exit 2; }
     for c in ${!cells_var}; do
       [[ $seed -gt 0 && " $SEED0_ONLY " == *" $row/$c "* ]] && continue
+      # a run that finished (its summary.json is written last) is not run again: an interrupted study resumes
+      [ -f "$OUT/$row/runs/$row-$c-seed=$seed/summary.json" ] && continue
       jobs+=("${CELL[$row/$c]} $COMMON run.seed=$seed run.name=$row-$c-seed=$seed --out $OUT/$row/runs")
     done
   done
