@@ -22,5 +22,11 @@ codec() {
     # 1-bit values (the sign and the block's mean magnitude): DCT top-1 % (295x) and top-2 % (177x)
     dct-sign-ef) echo "$base $c=dct_topk $1.compress_ratio=0.01 $1.compress_values=sign $1.error_feedback=true" ;;
     dct2-sign-ef) echo "$base $c=dct_topk $1.compress_ratio=0.02 $1.compress_values=sign $1.error_feedback=true" ;;
+    # any density: DCT top-P %, int2 values, error feedback decaying by BETA: dctpP-int2-efdBETA
+    # (dctp5-int2-efd0.9 keeps 5 % of each chunk; BETA 1 is plain error feedback)
+    dctp*-int2-efd*)
+      local rest=${2#dctp}
+      echo "$base $c=dct_topk $1.compress_ratio=$(awk "BEGIN { print ${rest%%-*} / 100 }") $1.compress_values=int2 $1.error_feedback=true $1.error_feedback_decay=${rest##*-efd}" ;;
+    *) echo "unknown codec '$2' (see examples/compression_codecs.sh)" >&2; return 2 ;;
   esac
 }
