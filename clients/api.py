@@ -218,6 +218,7 @@ class DatacenterClient:
         self._models: OrderedDict[str, tuple[torch.nn.Module, ParamSpec]] = OrderedDict()
         self._fragments: OrderedDict[tuple[str, int], tuple[Fragments, tuple[ParamSpec, ...]]] = OrderedDict()
         self.pulled_version = -1  # the model version the last pull from the follower PSs returned
+        self.pulled_bytes = 0  # and the payload bytes it received (the reply reports both)
         # run.wall_faults: a job the failure trace ends is answered with an error at the failure;
         # the profile probe (a train message, clients="auto") is answered before any handler
         self.app = ClientApp(mods=[wall_fault_mod, profile_probe_mod])
@@ -292,7 +293,7 @@ class DatacenterClient:
         deltas of the one in ``state``, `fl_geo.clients.downlink`) decoded into ``out``; wrong keys,
         shapes or precision, or a NaN/±Inf (training would only send garbage back), are refused."""
         if has_followers(req):  # sharded Di-PS: the model comes over the data path, not in the message
-            self.pulled_version = pull_model(req, out, state)
+            self.pulled_version, self.pulled_bytes = pull_model(req, out, state)
         elif getattr(req, "wire_compress_down", None) is not None and state is not None:
             receive_public(state, msg.content.array_records.get("arrays"), req, spec, out)
         else:
@@ -439,7 +440,8 @@ class DatacenterClient:
         when the update went to the follower PSs; with ``wire.compress`` a compressed payload
         with error feedback (`fl_geo.clients.uplink`); else the update at the wire precision."""
         if has_followers(req):
-            return {}, {"ps_pushed_bytes": push_update(req, update, state), "ps_version": self.pulled_version}, "control"
+            return {}, {"ps_pushed_bytes": push_update(req, update, state), "ps_version": self.pulled_version,
+                        "ps_pulled_bytes": self.pulled_bytes}, "control"
         if req.wire_compress is not None and req.send == "pseudo_grad":
             return {"arrays": compress_uplink(state, req, update)}, {}, "compressed"
         return {"arrays": encode(update, spec, req.wire_up)}, {}, req.send

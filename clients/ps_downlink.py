@@ -29,7 +29,7 @@ from fl_geo.clients.downlink import PUBLIC_KEY
 from fl_geo.core.compress import Compressor, payload_from_arrays, payload_nbytes
 from fl_geo.core.downlink import apply_delta, max_chain, on_grid
 from fl_geo.errors import PayloadError
-from fl_geo.ps.client import FollowerClient
+from fl_geo.ps.client import MAX_PULL_ROUNDS, FollowerClient
 from fl_geo.ps.follower import WIRE_DTYPES
 from fl_geo.runtime.protocol import TrainRequest
 from fl_geo.runtime.wire_settings import uplink_from_json
@@ -37,7 +37,6 @@ from fl_geo.runtime.wire_settings import uplink_from_json
 __all__ = ["SHARD_VERSIONS_KEY", "pull_public_model"]
 
 SHARD_VERSIONS_KEY = "downlink_shards"  # ConfigRecord {"shards": JSON bounds, "versions": [int], "lineages": [str]}
-MAX_PULL_ROUNDS = 8
 
 
 def _kept(state: RecordDict, shards: list[tuple[int, int]], numel: int) -> tuple[torch.Tensor | None, list, list]:
@@ -55,10 +54,11 @@ def _kept(state: RecordDict, shards: list[tuple[int, int]], numel: int) -> tuple
 
 def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict, addresses: list[str],
                       shards: list[tuple[int, int]], client_of: Callable[[str], FollowerClient],
-                      token: str | None) -> int:
+                      token: str | None) -> tuple[int, int]:
     """x̂ from every follower into ``out`` (fp32, whole model), from the copy kept in ``state``;
-    returns the version all shards agree on and keeps the new copy in ``state``. ``client_of``
-    opens a `FollowerClient` for an address (a context manager)."""
+    returns the version all shards agree on and the payload bytes received (x̂_s whole in the wire
+    precision, or each delta's codec payload; every re-pull counted), and keeps the new copy in
+    ``state``. ``client_of`` opens a `FollowerClient` for an address (a context manager)."""
     settings = uplink_from_json(req.wire_compress_down, "wire_compress_down")
     if settings is None:
         raise ValueError("the job names no downlink codec (wire_compress_down)")
@@ -69,6 +69,7 @@ def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict, a
     new = torch.empty(numel, dtype=torch.float32)
     if base is not None:
         new.copy_(base)  # the shards that are answered 'same' keep their slice
+    received = [0] * len(shards)  # payload bytes per shard, summed over its pulls
 
     def pull(i: int) -> None:
         begin, end = shards[i]
@@ -82,7 +83,9 @@ def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict, a
         if reply.kind == "full":
             assert reply.full is not None
             x = reply.full.to(torch.float32)
+            received[i] += n * WIRE_DTYPES[wire].itemsize
         else:
+            received[i] += len(reply.deltas) * delta_nbytes  # each checked to be exactly that size below
             x = new[begin:end].clone()
             for arrays in reply.deltas:
                 delta = compressor.decompress(payload_from_arrays(settings, n, arrays), numel=n)
@@ -103,5 +106,5 @@ def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict, a
                 state[PUBLIC_KEY] = ArrayRecord({"params": Array(new.numpy())})  # `new` is not reused
                 state[SHARD_VERSIONS_KEY] = ConfigRecord({"shards": json.dumps(shards), "versions": list(versions),
                                                           "lineages": list(lineages)})
-                return newest
+                return newest, sum(received)
     raise RuntimeError(f"followers kept stepping while this client pulled (versions {versions})")

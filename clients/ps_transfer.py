@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from flwr.app import RecordDict
 
+from fl_geo.ps.client import MAX_PULL_ROUNDS
 from fl_geo.ps.follower import WIRE_DTYPES
 from fl_geo.ps.frames import DEFAULT_CHUNK_BYTES
 from fl_geo.runtime.protocol import JobRequest, TrainRequest
 
 __all__ = ["has_followers", "pull_model", "push_update"]
 
-MAX_PULL_ROUNDS = 8
 
 
 def has_followers(req: JobRequest) -> bool:
@@ -58,8 +58,9 @@ def _token(req: TrainRequest) -> str | None:
     return req.ps_token or None
 
 
-def pull_model(req: TrainRequest, out: torch.Tensor, state: RecordDict | None = None) -> int:
-    """θ from every follower into ``out`` (fp32, whole model); returns the model version. With
+def pull_model(req: TrainRequest, out: torch.Tensor, state: RecordDict | None = None) -> tuple[int, int]:
+    """θ from every follower into ``out`` (fp32, whole model); returns the model version and the
+    payload bytes received (every shard's pull in the wire precision, re-pulls included). With
     ``wire_compress_down`` the followers' public model x̂ instead, rebuilt from the copy kept in
     ``state`` (`fl_geo.clients.ps_downlink`).
 
@@ -75,6 +76,7 @@ def pull_model(req: TrainRequest, out: torch.Tensor, state: RecordDict | None = 
                                  lambda address: _client(address, req), _token(req))
     wire = req.wire_down
     versions = [-1] * len(shards)
+    received = [0] * len(shards)
 
     def pull(i: int) -> None:
         begin, end = shards[i]
@@ -82,6 +84,7 @@ def pull_model(req: TrainRequest, out: torch.Tensor, state: RecordDict | None = 
             version, theta = client.pull(0, end - begin, wire=wire, token=_token(req))
         out[begin:end].copy_(theta)
         versions[i] = int(version)
+        received[i] += (end - begin) * WIRE_DTYPES[wire].itemsize
 
     with ThreadPoolExecutor(max_workers=len(shards)) as pool:
         todo = list(range(len(shards)))
@@ -90,7 +93,7 @@ def pull_model(req: TrainRequest, out: torch.Tensor, state: RecordDict | None = 
             newest = max(versions)
             todo = [i for i, v in enumerate(versions) if v != newest]
             if not todo:
-                return newest
+                return newest, sum(received)
     raise RuntimeError(f"followers kept stepping while this client pulled (versions {versions})")
 
 

@@ -32,6 +32,7 @@ import torch
 from fl_geo.config import ConfigError, FlGeoConfig
 from fl_geo.core.shards import ShardPlan, global_norm, sum_of_shard_norms
 from fl_geo.ps.backend import FollowerBackend, follower_backend
+from fl_geo.ps.client import MAX_PULL_ROUNDS
 from fl_geo.ps.follower import FollowerError
 from fl_geo.runtime.dispatch import Event
 from fl_geo.strategies.asynchronous import AsyncOuterLoop
@@ -49,11 +50,13 @@ log = logging.getLogger("fl_geo")
 
 
 def read_control_reply(ev: Event, expected_version: int, latest_version: int, max_steps: int | None = None,
-                       step_tokens: int | None = None) -> tuple[TrainReply, int]:
+                       step_tokens: int | None = None, most_pulled: int | None = None) -> tuple[TrainReply, int, int | None]:
     """A train reply of the gRPC transport: metrics only (the update went to the followers),
-    checked like every train reply (`read_reply_metrics`). Returns the reply and the model version
-    the client pulled: never older than the job's, never newer than ``latest_version`` (a claim
-    from the future would make the staleness negative)."""
+    checked like every train reply (`read_reply_metrics`). Returns the reply, the model version
+    the client pulled (never older than the job's, never newer than ``latest_version``: a claim
+    from the future would make the staleness negative) and the payload bytes it says it received
+    from the followers (``ps_pulled_bytes``: a whole number up to ``most_pulled``; None from a
+    client that does not report them)."""
     assert ev.reply is not None
     require_declaration(ev.reply, ("control",))
     content = ev.reply.content
@@ -72,8 +75,9 @@ def read_control_reply(ev: Event, expected_version: int, latest_version: int, ma
     if pulled > latest_version:
         raise ReplyError(f"reply says it pulled model version {pulled}, the followers hold {latest_version}")
     pushed = metric_whole(m, "ps_pushed_bytes", 0)
+    received = metric_whole(m, "ps_pulled_bytes", 0, most_pulled) if "ps_pulled_bytes" in m else None
     return TrainReply([], checked.tokens, checked.loss, checked.step_time_s, pushed, checked.steps,
-                      checked.noisy_steps), pulled
+                      checked.noisy_steps), pulled, received
 
 
 class ShardedDiPSLoop(AsyncOuterLoop):
@@ -94,6 +98,9 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         except ValueError as exc:
             raise ConfigError(f"ps.followers={ps.followers}: {exc}") from None
         self._plain_total = 0.0  # Σ weights without the penalty (with it, the penalty keeps it)
+        # what the sites say they received from the followers (comm/bytes_down_pulled_total),
+        # beside comm/bytes_down_total, which the leader counts from what it sends or plans
+        self.bytes_down_pulled = 0
         self._bound_key = -1
         self.voided = 0
         send = "params" if self._send == "params" else "pseudo_grad"
@@ -128,7 +135,20 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         return self.down_plan.message(node, self.version)
 
     def downlink_metrics(self) -> dict[str, float]:
-        return self.down_plan.metrics() if self.down_plan is not None else super().downlink_metrics()
+        metrics = self.down_plan.metrics() if self.down_plan is not None else super().downlink_metrics()
+        if self.backend.data_path:
+            metrics["comm/bytes_down_pulled_total"] = float(self.bytes_down_pulled)
+        return metrics
+
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), "bytes_down_pulled": self.bytes_down_pulled}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pulled = state.pop("bytes_down_pulled", 0)  # checkpoints before 2026-11-30 lack it
+        if not isinstance(pulled, int) or isinstance(pulled, bool) or pulled < 0:
+            raise ValueError(f"checkpoint's bytes_down_pulled is malformed: {pulled!r}")
+        super().load_extra_state(state)
+        self.bytes_down_pulled = pulled
 
     @property
     def followers(self) -> list[Any]:
@@ -210,9 +230,12 @@ class ShardedDiPSLoop(AsyncOuterLoop):
         if not self.backend.data_path:
             return super().read_reply(ev)
         node = ev.job.node
-        r, pulled = read_control_reply(ev, int(ev.job.meta["version"]), self.version,
-                                       max_steps=self.job_steps(node), step_tokens=self.step_tokens(node))
+        # a site pulls each shard whole at most MAX_PULL_ROUNDS times, at most 4 bytes a parameter
+        r, pulled, received = read_control_reply(ev, int(ev.job.meta["version"]), self.version,
+                                                 max_steps=self.job_steps(node), step_tokens=self.step_tokens(node),
+                                                 most_pulled=MAX_PULL_ROUNDS * 4 * self.spec.numel)
         ev.job.meta["version"] = pulled  # staleness counts from the model the client really pulled
+        self.bytes_down_pulled += received or 0
         if self.down_plan is not None:
             self.down_plan.pulled(node, pulled)
         return r

@@ -161,28 +161,33 @@ def _req(plan: ShardPlan, servers) -> SimpleNamespace:
                            ps_shards=json.dumps([[s.begin, s.end] for s in plan.shards]))
 
 
-def _pull(plan: ShardPlan, servers, state: RecordDict) -> tuple[int, torch.Tensor]:
+def _pull(plan: ShardPlan, servers, state: RecordDict, received: list[int] | None = None) -> tuple[int, torch.Tensor]:
     out = torch.empty(plan.spec.numel)
     bounds = [(s.begin, s.end) for s in plan.shards]
-    version = pull_public_model(_req(plan, servers), out, state, [s.address for s in servers], bounds,
-                                lambda a: FollowerClient(a, retry_s=2.0), None)
+    version, nbytes = pull_public_model(_req(plan, servers), out, state, [s.address for s in servers], bounds,
+                                        lambda a: FollowerClient(a, retry_s=2.0), None)
+    if received is not None:
+        received.append(nbytes)
     return version, out
 
 
 def test_a_site_pulls_whole_then_deltas_and_holds_the_followers_public_model(served):
     plan, fs, servers = served
     state = RecordDict()
-    version, x = _pull(plan, servers, state)
+    received: list[int] = []
+    version, x = _pull(plan, servers, state, received)
     assert version == 0 and torch.equal(x, torch.cat([f.public.params for f in fs]))
     for k in range(2):
         for f in fs:
             _step(f, 20 + k)
-    version, x = _pull(plan, servers, state)  # the chain of 2 deltas per shard, rebuilt bit for bit
+    version, x = _pull(plan, servers, state, received)  # the chain of 2 deltas per shard, rebuilt bit for bit
     assert version == 2 and torch.equal(x, torch.cat([f.public.params for f in fs]))
     kept = state.config_records[SHARD_VERSIONS_KEY]
     assert list(kept["versions"]) == [2, 2] and list(kept["lineages"]) == [f.lineage for f in fs]
     assert torch.equal(torch.from_numpy(state.array_records[PUBLIC_KEY]["params"].numpy()), x)
-    assert _pull(plan, servers, state)[0] == 2  # up to date: nothing new, the same copy
+    assert _pull(plan, servers, state, received)[0] == 2  # up to date: nothing new, the same copy
+    # the bytes the site reports: each shard whole in bf16, then 2 int4 payloads per shard, then none
+    assert received == [2 * plan.spec.numel, sum(2 * payload_nbytes(INT4, f.numel) for f in fs), 0]
     # the leader's pull still gets θ_s, and a site may not ask a follower without a public model
     with FollowerClient(servers[0].address) as c:
         assert torch.equal(c.pull(0, fs[0].numel, wire="fp32")[1], fs[0].params)
@@ -256,6 +261,7 @@ def test_follower_processes_send_the_compressed_downlink_with_the_unsharded_bits
     tests/test_sharded_grpc.py (a follower killed after a step)."""
     from fl_geo.runtime.metrics import read_metrics
     from tests.test_sharded_compress import VIRTUAL, _run
+    from tests.test_sharded_grpc import assert_sites_pulled_what_was_planned
 
     down = [*VIRTUAL, "wire.compress_down=int8", "run.rounds=4", "ps.checkpoint_keep=2"]
     s1, one, _ = _run(tiny(*down, "ps.followers=1", "ps.transport=grpc"), tmp_path / "f1")
@@ -266,6 +272,7 @@ def test_follower_processes_send_the_compressed_downlink_with_the_unsharded_bits
     assert [last1[k] for k in paths] == [last0[k] for k in paths] and last1["comm/down_delta"] > 0
     whole = {"fp32": 4, "bf16": 2, "fp16": 2}[tiny(*down).wire.down] * s1["num_params"]
     assert s1["bytes_down"] < 0.8 * sum(last1[k] for k in paths) * whole  # against the model whole each time
+    assert_sites_pulled_what_was_planned(read_metrics(tmp_path / "f1"))  # the leader's plan is what the sites got
 
 
 def test_a_resumed_leader_rewinds_the_followers_and_no_site_keeps_a_stale_public_model(tiny, tmp_path):

@@ -45,6 +45,18 @@ def _follower_pids(workdir) -> list[int]:
     return pids
 
 
+def assert_sites_pulled_what_was_planned(rows: list[dict]) -> None:
+    """The bytes the sites say they pulled from the followers (``comm/bytes_down_pulled_total``,
+    counted when a reply is read) are the bytes the leader counted when it sent their jobs
+    (``comm/bytes_down_total``): in these deterministic runs each step's jobs reply by the next
+    step, so the pulled total of step k is the sent total of step k - 1."""
+    steps = [r for r in rows if "comm/bytes_down_pulled_total" in r]
+    sent = [r["comm/bytes_down_total"] for r in steps]
+    pulled = [r["comm/bytes_down_pulled_total"] for r in steps]
+    assert len(steps) >= 4 and 0 < pulled[0] < sent[0]
+    assert pulled[1:] == sent[:-1]
+
+
 def test_grpc_followers_give_the_bits_of_in_process_followers(tiny, tmp_path):
     """Follower processes on plaintext gRPC, and on TLS with the `fl-geo deploy certs` files
     (``ps.tls_certs_dir``: followers serve TLS, clients verify them with the CA certificate the
@@ -66,6 +78,7 @@ def test_grpc_followers_give_the_bits_of_in_process_followers(tiny, tmp_path):
         assert len(ckpts) == 2 and ckpts[-1].startswith("ckpt-00000005")
     assert not _follower_pids(workdir)  # the leader stopped its followers
     rows = read_metrics(tmp_path / "grpc")
+    assert_sites_pulled_what_was_planned(rows)
     assert sum(r.get("outer/accepted", 0) for r in rows) == sum(r.get("outer/accepted", 0) for r in read_metrics(tmp_path / "local"))
 
 

@@ -92,7 +92,7 @@ def test_more_followers_than_layers_is_a_config_error(tiny, tmp_path):
 # ---- the gRPC transport's train reply: metrics only, checked like every other reply -------------
 
 GOOD_CONTROL = {"tokens": 384, "steps": 3, "train_loss": 2.5, "step_time_s": 0.1, "partition_id": 0,
-                "base_version": 4, "ps_version": 5, "ps_pushed_bytes": 1000}
+                "base_version": 4, "ps_version": 5, "ps_pushed_bytes": 1000, "ps_pulled_bytes": 4000}
 
 
 @pytest.mark.parametrize("lie, reason", [
@@ -103,9 +103,11 @@ GOOD_CONTROL = {"tokens": 384, "steps": 3, "train_loss": 2.5, "step_time_s": 0.1
     ({"ps_version": 3}, "pulled model version 3, older than the 4"),
     ({"ps_version": float("inf")}, "metric 'ps_version' is inf"),
     ({"ps_pushed_bytes": -1}, "ps_pushed_bytes=-1"),
+    ({"ps_pulled_bytes": 10**9}, "ps_pulled_bytes=1000000000, must be a whole number [0, 32000]"),
+    ({"ps_pulled_bytes": 0.5}, "ps_pulled_bytes=0.5"),
     ({"base_version": 5}, "trained from model version 5, the job sent version 4"),
 ], ids=["tokens-nan", "tokens-beyond-job", "steps-beyond-job", "version-from-the-future", "version-older",
-        "version-inf", "pushed-negative", "base-version"])
+        "version-inf", "pushed-negative", "pulled-beyond-any-pull", "pulled-fractional", "base-version"])
 def test_a_lying_control_reply_is_a_reply_error(lie, reason, monkeypatch):
     """``read_control_reply`` (ps.transport=grpc) refuses every lying scalar with a ReplyError the
     loop counts; before, ``int(nan)`` raised out of the loop and a future ``ps_version`` made the
@@ -126,8 +128,11 @@ def test_a_lying_control_reply_is_a_reply_error(lie, reason, monkeypatch):
                         dst_node_id=1, message_type="train")
         return Event(Job("j", 1, "train", 0, 0.0), reply, None, 0.0)
 
-    r, pulled = read_control_reply(event(GOOD_CONTROL), 4, 6, max_steps=3, step_tokens=128)
-    assert (r.tokens, r.steps, r.nbytes, pulled) == (384, 3, 1000, 5)
+    r, pulled, received = read_control_reply(event(GOOD_CONTROL), 4, 6, max_steps=3, step_tokens=128,
+                                             most_pulled=32000)
+    assert (r.tokens, r.steps, r.nbytes, pulled, received) == (384, 3, 1000, 5, 4000)
+    without = {k: v for k, v in GOOD_CONTROL.items() if k != "ps_pulled_bytes"}  # a client that does not say
+    assert read_control_reply(event(without), 4, 6, max_steps=3, step_tokens=128, most_pulled=32000)[2] is None
     with pytest.raises(ReplyError) as err:
-        read_control_reply(event({**GOOD_CONTROL, **lie}), 4, 6, max_steps=3, step_tokens=128)
+        read_control_reply(event({**GOOD_CONTROL, **lie}), 4, 6, max_steps=3, step_tokens=128, most_pulled=32000)
     assert reason in str(err.value)

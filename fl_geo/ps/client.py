@@ -54,6 +54,9 @@ from fl_geo.ps.payload_frames import payload_frames, payload_layout, read_payloa
 __all__ = ["FollowerClient"]
 
 T = TypeVar("T")
+# A site's pull of the whole model is retried while the followers step under it, at most this
+# many times (clients/ps_transfer.py); the leader bounds what a site says it pulled with it.
+MAX_PULL_ROUNDS = 8
 log = logging.getLogger("fl_geo")
 
 

@@ -329,7 +329,8 @@ class TrainMetrics:
     ``step_time_s`` / ``train_time_s`` the site's own timers; ``noisy_steps`` steps on
     deliberately corrupted batches (``data.noise_*``); ``base_version`` the model version the job
     was sent with (echoed: the server refuses a reply of another job). Sharded data path:
-    ``ps_pushed_bytes`` / ``ps_version`` (the update went to the followers). Streaming:
+    ``ps_pushed_bytes`` / ``ps_version`` (the update went to the followers) and
+    ``ps_pulled_bytes`` (the payload bytes the site received from them for this job). Streaming:
     ``stream_step`` (the tick answered) and the overlaps τ of the fragments applied. ``noop``: a
     bench client that trained nothing (fl_geo/bench/noop_client.py).
     """
@@ -345,6 +346,7 @@ class TrainMetrics:
     base_version: int | None = None
     ps_pushed_bytes: int | None = None
     ps_version: int | None = None
+    ps_pulled_bytes: int | None = None
     stream_step: int | None = None
     overlap_count: int | None = None
     overlap_sum: int | None = None
