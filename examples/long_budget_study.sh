@@ -6,6 +6,9 @@
 # and schedule; only the outer step and H differ.
 #
 #   bash examples/long_budget_study.sh [OUT]       # OUT default runs/long-budget; about 2 h on a 2-core CPU
+#   SIZE=M bash examples/long_budget_study.sh OUT  # the ladder's M model (4 x 192, 2,164,416 parameters) at
+#                                                  # 2.13 tokens per parameter: 1,500 inner steps per site
+#                                                  # (60 outer steps of H = 25, 15 of H = 100)
 #
 # Each cell runs with run.seed 0, then the HEADLINE cells again with seeds 1 and 2 (3 seeds each),
 # two runs at a time (one per core), then one table with the 95 % intervals (`fl-geo compare`
@@ -15,17 +18,24 @@ set -euo pipefail
 OUT=${1:-runs/long-budget}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
 export OMP_NUM_THREADS=1
-TOKENS=8601600  # 2,800 inner steps x 4 sites x 6 x 128 tokens
-S="model.n_layers=2 model.d_model=96 model.n_heads=4 client.lr=3e-3"
-COMMON="$S run.max_tokens=$TOKENS run.progress=false run.tensorboard=false"
-# Evaluations every 175 inner steps per site (16 in a run) whatever H is.
-H25="strategy.inner_steps=25 run.rounds=112 run.eval_every=7"
-H100="strategy.inner_steps=100 run.rounds=28 run.eval_every=2"
+SIZE=${SIZE:-S}
+case "$SIZE" in
+  # S: 2,800 inner steps per site x 4 sites x 6 x 128 tokens = 8,601,600 tokens, 20.6 per parameter;
+  # an evaluation every 175 inner steps per site (16 in a run) whatever H is
+  S) STEPS=2800 EVAL=175 EV25=7 EV100=2 MODEL="model.n_layers=2 model.d_model=96 model.n_heads=4 client.lr=3e-3" ;;
+  # M (the ladder's lr for it): 1,500 steps = 4,608,000 tokens, 2.13 per parameter; 15 evaluations
+  M) STEPS=1500 EVAL=100 EV25=4 EV100=1 MODEL="model.n_layers=4 model.d_model=192 model.n_heads=4 client.lr=2e-3" ;;
+  *) echo "SIZE must be S or M, got $SIZE" >&2; exit 2 ;;
+esac
+TOKENS=$((STEPS * 4 * 6 * 128))
+COMMON="$MODEL run.max_tokens=$TOKENS run.progress=false run.tensorboard=false"
+H25="strategy.inner_steps=25 run.rounds=$((STEPS / 25)) run.eval_every=$EV25"
+H100="strategy.inner_steps=100 run.rounds=$((STEPS / 100)) run.eval_every=$EV100"
 declare -A CELL=(
   [fedavg-H25]="configs/bench/ladder_fedavg.yaml $H25"
   [diloco-H25]="configs/bench/ladder_diloco.yaml $H25"
   # the data-parallel reference: one AdamW step on the sites' mean gradient per round, fp32 gradients
-  [ddp]="configs/bench/ladder_fedavg.yaml strategy.name=ddp strategy.inner_steps=1 run.rounds=2800 run.eval_every=175 wire.up=fp32"
+  [ddp]="configs/bench/ladder_fedavg.yaml strategy.name=ddp strategy.inner_steps=1 run.rounds=$STEPS run.eval_every=$EVAL wire.up=fp32"
   [diloco-lr0.7-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
   [diloco-lr1-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=1.0 strategy.outer_momentum=0.5"
   # FedAvgM as registered: heavy-ball server momentum, lr 1, momentum 0.9
