@@ -24,10 +24,6 @@ codec() {
     dct2-sign-ef) echo "$base $c=dct_topk $1.compress_ratio=0.02 $1.compress_values=sign $1.error_feedback=true" ;;
     # any density: DCT top-P %, int2 values, error feedback decaying by BETA: dctpP-int2-efdBETA
     # (dctp5-int2-efd0.9 keeps 5 % of each chunk; BETA 1 is plain error feedback)
-    # the same with groups of G chunks sharing their kept frequencies: dctpP-gG-int2-efdBETA
-    dctp*-g*-int2-efd*)
-      local rest=${2#dctp} group=${2#*-g}
-      echo "$base $c=dct_topk $1.compress_ratio=$(awk "BEGIN { print ${rest%%-*} / 100 }") $1.compress_group=${group%%-*} $1.compress_values=int2 $1.error_feedback=true $1.error_feedback_decay=${rest##*-efd}" ;;
     dctp*-int2-efd*)
       local rest=${2#dctp}
       echo "$base $c=dct_topk $1.compress_ratio=$(awk "BEGIN { print ${rest%%-*} / 100 }") $1.compress_values=int2 $1.error_feedback=true $1.error_feedback_decay=${rest##*-efd}" ;;
