@@ -56,20 +56,17 @@ def run_identity(cfg: FlGeoConfig) -> dict[str, Any]:
 # id of an uncompressed run is the one it had before the uplink could be compressed (its checkpoints
 # stay its own).
 UNCOMPRESSED_IDLE = frozenset({"wire.compress", "wire.compress_ratio", "wire.compress_chunk", "wire.compress_values",
-                               "wire.compress_block", "wire.error_feedback", "wire.error_feedback_decay",
-                               "wire.compress_group"})
+                               "wire.compress_block", "wire.error_feedback", "wire.error_feedback_decay"})
 # Likewise the downlink's keys with wire.compress_down=none.
 DOWN_UNCOMPRESSED_IDLE = frozenset({"wire.compress_down", "wire.compress_down_ratio", "wire.compress_down_chunk",
                                     "wire.compress_down_values", "wire.compress_down_block"})
 # Likewise the compression of HALoS's local-server -> global-server updates with halos.compress=none.
 GLOBAL_UNCOMPRESSED_IDLE = frozenset({"halos.compress", "halos.compress_ratio", "halos.compress_chunk",
                                       "halos.compress_values", "halos.compress_block", "halos.error_feedback",
-                                      "halos.error_feedback_decay", "halos.compress_group"})
+                                      "halos.error_feedback_decay"})
 # Error feedback's decay at 1 (plain EF) is what every compressed run did before decay existed: left
 # out, so those runs keep their run ids.
 DECAY_KEYS = frozenset({"wire.error_feedback_decay", "halos.error_feedback_decay"})
-# Likewise chunks that share no kept frequencies (a group of 1): every compressed run before groups.
-GROUP_KEYS = frozenset({"wire.compress_group", "halos.compress_group"})
 
 # With client.optimizer=adamw (the default) the inner optimizer's choice and Muon's settings change
 # nothing either: left out, so an AdamW run keeps the run id it had before Muon was a choice.
@@ -79,10 +76,10 @@ ADAMW_IDLE = frozenset({"client.optimizer", "client.muon_lr", "client.muon_momen
 
 def _idle(name: str, cfg: FlGeoConfig) -> bool:
     """Whether ``name`` is a setting the run's other values leave unused (`UNCOMPRESSED_IDLE`,
-    `DOWN_UNCOMPRESSED_IDLE`, `GLOBAL_UNCOMPRESSED_IDLE`, `ADAMW_IDLE`, `DECAY_KEYS` and `GROUP_KEYS` at 1)."""
+    `DOWN_UNCOMPRESSED_IDLE`, `GLOBAL_UNCOMPRESSED_IDLE`, `ADAMW_IDLE`, `DECAY_KEYS` at 1)."""
     return ((name in UNCOMPRESSED_IDLE and cfg.wire.compress == "none")
             or (name in DOWN_UNCOMPRESSED_IDLE and cfg.wire.compress_down == "none")
             or (name in GLOBAL_UNCOMPRESSED_IDLE and cfg.halos.compress == "none")
             or (name in ADAMW_IDLE and cfg.client.optimizer == "adamw")
-            or (name in DECAY_KEYS | GROUP_KEYS and getattr(cfg.wire if name.startswith("wire.") else cfg.halos,
+            or (name in DECAY_KEYS and getattr(cfg.wire if name.startswith("wire.") else cfg.halos,
                                                name.split(".")[1]) == 1))

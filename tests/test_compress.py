@@ -232,46 +232,6 @@ def test_dct_basis_is_orthonormal_and_topk_keeps_the_largest_coefficients():
     assert float((x - comp.decompress(p)).norm() / x.norm()) < 0.1
 
 
-def test_grouped_dct_topk_keeps_the_frequencies_of_largest_energy_over_each_group_by_hand():
-    """group=2: chunks 0-1 and 2-3 (and the lone chunk 4) each share one set of k frequencies, the
-    k of largest Σ_j X_j[f]² over the group; every chunk sends its own k coefficients there, so
-    the decoded chunk is Dᵀ of its coefficients with the others zeroed."""
-    d = dct_basis(16).double()
-    x = _x(70, seed=3)  # 5 chunks of 16 (the last 6 long, zero-padded)
-    comp = _comp(codec="dct_topk", chunk=16, k=3, values="fp32", group=2)
-    p, _ = comp.compress(x)
-    coeff = torch.cat([x.double(), torch.zeros(10, dtype=torch.float64)]).view(5, 16) @ d.T
-    energy = torch.stack([coeff[0:2].square().sum(0), coeff[2:4].square().sum(0), coeff[4].square()])
-    want = torch.sort(energy.topk(3, dim=1).indices, dim=1).values  # (3 groups, 3)
-    assert p.group == 2 and p.indices.reshape(3, 3).tolist() == want.tolist()
-    per_chunk = want.repeat_interleave(2, dim=0)[:5]
-    assert torch.allclose(torch.from_numpy(p.values.values).double(), coeff.gather(1, per_chunk).reshape(-1), atol=1e-6)
-    kept = torch.zeros_like(coeff).scatter(1, per_chunk, coeff.gather(1, per_chunk))
-    assert torch.allclose(comp.decompress(p).double(), (kept @ d).reshape(-1)[:70], atol=1e-6)
-    # a group of 1 is the ungrouped codec, bit for bit
-    one, plain = _comp(codec="dct_topk", chunk=16, k=3, values="int2", group=1), _comp(codec="dct_topk", chunk=16, k=3,
-                                                                                         values="int2")
-    a, b = one.compress(x)[0], plain.compress(x)[0]
-    assert a.group == b.group == 1 and np.array_equal(a.indices, b.indices)
-    assert all(np.array_equal(a.values.arrays()[k], v) for k, v in b.values.arrays().items())
-
-
-def test_grouped_dct_topk_keeps_more_of_a_row_structured_update_at_the_same_bytes():
-    """Rows of a rank-1 update (a linear layer's gradient is a sum of outer products) share their
-    important frequencies, so at equal bytes groups of 8 chunks keep more of it than single chunks."""
-    g = torch.Generator().manual_seed(4)
-    spectrum = torch.zeros(256)
-    spectrum[torch.randperm(256, generator=g)[:30]] = torch.randn(30, generator=g)  # 30 frequencies carry v
-    u, v = torch.randn(64, generator=g), spectrum @ dct_basis(256)
-    x = (torch.outer(u, v) + 0.01 * torch.randn(64, 256, generator=g)).reshape(-1)  # rows of one chunk each
-    single = _comp(codec="dct_topk", chunk=256, k=8, values="int8")  # 8 + 8 + 1/4 bytes a chunk
-    grouped = _comp(codec="dct_topk", chunk=256, k=14, values="int8", group=8)  # 14/8 + 14 + 7/16
-    assert grouped.nbytes(x.numel()) <= single.nbytes(x.numel())
-    err = {name: float((x - c.decompress(c.compress(x)[0])).norm() / x.norm())
-           for name, c in (("single", single), ("grouped", grouped))}
-    assert err["grouped"] < 0.7 * err["single"], err  # 0.30 against 0.52
-
-
 # ---- error feedback ---------------------------------------------------------------------------
 
 
@@ -326,15 +286,6 @@ def test_error_feedback_with_decay_compresses_delta_plus_beta_times_the_residual
     plain, one = build_compressor(codec="int2", block=4), build_compressor(codec="int2", block=4, feedback_decay=1.0)
     x, e = _x(64), _x(64) * 0.3
     assert torch.equal(plain.compress(x, e)[1], one.compress(x, e)[1])
-
-
-def test_group_travels_in_the_settings_json_only_when_it_is_not_one():
-    plain = CompressSettings(codec="dct_topk")
-    assert "group" not in json.loads(settings_to_json(plain))
-    grouped = CompressSettings(codec="dct_topk", group=8)
-    assert json.loads(settings_to_json(grouped))["group"] == 8 and settings_from_json(settings_to_json(grouped)) == grouped
-    with pytest.raises(ConfigError, match="only dct_topk has"):
-        settings_from_json(json.dumps({**json.loads(settings_to_json(CompressSettings(codec="topk"))), "group": 2}))
 
 
 def test_decay_travels_in_the_settings_json_only_when_it_is_not_one():
@@ -392,10 +343,6 @@ def test_compress_refuses_bad_input():
     (dict(codec="topk", chunk=4, k=3, values="bf16"), 9, 7 * 1 + 7 * 2),  # short last chunk keeps min(3, 1)
     (dict(codec="topk", chunk=70_000, k=2, values="fp32"), 100, 2 * 4 + 2 * 4),  # uint32 indices
     (dict(codec="dct_topk", chunk=16, k=2, values="int8", block=4), 37, 6 + 6 + 4 * 2),  # every chunk keeps k
-    # 5 chunks of 16 in groups of 2: 3 groups x 2 uint8 indices + 10 int8 values with 3 scales
-    (dict(codec="dct_topk", chunk=16, k=2, values="int8", block=4, group=2), 70, 6 + 10 + 4 * 3),
-    # 1,000 elements = 4 chunks of 256 in one group of 8: 3 indices, 12 int2 values (3 bytes, 1 scale)
-    (dict(codec="dct_topk", chunk=256, k=3, values="int2", block=128, group=8), 1000, 3 + 3 + 4),
 ])
 def test_byte_counts_match_a_hand_count(settings, n, hand):
     comp = _comp(**settings)
@@ -440,21 +387,6 @@ def _topk_payload(**kw):
 def test_malformed_topk_payloads_are_refused(mutate, needle):
     comp, p = _topk_payload()
     assert p.indices.tolist() == [6, 7, 6, 7, 2, 3]
-    with pytest.raises(PayloadError, match=needle):
-        comp.decompress(mutate(p))
-
-
-@pytest.mark.parametrize("mutate,needle", [
-    (lambda p: replace(p, group=1), "shares indices over group=1 chunks, this decoder expects 2"),
-    (lambda p: replace(p, indices=p.indices[:-1]), r"shape \(9,\)"),  # 3 groups x 3, not one per chunk
-    (lambda p: replace(p, indices=np.concatenate([p.indices[:8], np.array([16], "u1")])), "index 16 is outside chunk 2"),
-    (lambda p: replace(p, indices=np.concatenate([p.indices[:2], p.indices[1:2], p.indices[3:]])), "repeats in chunk 0"),
-    (lambda p: replace(p, values=replace(p.values, values=p.values.values[:9])), r"shape \(15,\)"),
-])
-def test_malformed_grouped_dct_payloads_are_refused(mutate, needle):
-    comp = _comp(codec="dct_topk", chunk=16, k=3, values="fp32", group=2)
-    p, _ = comp.compress(_x(70))
-    assert p.indices.shape == (9,) and p.values.values.shape == (15,)
     with pytest.raises(PayloadError, match=needle):
         comp.decompress(mutate(p))
 
@@ -530,10 +462,6 @@ def test_defaults_and_their_derived_values():
     (dict(feedback_decay=1.1), r"compress.feedback_decay must be in \(0, 1\]"),
     (dict(feedback_decay=True), r"compress.feedback_decay must be in \(0, 1\]"),
     (dict(feedback_decay=0.9, error_feedback=False), "decays the error-feedback residual, but error feedback is off"),
-    (dict(codec="dct_topk", group=0), "compress.group must be an int >= 1"),
-    (dict(codec="dct_topk", group=2.0), "compress.group must be an int >= 1"),
-    (dict(codec="topk", group=4), "compress.group=4 shares kept frequencies between chunks, which only dct_topk has"),
-    (dict(codec="int2", group=2), "only dct_topk has"),
 ])
 def test_settings_check_gives_one_line_errors(kw, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -166,7 +166,6 @@ def test_halos_simulation_refuses_a_malformed_global_update(tiny, tmp_path, monk
     (["halos.compress=topk", "halos.compress_ratio=0"], "halos.compress_ratio must be in (0, 1]"),
     (["halos.compress=topk", "halos.error_feedback_decay=2"], "halos.error_feedback_decay must be in (0, 1]"),
     (["halos.compress=int8", "halos.compress_block=0"], "halos.compress_block must be an int >= 1"),
-    (["halos.compress=int2", "halos.compress_group=2"], "halos.compress_group=2 shares kept frequencies between chunks"),
     (["streaming.quantize=int8", "wire.compress=topk", "strategy.name=streaming_diloco", "model.n_layers=2"],
      "alias of wire.compress=int8 wire.compress_block=128 wire.error_feedback=false; set wire.compress only"),
 ])

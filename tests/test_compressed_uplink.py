@@ -45,15 +45,6 @@ def _topk_bytes() -> int:
     return indices + codes + scales  # 492 + 62 + 8
 
 
-GROUPED = ["wire.compress=dct_topk", "wire.compress_ratio=0.03", "wire.compress_group=8", "wire.error_feedback=true"]
-
-
-def _grouped_bytes() -> int:
-    # 21,600 = 85 chunks of 256 (the last 96 long), k = round(0.03 * 256) = 8 each: 680 values;
-    # the chunks in 11 groups of 8 (the last of 5) share their 8 frequencies: 88 uint8 indices
-    return 11 * 8 + 680 * 2 // 8 + 4 * -(-680 // 128)  # 88 + 170 + 24
-
-
 def _int8_bytes() -> int:
     return NUMEL + 4 * -(-NUMEL // 128)  # one byte a code, one fp32 scale per 128
 
@@ -61,13 +52,11 @@ def _int8_bytes() -> int:
 def test_payload_bytes_by_hand():
     assert _topk_bytes() == 562 == payload_nbytes(CompressSettings(codec="topk"), NUMEL)
     assert _int8_bytes() == payload_nbytes(CompressSettings(codec="int8"), NUMEL)
-    assert _grouped_bytes() == 282 == payload_nbytes(CompressSettings(codec="dct_topk", ratio=0.03, group=8), NUMEL)
 
 
 @pytest.mark.parametrize(("wire", "nbytes", "arrays"), [(TOPK, _topk_bytes(), 3),
-                                                        (["wire.compress=int8"], _int8_bytes(), 2),
-                                                        (GROUPED, _grouped_bytes(), 3)],
-                         ids=["topk-int2-ef", "int8", "dct-grouped-int2-ef"])
+                                                        (["wire.compress=int8"], _int8_bytes(), 2)],
+                         ids=["topk-int2-ef", "int8"])
 def test_diloco_sends_and_counts_compressed_updates(tiny, tmp_path, wire, nbytes, arrays):
     summary, final, _ = _run(tiny("run.rounds=2", *wire), tmp_path)
     assert summary["num_params"] == NUMEL and summary["outer_steps"] == 2 and summary["rejected"] == 0
@@ -245,9 +234,6 @@ def test_an_uncompressed_reply_is_refused_when_the_uplink_is_compressed(tiny, tm
     (["wire.compress=topk", "wire.error_feedback_decay=0"], "wire.error_feedback_decay must be in (0, 1]"),
     (["wire.compress=int2", "wire.error_feedback=false", "wire.error_feedback_decay=0.9"],
      "wire.error_feedback_decay=0.9 decays the error-feedback residual, but error feedback is off"),
-    (["wire.compress=topk", "wire.compress_group=4"],
-     "wire.compress_group=4 shares kept frequencies between chunks, which only dct_topk has (codec topk)"),
-    (["wire.compress=dct_topk", "wire.compress_group=0"], "wire.compress_group must be an int >= 1"),
     (["wire.compress=topk", "strategy.name=ddp"], "streaming loops and HALoS's workers only"),
     (["wire.compress=topk", "strategy.name=dips", "strategy.pseudo_grad_base=current"], "pseudo_grad_base=current"),
 ])
@@ -266,7 +252,6 @@ def test_compress_none_sends_the_same_requests(tiny):
     # the decay reaches the sites with the rest of the settings (their residual is theirs)
     sent = json.loads(client_config_record(tiny(*TOPK, "wire.error_feedback_decay=0.9"))["wire_compress"])
     assert sent["feedback_decay"] == 0.9
-    assert json.loads(client_config_record(tiny(*GROUPED))["wire_compress"])["group"] == 8  # so does the group
 
 
 def test_resume_with_compression_is_bit_identical(tiny, tmp_path):
@@ -304,6 +289,3 @@ def test_compress_none_keeps_the_run_identity(tiny):
     # decay 1 (plain EF, what every compressed run did before decay existed) keeps the run id too
     assert "wire.error_feedback_decay" not in run_identity(tiny(*TOPK))
     assert run_identity(tiny(*TOPK, "wire.error_feedback_decay=0.9"))["wire.error_feedback_decay"] == 0.9
-    # likewise a group of 1 (every compressed run before groups)
-    assert "wire.compress_group" not in run_identity(tiny(*TOPK))
-    assert run_identity(tiny(*GROUPED))["wire.compress_group"] == 8

@@ -77,8 +77,6 @@ class CompressSettings:
     block : elements per fp32 scale of the int and sign codes (128: an outlier flattens at most 127 others)
     error_feedback : keep the residual (see the module docstring); with fp32 it stays 0
     feedback_decay : β in (0, 1], the residual's weight in the next step (1: plain EF; only with EF)
-    group : dct_topk only: consecutive chunks that share one set of kept frequencies (1: each chunk
-        its own; G: the indices travel once per G chunks, `fl_geo.core.sparse`)
     """
 
     codec: str = "topk"
@@ -89,7 +87,6 @@ class CompressSettings:
     block: int = 128
     error_feedback: bool = True
     feedback_decay: float = 1.0
-    group: int = 1
 
     @property
     def sparse(self) -> bool:
@@ -128,16 +125,10 @@ class CompressSettings:
                 f"compress.chunk must be an int in [1, {top}] for {self.codec}, got {chunk!r}")
         require(self.k is None or (_is_int(self.k) and 1 <= self.k <= chunk),
                 f"compress.k must be an int in [1, chunk={chunk}], got {self.k!r}")
-        require(_is_int(self.group) and self.group >= 1, f"compress.group must be an int >= 1, got {self.group!r}")
-        require(self.group == 1 or self.codec == "dct_topk",
-                f"compress.group={self.group} shares kept frequencies between chunks, which only dct_topk has "
-                f"(codec {self.codec})")
 
     def describe(self) -> str:
-        """A short label: ``int8``, ``topk 41/4096 int2``, ``dct_topk 8/256 x8 int2`` (groups of 8
-        chunks), with ``+EF`` when error feedback is on."""
-        grouped = f" x{self.group}" if self.group > 1 else ""
-        name = f"{self.codec} {self.k_per_chunk}/{self.chunk_size}{grouped} {self.values}" if self.sparse else self.codec
+        """A short label: ``int8``, ``topk 41/4096 int2``, with ``+EF`` when error feedback is on."""
+        name = f"{self.codec} {self.k_per_chunk}/{self.chunk_size} {self.values}" if self.sparse else self.codec
         if not self.error_feedback:
             return name
         return name + (" +EF" if self.feedback_decay == 1 else f" +EF(decay {self.feedback_decay:g})")
@@ -148,7 +139,7 @@ def payload_nbytes(settings: CompressSettings, numel: int) -> int:
     ``payload.nbytes``): the formulas of `fl_geo.core.codecs` and `fl_geo.core.sparse`."""
     if settings.sparse:
         return sparse.sparse_nbytes(settings.codec, numel, settings.chunk_size, settings.k_per_chunk,
-                                    settings.values, settings.block, settings.group)
+                                    settings.values, settings.block)
     return codecs.values_nbytes(settings.codec, numel, settings.block)
 
 
@@ -199,7 +190,7 @@ class Compressor:
     def _encode(self, x: torch.Tensor) -> Payload:
         s = self.settings
         if s.sparse:
-            return sparse.encode_sparse(x, s.codec, s.chunk_size, s.k_per_chunk, s.values, s.block, s.group)
+            return sparse.encode_sparse(x, s.codec, s.chunk_size, s.k_per_chunk, s.values, s.block)
         return codecs.encode_values(x, s.codec, s.block)
 
     def decompress(self, payload: object, *, numel: int | None = None,
@@ -209,7 +200,7 @@ class Compressor:
         s = self.settings
         if s.sparse:
             return sparse.decode_sparse(payload, s.codec, s.chunk_size, s.k_per_chunk, s.values, s.block,
-                                        numel=numel, device=device, group=s.group)
+                                        numel=numel, device=device)
         n = numel if numel is not None else getattr(payload, "numel", None)
         if not _is_int(n) or n < 1:
             raise PayloadError(f"payload numel must be an int >= 1, got {n!r}")
@@ -255,7 +246,7 @@ def payload_from_arrays(settings: CompressSettings, numel: int, arrays: dict[str
     if settings.sparse:
         m = kept_count(settings.codec, numel, settings.chunk_size, settings.k_per_chunk)
         return SparsePayload(settings.codec, numel, settings.chunk_size, settings.k_per_chunk, arrays["indices"],
-                             _values(settings.values, m, settings.block, arrays), settings.group)
+                             _values(settings.values, m, settings.block, arrays))
     return _values(settings.codec, numel, settings.block, arrays)
 
 
@@ -283,11 +274,11 @@ def compress_shards(compressor: Compressor, delta: torch.Tensor, bounds: list[tu
 
 
 # The settings as the JSON a request or a follower's command line carries: both ends rebuild the
-# same `CompressSettings` (``k`` is not sent: the wire settings never set it). ``feedback_decay`` and
-# ``group`` travel only when they are not 1, so the JSON of plain EF without groups is what it was
-# before either existed (a peer of that version reads it unchanged).
+# same `CompressSettings` (``k`` is not sent: the wire settings never set it). ``feedback_decay``
+# travels only when it is not 1, so the JSON of plain EF is what it was before decay existed (a peer
+# of that version reads it unchanged).
 SETTINGS_JSON_KEYS = ("codec", "ratio", "chunk", "values", "block", "error_feedback")
-OPTIONAL_JSON_KEYS = ("feedback_decay", "group")
+OPTIONAL_JSON_KEYS = ("feedback_decay",)
 
 
 def settings_to_json(s: CompressSettings | None) -> str | None:
@@ -295,13 +286,14 @@ def settings_to_json(s: CompressSettings | None) -> str | None:
     if s is None:
         return None
     values = {k: getattr(s, k) for k in SETTINGS_JSON_KEYS}
-    values.update({k: getattr(s, k) for k in OPTIONAL_JSON_KEYS if getattr(s, k) != 1})
+    if s.feedback_decay != 1:
+        values["feedback_decay"] = s.feedback_decay
     return json.dumps(values, sort_keys=True)
 
 
 def settings_from_json(text: str | None, field: str = "wire_compress") -> CompressSettings | None:
     """The `CompressSettings` of a `settings_to_json` text (None for None), checked: `ConfigError`
-    naming ``field`` when it is not exactly those keys (and optionally ``feedback_decay``, ``group``) or a value
+    naming ``field`` when it is not exactly those keys (and optionally ``feedback_decay``) or a value
     is out of range."""
     if text is None:
         return None

@@ -11,25 +11,16 @@ A flat vector of ``numel`` elements is cut into chunks of ``chunk`` (the last on
   gradients are smooth along a row of a weight matrix, so a few low frequencies carry much of a
   chunk's energy; the transform is orthonormal, so ||x − x̂|| = ||X − X̂||.
 
-**Groups** (``group`` G > 1, dct_topk only): G consecutive chunks share one set of kept
-frequencies, the ``k`` of largest energy Σ_j X_j[f]² over the group (the last group may hold fewer
-chunks), so the indices travel once per group while every chunk still sends its own ``k`` values.
-The rows of a weight matrix's update share structure along the row (a linear layer's gradient is a
-sum of outer products δ xᵀ), so the frequencies that matter in one chunk mostly matter in the next:
-at the same bytes a group keeps more of the update than a chunk alone (docs/compression.md).
-
 Ties in |x| are broken by the lower index, so the selection is a function of the input alone;
 the kept indices are sent in increasing order within each chunk. The payload holds the in-chunk
 indices in the smallest unsigned type that fits ``chunk − 1`` (``uint8`` up to 256, ``uint16`` up
 to 65,536, else ``uint32``) and the kept values, in chunk order, as a `fl_geo.core.codecs` value
-payload (fp32, bf16 or int codes). Bytes for m kept entries: m·(index bytes) + the value bytes
-(with groups, (groups · k)·(index bytes) + the value bytes of all m entries).
+payload (fp32, bf16 or int codes). Bytes for m kept entries: m·(index bytes) + the value bytes.
 
 `decode_sparse` refuses (`PayloadError`, one line) a payload whose header or arrays do not fit the
-receiver's settings: another codec, chunk, k or group (k outside [1, chunk] said so), a wrong index
-dtype or count, an index outside its chunk (the short last chunk included), an index repeated or
-out of order within a chunk (a group), and whatever `fl_geo.core.codecs.decode_values` refuses in
-the values.
+receiver's settings: another codec, chunk or k (k outside [1, chunk] said so), a wrong index dtype or
+count, an index outside its chunk (the short last chunk included), an index repeated or out of
+order within a chunk, and whatever `fl_geo.core.codecs.decode_values` refuses in the values.
 """
 
 from __future__ import annotations
@@ -45,7 +36,7 @@ from fl_geo.core.codecs import Values, decode_values, encode_values, values_nbyt
 from fl_geo.errors import PayloadError
 
 __all__ = ["MAX_DCT_CHUNK", "SPARSE_CODECS", "SparsePayload", "dct_basis", "decode_sparse", "encode_sparse",
-           "index_count", "index_dtype", "kept_count", "sparse_nbytes", "topk_indices"]
+           "index_dtype", "kept_count", "sparse_nbytes", "topk_indices"]
 
 SPARSE_CODECS = ("topk", "dct_topk")
 # the basis is chunk² fp32 and the transform costs 2·chunk flops per element: 4096 is 64 MiB and
@@ -55,8 +46,7 @@ MAX_DCT_CHUNK = 4096
 
 @dataclass(frozen=True)
 class SparsePayload:
-    """``k`` kept entries per chunk of ``chunk``: in-chunk ``indices`` (``k`` per group of
-    ``group`` chunks) and their ``values`` (``k`` per chunk)."""
+    """``k`` kept entries per chunk of ``chunk``: in-chunk ``indices`` and their ``values``."""
 
     codec: str
     numel: int
@@ -64,7 +54,6 @@ class SparsePayload:
     k: int
     indices: np.ndarray
     values: Values
-    group: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -91,17 +80,10 @@ def kept_count(codec: str, numel: int, chunk: int, k: int) -> int:
     return (rows - 1) * k + min(k, numel - (rows - 1) * chunk)
 
 
-def index_count(codec: str, numel: int, chunk: int, k: int, group: int = 1) -> int:
-    """Indices a payload holds: one per kept entry, or ``k`` per group of ``group`` chunks."""
-    if group == 1:
-        return kept_count(codec, numel, chunk, k)
-    return math.ceil(math.ceil(numel / chunk) / group) * k
-
-
-def sparse_nbytes(codec: str, numel: int, chunk: int, k: int, values: str, block: int, group: int = 1) -> int:
-    """Payload bytes: the indices x index bytes, plus the kept values in ``values``."""
+def sparse_nbytes(codec: str, numel: int, chunk: int, k: int, values: str, block: int) -> int:
+    """Payload bytes: kept entries x index bytes, plus the kept values in ``values``."""
     m = kept_count(codec, numel, chunk, k)
-    return index_count(codec, numel, chunk, k, group) * index_dtype(chunk).itemsize + values_nbytes(values, m, block)
+    return m * index_dtype(chunk).itemsize + values_nbytes(values, m, block)
 
 
 @functools.lru_cache(maxsize=16)
@@ -160,28 +142,12 @@ def topk_indices(mag: torch.Tensor, k: int, k_last: int) -> torch.Tensor:
     return idx
 
 
-def _encode_groups(coefs: torch.Tensor, k: int, group: int) -> tuple[np.ndarray, torch.Tensor]:
-    """DCT coefficients (rows, chunk) kept ``k`` per group of ``group`` rows by the group's energy:
-    the indices (groups · k, ascending within a group) and the kept values in row order."""
-    rows, chunk = coefs.shape
-    pad = (-rows) % group
-    padded = torch.cat([coefs, coefs.new_zeros(pad, chunk)]) if pad else coefs
-    energy = padded.view(-1, group, chunk).square().sum(dim=1)  # (groups, chunk)
-    idx = topk_indices(energy, k, k)
-    per_row = idx.repeat_interleave(group, dim=0)[:rows]
-    return idx.reshape(-1).to("cpu").numpy().astype(index_dtype(chunk)), coefs.gather(1, per_row).reshape(-1)
-
-
-def encode_sparse(x: torch.Tensor, codec: str, chunk: int, k: int, values: str, block: int,
-                  group: int = 1) -> SparsePayload:
+def encode_sparse(x: torch.Tensor, codec: str, chunk: int, k: int, values: str, block: int) -> SparsePayload:
     """``x`` (1-D fp32, any device) as a `SparsePayload`; arrays on the CPU."""
     numel = x.numel()
     rows = _rows(x, chunk)
     if codec == "dct_topk":
         rows = rows @ dct_basis(chunk, str(x.device)).T
-        if group > 1:
-            indices, kept = _encode_groups(rows, k, group)
-            return SparsePayload(codec, numel, chunk, k, indices, encode_values(kept, values, block), group)
     mag = rows.abs()
     k_last = k
     if codec == "topk":
@@ -195,7 +161,7 @@ def encode_sparse(x: torch.Tensor, codec: str, chunk: int, k: int, values: str, 
     return SparsePayload(codec, numel, chunk, k, indices, encode_values(kept, values, block))
 
 
-def _check_header(p: object, codec: str, chunk: int, k: int, numel: int | None, group: int = 1) -> SparsePayload:
+def _check_header(p: object, codec: str, chunk: int, k: int, numel: int | None) -> SparsePayload:
     if not isinstance(p, SparsePayload):
         raise PayloadError(f"a {codec} payload must be a SparsePayload, got {type(p).__name__}")
     if p.codec != codec:
@@ -210,14 +176,11 @@ def _check_header(p: object, codec: str, chunk: int, k: int, numel: int | None, 
         raise PayloadError(f"payload k must be an int in [1, {chunk}], got {p.k!r}")
     if p.k != k:
         raise PayloadError(f"payload keeps k={p.k} per chunk, this decoder expects {k}")
-    if p.group != group:
-        raise PayloadError(f"payload shares indices over group={p.group!r} chunks, this decoder expects {group}")
     return p
 
 
 def _check_indices(p: SparsePayload, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chunk of each entry, in-chunk index), both int64, after the range and order checks; with
-    groups, the entries are the ``m`` indices and "chunk" is their group."""
+    """(chunk of each entry, in-chunk index), both int64, after the range and order checks."""
     want = index_dtype(p.chunk)
     if not isinstance(p.indices, np.ndarray) or p.indices.dtype != want or p.indices.shape != (m,):
         got = f"{p.indices.dtype} {p.indices.shape}" if isinstance(p.indices, np.ndarray) else type(p.indices).__name__
@@ -241,21 +204,17 @@ def _check_indices(p: SparsePayload, m: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def decode_sparse(p: object, codec: str, chunk: int, k: int, values: str, block: int, *,
-                  numel: int | None = None, device: torch.device | str | None = None,
-                  group: int = 1) -> torch.Tensor:
+                  numel: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """The fp32 vector a `SparsePayload` stands for, after every check of the module docstring;
     ``codec``, ``chunk``, ``k``, ``values``, ``block`` (and ``numel`` when given) are what the
     receiver expects. Entries not kept are 0 (in the DCT domain for dct_topk)."""
-    p = _check_header(p, codec, chunk, k, numel, group)
+    p = _check_header(p, codec, chunk, k, numel)
     m = kept_count(codec, p.numel, chunk, k)
-    row, idx = _check_indices(p, index_count(codec, p.numel, chunk, k, group))
+    row, idx = _check_indices(p, m)
     vals = decode_values(p.values, values, m, block)
     device = torch.device("cpu") if device is None else torch.device(device)
     rows = math.ceil(p.numel / chunk)
     dense = torch.zeros(rows * chunk, dtype=torch.float32, device=device)
-    if group > 1:  # every chunk of a group takes the group's k indices
-        idx = idx.view(-1, k).repeat_interleave(group, dim=0)[:rows].reshape(-1)
-        row = torch.arange(rows).repeat_interleave(k)
     dense[(row * chunk + idx).to(device)] = vals.to(device)
     if codec == "dct_topk":
         dense = (dense.view(rows, chunk) @ dct_basis(chunk, str(device))).reshape(-1)

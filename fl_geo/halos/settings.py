@@ -42,7 +42,6 @@ class HalosSection:
     compress_block: int = 128  # int codes: elements per fp32 scale
     error_feedback: bool = True  # keep each local server's residual (with its other state)
     error_feedback_decay: float = 1.0  # β: the residual's weight in the next step (1: plain EF)
-    compress_group: int = 1  # dct_topk: consecutive chunks sharing one set of kept frequencies
 
     def check(self) -> None:
         """Raise `ConfigError` for a local-server setting out of its range."""
@@ -61,7 +60,7 @@ class HalosSection:
             settings.check()
         except ConfigError as exc:  # named by this section's keys
             msg = str(exc)
-            for key in ("ratio", "chunk", "values", "block", "group"):
+            for key in ("ratio", "chunk", "values", "block"):
                 msg = msg.replace(f"compress.{key}", f"halos.compress_{key}")
             msg = msg.replace("compress.feedback_decay", "halos.error_feedback_decay")
             msg = msg.replace("compress.error_feedback", "halos.error_feedback").replace("compress.codec", "halos.compress")
@@ -76,5 +75,4 @@ class HalosSection:
 
         return CompressSettings(codec=self.compress, ratio=self.compress_ratio, chunk=self.compress_chunk,
                                 values=self.compress_values, block=self.compress_block,
-                                error_feedback=self.error_feedback, feedback_decay=self.error_feedback_decay,
-                                group=self.compress_group)
+                                error_feedback=self.error_feedback, feedback_decay=self.error_feedback_decay)

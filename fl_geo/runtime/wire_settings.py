@@ -46,7 +46,6 @@ class WireSection:
     compress_block: int = 128  # int codes: elements per fp32 scale
     error_feedback: bool = True  # keep each site's residual (per run, in its inner state)
     error_feedback_decay: float = 1.0  # β: the residual's weight in the next step (1: plain EF)
-    compress_group: int = 1  # dct_topk: consecutive chunks sharing one set of kept frequencies
     compress_down: str = "none"  # the model delta the server sends (none: the whole model at wire.down)
     compress_down_ratio: float = 0.01
     compress_down_chunk: int | None = None
@@ -88,8 +87,7 @@ class WireSection:
 
         return CompressSettings(codec=self.compress, ratio=self.compress_ratio, chunk=self.compress_chunk,
                                 values=self.compress_values, block=self.compress_block,
-                                error_feedback=self.error_feedback, feedback_decay=self.error_feedback_decay,
-                                group=self.compress_group)
+                                error_feedback=self.error_feedback, feedback_decay=self.error_feedback_decay)
 
 
 def _check_named(settings: CompressSettings | None, key: str) -> None:
@@ -100,7 +98,7 @@ def _check_named(settings: CompressSettings | None, key: str) -> None:
         settings.check()
     except ConfigError as exc:
         msg = str(exc)
-        for name in ("ratio", "chunk", "values", "block", "group"):
+        for name in ("ratio", "chunk", "values", "block"):
             msg = msg.replace(f"compress.{name}", f"{key}_{name}")
         msg = msg.replace("compress.feedback_decay", "wire.error_feedback_decay")
         msg = msg.replace("compress.error_feedback", "wire.error_feedback").replace("compress.codec", key)
