@@ -31,6 +31,7 @@ def _project(tmp: Path, gitignore: str) -> Path:
         (app / big / "mod.py").write_text("y = 2\n")  # .py: kept by include rules, dropped by folder
     (app / "runs" / "keep.py").write_text("z = 3\n")
     os.symlink(app / "pkg" / "app.py", app / "pkg" / "link.py")
+    (app / "pkg" / ".git").write_text("gitdir: ../.git/modules/pkg\n")  # a submodule's (or worktree's) .git file
     return app
 
 
@@ -44,6 +45,7 @@ def test_the_staged_fab_is_flowers_fab_without_the_dropped_folders(tmp_path):
     assert not (staged / ".venv").exists() and not (staged / "runs").exists()  # never walked
     assert not (staged / ".flwr").exists() and not (staged / "pkg" / "__pycache__").exists()  # Flower's own rules
     assert not (staged / "pkg" / "link.py").exists()  # Flower skips links; so do we
+    assert not (staged / "pkg" / ".git").exists()  # repository metadata, even as a file
     assert (staged / "pkg" / "app.py").read_text() == "x = 1\n"
     fab = build_fab_from_disk(app)
     assert build_fab_from_disk(staged) == fab  # byte for byte

@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 PROBE = "x.py"  # a name Flower's include rules keep: a directory whose probe is dropped is dropped whole
-VCS_DIRS = frozenset({".git", ".hg", ".svn"})  # repository metadata: no app file lives there
+# Repository metadata: no app file lives there. In a git worktree or submodule ``.git`` is a file
+# (a pointer to the repository), left out too: Flower's include rules would drop it anyway.
+VCS_DIRS = frozenset({".git", ".hg", ".svn"})
 
 
 def _dropped_dir_rule(app: Path):
@@ -63,7 +65,7 @@ def stage_app(app: Path, dest: Path) -> Path:
         target.mkdir(parents=True, exist_ok=True)
         for name in filenames:
             src = here / name
-            if not src.is_symlink():
+            if not src.is_symlink() and name not in VCS_DIRS:
                 _link_or_copy(src, target / name)
     return dest
 
