@@ -22,15 +22,19 @@ SIZE=${SIZE:-S}
 case "$SIZE" in
   # S: 2,800 inner steps per site x 4 sites x 6 x 128 tokens = 8,601,600 tokens, 20.6 per parameter;
   # an evaluation every 175 inner steps per site (16 in a run) whatever H is
-  S) STEPS=2800 EVAL=175 EV25=7 EV100=2 MODEL="model.n_layers=2 model.d_model=96 model.n_heads=4 client.lr=3e-3" ;;
+  # (H = 10: every 200 steps; the few-step end, Hfew: H = 560, 5 outer steps, every step evaluated)
+  S) STEPS=2800 EVAL=175 EV25=7 EV100=2 EV10=20 HFEW=560 MODEL="model.n_layers=2 model.d_model=96 model.n_heads=4 client.lr=3e-3" ;;
   # M (the ladder's lr for it): 1,500 steps = 4,608,000 tokens, 2.13 per parameter; 15 evaluations
-  M) STEPS=1500 EVAL=100 EV25=4 EV100=1 MODEL="model.n_layers=4 model.d_model=192 model.n_heads=4 client.lr=2e-3" ;;
+  # (Hfew: H = 500, 3 outer steps)
+  M) STEPS=1500 EVAL=100 EV25=4 EV100=1 EV10=10 HFEW=500 MODEL="model.n_layers=4 model.d_model=192 model.n_heads=4 client.lr=2e-3" ;;
   *) echo "SIZE must be S or M, got $SIZE" >&2; exit 2 ;;
 esac
 TOKENS=$((STEPS * 4 * 6 * 128))
 COMMON="$MODEL run.max_tokens=$TOKENS run.progress=false run.tensorboard=false"
 H25="strategy.inner_steps=25 run.rounds=$((STEPS / 25)) run.eval_every=$EV25"
 H100="strategy.inner_steps=100 run.rounds=$((STEPS / 100)) run.eval_every=$EV100"
+H10="strategy.inner_steps=10 run.rounds=$((STEPS / 10)) run.eval_every=$EV10"
+HFEW_="strategy.inner_steps=$HFEW run.rounds=$((STEPS / HFEW)) run.eval_every=1"
 declare -A CELL=(
   [fedavg-H25]="configs/bench/ladder_fedavg.yaml $H25"
   [diloco-H25]="configs/bench/ladder_diloco.yaml $H25"
@@ -42,10 +46,15 @@ declare -A CELL=(
   [fedavgm-H25]="configs/bench/ladder_fedavg.yaml $H25 strategy.name=fedavgm strategy.outer_lr=1.0 strategy.outer_momentum=0.9"
   [fedavg-H100]="configs/bench/ladder_fedavg.yaml $H100"
   [diloco-H100]="configs/bench/ladder_diloco.yaml $H100"
+  # the two ends of H: many short rounds (H = 10) and a handful of long ones (Hfew, per size above)
+  [fedavg-H10]="configs/bench/ladder_fedavg.yaml $H10"
+  [diloco-H10]="configs/bench/ladder_diloco.yaml $H10"
+  [fedavg-Hfew]="configs/bench/ladder_fedavg.yaml $HFEW_"
+  [diloco-Hfew]="configs/bench/ladder_diloco.yaml $HFEW_"
 )
 # The first study ran these; diloco-lr1-m0.5-H25 and fedavgm-H25 ran later with CELLS= and HEADLINE= set to them
 CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
-HEADLINE=${HEADLINE:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25}
+HEADLINE=${HEADLINE-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25}
 jobs=()
 add() {  # add CELL SEED
   [ -n "${CELL[$1]:-}" ] || { echo "unknown cell $1 (cells: ${!CELL[*]})" >&2; exit 2; }
