@@ -26,7 +26,8 @@
 # the gradient over the row's scenario every step.
 #
 # Wall time on a 2-core CPU, two runs at a time: straggler 9 runs ~25 min, eta100 and eta200 12 runs
-# each ~35 min, noisy 9 runs ~25 min, halos 15 runs ~4 h, streaming 9 runs ~4 h.
+# each ~35 min, noisy 9 runs ~25 min, halos 15 runs ~3.5 h (26-31 min a run), streaming 9 runs ~5 h
+# (about an hour a run; measured 2026-11-30).
 set -euo pipefail
 OUT=${1:-runs/method-table}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
