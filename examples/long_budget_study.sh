@@ -13,7 +13,8 @@
 # Each cell runs with run.seed 0, then the HEADLINE cells again with seeds 1 and 2 (3 seeds each),
 # two runs at a time (one per core), then one table with the 95 % intervals (`fl-geo compare`
 # groups <name>-seed=<k>). CELLS and HEADLINE choose cells by name; PRINT=1 prints the run lines
-# (config and overrides, one per line) instead of running them.
+# (config and overrides, one per line) instead of running them. Runs that finished in OUT are
+# skipped, so the same command resumes an interrupted study (examples/study_resume.sh).
 set -euo pipefail
 OUT=${1:-runs/long-budget}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
@@ -56,8 +57,11 @@ declare -A CELL=(
 CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
 HEADLINE=${HEADLINE-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25}
 jobs=()
+source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR
+DRY=${PRINT:-}  # printing moves no interrupted run aside
 add() {  # add CELL SEED
   [ -n "${CELL[$1]:-}" ] || { echo "unknown cell $1 (cells: ${!CELL[*]})" >&2; exit 2; }
+  pending "$OUT/runs/$1-seed=$2" || return 0
   jobs+=("${CELL[$1]} $COMMON run.seed=$2 run.name=$1-seed=$2")
 }
 for c in $CELLS; do add "$c" 0; done
@@ -65,4 +69,4 @@ for seed in 1 2; do for c in $HEADLINE; do add "$c" "$seed"; done; done
 if [ -n "${PRINT:-}" ]; then printf '%s\n' "${jobs[@]}"; exit 0; fi
 mkdir -p "$OUT/runs"
 printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs > /dev/null 2>> $OUT/study.log"
-"$FLGEO" compare --runs "$OUT"/runs/* --out "$OUT/table"  # each group of seeds: mean and 95 % interval
+"$FLGEO" compare --runs "$OUT"/runs/*-seed=[0-9] --out "$OUT/table"  # each group of seeds: mean and 95 % interval

@@ -9,7 +9,8 @@
 #   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
 #
 # Runs that finished in OUT (they have a summary.json) are skipped, so the same command resumes an
-# interrupted study; an unfinished run's directory is started again from scratch.
+# interrupted study; an interrupted run's folder is moved aside and the run starts again
+# (examples/study_resume.sh).
 #
 # Each row is one comparison of docs/benchmarks.md, run with the configs and budgets of its section
 # there, every cell with run.seed 0, 1, ..., SEEDS - 1 (default 3; a seed fixes the initial weights
@@ -37,6 +38,8 @@ ROWS=${ROWS:-straggler eta100 eta200 noisy halos streaming}
 SEED0_ONLY=${SEED0_ONLY:-}  # row/cell ... run with seed 0 only (to save time where one seed says enough)
 export OMP_NUM_THREADS=1
 COMMON="run.progress=false run.tensorboard=false run.sim_cpus=1"
+source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR
+DRY=${PRINT:-${REPORT_ONLY:-}}  # printing or reporting moves no interrupted run aside
 # ddp: one inner step per round on every site's averaged fp32 gradient, no penalty
 DDP="strategy.name=ddp strategy.inner_steps=1 wire.up=fp32 wire.down=fp32"
 B=configs/bench
@@ -84,8 +87,7 @@ for seed in $(seq 0 $((SEEDS - 1))); do  # seed-major: an interrupted study leav
     [ -n "${!cells_var:-}" ] || { echo "unknown row $row (rows: straggler eta100 eta200 noisy halos streaming)" >&2; exit 2; }
     for c in ${!cells_var}; do
       [[ $seed -gt 0 && " $SEED0_ONLY " == *" $row/$c "* ]] && continue
-      # a run that finished (its summary.json is written last) is not run again: an interrupted study resumes
-      [ -f "$OUT/$row/runs/$row-$c-seed=$seed/summary.json" ] && continue
+      pending "$OUT/$row/runs/$row-$c-seed=$seed" || continue  # finished: an interrupted study resumes
       jobs+=("${CELL[$row/$c]} $COMMON run.seed=$seed run.name=$row-$c-seed=$seed --out $OUT/$row/runs")
     done
   done
