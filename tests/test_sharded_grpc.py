@@ -134,7 +134,11 @@ def test_a_killed_follower_is_restarted_from_its_checkpoint_and_loses_no_step(ti
     assert failed >= 1  # what the dead follower held was lost (voided or redone), never stepped half
     assert rows_all[-1]["ps/voided_total"] == (1 if when == "mid_window" else 0)
     if down:  # 4 sites whole at the start, and each whole again at its first job after the restart
-        assert rows_all[-1]["comm/down_full"] >= 8 and rows_all[-1]["comm/down_delta"] >= 1
+        # (at least: a failed job, or a site more versions behind than the chain keeps, is sent x-hat
+        # whole too, and which jobs fail depends on when the kill lands)
+        at_kill = next(r for r in rows_all if r.get("outer/step") == 2)["comm/down_full"]
+        assert at_kill >= 4 and rows_all[-1]["comm/down_full"] - at_kill >= 4  # all 4 again after it
+        assert rows_all[-1]["comm/down_delta"] >= 1
     meta = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert meta["outer_steps"] == 6
     assert not _follower_pids(tmp_path / "run" / "ps")
