@@ -75,15 +75,16 @@ def pull_public_model(req: TrainRequest, out: torch.Tensor, state: RecordDict, a
         begin, end = shards[i]
         n = end - begin
         delta_nbytes = payload_nbytes(settings, n)
+        full_nbytes = n * WIRE_DTYPES[wire].itemsize  # x̂_s whole in the wire precision
         held = versions[i]  # None: nothing kept for this shard (x̂_s comes whole)
         with client_of(addresses[i]) as client:
             reply = client.pull_public(n, held, lineages[i] or None, wire=wire, delta_nbytes=delta_nbytes,
-                                       max_deltas=max_chain(delta_nbytes, n * WIRE_DTYPES[wire].itemsize),
+                                       max_deltas=max_chain(delta_nbytes, full_nbytes),
                                        token=token)
         if reply.kind == "full":
             assert reply.full is not None
             x = reply.full.to(torch.float32)
-            received[i] += n * WIRE_DTYPES[wire].itemsize
+            received[i] += full_nbytes
         else:
             received[i] += len(reply.deltas) * delta_nbytes  # each checked to be exactly that size below
             x = new[begin:end].clone()
