@@ -14,7 +14,8 @@
 # two runs at a time (one per core), then one table with the 95 % intervals (`fl-geo compare`
 # groups <name>-seed=<k>). CELLS and HEADLINE choose cells by name; PRINT=1 prints the run lines
 # (config and overrides, one per line) instead of running them. Runs that finished in OUT are
-# skipped, so the same command resumes an interrupted study (examples/study_resume.sh).
+# skipped and every run keeps about 12 checkpoints, so the same command resumes an interrupted
+# study, each interrupted run from its newest checkpoint (examples/study_resume.sh).
 set -euo pipefail
 OUT=${1:-runs/long-budget}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
@@ -32,15 +33,17 @@ case "$SIZE" in
 esac
 TOKENS=$((STEPS * 4 * 6 * 128))
 COMMON="$MODEL run.max_tokens=$TOKENS run.progress=false run.tensorboard=false"
-H25="strategy.inner_steps=25 run.rounds=$((STEPS / 25)) run.eval_every=$EV25"
-H100="strategy.inner_steps=100 run.rounds=$((STEPS / 100)) run.eval_every=$EV100"
-H10="strategy.inner_steps=10 run.rounds=$((STEPS / 10)) run.eval_every=$EV10"
-HFEW_="strategy.inner_steps=$HFEW run.rounds=$((STEPS / HFEW)) run.eval_every=1"
+source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR, checkpoint_every ROUNDS
+# every cell keeps about 12 checkpoints, so an interrupted study resumes each run where it stopped
+H25="strategy.inner_steps=25 run.rounds=$((STEPS / 25)) run.eval_every=$EV25 $(checkpoint_every $((STEPS / 25)))"
+H100="strategy.inner_steps=100 run.rounds=$((STEPS / 100)) run.eval_every=$EV100 $(checkpoint_every $((STEPS / 100)))"
+H10="strategy.inner_steps=10 run.rounds=$((STEPS / 10)) run.eval_every=$EV10 $(checkpoint_every $((STEPS / 10)))"
+HFEW_="strategy.inner_steps=$HFEW run.rounds=$((STEPS / HFEW)) run.eval_every=1 $(checkpoint_every $((STEPS / HFEW)))"
 declare -A CELL=(
   [fedavg-H25]="configs/bench/ladder_fedavg.yaml $H25"
   [diloco-H25]="configs/bench/ladder_diloco.yaml $H25"
   # the data-parallel reference: one AdamW step on the sites' mean gradient per round, fp32 gradients
-  [ddp]="configs/bench/ladder_fedavg.yaml strategy.name=ddp strategy.inner_steps=1 run.rounds=$STEPS run.eval_every=$EVAL wire.up=fp32"
+  [ddp]="configs/bench/ladder_fedavg.yaml strategy.name=ddp strategy.inner_steps=1 run.rounds=$STEPS run.eval_every=$EVAL wire.up=fp32 $(checkpoint_every $STEPS)"
   [diloco-lr0.7-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
   [diloco-lr1-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=1.0 strategy.outer_momentum=0.5"
   # FedAvgM as registered: heavy-ball server momentum, lr 1, momentum 0.9
@@ -57,12 +60,11 @@ declare -A CELL=(
 CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
 HEADLINE=${HEADLINE-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25}
 jobs=()
-source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR
 DRY=${PRINT:-}  # printing moves no interrupted run aside
 add() {  # add CELL SEED
   [ -n "${CELL[$1]:-}" ] || { echo "unknown cell $1 (cells: ${!CELL[*]})" >&2; exit 2; }
   pending "$OUT/runs/$1-seed=$2" || return 0
-  jobs+=("${CELL[$1]} $COMMON run.seed=$2 run.name=$1-seed=$2")
+  jobs+=("${CELL[$1]} $COMMON run.seed=$2 run.name=$1-seed=$2${RESUME:+ $RESUME}")
 }
 for c in $CELLS; do add "$c" 0; done
 for seed in 1 2; do for c in $HEADLINE; do add "$c" "$seed"; done; done

@@ -9,8 +9,9 @@
 #   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
 #
 # Runs that finished in OUT (they have a summary.json) are skipped, so the same command resumes an
-# interrupted study; an interrupted run's folder is moved aside and the run starts again
-# (examples/study_resume.sh).
+# interrupted study (examples/study_resume.sh). The long cells whose method keeps checkpoints
+# (halos/diloco and ddp, streaming/diloco and ddp: the runs of an hour or more) write about 12, and an
+# interrupted one continues from its newest; any other interrupted run is moved aside and starts again.
 #
 # Each row is one comparison of docs/benchmarks.md, run with the configs and budgets of its section
 # there, every cell with run.seed 0, 1, ..., SEEDS - 1 (default 3; a seed fixes the initial weights
@@ -38,7 +39,7 @@ ROWS=${ROWS:-straggler eta100 eta200 noisy halos streaming}
 SEED0_ONLY=${SEED0_ONLY:-}  # row/cell ... run with seed 0 only (to save time where one seed says enough)
 export OMP_NUM_THREADS=1
 COMMON="run.progress=false run.tensorboard=false run.sim_cpus=1"
-source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR
+source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR, checkpoint_every ROUNDS
 DRY=${PRINT:-${REPORT_ONLY:-}}  # printing or reporting moves no interrupted run aside
 # ddp: one inner step per round on every site's averaged fp32 gradient, no penalty
 DDP="strategy.name=ddp strategy.inner_steps=1 wire.up=fp32 wire.down=fp32"
@@ -67,12 +68,12 @@ declare -A CELL=(
   [halos/halos]="$B/halos_halos.yaml"
   [halos/halos-paper]="$B/halos_halos.yaml halos.accumulate=32"
   [halos/async_local_sgd]="$B/halos_async_local_sgd.yaml"
-  [halos/diloco]="$B/halos_diloco.yaml"
-  [halos/ddp]="$B/halos_diloco.yaml $DDP run.rounds=250 run.eval_every=10"
+  [halos/diloco]="$B/halos_diloco.yaml $(checkpoint_every 8)"
+  [halos/ddp]="$B/halos_diloco.yaml $DDP run.rounds=250 run.eval_every=10 $(checkpoint_every 250)"
   # Streaming DiLoCo (alpha 0.5) against DiLoCo on slow_wan: 36 periods of H = 100 (3,600 steps per site)
-  [streaming/diloco]="configs/streaming_diloco.yaml strategy.name=diloco run.rounds=36 run.backend=inline"
+  [streaming/diloco]="configs/streaming_diloco.yaml strategy.name=diloco run.rounds=36 run.backend=inline $(checkpoint_every 36)"
   [streaming/streaming]="configs/streaming_diloco.yaml run.rounds=36 run.backend=inline"
-  [streaming/ddp]="configs/streaming_diloco.yaml $DDP strategy.outer_optimizer=adamw run.rounds=3600 run.eval_every=100 run.backend=inline"
+  [streaming/ddp]="configs/streaming_diloco.yaml $DDP strategy.outer_optimizer=adamw run.rounds=3600 run.eval_every=100 run.backend=inline $(checkpoint_every 3600)"
 )
 CELLS_OF_straggler="edit a_edit ddp"
 CELLS_OF_eta100="diloco dips dips-paper ddp"
@@ -88,7 +89,7 @@ for seed in $(seq 0 $((SEEDS - 1))); do  # seed-major: an interrupted study leav
     for c in ${!cells_var}; do
       [[ $seed -gt 0 && " $SEED0_ONLY " == *" $row/$c "* ]] && continue
       pending "$OUT/$row/runs/$row-$c-seed=$seed" || continue  # finished: an interrupted study resumes
-      jobs+=("${CELL[$row/$c]} $COMMON run.seed=$seed run.name=$row-$c-seed=$seed --out $OUT/$row/runs")
+      jobs+=("${CELL[$row/$c]} $COMMON run.seed=$seed run.name=$row-$c-seed=$seed${RESUME:+ $RESUME} --out $OUT/$row/runs")
     done
   done
 done

@@ -1,16 +1,36 @@
 # Sourced by the study scripts (examples/method_table.sh, examples/long_budget_study.sh) so that
 # running a study's command again resumes it. One study per output folder at a time.
 #
-# pending RUN_DIR: true when the run in RUN_DIR still has to run. A run that finished (its
-# summary.json is written last) is skipped. A run that was interrupted (its folder exists without
-# a summary.json) is moved aside to RUN_DIR.interrupted-<epoch seconds>, because `fl-geo run`
-# refuses to write over an earlier run's files; it then runs again from the start.
+# pending RUN_DIR: true when the run in RUN_DIR still has to run, and sets RESUME to the override
+# that run needs ("run.resume=true" or nothing).
+#   - A run that finished (its summary.json is written last) is skipped.
+#   - A run that was interrupted after writing a checkpoint (RUN_DIR/checkpoints/ckpt-*.pt, cells
+#     run with `checkpoint_every`) continues from its newest one: RESUME=run.resume=true. fl-geo
+#     checks that the checkpoint was written by the same run configuration.
+#   - A run that was interrupted before any checkpoint (or whose method keeps none: HALoS,
+#     Streaming DiLoCo, CoCoDC) is moved aside to RUN_DIR.interrupted-<epoch seconds>, because
+#     `fl-geo run` refuses to write over an earlier run's files; it then runs again from the start.
 # With DRY set (a study that only prints or reports) nothing is moved.
+#
+# checkpoint_every ROUNDS: the `run.checkpoint_every` override that gives a run of ROUNDS outer
+# steps about 12 checkpoints (at least one per round), so an interrupted study loses under a
+# twelfth of a run. Only for cells whose method keeps checkpoints.
+RESUME=""
 pending() {
+  RESUME=""
   [ -f "$1/summary.json" ] && return 1
+  if compgen -G "$1/checkpoints/ckpt-*.pt" > /dev/null; then
+    RESUME="run.resume=true"
+    [ -n "${DRY:-}" ] || echo "resuming the interrupted run $1 from its newest checkpoint" >&2
+    return 0
+  fi
   if [ -e "$1" ] && [ -z "${DRY:-}" ]; then
     mv "$1" "$1.interrupted-$(date +%s)"
     echo "moved the interrupted run $1 aside; it runs again" >&2
   fi
   return 0
+}
+checkpoint_every() {
+  local k=$(($1 / 12))
+  echo "run.checkpoint_every=$((k > 0 ? k : 1))"
 }
