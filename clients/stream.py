@@ -33,7 +33,13 @@ from fl_geo.clients.api import (
     set_threads,
     train_metrics,
 )
-from fl_geo.clients.persist import progress_record, start_opt_state
+from fl_geo.clients.persist import (
+    load_inner_state,
+    progress_record,
+    save_inner_state,
+    start_opt_state,
+    state_file,
+)
 from fl_geo.core.compress import Compressor
 from fl_geo.core.state import flatten, load_flat_into
 from fl_geo.core.streaming import cocodc_compensate, fragment_record, streaming_merge
@@ -55,6 +61,7 @@ __all__ = [
     "STREAM_META_KEY",
     "STREAM_RESIDUAL_KEY",
     "STREAM_SNAPSHOT_KEY",
+    "STREAM_STATE_KEYS",
     "evaluate_stream",
     "merge_fragment",
     "train_stream",
@@ -67,6 +74,15 @@ STREAM_META_KEY = "stream_meta"  # ConfigRecord: fragments, numel, snapshot_step
 # ArrayRecord {"<p>": e_p}: the error-feedback residual of fragment p's compressed Δ_p (wire.compress),
 # fp32, one per fragment that has synced; absent = zero
 STREAM_RESIDUAL_KEY = "stream_residual"
+# Everything a worker's streaming state is made of: what it keeps at a checkpoint's step and what
+# it writes to its state file (clients/persist.py) after every tick.
+STREAM_STATE_KEYS = (STREAM_LOCAL_KEY, STREAM_GLOBAL_KEY, STREAM_SNAPSHOT_KEY, STREAM_META_KEY, STREAM_RESIDUAL_KEY,
+                     OPT_STATE_KEY, PROGRESS_KEY)
+# The state kept at the start of a tick with ``stream_keep`` (the server checkpointed at that step):
+# each record of STREAM_STATE_KEYS under "<key>.kept", and a ConfigRecord naming the step and the
+# records that existed then (a record absent then is absent after a rewind).
+KEPT_SUFFIX = ".kept"
+STREAM_KEPT_KEY = "stream_kept"
 
 
 def merge_fragment(
@@ -241,8 +257,10 @@ def _store_stream_state(
     snapshots: _Snapshots,
     num_fragments: int,
     numel: int,
+    stream_end: int,
 ) -> None:
-    """Write θ^m, θ^g, the in-flight snapshots and their metadata into ``context.state``."""
+    """Write θ^m, θ^g, the in-flight snapshots and their metadata into ``context.state``
+    (``stream_end``: the schedule step this state is at, the end of the tick just trained)."""
     state[STREAM_LOCAL_KEY] = ArrayRecord({"flat": _flat_array(local)})
     state[STREAM_GLOBAL_KEY] = ArrayRecord({"flat": _flat_array(global_copy)})
     state[STREAM_SNAPSHOT_KEY] = ArrayRecord({str(p): _flat_array(t) for p, (t, _) in sorted(snapshots.items())})
@@ -250,7 +268,49 @@ def _store_stream_state(
         "fragments": num_fragments,
         "numel": numel,
         "snapshot_steps": json.dumps({str(p): s for p, (_, s) in sorted(snapshots.items())}),
+        "stream_end": int(stream_end),
     })
+
+
+def _has(state: RecordDict, key: str) -> bool:
+    return key in state.array_records or key in state.config_records
+
+
+def _keep_state(state: RecordDict, stream_step: int) -> None:
+    """Keep the state this tick starts from (the same record objects: each tick stores new ones)."""
+    present = [k for k in STREAM_STATE_KEYS if _has(state, k)]
+    for key in STREAM_STATE_KEYS:
+        if key in present:
+            state[key + KEPT_SUFFIX] = state[key]
+        elif _has(state, key + KEPT_SUFFIX):
+            del state[key + KEPT_SUFFIX]
+    state[STREAM_KEPT_KEY] = ConfigRecord({"stream_step": int(stream_step), "keys": json.dumps(present)})
+
+
+def _rewind_to_kept(state: RecordDict, req: protocol.StreamRequest) -> None:
+    """A server that resumed from a checkpoint sends the tick of the checkpoint's step again,
+    while this worker may have trained ticks past it (the server died after they were sent).
+    The worker goes back to the state it kept at that step (`_keep_state`), so the resumed run
+    stays bit-identical to one that never stopped. A worker already at that step continues; one
+    with nothing kept there continues from its current state and says so."""
+    meta = state.config_records.get(STREAM_META_KEY)
+    at = int(meta["stream_end"]) if meta is not None and "stream_end" in meta else None
+    if at is None or at == req.stream_step:
+        return
+    kept = state.config_records.get(STREAM_KEPT_KEY)
+    if kept is None or int(kept["stream_step"]) != req.stream_step:
+        if req.resumed:
+            log.warning("train.stream: the tick of step %d was sent but this worker's state is at step %d and "
+                        "none was kept there: continuing from its current state (the run is no longer "
+                        "bit-identical to an uninterrupted one)", req.stream_step, at)
+        return
+    present = set(json.loads(str(kept["keys"])))
+    for key in STREAM_STATE_KEYS:
+        if key in present:
+            state[key] = state[key + KEPT_SUFFIX]
+        elif _has(state, key):
+            del state[key]
+    log.info("train.stream: the tick of step %d sent again (server resumed): rewound from step %d", req.stream_step, at)
 
 
 def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Message:
@@ -267,6 +327,12 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     merge = _MergeParams(req.stream_rule, req.H, req.alpha, req.lambda_)
     wire_down, wire_up = req.wire_down, req.wire_up
     state = context.state
+    disk = state_file(context, req, site.partition_id)
+    if disk is not None and req.resumed and not _has(state, STREAM_META_KEY):
+        load_inner_state(state, disk)  # a restarted server is a new Flower run: context.state is empty
+    _rewind_to_kept(state, req)
+    if req.stream_keep:
+        _keep_state(state, req.stream_step)
     progress = state.config_records.get(PROGRESS_KEY, ConfigRecord({"step": 0, "rounds": 0}))
     local_step = int(progress["step"])
 
@@ -304,9 +370,13 @@ def train_stream(client: DatacenterClient, msg: Message, context: Context) -> Me
     elif STREAM_RESIDUAL_KEY in state.array_records:
         del state[STREAM_RESIDUAL_KEY]
 
-    _store_stream_state(state, local, global_copy, snapshots, fragments.num_fragments, spec.numel)
+    _store_stream_state(state, local, global_copy, snapshots, fragments.num_fragments, spec.numel,
+                        req.stream_step + req.stream_steps)
     state[OPT_STATE_KEY] = opt_record(trainer)
     state[PROGRESS_KEY] = progress_record(step_after, int(progress["rounds"]) + 1, trainer.optimizer_kind)
+    if disk is not None:
+        save_inner_state(state, (*STREAM_STATE_KEYS, *(k + KEPT_SUFFIX for k in STREAM_STATE_KEYS), STREAM_KEPT_KEY),
+                         disk)
 
     content["metrics"] = train_metrics(
         result, train_time, site.partition_id, noisy,

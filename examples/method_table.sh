@@ -10,7 +10,7 @@
 #
 # Runs that finished in OUT (they have a summary.json) are skipped, so the same command resumes an
 # interrupted study (examples/study_resume.sh). The long cells whose method keeps checkpoints
-# (halos/diloco and ddp, streaming/diloco and ddp: the runs of an hour or more) write about 12, and an
+# (halos/diloco and ddp, every streaming cell: runs of half an hour to 3 hours) write about 12, and an
 # interrupted one continues from its newest; any other interrupted run is moved aside and starts again.
 #
 # Each row is one comparison of docs/benchmarks.md, run with the configs and budgets of its section
@@ -28,8 +28,8 @@
 # the gradient over the row's scenario every step.
 #
 # Wall time on a 2-core CPU, two runs at a time: straggler 9 runs ~25 min, eta100 and eta200 12 runs
-# each ~35 min, noisy 9 runs ~25 min, halos 15 runs ~3.5 h (26-31 min a run), streaming 9 runs ~5 h
-# (about an hour a run; measured 2026-11-30).
+# each ~35 min, noisy 9 runs ~25 min, halos 15 runs ~3.5 h (26-31 min a run), streaming 9 runs ~12 h
+# (diloco 255 s and streaming 273 s a period of 36, so 2.5-2.7 h a run; measured 2026-11-30).
 set -euo pipefail
 OUT=${1:-runs/method-table}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
@@ -72,7 +72,7 @@ declare -A CELL=(
   [halos/ddp]="$B/halos_diloco.yaml $DDP run.rounds=250 run.eval_every=10 $(checkpoint_every 250)"
   # Streaming DiLoCo (alpha 0.5) against DiLoCo on slow_wan: 36 periods of H = 100 (3,600 steps per site)
   [streaming/diloco]="configs/streaming_diloco.yaml strategy.name=diloco run.rounds=36 run.backend=inline $(checkpoint_every 36)"
-  [streaming/streaming]="configs/streaming_diloco.yaml run.rounds=36 run.backend=inline"
+  [streaming/streaming]="configs/streaming_diloco.yaml run.rounds=36 run.backend=inline $(checkpoint_every 36)"
   [streaming/ddp]="configs/streaming_diloco.yaml $DDP strategy.outer_optimizer=adamw run.rounds=3600 run.eval_every=100 run.backend=inline $(checkpoint_every 3600)"
 )
 CELLS_OF_straggler="edit a_edit ddp"

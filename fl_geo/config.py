@@ -262,8 +262,8 @@ def _check_checkpoints(cfg: FlGeoConfig) -> None:
     """Checkpoints and resume only for the loops whose state a checkpoint holds."""
     r, s = cfg.run, cfg.strategy
     require(not (r.checkpoint_every or r.resume) or s.name not in NO_CHECKPOINT_STRATEGIES,
-            f"run.checkpoint_every / run.resume are not supported for strategy '{s.name}' yet: HALoS and the "
-            "streaming loops keep in-flight transfers and fragment syncs that checkpoints do not hold")
+            f"run.checkpoint_every / run.resume are not supported for strategy '{s.name}' yet: HALoS's "
+            "local parameter servers keep in-flight transfers and state that checkpoints do not hold")
 
 
 def _check_strategy(cfg: FlGeoConfig) -> None:

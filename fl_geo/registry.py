@@ -119,10 +119,10 @@ _ENTRIES = (
     # HALoS's global server: delayed Nesterov lr 0.15 × N, β 0.5, N = 2 (run_halos.sh; HALoSSettings).
     Method("halos", "HALoS", "halos", ("delayed_nesterov",), 0.15 * 2, 0.5, checkpoints=False, section="halos",
            summary="HALoS: local parameter servers per region under one global server"),
-    Method("streaming_diloco", "StreamingDiLoCo", "streaming", ("nesterov",), 0.7, 0.9, checkpoints=False,
+    Method("streaming_diloco", "StreamingDiLoCo", "streaming", ("nesterov",), 0.7, 0.9,
            section="streaming", summary="Streaming DiLoCo: fragments synced in turn, overlapped with training"),
     # CoCoDC: the delay-compensated merge and the adaptive schedule (Algorithms 1 and 2; CoCoDCSettings).
-    Method("cocodc", "CoCoDC", "streaming", ("nesterov",), 0.7, 0.9, checkpoints=False, section="streaming",
+    Method("cocodc", "CoCoDC", "streaming", ("nesterov",), 0.7, 0.9, section="streaming",
            summary="CoCoDC: Streaming DiLoCo with delay compensation and adaptive transmission"),
     # The data-parallel reference: every step the sites' gradients are averaged and the server takes
     # one inner AdamW step (client section's lr, schedule, clip); outer lr / momentum are unused

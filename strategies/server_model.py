@@ -45,11 +45,13 @@ class ServerModel:
     """
 
     def __init__(self, cfg: FlGeoConfig, params: torch.Tensor, optimizer: OuterOptimizer,
-                 accumulator: WeightedAccumulator) -> None:
+                 accumulator: WeightedAccumulator, optimizer_numel: int | None = None) -> None:
         self.cfg = cfg
         self.params = params
         self.optimizer = optimizer
         self.accumulator = accumulator
+        # the optimizer's size: θ's, or 1 where the loop keeps its outer state itself (`held_elsewhere`)
+        self.optimizer_numel = params.numel() if optimizer_numel is None else int(optimizer_numel)
 
     @classmethod
     def from_config(cls, cfg: FlGeoConfig, params: torch.Tensor) -> ServerModel:
@@ -61,12 +63,12 @@ class ServerModel:
     def held_elsewhere(cls, cfg: FlGeoConfig, params: torch.Tensor) -> ServerModel:
         """θ only: the loop keeps its outer state and sums in its own parts. The one-element
         optimizer carries the strategy's hyper-parameters (``lr``) and no model-sized state."""
-        return cls(cfg, params, outer_optimizer_from_config(cfg, 1), WeightedAccumulator(1))
+        return cls(cfg, params, outer_optimizer_from_config(cfg, 1), WeightedAccumulator(1), optimizer_numel=1)
 
     def new_optimizer(self) -> OuterOptimizer:
         """A fresh optimizer of this model's kind, for a checkpoint's state to be loaded into
         (the data-parallel loop's model builds its server AdamW instead)."""
-        return outer_optimizer_from_config(self.cfg, self.params.numel())
+        return outer_optimizer_from_config(self.cfg, self.optimizer_numel)
 
     def state_dict(self) -> dict[str, Any]:
         """``params`` and ``optimizer`` of a server checkpoint."""

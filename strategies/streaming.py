@@ -81,7 +81,9 @@ class _Sync:
 
     start: int  # step at which the sync started (t_p)
     apply: int  # step at whose message the new fragment is attached (t_p + τ)
-    record: ArrayRecord  # the new θ^g_p in the downlink precision
+    # the new θ^g_p in the downlink precision; None for a sync restored from a checkpoint, encoded
+    # again from θ when it is sent (fragment p does not change while its sync is in flight)
+    record: ArrayRecord | None
     comm_done: float  # virtual time at which its all-reduce is over (0 with a wall clock)
     norm: float  # ‖Δ̄_p‖₂ (CoCoDC's change rate)
 
@@ -145,6 +147,9 @@ class StreamingLoop(OuterLoop):
         self.step = 0  # inner steps every worker has run (lock step)
         self.in_flight: dict[int, _Sync] = {}
         self._initialised: set[int] = set()  # nodes that hold streaming state
+        # after a resume: the partitions that held streaming state at the checkpoint (node ids do
+        # not survive a restart); their nodes are sent no model, they reload and rewind their own
+        self._restored_partitions: set[int] = set()
         self._link_free = 0.0  # virtual time at which the WAN is free for the next all-reduce
         self._next_adaptive: int | None = None
         self.interval = self.H // self.P  # adaptive h (updated at every sync decision)
@@ -224,6 +229,19 @@ class StreamingLoop(OuterLoop):
                 self.schedule.completed(p, self.step, sync.norm)
         return out
 
+    def _record_of(self, p: int, sync: _Sync) -> ArrayRecord:
+        """The new θ^g_p a sync sends (encoded again for a sync restored from a checkpoint)."""
+        if sync.record is None:
+            sync.record = encode(self.fragments.gather(self.global_params, p), self.frag_specs[p], self.cfg.wire.down)
+        return sync.record
+
+    def _keep_state_at(self, start: int) -> bool:
+        """Whether workers keep their state from the start of the tick at step ``start``: the
+        step of a checkpoint (the end of every ``run.checkpoint_every``-th period), to which a
+        resumed server rewinds them (clients/stream.py)."""
+        every = self.cfg.run.checkpoint_every
+        return bool(every) and start > 0 and start % (self.H * every) == 0
+
     # ---- one tick -------------------------------------------------------------------------------
     def _accumulator(self, p: int) -> WeightedAccumulator:
         if p not in self._accumulators:
@@ -299,7 +317,7 @@ class StreamingLoop(OuterLoop):
         if clock.is_virtual:  # the applied fragments' all-reduces must be over
             for _, sync in applies:
                 clock.advance_to(sync.comm_done)
-        init = [n for n in nodes if n not in self._initialised]
+        init = [n for n in nodes if n not in self._initialised and self.partition_of(n) not in self._restored_partitions]
         init_arrays = encode(self.global_params, self.spec, self.cfg.wire.down) if init else None
         apply_ids = [p for p, _ in applies]
         msgs = []
@@ -310,7 +328,7 @@ class StreamingLoop(OuterLoop):
                           # a node initialised now gets the current global model, outer steps of
                           # syncs still in flight included: nothing to apply on top of it
                           stream_apply=json.dumps([] if fresh else apply_ids),
-                          stream_sync=json.dumps(syncs))
+                          stream_sync=json.dumps(syncs), stream_keep=self._keep_state_at(start))
             config["lambda_"] = config.pop("lambda")  # a Python keyword: the dataclass field's name
             records: dict[str, Any] = self.request_records(StreamRequest(**config), self.user_train_config)
             if fresh:
@@ -319,8 +337,9 @@ class StreamingLoop(OuterLoop):
                 stats.bytes_down += payload_nbytes(init_arrays)
             else:
                 for p, sync in applies:
-                    records[fragment_record(p)] = sync.record
-                    stats.bytes_down += payload_nbytes(sync.record)
+                    record = self._record_of(p, sync)
+                    records[fragment_record(p)] = record
+                    stats.bytes_down += payload_nbytes(record)
             msgs.append(Message(RecordDict(records), dst_node_id=n, message_type=STREAM_MESSAGE_TYPE))
         for p in syncs:
             self._accumulator(p).reset()
@@ -338,6 +357,7 @@ class StreamingLoop(OuterLoop):
         )
         wall = time.perf_counter() - t0
         self._initialised.update(nodes)
+        self._restored_partitions -= {self.partition_of(n) for n in nodes}
         lost = set(outcome.errors) | set(outcome.vanished) | set(outcome.timed_out)
         self._initialised -= lost  # their state may be gone or half-written: initialise again
         stats.failed += len(lost)
@@ -444,9 +464,75 @@ class StreamingLoop(OuterLoop):
         return {"val/worker_loss": sum(losses) / len(losses), "val/worker_loss_min": min(losses),
                 "val/worker_loss_max": max(losses)}
 
+    # ---- checkpoint (strategies/loop_checkpoint.py) -----------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        """The streaming part of a checkpoint, taken at the end of a period: the lock-step
+        position, each fragment's outer optimizer, the syncs in flight (their records are encoded
+        again from θ), the schedule, the WAN's queue, the measured times and which partitions
+        hold streaming state. The workers' own models are theirs: with checkpoints on, each
+        keeps its state from the checkpoint's step and a resumed server rewinds it there
+        (clients/stream.py)."""
+        return {
+            "step": self.step,
+            "ended": self._ended,
+            "outer": self.outer.state_dict(),
+            "in_flight": [[p, s.start, s.apply, s.comm_done, s.norm] for p, s in sorted(self.in_flight.items())],
+            "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+            "next_adaptive": self._next_adaptive,
+            "interval": self.interval,
+            "link_free": self._link_free,
+            "measured": [self._measured_tc, self._measured_ts],
+            "step_times": self._step_times.state_dict(),
+            "train_times": self._train_times.state_dict(),
+            "peak_bytes_per_sync": self.peak_bytes_per_sync,
+            "initialised": sorted({self.partition_of(n) for n in self._initialised} | self._restored_partitions),
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore `extra_state` output; ValueError (and nothing changed) if it does not fit."""
+        missing = [k for k in ("step", "ended", "outer", "in_flight", "schedule", "next_adaptive", "interval",
+                               "link_free", "measured", "step_times", "train_times", "peak_bytes_per_sync",
+                               "initialised") if k not in state]
+        if missing:
+            raise ValueError(f"streaming loop state lacks keys {missing}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"streaming loop state has step {step!r}")
+        outer = FragmentOuterOptimizers(self.fragments, self.cfg.strategy.outer_optimizer,
+                                        lr=self.cfg.strategy.outer_lr, momentum=self.cfg.strategy.outer_momentum)
+        outer.load_state_dict(dict(state["outer"]))
+        in_flight: dict[int, _Sync] = {}
+        for row in state["in_flight"]:
+            p, start, apply, comm_done, norm = row
+            if not (0 <= int(p) < self.P and int(start) <= step <= int(apply) and math.isfinite(float(comm_done))
+                    and math.isfinite(float(norm))) or int(p) in in_flight:
+                raise ValueError(f"streaming loop state has a malformed sync in flight: {row!r}")
+            in_flight[int(p)] = _Sync(int(start), int(apply), None, float(comm_done), float(norm))
+        if (state["schedule"] is None) != (self.schedule is None):
+            raise ValueError("checkpoint's fragment schedule is not this run's (streaming.adaptive changed?)")
+        schedule = None
+        if self.schedule is not None:
+            schedule = AdaptiveSchedule(self.P, self.H, self.cfg.streaming.gamma)
+            schedule.load_state_dict(dict(state["schedule"]))
+        step_times, train_times = ReportedTimes(), ReportedTimes()
+        step_times.load_state_dict(dict(state["step_times"]))
+        train_times.load_state_dict(dict(state["train_times"]))
+        measured_tc, measured_ts = state["measured"]
+        partitions = {int(p) for p in state["initialised"]}
+        self.step, self._ended, self.outer, self.in_flight = step, bool(state["ended"]), outer, in_flight
+        if schedule is not None:
+            self.schedule = schedule
+        self._next_adaptive = None if state["next_adaptive"] is None else int(state["next_adaptive"])
+        self.interval, self._link_free = int(state["interval"]), float(state["link_free"])
+        self._measured_tc = None if measured_tc is None else float(measured_tc)
+        self._measured_ts = None if measured_ts is None else float(measured_ts)
+        self._step_times, self._train_times = step_times, train_times
+        self.peak_bytes_per_sync = int(state["peak_bytes_per_sync"])
+        self._initialised, self._restored_partitions = set(), partitions
+
     # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------
     def begin(self) -> None:
-        if self.schedule is not None:
+        if self.schedule is not None and not self.resumed:  # a resumed schedule comes from the checkpoint
             self.interval = self._adaptive_interval(self.free_nodes())
             self._next_adaptive = self.interval
 

@@ -135,6 +135,22 @@ class ReportedTimes:
         history.append(value)
         return value
 
+    def state_dict(self) -> dict[str, Any]:
+        """Each site's kept reports, for a checkpoint: a resumed run caps a site's first reports
+        by what it reported before. Sites are partition ids (ints)."""
+        return {"history": [[site, list(h)] for site, h in self._history.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` output; ValueError (and nothing changed) if it does not fit."""
+        history: dict[Hashable, deque[float]] = {}
+        for pair in state.get("history", []):
+            site, values = pair
+            if isinstance(site, bool) or not isinstance(site, int) or not all(
+                    isinstance(v, float) and v >= 0.0 and v != float("inf") for v in values):
+                raise ValueError(f"checkpoint's reported times are malformed: {pair!r}")
+            history[site] = deque(values, maxlen=self.window)
+        self._history = history
+
 
 def robust_time(values: Sequence[float]) -> float:
     """The median of the sites' (capped) times: one site of three or more cannot move it; 0.0

@@ -229,7 +229,9 @@ class StreamRequest(JobRequest):
     ``"fragment.<p>"`` records) and then starting the syncs ``stream_sync``; the merge rule and
     its parameters (``stream_rule``, ``alpha``, ``lambda``, ``tau``, ``H``, ``fragments``). Each
     Δ_p is compressed per fragment when the request carries ``wire_compress`` (the run's
-    ``wire.compress``, or ``streaming.quantize``'s alias of it)."""
+    ``wire.compress``, or ``streaming.quantize``'s alias of it). ``stream_keep``: keep the state
+    this tick starts from (the server checkpointed at ``stream_step``); a resumed server that
+    sends the tick of that step again finds the worker rewound to it."""
 
     MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train.stream",)
     stream_rule: str
@@ -243,6 +245,7 @@ class StreamRequest(JobRequest):
     stream_steps: int
     stream_apply: str
     stream_sync: str
+    stream_keep: bool = False
 
     def to_record(self) -> ConfigRecord:
         record = super().to_record()
