@@ -7,9 +7,9 @@
 #   - A run that was interrupted after writing a checkpoint (RUN_DIR/checkpoints/ckpt-*.pt, cells
 #     run with `checkpoint_every`) continues from its newest one: RESUME=run.resume=true. fl-geo
 #     checks that the checkpoint was written by the same run configuration.
-#   - A run that was interrupted before any checkpoint (or whose method keeps none: HALoS) is
-#     moved aside to RUN_DIR.interrupted-<epoch seconds>, because
-#     `fl-geo run` refuses to write over an earlier run's files; it then runs again from the start.
+#   - A run that was interrupted before any checkpoint (or whose cell keeps none) is moved aside
+#     to RUN_DIR.interrupted-<epoch seconds>, because `fl-geo run` refuses to write over an
+#     earlier run's files; it then runs again from the start.
 # With DRY set (a study that only prints or reports) nothing is moved.
 #
 # checkpoint_every ROUNDS: the `run.checkpoint_every` override that gives a run of ROUNDS outer

@@ -117,7 +117,7 @@ _ENTRIES = (
            defaults={"penalty": DIPS_PENALTY},
            summary="Di-PS: buffered asynchronous steps closed by a grace window, z-score outlier rejection"),
     # HALoS's global server: delayed Nesterov lr 0.15 × N, β 0.5, N = 2 (run_halos.sh; HALoSSettings).
-    Method("halos", "HALoS", "halos", ("delayed_nesterov",), 0.15 * 2, 0.5, checkpoints=False, section="halos",
+    Method("halos", "HALoS", "halos", ("delayed_nesterov",), 0.15 * 2, 0.5, section="halos",
            summary="HALoS: local parameter servers per region under one global server"),
     Method("streaming_diloco", "StreamingDiLoCo", "streaming", ("nesterov",), 0.7, 0.9,
            section="streaming", summary="Streaming DiLoCo: fragments synced in turn, overlapped with training"),

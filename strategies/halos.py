@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MessageType, RecordDict
 
 from fl_geo.config import FlGeoConfig
 from fl_geo.core.claims import MIN_PEERS
@@ -70,6 +70,40 @@ class _Transfer:
     kind: str = field(compare=False)
     group: int = field(compare=False)
     payload: torch.Tensor | ArrayRecord = field(compare=False)  # U_k compressed (halos.compress): its record
+
+
+def _transfer_state(tr: _Transfer) -> list[Any]:
+    """A transfer as plain data: a tensor, or a compressed U_k's arrays as their raw fields."""
+    if isinstance(tr.payload, ArrayRecord):
+        payload: Any = {k: [a.dtype, list(a.shape), a.stype, a.data] for k, a in tr.payload.items()}
+    else:
+        payload = tr.payload
+    return [tr.finish, tr.seq, tr.kind, tr.group, payload]
+
+
+def _transfer_of(row: Any, groups: int, numel: int) -> _Transfer:
+    """`_transfer_state` output back as a transfer; ValueError when it does not fit the run (a
+    compressed payload is validated like any other when it lands: `read_update_record`)."""
+    try:
+        finish, seq, kind, group, payload = row
+        finish, seq, group = float(finish), int(seq), int(group)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"HALoS loop state has a malformed transfer: {exc}") from None
+    if kind not in ("up", "down") or not 0 <= group < groups or not torch.isfinite(torch.tensor(finish)):
+        raise ValueError(f"HALoS loop state has a malformed transfer ({kind!r} for local server {group})")
+    if isinstance(payload, dict):
+        if kind != "up":
+            raise ValueError("HALoS loop state has a compressed θ_g reply (only U_k is compressed)")
+        try:
+            record = ArrayRecord({str(k): Array(dtype=str(d), shape=tuple(int(x) for x in shape), stype=str(st), data=bytes(b))
+                                  for k, (d, shape, st, b) in payload.items()})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"HALoS loop state has a malformed compressed transfer: {exc}") from None
+        return _Transfer(finish, seq, kind, group, record)
+    if not torch.is_tensor(payload) or payload.dtype != torch.float32 or payload.shape != (numel,) or \
+            not bool(torch.isfinite(payload).all()):
+        raise ValueError(f"HALoS loop state has a transfer that is not a finite fp32 model of {numel} values")
+    return _Transfer(finish, seq, kind, group, payload)
 
 
 class HalosLoop(OuterLoop):
@@ -110,6 +144,10 @@ class HalosLoop(OuterLoop):
         self._region_of_partition = (
             {i: self.scenario.node_region(i) for i in range(self.scenario.num_nodes)} if self.scenario is not None else {}
         )
+        # after a resume: each partition's local server at the checkpoint (node ids do not survive a
+        # restart), and the local servers whose θ_g reply was still to be sent (`begin`)
+        self._restored_groups: dict[int, int] = {}
+        self._replies_owed: list[int] = []
 
     def global_downlink(self, cfg: FlGeoConfig, spec: Any, global_params: torch.Tensor) -> None:
         """Workers train from their local server's model: one `Downlink` per local server (`lps_down`)."""
@@ -135,6 +173,10 @@ class HalosLoop(OuterLoop):
         for node in nodes:
             if node in self.node_group:
                 continue
+            restored = self._restored_groups.get(self.partition_of(node))
+            if restored is not None:  # a resumed run: the local server it had at the checkpoint
+                self.node_group[node] = restored
+                continue
             region = self._region(node)
             size = self._h.group_size
             members = {g: sum(1 for n, gg in self.node_group.items() if gg == g) for g, r in enumerate(self.group_region) if r == region}
@@ -143,17 +185,24 @@ class HalosLoop(OuterLoop):
                 g = open_groups[-1]
             else:
                 g = len(self.lps)
-                self.lps.append(LocalParameterServer(
-                    self.gps.params, lr=self._h.local_lr, momentum=self._h.local_momentum,
-                    buffer_size=self._h.local_buffer, activation=self._h.local_activation,
-                    accumulate=self._h.accumulate, alpha=self._h.alpha,
-                ))
+                lps, down = self._new_lps()
+                self.lps.append(lps)
+                self.lps_down.append(down)
                 self.group_region.append(region)
-                settings = self.cfg.wire.downlink()  # wire.compress_down: one public model per local server
-                self.lps_down.append(None if settings is None else
-                                     Downlink(settings, self.spec, self.cfg.wire.down, self.gps.params, _lps_key(self.lps[-1])))
                 log.info("HALoS: local server %d in region %s", g, region)
             self.node_group[node] = g
+
+    def _new_lps(self) -> tuple[LocalParameterServer, Downlink | None]:
+        """A local server started from θ_g, and its public model (``wire.compress_down``)."""
+        lps = LocalParameterServer(
+            self.gps.params, lr=self._h.local_lr, momentum=self._h.local_momentum,
+            buffer_size=self._h.local_buffer, activation=self._h.local_activation,
+            accumulate=self._h.accumulate, alpha=self._h.alpha,
+        )
+        settings = self.cfg.wire.downlink()  # wire.compress_down: one public model per local server
+        down = None if settings is None else Downlink(settings, self.spec, self.cfg.wire.down, self.gps.params,
+                                                      _lps_key(lps))
+        return lps, down
 
     def idle_nodes(self) -> list[int]:
         nodes = self.free_nodes(self.benched | {ev.job.node for ev, _ in self._unjudged})
@@ -305,6 +354,75 @@ class HalosLoop(OuterLoop):
         else:
             self.lps[tr.group].merge(tr.payload)
 
+    # ---- checkpoint (strategies/loop_checkpoint.py) -----------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        """The two tiers at a global update: θ_g with its optimizer, every local server (model,
+        optimizer, merge point, error-feedback residual, public model), which partition trains
+        for which, and the transfers between the tiers still on the wire (U_k, compressed or not,
+        and θ_g replies). Worker jobs in flight are not kept: a resumed run sends fresh work from
+        each local server's model, as an asynchronous resume does, so it is not bit-identical."""
+        groups = {self.partition_of(n): g for n, g in self.node_group.items()}
+        groups.update({p: g for p, g in self._restored_groups.items() if p not in groups})
+        return {
+            "gps": self.gps.snapshot(),
+            "lps": [lps.snapshot() for lps in self.lps],
+            "lps_down": [None if d is None else d.state_dict() for d in self.lps_down],
+            "group_region": list(self.group_region),
+            "partition_group": sorted([p, g] for p, g in groups.items()),
+            "transfers": [_transfer_state(tr) for tr in sorted(self._transfers)],
+            "bytes_to_global": self.bytes_to_global,
+            "global_rejected": self.global_rejected,
+            "local_updates": self.local_updates,
+            "dispatched_samples": self.dispatched_samples,
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore `extra_state` output; ValueError (and nothing changed) if it does not fit."""
+        keys = ("gps", "lps", "lps_down", "group_region", "partition_group", "transfers", "bytes_to_global",
+                "global_rejected", "local_updates", "dispatched_samples")
+        if missing := [k for k in keys if k not in state]:
+            raise ValueError(f"HALoS loop state lacks keys {missing}")
+        n = len(state["lps"])
+        if len(state["lps_down"]) != n or len(state["group_region"]) != n:
+            raise ValueError(f"HALoS loop state has {n} local servers but {len(state['lps_down'])} public models "
+                             f"and {len(state['group_region'])} regions")
+        gps = GlobalParameterServer(self.global_params, lr=self.cfg.strategy.outer_lr,
+                                    momentum=self.cfg.strategy.outer_momentum, buffer_size=self.cfg.strategy.delay_buffer,
+                                    activation=self.cfg.strategy.delay_activation)
+        gps.restore(dict(state["gps"]))
+        lps_list: list[LocalParameterServer] = []
+        downs: list[Downlink | None] = []
+        for snap, down_state in zip(state["lps"], state["lps_down"], strict=True):
+            lps, down = self._new_lps()
+            lps.restore(dict(snap))
+            if (down is None) != (down_state is None):
+                raise ValueError("checkpoint's compressed downlink is not this run's (wire.compress_down changed?)")
+            if down is not None:
+                down.prepare_load(dict(down_state))()
+            lps_list.append(lps)
+            downs.append(down)
+        groups: dict[int, int] = {}
+        for pair in state["partition_group"]:
+            p, g = (int(x) for x in pair)
+            if not 0 <= g < n or p in groups:
+                raise ValueError(f"HALoS loop state maps a partition to a local server that does not exist: {pair!r}")
+            groups[p] = g
+        transfers = [_transfer_of(row, n, self.spec.numel) for row in state["transfers"]]
+        counters = {k: int(state[k]) for k in ("bytes_to_global", "global_rejected", "local_updates",
+                                                "dispatched_samples")}
+        if any(v < 0 for v in counters.values()):
+            raise ValueError(f"HALoS loop state has negative counters {counters}")
+        in_transit = {tr.group for tr in transfers}
+        self.gps, self.lps, self.lps_down = gps, lps_list, downs
+        self.group_region = [str(r) for r in state["group_region"]]
+        self.node_group, self._restored_groups = {}, groups
+        self._transfers = transfers
+        heapq.heapify(self._transfers)
+        self._seq = itertools.count(max((tr.seq for tr in transfers), default=-1) + 1)
+        self.bytes_to_global, self.global_rejected = counters["bytes_to_global"], counters["global_rejected"]
+        self.local_updates, self.dispatched_samples = counters["local_updates"], counters["dispatched_samples"]
+        self._replies_owed = [g for g, lps in enumerate(lps_list) if lps.outstanding and g not in in_transit]
+
     # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------
     def done(self) -> bool:
         r = self.cfg.run
@@ -315,6 +433,11 @@ class HalosLoop(OuterLoop):
         # server-side transfers are pending, is woken at its repair time and sent its local
         # server's current model; with nothing at all pending the clock moves to the next repair
         self.dispatcher.wake_on_rejoin = True
+        # a resumed run: the checkpoint was written at a global update, before θ_g went back to
+        # the local server that sent it; it goes now, at the same virtual time
+        owed, self._replies_owed = self._replies_owed, []
+        for g in owed:
+            self._reply_global(g)
         self.dispatch(self.idle_nodes())
 
     def advance(self) -> bool:

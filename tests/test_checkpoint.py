@@ -318,9 +318,22 @@ def test_a_header_whose_run_id_was_rewritten_is_refused(tmp_path):
         decode_checkpoint(bytes(data))
 
 
-def test_checkpointing_is_refused_where_it_is_not_complete(tiny):
-    with pytest.raises(ConfigError, match="not supported for strategy 'halos'"):
-        tiny("strategy.name=halos", "run.clock=virtual", "run.checkpoint_every=1")
+def test_every_method_checkpoints_and_the_two_tier_halos_deployment_refuses_it(tiny):
+    from fl_geo.halos.apps import _config
+    from fl_geo.registry import METHODS
+
+    needs = {"a_edit": ["strategy.time_budget_s=1.0"],  # what a method needs besides the tiny config
+             "cocodc": ["model.n_layers=2", "strategy.inner_steps=4", "streaming.overlap=1"],
+             "ddp": ["strategy.inner_steps=1"],
+             "streaming_diloco": ["model.n_layers=2", "strategy.inner_steps=4", "streaming.overlap=1"]}
+    for name in METHODS:  # a ConfigError here names a method whose loop a checkpoint does not hold
+        cfg = tiny(f"strategy.name={name}", "run.clock=virtual", *needs.get(name, []), "run.checkpoint_every=1")
+        assert cfg.run.checkpoint_every == 1 and cfg.strategy.name == name
+    deployed = "run.clock=wall strategy.dynupd=false"
+    assert _config({"config": "configs/halos.yaml", "overrides": deployed}).strategy.name == "halos"
+    for extra in ("run.checkpoint_every=1", "run.resume=true"):
+        with pytest.raises(ValueError, match="keeps no checkpoints yet"):
+            _config({"config": "configs/halos.yaml", "overrides": f"{deployed} {extra}"})
 
 
 # ---- minimum live nodes --------------------------------------------------------------------------

@@ -78,6 +78,9 @@ def _config(run_config: dict[str, Any]) -> FlGeoConfig:
         raise ValueError(f"the HALoS deployment apps need strategy.name=halos, got {cfg.strategy.name!r}")
     if cfg.run.clock != "wall":
         raise ValueError("a deployment runs on the wall clock: set run.clock=wall (no virtual time)")
+    if cfg.run.checkpoint_every or cfg.run.resume:
+        raise ValueError("the two-tier HALoS deployment (one ServerApp per tier) keeps no checkpoints yet: "
+                         "run.checkpoint_every and run.resume are for HALoS in one ServerApp (fl-geo run, flwr-run)")
     return cfg
 
 
