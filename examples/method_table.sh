@@ -9,9 +9,11 @@
 #   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
 #
 # Runs that finished in OUT (they have a summary.json) are skipped, so the same command resumes an
-# interrupted study (examples/study_resume.sh). The long cells whose method keeps checkpoints
-# (halos/diloco and ddp, every streaming cell: runs of half an hour to 3 hours) write about 12, and an
-# interrupted one continues from its newest; any other interrupted run is moved aside and starts again.
+# interrupted study (examples/study_resume.sh). The long rows' cells (every halos and streaming cell:
+# runs of half an hour to 3 hours) write about 12 checkpoints, and an interrupted one continues from
+# its newest (the asynchronous halos cells resend the jobs that were in flight, so such a resumed
+# run is not bit-identical to an uninterrupted one); any other interrupted run is moved aside and
+# starts again.
 #
 # Each row is one comparison of docs/benchmarks.md, run with the configs and budgets of its section
 # there, every cell with run.seed 0, 1, ..., SEEDS - 1 (default 3; a seed fixes the initial weights
@@ -65,9 +67,10 @@ declare -A CELL=(
   [noisy/ddp]="$B/noisy_diloco.yaml $DDP run.rounds=600 run.eval_every=25"
   # HALoS against Async-Local-SGD and DiLoCo on the HALoS paper topology: 8.19 M tokens (16 workers)
   # halos is the config (K = 4: with the paper's K = 32 the global model takes 17 steps in this budget)
-  [halos/halos]="$B/halos_halos.yaml"
-  [halos/halos-paper]="$B/halos_halos.yaml halos.accumulate=32"
-  [halos/async_local_sgd]="$B/halos_async_local_sgd.yaml"
+  # (checkpoints: about 12 a run, from the global steps seed 0 took: 68, 15 and 197)
+  [halos/halos]="$B/halos_halos.yaml $(checkpoint_every 68)"
+  [halos/halos-paper]="$B/halos_halos.yaml halos.accumulate=32 $(checkpoint_every 15)"
+  [halos/async_local_sgd]="$B/halos_async_local_sgd.yaml $(checkpoint_every 197)"
   [halos/diloco]="$B/halos_diloco.yaml $(checkpoint_every 8)"
   [halos/ddp]="$B/halos_diloco.yaml $DDP run.rounds=250 run.eval_every=10 $(checkpoint_every 250)"
   # Streaming DiLoCo (alpha 0.5) against DiLoCo on slow_wan: 36 periods of H = 100 (3,600 steps per site)
