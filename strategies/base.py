@@ -379,8 +379,13 @@ class OuterLoop(LoopKernel):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; a checkpoint that does not fit this run raises ValueError and
-        leaves the loop as it was (`loop_checkpoint.restore`)."""
-        loop_checkpoint.restore(self, state)
+        leaves the loop as it was (`loop_checkpoint.restore`: every part is validated before
+        anything is installed). A value of the wrong type or shape met while validating (a
+        string where a count belongs, a row too short) is a ValueError too."""
+        try:
+            loop_checkpoint.restore(self, state)
+        except (TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ValueError(f"checkpoint holds a value of the wrong type or shape: {type(exc).__name__}: {exc}") from exc
 
     def model_state(self) -> dict[str, Any]:
         """``params`` and ``optimizer`` of a checkpoint (the sharded loop keeps them elsewhere)."""

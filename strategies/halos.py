@@ -389,12 +389,12 @@ class HalosLoop(OuterLoop):
         gps = GlobalParameterServer(self.global_params, lr=self.cfg.strategy.outer_lr,
                                     momentum=self.cfg.strategy.outer_momentum, buffer_size=self.cfg.strategy.delay_buffer,
                                     activation=self.cfg.strategy.delay_activation)
-        gps.restore(dict(state["gps"]))
+        gps.restore(state["gps"])
         lps_list: list[LocalParameterServer] = []
         downs: list[Downlink | None] = []
         for snap, down_state in zip(state["lps"], state["lps_down"], strict=True):
             lps, down = self._new_lps()
-            lps.restore(dict(snap))
+            lps.restore(snap)
             if (down is None) != (down_state is None):
                 raise ValueError("checkpoint's compressed downlink is not this run's (wire.compress_down changed?)")
             if down is not None:

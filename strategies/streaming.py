@@ -503,6 +503,8 @@ class StreamingLoop(OuterLoop):
         outer.load_state_dict(dict(state["outer"]))
         in_flight: dict[int, _Sync] = {}
         for row in state["in_flight"]:
+            if not isinstance(row, (list, tuple)) or len(row) != 5:
+                raise ValueError(f"streaming loop state has a malformed sync in flight: {row!r}")
             p, start, apply, comm_done, norm = row
             if not (0 <= int(p) < self.P and int(start) <= step <= int(apply) and math.isfinite(float(comm_done))
                     and math.isfinite(float(norm))) or int(p) in in_flight:
@@ -517,17 +519,23 @@ class StreamingLoop(OuterLoop):
         step_times, train_times = ReportedTimes(), ReportedTimes()
         step_times.load_state_dict(dict(state["step_times"]))
         train_times.load_state_dict(dict(state["train_times"]))
-        measured_tc, measured_ts = state["measured"]
+        measured = [None if t is None else float(t) for t in state["measured"]]
+        if len(measured) != 2:
+            raise ValueError(f"streaming loop state has measured times {state['measured']!r}")
         partitions = {int(p) for p in state["initialised"]}
+        next_adaptive = None if state["next_adaptive"] is None else int(state["next_adaptive"])
+        interval, link_free = int(state["interval"]), float(state["link_free"])
+        peak = int(state["peak_bytes_per_sync"])
+        if interval < 1 or not math.isfinite(link_free) or peak < 0:
+            raise ValueError(f"streaming loop state has interval {interval}, WAN free at {link_free}, peak {peak}")
+        # everything validated: install
         self.step, self._ended, self.outer, self.in_flight = step, bool(state["ended"]), outer, in_flight
         if schedule is not None:
             self.schedule = schedule
-        self._next_adaptive = None if state["next_adaptive"] is None else int(state["next_adaptive"])
-        self.interval, self._link_free = int(state["interval"]), float(state["link_free"])
-        self._measured_tc = None if measured_tc is None else float(measured_tc)
-        self._measured_ts = None if measured_ts is None else float(measured_ts)
+        self._next_adaptive, self.interval, self._link_free = next_adaptive, interval, link_free
+        self._measured_tc, self._measured_ts = measured
         self._step_times, self._train_times = step_times, train_times
-        self.peak_bytes_per_sync = int(state["peak_bytes_per_sync"])
+        self.peak_bytes_per_sync = peak
         self._initialised, self._restored_partitions = set(), partitions
 
     # ---- policy hooks of the kernel (`OuterLoop.run`) ----------------------------------------------

@@ -157,6 +157,9 @@ def test_the_checkpoint_restores_both_tiers_exactly(tiny, tmp_path, monkeypatch,
     (lambda s: s["transfers"].append([1.0, 99, "down", 0, torch.zeros(3)]), "not a finite fp32 model"),
     (lambda s: s["lps"][0].__setitem__("version", -1), "version"),
     (lambda s: s.__setitem__("local_updates", -3), "negative counters"),
+    (lambda s: s["partition_group"].__setitem__(0, [None, 0]), "wrong type or shape"),
+    (lambda s: s.pop("gps"), "lacks keys"),
+    (lambda s: s["lps"].__setitem__(0, "a server"), "snapshot must be a mapping"),
 ])
 def test_a_tampered_halos_checkpoint_is_refused_in_one_line(tiny, tmp_path, mutate, needle):
     common = _common(tmp_path)

@@ -138,6 +138,10 @@ def test_a_worker_whose_state_is_lost_is_initialised_again_and_the_run_finishes(
     ("schedule", None, "fragment schedule is not this run's"),
     ("outer", {"name": "nesterov", "num_fragments": 3, "fragments": []}, "fragment states"),
     ("step_times", {"history": [[0, [-1.0]]]}, "reported times are malformed"),
+    ("in_flight", [[None, 14, 16, 0.0, 1.0]], "wrong type or shape"),
+    ("in_flight", [[0, 14]], "malformed sync in flight"),
+    ("interval", "often", "invalid literal"),
+    ("interval", 0, "has interval 0"),
 ])
 def test_a_tampered_streaming_checkpoint_is_refused_in_one_line(tiny, tmp_path, field, value, needle):
     """A checkpoint whose streaming part does not fit the run is a one-line ConfigError before
