@@ -53,6 +53,9 @@ CASES = {
     "streaming_diloco": ["strategy.name=streaming_diloco", "streaming.adaptive=false"],
     # the adaptive schedule (server-side state) and the compensating merge (worker snapshots)
     "cocodc": ["strategy.name=cocodc", "streaming.adaptive=true"],
+    # compressed fragments: each worker's per-fragment error-feedback residuals rewind too
+    "streaming_int4_ef": ["strategy.name=streaming_diloco", "streaming.adaptive=false", "wire.compress=int4",
+                          "wire.error_feedback=true"],
 }
 
 
