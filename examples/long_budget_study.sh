@@ -8,7 +8,8 @@
 #   bash examples/long_budget_study.sh [OUT]       # OUT default runs/long-budget; about 2 h on a 2-core CPU
 #   SIZE=M bash examples/long_budget_study.sh OUT  # the ladder's M model (4 x 192, 2,164,416 parameters) at
 #                                                  # 2.13 tokens per parameter: 1,500 inner steps per site
-#                                                  # (60 outer steps of H = 25, 15 of H = 100)
+#                                                  # (60 outer steps of H = 25, 15 of H = 100); 40 min a
+#                                                  # run two at a time (measured 2026-11-30), ~5 h in all
 #
 # Each cell runs with run.seed 0, then the HEADLINE cells again with seeds 1 and 2 (3 seeds each),
 # two runs at a time (one per core), then one table with the 95 % intervals (`fl-geo compare`
