@@ -74,16 +74,22 @@ class SeedGroup:
 
 
 def run_seeds(cfgs: list[FlGeoConfig], runs_dir: str | Path, name: str, loss: str = "global",
-              metric: str = "loss") -> tuple[SeedGroup, list[dict[str, Any]]]:
+              metric: str = "loss", resume: bool = False) -> tuple[SeedGroup, list[dict[str, Any]]]:
     """Run the `seeded_configs` of one config one after another into ``runs_dir/<run.name>``;
-    the group (named ``name``, the config's own run name) and every run's summary, in seed order."""
+    the group (named ``name``, the config's own run name) and every run's summary, in seed order.
+    ``resume``: reuse runs that finished there with the same config and continue interrupted ones
+    (`fl_geo.run_reuse.plan_run`)."""
+    from fl_geo.run_reuse import RunPlan, plan_run
     from fl_geo.simulation import run_simulation
 
     group, summaries = SeedGroup(name, []), []
     for k, cfg in enumerate(cfgs, start=1):
-        if len(cfgs) > 1:
-            print(f"seed {k}/{len(cfgs)} of {name}: run.seed={cfg.run.seed}", file=sys.stderr, flush=True)
-        summary = run_simulation(cfg, Path(runs_dir) / cfg.run.name)
+        run_dir = Path(runs_dir) / cfg.run.name
+        plan = plan_run(cfg, run_dir) if resume else RunPlan("start", cfg)
+        note = {"start": "", "reuse": " (finished earlier: reused)", "continue": " (interrupted: continued)"}[plan.action]
+        if len(cfgs) > 1 or note:
+            print(f"seed {k}/{len(cfgs)} of {name}: run.seed={cfg.run.seed}{note}", file=sys.stderr, flush=True)
+        summary = plan.summary if plan.summary is not None else run_simulation(plan.cfg, run_dir)
         summaries.append(summary)
         group.runs.append(load_run(summary["run_dir"], loss, metric))
     return group, summaries

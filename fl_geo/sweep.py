@@ -111,15 +111,17 @@ def sweep_points(config: str | None, overrides: list[str]) -> list[SweepPoint]:
 
 
 def run_sweep(config: str | None, overrides: list[str], out: str | Path, target: float | None = None,
-              loss: str = "global", seeds: int = 1) -> dict[str, Any]:
+              loss: str = "global", seeds: int = 1, resume: bool = False) -> dict[str, Any]:
     """Run every point of the grid one after another (``seeds`` runs each, `fl_geo.seed_groups`),
     then compare them all (table + plots; with seeds > 1, one row per point: mean ± 95 % t interval).
 
     Returns `fl_geo.compare.compare`'s result plus ``summaries``, one per run, in grid order
     (each point's seeds together). ``run.seed`` cannot be both swept and given ``seeds`` > 1:
-    the two would run the same seeds twice under different names.
+    the two would run the same seeds twice under different names. ``resume``: `fl_geo.run_reuse`
+    (finished runs reused, interrupted ones continued; every folder checked before the first run).
     """
     from fl_geo.compare import compare
+    from fl_geo.run_reuse import check_resumable
     from fl_geo.seed_groups import run_seeds, seeded_configs
 
     if seeds != 1 and any(o.partition("=")[0].strip() == "run.seed" and len(split_values(o.partition("=")[2])) > 1
@@ -128,10 +130,12 @@ def run_sweep(config: str | None, overrides: list[str], out: str | Path, target:
     points = sweep_points(config, overrides)
     plans = [(point, seeded_configs(point.cfg, seeds)) for point in points]
     out = Path(out)
+    if resume:
+        check_resumable([c for _, cfgs in plans for c in cfgs], out / "runs")
     summaries, runs, groups = [], [], []
     for i, (point, cfgs) in enumerate(plans, start=1):
         print(f"sweep {i}/{len(points)}: {point.cfg.run.name} ({' '.join(point.swept)})", file=sys.stderr, flush=True)
-        group, point_summaries = run_seeds(cfgs, out / "runs", point.cfg.run.name, loss)
+        group, point_summaries = run_seeds(cfgs, out / "runs", point.cfg.run.name, loss, resume=resume)
         summaries += point_summaries
         runs += group.runs
         groups.append(group)
