@@ -283,6 +283,31 @@ def site_reply_hook(partition: int, *, tokens=None, scale: float | None = None):
     return hook
 
 
+class ServerCrash(RuntimeError):
+    """The ServerApp dies (raised by `crash_hook` from inside its pull loop)."""
+
+
+def crash_hook(nth: int, message_type: str = "train", round_no: int | None = None):
+    """A reply hook for an InlineGrid that kills the server when it pulls the ``nth`` reply of
+    ``message_type`` (of round ``round_no`` only, when given): the node has already run the job
+    (its state moved on), the server never sees the reply. Raises `ServerCrash`."""
+    seen = {"n": 0}
+
+    def hook(node, msg, reply):
+        cfg = msg.content.config_records.get("fl-geo")
+        if msg.metadata.message_type != message_type:
+            return reply
+        if round_no is not None and (cfg is None or int(cfg.get("round", -1)) != round_no):
+            return reply
+        seen["n"] += 1
+        if seen["n"] == nth:
+            raise ServerCrash(f"server killed at {message_type} reply {nth}"
+                              + ("" if round_no is None else f" of round {round_no}"))
+        return reply
+
+    return hook
+
+
 def partition_reply_hook(partition: int, change, message_type: str = "train"):
     """A reply hook for an InlineGrid: the ``message_type`` replies (``train``, or
     ``train.stream`` for the streaming loops) of the site of ``partition`` pass through

@@ -19,6 +19,7 @@ from fl_geo.core.checkpoint import (
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
+from tests.conftest import ServerCrash, crash_hook
 
 
 # ---- the store ---------------------------------------------------------------------------------
@@ -79,24 +80,9 @@ def test_payload_must_be_plain_data(tmp_path):
 
 
 # ---- resume ------------------------------------------------------------------------------------
-class Crash(RuntimeError):
-    """The ServerApp dies (raised from inside its pull loop)."""
-
-
 def _crash_on(round_no: int, nth: int):
-    """A reply hook that kills the server when it pulls the ``nth`` train reply of a round:
-    the client has already run the job (its inner state moved on), the server never sees it."""
-    seen = {"n": 0}
-
-    def hook(node, msg, reply):
-        cfg = msg.content.config_records.get("fl-geo")
-        if msg.metadata.message_type == "train" and cfg is not None and int(cfg.get("round", -1)) == round_no:
-            seen["n"] += 1
-            if seen["n"] == nth:
-                raise Crash(f"server killed in round {round_no}")
-        return reply
-
-    return hook
+    """Kill the server at the ``nth`` train reply of round ``round_no``."""
+    return crash_hook(nth, round_no=round_no)
 
 
 def _final(run_dir):
@@ -109,7 +95,7 @@ def crash_and_resume(tiny, common: list[str], run_dir, crash_round: int = 4) -> 
     on the same nodes (the SuperNodes outlive the server); the resumed run's summary."""
     grid = InlineGrid(client_app, 3, seed=0)
     grid.reply_hook = _crash_on(crash_round, 2)
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
     assert CheckpointStore(run_dir / "checkpoints").steps() == list(range(1, crash_round))
     grid.reply_hook = None
@@ -125,7 +111,7 @@ def crash_and_restart_with_state_dirs(tiny, common: list[str], tmp_path, run_dir
 
     grid = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=0)
     grid.reply_hook = _crash_on(3, 2)
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
     assert sorted(p.name for p in (tmp_path / "state" / "run").iterdir()) == [
         "partition-0.pt", "partition-1.pt", "partition-2.pt"]
@@ -154,7 +140,7 @@ def test_resume_past_a_corrupt_checkpoint_continues_from_the_previous(tiny, tmp_
     cfg = tiny("run.rounds=4", "run.checkpoint_every=1", "run.checkpoint_keep=2")
     grid = InlineGrid(client_app, 3, seed=0)
     grid.reply_hook = _crash_on(4, 1)
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, cfg, tmp_path / "r")
     store = CheckpointStore(tmp_path / "r" / "checkpoints")
     assert store.steps() == [2, 3]
@@ -183,11 +169,11 @@ def test_async_resume_keeps_every_accepted_step(tiny, tmp_path):
         if msg.metadata.message_type == "train":
             calls["n"] += 1
             if calls["n"] == 7:
-                raise Crash("server killed")
+                raise ServerCrash("server killed")
         return reply
 
     grid.reply_hook = hook
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), tmp_path / "a")
     store = CheckpointStore(tmp_path / "a" / "checkpoints")
     saved = store.load_latest()
@@ -404,7 +390,7 @@ def test_damaged_inner_state_file_means_a_fresh_optimizer_not_a_crash(tiny, tmp_
     nodes = [{"partition-id": i, "num-partitions": 3, "state-dir": str(tmp_path / "s")} for i in range(3)]
     grid = InlineGrid(client_app, 3, node_configs=nodes, seed=0)
     grid.reply_hook = _crash_on(3, 1)
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), tmp_path / "r")
     damaged = tmp_path / "s" / "run" / "partition-0.pt"
     damaged.write_bytes(damaged.read_bytes()[:50])

@@ -17,28 +17,10 @@ from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 from fl_geo.strategies.halos import HalosLoop
-from tests.conftest import tiny_scenario_dict
+from tests.conftest import ServerCrash, crash_hook, tiny_scenario_dict
 
 HALOS = ("strategy.name=halos", "halos.accumulate=2", "halos.local_buffer=2", "strategy.delay_buffer=2",
          "strategy.inner_steps=2", "run.rounds=8", "run.clock=virtual", "run.checkpoint_every=2")
-
-
-class Crash(RuntimeError):
-    """The ServerApp dies (raised from inside its pull loop)."""
-
-
-def _crash_after(nth: int):
-    """Kill the server at the ``nth`` train reply (its worker trained; the server never sees it)."""
-    seen = {"n": 0}
-
-    def hook(node, msg, reply):
-        if msg.metadata.message_type == "train":
-            seen["n"] += 1
-            if seen["n"] == nth:
-                raise Crash(f"server killed at train reply {nth}")
-        return reply
-
-    return hook
 
 
 def _common(tmp_path, *extra: str) -> list[str]:
@@ -53,8 +35,8 @@ def _common(tmp_path, *extra: str) -> list[str]:
 def _crash(tiny, common, run_dir, nth: int = 14) -> int:
     """Run until the server dies; the step of the newest checkpoint it left."""
     grid = InlineGrid(client_app, 3, seed=0)
-    grid.reply_hook = _crash_after(nth)
-    with pytest.raises(Crash):
+    grid.reply_hook = crash_hook(nth)
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
     steps = CheckpointStore(run_dir / "checkpoints").steps()
     assert steps and steps[-1] < 8
@@ -130,7 +112,7 @@ def test_the_checkpoint_restores_both_tiers_exactly(tiny, tmp_path, monkeypatch,
         seen["state"] = loop.extra_state()
         loop.idle_nodes()  # the new run's nodes are given their local servers
         seen["groups"] = sorted([loop.partition_of(n), g] for n, g in loop.node_group.items())
-        raise Crash("stop after the restore")
+        raise ServerCrash("stop after the restore")
 
     monkeypatch.setattr(HalosLoop, "begin", begin)
     covered = set()
@@ -141,7 +123,7 @@ def test_the_checkpoint_restores_both_tiers_exactly(tiny, tmp_path, monkeypatch,
             assert all(lps["residual"] is not None for lps in written["lps"] if lps["sends"])
             assert all(d is not None for d in written["lps_down"])
         covered |= {(t[2], type(t[4]).__name__) for t in written["transfers"]}
-        with pytest.raises(Crash):
+        with pytest.raises(ServerCrash):
             run_server(InlineGrid(client_app, 3, seed=1), tiny(*common, "run.resume=true"), tmp_path / "run")
         _same(written, seen.pop("state"), f"checkpoint {step}")
         assert seen.pop("groups") == written["partition_group"]

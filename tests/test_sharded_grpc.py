@@ -18,7 +18,7 @@ from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 from fl_geo.strategies.sharded import ShardedDiPSLoop
-from tests.conftest import keep_declaration
+from tests.conftest import ServerCrash, crash_hook, keep_declaration
 
 VIRTUAL = ["run.clock=virtual", "run.scenario=dips_eta100", "run.num_clients=4", "wire.up=bf16", "model.n_layers=3"]
 DIPS = ["strategy.name=dips", "penalty.enabled=true", "penalty.rule=relative_max", "penalty.keying=pooled",
@@ -190,28 +190,15 @@ def test_a_tls_follower_answers_a_client_that_trusts_its_ca_and_refuses_a_plaint
             plaintext.health()
 
 
-class Crash(Exception):
-    """The leader dies (raised from the grid while it pulls a reply)."""
-
-
 def _crash_at_reply(nth: int):
-    seen = {"n": 0}
-
-    def hook(node, msg, reply):
-        if msg.metadata.message_type == "train":
-            seen["n"] += 1
-            if seen["n"] == nth:
-                raise Crash("leader killed")
-        return reply
-
-    return hook
+    return crash_hook(nth)
 
 
 def _crash_and_resume(tiny, run_dir, *overrides, between=None):
     common = [*VIRTUAL, *DIPS, "run.rounds=6", *overrides]
     grid = InlineGrid(client_app, 4, seed=0)  # the sites outlive the leader
     grid.reply_hook = _crash_at_reply(11)
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
     if between is not None:
         between()

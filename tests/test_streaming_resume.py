@@ -14,26 +14,13 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
-
-
-class Crash(RuntimeError):
-    """The ServerApp dies (raised from inside its pull loop)."""
+from tests.conftest import ServerCrash, crash_hook
 
 
 def _crash_on(round_no: int, nth: int):
     """Kill the server at the ``nth`` train.stream reply of period ``round_no``: the worker has
     trained that tick (its state moved on), the server never sees the reply."""
-    seen = {"n": 0}
-
-    def hook(node, msg, reply):
-        cfg = msg.content.config_records.get("fl-geo")
-        if msg.metadata.message_type == "train.stream" and int(cfg.get("round", -1)) == round_no:
-            seen["n"] += 1
-            if seen["n"] == nth:
-                raise Crash(f"server killed in period {round_no}")
-        return reply
-
-    return hook
+    return crash_hook(nth, "train.stream", round_no)
 
 
 def _scenario(tmp_path) -> str:
@@ -85,7 +72,7 @@ def test_resume_on_the_same_nodes_rewinds_them_and_is_bit_identical(tiny, tmp_pa
 
     grid = InlineGrid(client_app, 3, seed=0)
     grid.reply_hook = _crash_on(4, 5)  # 1.5 periods after the checkpoint of period 2
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), tmp_path / "resumed")
     assert CheckpointStore(tmp_path / "resumed" / "checkpoints").steps() == [2]
     grid.reply_hook = None  # the same nodes, their state past the checkpoint: they must rewind
@@ -106,7 +93,7 @@ def test_a_restarted_server_is_a_new_flower_run_and_workers_reload_their_state_f
 
     grid = InlineGrid(client_app, 3, node_configs=nodes(), seed=0)
     grid.reply_hook = _crash_on(3, 4)
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), tmp_path / "resumed")
     fresh = InlineGrid(client_app, 3, node_configs=nodes(), seed=1)  # a new Flower run
     assert set(fresh.contexts) != set(grid.contexts)
@@ -122,7 +109,7 @@ def test_a_worker_whose_state_is_lost_is_initialised_again_and_the_run_finishes(
     common = _common(tmp_path, "streaming_diloco")
     grid = InlineGrid(client_app, 3, seed=0)
     grid.reply_hook = _crash_on(3, 2)
-    with pytest.raises(Crash):
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), tmp_path / "run")
     summary = run_server(InlineGrid(client_app, 3, seed=1), tiny(*common, "run.resume=true"), tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
