@@ -14,7 +14,9 @@ For each run the command plans (``OUT/runs/<run.name>``), `plan_run` decides fro
 - **interrupted** before any checkpoint: its folder is moved aside to
   ``<name>.interrupted-<epoch seconds>`` (kept, never deleted) and the run starts again;
 - a run of **another config** in that folder (a finished or interrupted one): a one-line
-  `ConfigError` naming the keys that differ, before anything runs or moves.
+  `ConfigError` naming the keys that differ, before anything runs or moves;
+- a run that is **still going** (the same command started twice: its ``run.lock`` is held): a
+  one-line `OutputError` naming its pid; it is neither continued nor moved.
 
 A run's ``config.yaml`` is written when it starts, so every case above can be told apart; a folder
 without one is not a run of ours and is refused too.
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.errors import ConfigError
+from fl_geo.runtime.run_lock import RunLock
 
 if TYPE_CHECKING:
     from fl_geo.config import FlGeoConfig
@@ -95,6 +98,11 @@ def plan_run(cfg: FlGeoConfig, run_dir: str | Path, dry: bool = False) -> RunPla
         if not dry:
             log.info("--resume: %s finished earlier with this config: reused", run_dir)
         return RunPlan("reuse", cfg, {**summary, "run_dir": str(run_dir)})
+    # not finished: a run that is still going (this command started twice) holds its lock; it is
+    # neither continued nor moved from under its writer
+    probe = RunLock(run_dir)
+    probe.acquire()  # OutputError naming the holder
+    probe.release()
     if CheckpointStore(_checkpoint_dir(cfg, run_dir)).steps():
         resumed = copy.deepcopy(cfg)
         resumed.run.resume = True

@@ -102,3 +102,19 @@ def test_sweep_resume_runs_only_the_missing_points(tmp_path, capsys):
     assert (out / "runs" / "lr-outer_lr=0.3" / "summary.json").stat().st_mtime_ns == kept
     assert (out / "runs" / "lr-outer_lr=0.9" / "summary.json").is_file()
     assert "(finished earlier: reused)" in capsys.readouterr().err
+
+
+def test_a_run_still_going_is_neither_continued_nor_moved(tmp_path, capsys):
+    from fl_geo.runtime.run_lock import RunLock
+
+    out = tmp_path / "cut"
+    _killed(out, "run.checkpoint_every=0")
+    held = RunLock(out / "runs" / NAMES[1])
+    held.acquire()  # another process's run in that folder, as far as the lock says
+    try:
+        capsys.readouterr()
+        assert _compare(out, "--resume") != 0
+        assert "is in use by another run" in capsys.readouterr().err
+        assert not list((out / "runs").glob("*.interrupted-*")) and (out / "runs" / NAMES[1]).is_dir()
+    finally:
+        held.release()
