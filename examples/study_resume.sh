@@ -10,6 +10,8 @@
 #   - A run that was interrupted before any checkpoint (or whose cell keeps none) is moved aside
 #     to RUN_DIR.interrupted-<epoch seconds>, because `fl-geo run` refuses to write over an
 #     earlier run's files; it then runs again from the start.
+#   - A run that is still going (its run.lock is held: the same study started twice) is skipped:
+#     neither continued nor moved from under its writer.
 # With DRY set (a study that only prints or reports) nothing is moved.
 #
 # checkpoint_every ROUNDS: the `run.checkpoint_every` override that gives a run of ROUNDS outer
@@ -19,6 +21,10 @@ RESUME=""
 pending() {
   RESUME=""
   [ -f "$1/summary.json" ] && return 1
+  if [ -f "$1/run.lock" ] && command -v flock > /dev/null && ! flock -n "$1/run.lock" true; then
+    echo "skipped $1: a run is still going there ($(head -c 100 "$1/run.lock"))" >&2
+    return 1  # another study's run holds it: neither continued nor moved from under its writer
+  fi
   if compgen -G "$1/checkpoints/ckpt-*.pt" > /dev/null; then
     RESUME="run.resume=true"
     [ -n "${DRY:-}" ] || echo "resuming the interrupted run $1 from its newest checkpoint" >&2

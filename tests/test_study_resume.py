@@ -63,3 +63,20 @@ def test_a_study_run_keeps_about_twelve_checkpoints(rounds, every):
     done = subprocess.run(["bash", "-c", script, "every", str(rounds)], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin"}, check=True)
     assert done.stdout.strip() == f"run.checkpoint_every={every}"
+
+
+def test_a_run_still_going_is_skipped_not_moved(tmp_path):
+    import shutil
+
+    from fl_geo.runtime.run_lock import RunLock
+
+    if shutil.which("flock", path="/usr/bin:/bin") is None:
+        pytest.skip("no flock(1) here: the study scripts cannot tell a live run's lock (util-linux)")
+    run = tmp_path / "d-seed=0"
+    held = RunLock(run)
+    held.acquire()  # a run of another study writes there
+    try:
+        assert _pending(run) == "skip" and run.is_dir() and not list(tmp_path.glob("*.interrupted-*"))
+    finally:
+        held.release()
+    assert _pending(run) == "run" and not run.exists()  # released: an interrupted run, moved aside
