@@ -97,6 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     """``fl-geo compare``: run the configs (``--seeds N`` times each), read ``--runs``, compare all."""
     from fl_geo.compare import compare, load_run
+    from fl_geo.run_pool import run_in_parallel
     from fl_geo.run_reuse import check_resumable
     from fl_geo.seed_groups import group_by_seed_suffix, run_seeds, seeded_configs
 
@@ -107,12 +108,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     resolved = [load_config(c, overrides) for c in configs]
     plans = [(cfg.run.name, seeded_configs(cfg, args.seeds)) for cfg in resolved]  # all checked before any run
     out = Path(args.out)
+    planned = [c for _, cfgs in plans for c in cfgs]
     if args.resume:  # every planned run's folder checked before the first run starts or moves
-        check_resumable([c for _, cfgs in plans for c in cfgs], out / "runs")
+        check_resumable(planned, out / "runs")
     runs = [load_run(p, args.loss, args.metric) for p in args.runs]
     groups = group_by_seed_suffix(runs)
+    parallel = args.jobs > 1 and len(planned) > 1
+    if parallel:  # each run its own `fl-geo run` process, --jobs at a time; then read them
+        run_in_parallel(planned, out / "runs", args.jobs, args.resume)
     for name, cfgs in plans:
-        group, _ = run_seeds(cfgs, out / "runs", name, args.loss, args.metric, resume=args.resume)
+        group, _ = run_seeds(cfgs, out / "runs", name, args.loss, args.metric, resume=args.resume, ran=parallel)
         groups.append(group)
         runs += group.runs
     if not runs:
@@ -135,7 +140,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if len(configs) > 1:
         raise ConfigError("fl-geo sweep takes one config file (plus key=value and key=a,b,c overrides)")
     result = run_sweep(configs[0] if configs else None, overrides, args.out, args.target, args.loss, args.seeds,
-                       resume=args.resume)
+                       resume=args.resume, jobs=args.jobs)
     print(result["table"])
     print(f"table: {Path(args.out) / 'compare.md'}", file=sys.stderr)
     for kind, path in result["plots"].items():
@@ -239,6 +244,10 @@ RESUME_HELP = ("run the command again after an interruption: reuse the runs that
                "holding another config's run is an error")
 
 
+JOBS_HELP = ("run N runs at a time, each its own `fl-geo run` process (output in OUT/runs/.logs/<name>.log); give each "
+             "run 1/N of the cores (run.sim_cpus), the same threads give the same bits as one at a time (default 1)")
+
+
 def _add_experiment_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``run``, ``compare``, ``sweep`` and ``flwr-run``: the commands that train."""
     r = sub.add_parser("run", help="run one or more configs as Flower simulations")
@@ -270,6 +279,7 @@ def _add_experiment_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPar
                            "the speed-up to its final loss and the relative final loss, each as a mean ± 95 %% "
                            "t interval over the seeds both ran")
     cmp_.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    cmp_.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)
     cmp_.set_defaults(func=cmd_compare)
 
     sw = sub.add_parser("sweep", help="run every combination of key=a,b,c values; one table and plots")
@@ -281,6 +291,7 @@ def _add_experiment_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPar
                     help="run every point of the grid N times (run.seed + 0..N-1): mean ± 95 %% Student-t "
                          "interval per point, as for fl-geo compare")
     sw.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    sw.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)
     sw.set_defaults(func=cmd_sweep)
 
     fr = sub.add_parser("flwr-run", help="the same run through Flower's CLI (flwr run . --stream) on a local "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -74,17 +75,23 @@ class SeedGroup:
 
 
 def run_seeds(cfgs: list[FlGeoConfig], runs_dir: str | Path, name: str, loss: str = "global",
-              metric: str = "loss", resume: bool = False) -> tuple[SeedGroup, list[dict[str, Any]]]:
+              metric: str = "loss", resume: bool = False, ran: bool = False) -> tuple[SeedGroup, list[dict[str, Any]]]:
     """Run the `seeded_configs` of one config one after another into ``runs_dir/<run.name>``;
     the group (named ``name``, the config's own run name) and every run's summary, in seed order.
     ``resume``: reuse runs that finished there with the same config and continue interrupted ones
-    (`fl_geo.run_reuse.plan_run`)."""
+    (`fl_geo.run_reuse.plan_run`). ``ran``: every run has just finished there
+    (`fl_geo.run_pool.run_in_parallel`): read them, run nothing."""
     from fl_geo.run_reuse import RunPlan, plan_run
     from fl_geo.simulation import run_simulation
 
     group, summaries = SeedGroup(name, []), []
     for k, cfg in enumerate(cfgs, start=1):
         run_dir = Path(runs_dir) / cfg.run.name
+        if ran:
+            summary = {**json.loads((run_dir / "summary.json").read_text(encoding="utf-8")), "run_dir": str(run_dir)}
+            summaries.append(summary)
+            group.runs.append(load_run(summary["run_dir"], loss, metric))
+            continue
         plan = plan_run(cfg, run_dir) if resume else RunPlan("start", cfg)
         note = {"start": "", "reuse": " (finished earlier: reused)", "continue": " (interrupted: continued)"}[plan.action]
         if len(cfgs) > 1 or note:

@@ -111,7 +111,7 @@ def sweep_points(config: str | None, overrides: list[str]) -> list[SweepPoint]:
 
 
 def run_sweep(config: str | None, overrides: list[str], out: str | Path, target: float | None = None,
-              loss: str = "global", seeds: int = 1, resume: bool = False) -> dict[str, Any]:
+              loss: str = "global", seeds: int = 1, resume: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Run every point of the grid one after another (``seeds`` runs each, `fl_geo.seed_groups`),
     then compare them all (table + plots; with seeds > 1, one row per point: mean ± 95 % t interval).
 
@@ -119,8 +119,10 @@ def run_sweep(config: str | None, overrides: list[str], out: str | Path, target:
     (each point's seeds together). ``run.seed`` cannot be both swept and given ``seeds`` > 1:
     the two would run the same seeds twice under different names. ``resume``: `fl_geo.run_reuse`
     (finished runs reused, interrupted ones continued; every folder checked before the first run).
+    ``jobs``: that many runs at a time, each its own process (`fl_geo.run_pool`).
     """
     from fl_geo.compare import compare
+    from fl_geo.run_pool import run_in_parallel
     from fl_geo.run_reuse import check_resumable
     from fl_geo.seed_groups import run_seeds, seeded_configs
 
@@ -130,12 +132,17 @@ def run_sweep(config: str | None, overrides: list[str], out: str | Path, target:
     points = sweep_points(config, overrides)
     plans = [(point, seeded_configs(point.cfg, seeds)) for point in points]
     out = Path(out)
+    planned = [c for _, cfgs in plans for c in cfgs]
     if resume:
-        check_resumable([c for _, cfgs in plans for c in cfgs], out / "runs")
+        check_resumable(planned, out / "runs")
+    parallel = jobs > 1 and len(planned) > 1
+    if parallel:
+        run_in_parallel(planned, out / "runs", jobs, resume)
     summaries, runs, groups = [], [], []
     for i, (point, cfgs) in enumerate(plans, start=1):
-        print(f"sweep {i}/{len(points)}: {point.cfg.run.name} ({' '.join(point.swept)})", file=sys.stderr, flush=True)
-        group, point_summaries = run_seeds(cfgs, out / "runs", point.cfg.run.name, loss, resume=resume)
+        if not parallel:
+            print(f"sweep {i}/{len(points)}: {point.cfg.run.name} ({' '.join(point.swept)})", file=sys.stderr, flush=True)
+        group, point_summaries = run_seeds(cfgs, out / "runs", point.cfg.run.name, loss, resume=resume, ran=parallel)
         summaries += point_summaries
         runs += group.runs
         groups.append(group)

@@ -118,3 +118,25 @@ def test_a_run_still_going_is_neither_continued_nor_moved(tmp_path, capsys):
         assert not list((out / "runs").glob("*.interrupted-*")) and (out / "runs" / NAMES[1]).is_dir()
     finally:
         held.release()
+
+
+def test_jobs_two_gives_the_runs_one_at_a_time_gives(tmp_path, capsys):
+    """``--jobs 2``: each run its own ``fl-geo run`` process, two at a time; one thread each (the
+    tiny config's), so the same bits and the same group figures as running them in turn."""
+    serial, parallel = tmp_path / "serial", tmp_path / "parallel"
+    assert _compare(serial) == 0
+    capsys.readouterr()
+    assert _compare(parallel, "--jobs", "2") == 0
+    err = capsys.readouterr().err
+    assert "run 1/2 started" in err and "run 2/2 ended" in err
+    for name in NAMES:
+        assert torch.equal(_final(parallel, name), _final(serial, name)), name
+        assert "final val loss" in (parallel / "runs" / ".logs" / f"{name}.log").read_text()
+    # logs and configs in dot folders, which a shell's OUT/runs/* leaves out
+    assert sorted(p.name for p in (parallel / "runs").iterdir()) == [".configs", ".logs", *NAMES]
+    assert _finals(parallel) == _finals(serial)
+    # without --resume a second time is refused before anything runs; with it, everything is reused
+    assert _compare(parallel, "--jobs", "2") == 2
+    assert "already holds run(s)" in capsys.readouterr().err
+    assert _compare(parallel, "--jobs", "2", "--resume") == 0
+    assert "started" not in capsys.readouterr().err
