@@ -287,14 +287,15 @@ def test_a_resumed_leader_rewinds_the_followers_and_no_site_keeps_a_stale_public
     from fl_geo.core.checkpoint import CheckpointStore
     from fl_geo.runtime.inline import InlineGrid
     from fl_geo.server_app import run_server
-    from tests.test_sharded_grpc import DIPS, VIRTUAL, Crash, _crash_at_reply
+    from tests.conftest import ServerCrash, crash_hook
+    from tests.test_sharded_grpc import DIPS, VIRTUAL
 
     run_dir = tmp_path / "grpc"
     common = [*VIRTUAL, *DIPS, "run.rounds=6", "run.checkpoint_every=2", "ps.followers=2", "ps.transport=grpc",
               "ps.checkpoint_keep=8", "wire.compress_down=int8"]
     grid = InlineGrid(client_app, 4, seed=0)  # the sites outlive the leader
-    grid.reply_hook = _crash_at_reply(11)
-    with pytest.raises(Crash):
+    grid.reply_hook = crash_hook(11)
+    with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
     grid.reply_hook = None
     summary = run_server(grid, tiny(*common, "run.resume=true"), run_dir)

@@ -190,14 +190,10 @@ def test_a_tls_follower_answers_a_client_that_trusts_its_ca_and_refuses_a_plaint
             plaintext.health()
 
 
-def _crash_at_reply(nth: int):
-    return crash_hook(nth)
-
-
 def _crash_and_resume(tiny, run_dir, *overrides, between=None):
     common = [*VIRTUAL, *DIPS, "run.rounds=6", *overrides]
     grid = InlineGrid(client_app, 4, seed=0)  # the sites outlive the leader
-    grid.reply_hook = _crash_at_reply(11)
+    grid.reply_hook = crash_hook(11)
     with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
     if between is not None:
