@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from fl_geo.cli import main as cli_main
@@ -43,9 +44,18 @@ def _finals(out) -> list[float]:
     return [r["figures"]["final"] for r in group["runs"]]
 
 
-def test_resume_reuses_finished_runs_and_continues_an_interrupted_one_bit_identically(tmp_path, capsys):
-    full, out = tmp_path / "full", tmp_path / "cut"
-    assert _compare(full) == 0
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted comparison (two seeds, one at a time) every test here is held against."""
+    out = tmp_path_factory.mktemp("full")
+    assert _compare(out) == 0
+    return out
+
+
+def test_resume_reuses_finished_runs_and_continues_an_interrupted_one_bit_identically(tmp_path, full, capsys,
+                                                                                    caplog):
+    caplog.set_level("INFO", logger="fl_geo")  # the log's handler may hold an earlier test's stderr
+    out = tmp_path / "cut"
     assert _compare(out) == 0
     _killed(out)
     summary0 = out / "runs" / NAMES[0] / "summary.json"
@@ -55,7 +65,7 @@ def test_resume_reuses_finished_runs_and_continues_an_interrupted_one_bit_identi
     assert _compare(out, "--resume") == 0
     err = capsys.readouterr().err
     assert f"seed 1/2 of q: run.seed={BASE} (finished earlier: reused)" in err
-    assert f"seed 2/2 of q: run.seed={BASE + 1} (interrupted: continued)" in err and "resumed from" in err
+    assert f"seed 2/2 of q: run.seed={BASE + 1} (interrupted: continued)" in err and "resumed from" in caplog.text
     assert summary0.stat().st_mtime_ns == mtime0  # not run again
     for name in NAMES:  # synchronous DiLoCo: the continued run ends where the uninterrupted one does
         assert torch.equal(_final(out, name), _final(full, name)), name
@@ -66,14 +76,13 @@ def test_resume_reuses_finished_runs_and_continues_an_interrupted_one_bit_identi
     assert capsys.readouterr().err.count("(finished earlier: reused)") == 2
 
 
-def test_an_interrupted_run_without_a_checkpoint_is_moved_aside_and_run_again(tmp_path, capsys):
-    full, out = tmp_path / "full", tmp_path / "cut"
-    assert _compare(full) == 0
+def test_an_interrupted_run_without_a_checkpoint_is_moved_aside_and_run_again(tmp_path, full, caplog):
+    out = tmp_path / "cut"
     _killed(out, "run.checkpoint_every=0")
     assert _compare(out, "--resume") == 0
     (aside,) = (out / "runs").glob(f"{NAMES[1]}.interrupted-*")
     assert (aside / "metrics.jsonl").is_file()  # kept, not deleted
-    assert "interrupted before any checkpoint" in capsys.readouterr().err
+    assert "interrupted before any checkpoint" in caplog.text
     assert torch.equal(_final(out, NAMES[1]), _final(full, NAMES[1]))
 
 
@@ -120,11 +129,10 @@ def test_a_run_still_going_is_neither_continued_nor_moved(tmp_path, capsys):
         held.release()
 
 
-def test_jobs_two_gives_the_runs_one_at_a_time_gives(tmp_path, capsys):
+def test_jobs_two_gives_the_runs_one_at_a_time_gives(tmp_path, full, capsys):
     """``--jobs 2``: each run its own ``fl-geo run`` process, two at a time; one thread each (the
     tiny config's), so the same bits and the same group figures as running them in turn."""
-    serial, parallel = tmp_path / "serial", tmp_path / "parallel"
-    assert _compare(serial) == 0
+    serial, parallel = full, tmp_path / "parallel"
     capsys.readouterr()
     assert _compare(parallel, "--jobs", "2") == 0
     err = capsys.readouterr().err

@@ -6,6 +6,7 @@ sent again, as in an asynchronous resume (strategies/halos.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
 from fl_geo.strategies.halos import HalosLoop
-from tests.conftest import ServerCrash, crash_hook, tiny_scenario_dict
+from tests.conftest import ServerCrash, crash_hook, tiny_config, tiny_scenario_dict
 
 HALOS = ("strategy.name=halos", "halos.accumulate=2", "halos.local_buffer=2", "strategy.delay_buffer=2",
          "strategy.inner_steps=2", "run.rounds=8", "run.clock=virtual", "run.checkpoint_every=2")
@@ -131,6 +132,15 @@ def test_the_checkpoint_restores_both_tiers_exactly(tiny, tmp_path, monkeypatch,
     assert covered == payloads
 
 
+@pytest.fixture(scope="module")
+def halos_crash(tmp_path_factory):
+    """One crashed HALoS run for every case below (each tampers with its own copy): its
+    overrides, its folder and the step of its newest checkpoint."""
+    base = tmp_path_factory.mktemp("halos")
+    common = _common(base)
+    return common, base / "run", _crash(tiny_config, common, base / "run")
+
+
 @pytest.mark.parametrize(("mutate", "needle"), [
     (lambda s: s["partition_group"].append([0, 0]), "maps a partition"),
     (lambda s: s["partition_group"].__setitem__(0, [0, 5]), "maps a partition"),
@@ -143,9 +153,9 @@ def test_the_checkpoint_restores_both_tiers_exactly(tiny, tmp_path, monkeypatch,
     (lambda s: s.pop("gps"), "lacks keys"),
     (lambda s: s["lps"].__setitem__(0, "a server"), "snapshot must be a mapping"),
 ])
-def test_a_tampered_halos_checkpoint_is_refused_in_one_line(tiny, tmp_path, mutate, needle):
-    common = _common(tmp_path)
-    kept = _crash(tiny, common, tmp_path / "run")
+def test_a_tampered_halos_checkpoint_is_refused_in_one_line(tiny, tmp_path, halos_crash, mutate, needle):
+    common, crashed, kept = halos_crash
+    shutil.copytree(crashed, tmp_path / "run")
     written = CheckpointStore(tmp_path / "run" / "checkpoints").load(kept)
     mutate(written.state["loop"])
     CheckpointStore(tmp_path / "run" / "checkpoints", identity=written.identity).save(kept, written.state)

@@ -5,6 +5,8 @@ ends bit-identical to one that never stopped (strategies/streaming.py, clients/s
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -14,7 +16,7 @@ from fl_geo.core.checkpoint import CheckpointStore
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
 from fl_geo.server_app import run_server
-from tests.conftest import ServerCrash, crash_hook
+from tests.conftest import ServerCrash, crash_hook, tiny_config
 
 
 def _crash_on(round_no: int, nth: int):
@@ -120,6 +122,16 @@ def test_a_worker_whose_state_is_lost_is_initialised_again_and_the_run_finishes(
     assert "holds no streaming state" in caplog.text and "its outer step is skipped" in caplog.text
 
 
+@pytest.fixture(scope="module")
+def cocodc_checkpoint(tmp_path_factory):
+    """A two-period CoCoDC run with a checkpoint after each period (one run for every case below,
+    each of which tampers with its own copy): its overrides and its folder."""
+    base = tmp_path_factory.mktemp("cocodc")
+    common = [*_common(base, "cocodc"), "run.rounds=2", "run.checkpoint_every=1"]
+    run_server(InlineGrid(client_app, 3, seed=0), tiny_config(*common), base / "run")
+    return common, base / "run"
+
+
 @pytest.mark.parametrize(("field", "value", "needle"), [
     ("in_flight", [[7, 16, 18, 0.0, 1.0]], "malformed sync in flight"),  # no fragment 7 (P = 2)
     ("in_flight", [[0, 20, 18, 0.0, 1.0]], "malformed sync in flight"),  # started after the checkpoint
@@ -133,13 +145,14 @@ def test_a_worker_whose_state_is_lost_is_initialised_again_and_the_run_finishes(
     ("interval", "often", "invalid literal"),
     ("interval", 0, "has interval 0"),
 ])
-def test_a_tampered_streaming_checkpoint_is_refused_in_one_line(tiny, tmp_path, field, value, needle):
+def test_a_tampered_streaming_checkpoint_is_refused_in_one_line(tiny, tmp_path, cocodc_checkpoint, field, value,
+                                                                needle):
     """A checkpoint whose streaming part does not fit the run is a one-line ConfigError before
     anything runs."""
     from fl_geo.config import ConfigError
 
-    common = [*_common(tmp_path, "cocodc"), "run.rounds=2", "run.checkpoint_every=1"]
-    run_server(InlineGrid(client_app, 3, seed=0), tiny(*common), tmp_path / "run")
+    common, written_run = cocodc_checkpoint
+    shutil.copytree(written_run, tmp_path / "run")
     written = CheckpointStore(tmp_path / "run" / "checkpoints").load_latest()
     assert written is not None and written.step == 2
     state = written.state
