@@ -113,10 +113,15 @@ def test_a_worker_whose_state_is_lost_is_initialised_again_and_the_run_finishes(
     grid.reply_hook = _crash_on(3, 2)
     with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), tmp_path / "run")
+    checkpoint = CheckpointStore(tmp_path / "run" / "checkpoints").load_latest()
+    assert checkpoint is not None and checkpoint.step == 2
     summary = run_server(InlineGrid(client_app, 3, seed=1), tiny(*common, "run.resume=true"), tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5] and summary["outer_steps"] == 2 * 5 - 1
-    assert torch.isfinite(_final(tmp_path / "run")).all()
+    final = _final(tmp_path / "run")
+    # the re-initialised workers train on: the model moved past the checkpoint's, to a lower loss
+    assert torch.isfinite(final).all() and not torch.equal(final, checkpoint.state["params"])
+    assert rows[-1]["val/loss"] < rows[2]["val/loss"]
     assert [r["outer/failed"] for r in rows[3:]] == [3, 0, 0]  # each worker's first resumed tick, once
     assert [r["stream/skipped_syncs"] for r in rows[1:]] == [0, 0, 1, 0, 0]
     assert "holds no streaming state" in caplog.text and "its outer step is skipped" in caplog.text
