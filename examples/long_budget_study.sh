@@ -14,9 +14,10 @@
 # Each cell runs with run.seed 0, then the HEADLINE cells again with seeds 1 and 2 (3 seeds each),
 # two runs at a time (one per core), then one table with the 95 % intervals (`fl-geo compare`
 # groups <name>-seed=<k>). CELLS and HEADLINE choose cells by name; PRINT=1 prints the run lines
-# (config and overrides, one per line) instead of running them. Runs that finished in OUT are
-# skipped and every run keeps about 12 checkpoints, so the same command resumes an interrupted
-# study, each interrupted run from its newest checkpoint (examples/study_resume.sh).
+# (config and overrides, one per line) instead of running them. Every run goes through
+# `fl-geo run --resume` and keeps about 12 checkpoints, so the same command resumes an interrupted
+# study: runs that finished in OUT with the same config are reused, each interrupted run continues
+# from its newest checkpoint (examples/study_resume.sh).
 set -euo pipefail
 OUT=${1:-runs/long-budget}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
@@ -34,7 +35,7 @@ case "$SIZE" in
 esac
 TOKENS=$((STEPS * 4 * 6 * 128))
 COMMON="$MODEL run.max_tokens=$TOKENS run.progress=false run.tensorboard=false"
-source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR, checkpoint_every ROUNDS
+source "$(dirname "$0")/study_resume.sh"  # RESUME_FLAG, checkpoint_every ROUNDS
 # every cell keeps about 12 checkpoints, so an interrupted study resumes each run where it stopped
 H25="strategy.inner_steps=25 run.rounds=$((STEPS / 25)) run.eval_every=$EV25 $(checkpoint_every $((STEPS / 25)))"
 H100="strategy.inner_steps=100 run.rounds=$((STEPS / 100)) run.eval_every=$EV100 $(checkpoint_every $((STEPS / 100)))"
@@ -61,15 +62,13 @@ declare -A CELL=(
 CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
 HEADLINE=${HEADLINE-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25}
 jobs=()
-DRY=${PRINT:-}  # printing moves no interrupted run aside
 add() {  # add CELL SEED
   [ -n "${CELL[$1]:-}" ] || { echo "unknown cell $1 (cells: ${!CELL[*]})" >&2; exit 2; }
-  pending "$OUT/runs/$1-seed=$2" || return 0
-  jobs+=("${CELL[$1]} $COMMON run.seed=$2 run.name=$1-seed=$2${RESUME:+ $RESUME}")
+  jobs+=("${CELL[$1]} $COMMON run.seed=$2 run.name=$1-seed=$2")
 }
 for c in $CELLS; do add "$c" 0; done
 for seed in 1 2; do for c in $HEADLINE; do add "$c" "$seed"; done; done
 if [ -n "${PRINT:-}" ]; then printf '%s\n' "${jobs[@]}"; exit 0; fi
 mkdir -p "$OUT/runs"
-printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs > /dev/null 2>> $OUT/study.log"
+printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs $RESUME_FLAG > /dev/null 2>> $OUT/study.log"
 "$FLGEO" compare --runs "$OUT"/runs/*-seed=[0-9] --out "$OUT/table"  # each group of seeds: mean and 95 % interval

@@ -8,10 +8,10 @@
 #   REPORT_ONLY=1 bash examples/method_table.sh OUT      # the table again from the runs in OUT
 #   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
 #
-# Runs that finished in OUT (they have a summary.json) are skipped, so the same command resumes an
-# interrupted study (examples/study_resume.sh). The long rows' cells (every halos and streaming cell:
-# runs of half an hour to 3 hours) write about 12 checkpoints, and an interrupted one continues from
-# its newest (the asynchronous halos cells resend the jobs that were in flight, so such a resumed
+# Every run goes through `fl-geo run --resume` (examples/study_resume.sh): runs that finished in OUT
+# with the same config are reused, so the same command resumes an interrupted study. The long rows'
+# cells (every halos and streaming cell: runs of half an hour to 3 hours) write about 12
+# checkpoints, and an interrupted one continues from its newest (the asynchronous halos cells resend the jobs that were in flight, so such a resumed
 # run is not bit-identical to an uninterrupted one); any other interrupted run is moved aside and
 # starts again.
 #
@@ -41,8 +41,7 @@ ROWS=${ROWS:-straggler eta100 eta200 noisy halos streaming}
 SEED0_ONLY=${SEED0_ONLY:-}  # row/cell ... run with seed 0 only (to save time where one seed says enough)
 export OMP_NUM_THREADS=1
 COMMON="run.progress=false run.tensorboard=false run.sim_cpus=1"
-source "$(dirname "$0")/study_resume.sh"  # pending RUN_DIR, checkpoint_every ROUNDS
-DRY=${PRINT:-${REPORT_ONLY:-}}  # printing or reporting moves no interrupted run aside
+source "$(dirname "$0")/study_resume.sh"  # RESUME_FLAG, checkpoint_every ROUNDS
 # ddp: one inner step per round on every site's averaged fp32 gradient, no penalty
 DDP="strategy.name=ddp strategy.inner_steps=1 wire.up=fp32 wire.down=fp32"
 B=configs/bench
@@ -91,8 +90,7 @@ for seed in $(seq 0 $((SEEDS - 1))); do  # seed-major: an interrupted study leav
     [ -n "${!cells_var:-}" ] || { echo "unknown row $row (rows: straggler eta100 eta200 noisy halos streaming)" >&2; exit 2; }
     for c in ${!cells_var}; do
       [[ $seed -gt 0 && " $SEED0_ONLY " == *" $row/$c "* ]] && continue
-      pending "$OUT/$row/runs/$row-$c-seed=$seed" || continue  # finished: an interrupted study resumes
-      jobs+=("${CELL[$row/$c]} $COMMON run.seed=$seed run.name=$row-$c-seed=$seed${RESUME:+ $RESUME} --out $OUT/$row/runs")
+      jobs+=("${CELL[$row/$c]} $COMMON run.seed=$seed run.name=$row-$c-seed=$seed --out $OUT/$row/runs $RESUME_FLAG")
     done
   done
 done

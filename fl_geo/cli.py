@@ -1,6 +1,7 @@
 """``fl-geo``: run experiments, fetch the offline corpora, benchmark the server path.
 
-    fl-geo run CONFIG [CONFIG ...] [key=value ...]   Flower simulation(s), then a summary table
+    fl-geo run CONFIG [CONFIG ...] [key=value ...] [--out DIR [--resume]]
+                                                     Flower simulation(s), then a summary table
     fl-geo compare [CONFIG ...] [key=value ...] [--runs DIR ...] [--seeds N] [--target LOSS] [--loss global|workers] [--metric loss|bpb] [--out DIR]
                                                      table + plots of several runs (N seeds: mean ± 95 % t interval)
     fl-geo sweep CONFIG key=a,b,c [key=value ...] [--seeds N] [--out DIR]   every combination, one table + plots
@@ -70,11 +71,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not configs:
         configs = [None]  # schema defaults (DiLoCo, 4 datacenters)
     resolved = [load_config(c, overrides) for c in configs]  # validate all before running any
+    if args.resume:
+        if not args.out:
+            raise ConfigError("--resume needs --out: it looks for each run in OUT/<run.name>")
+        from fl_geo.run_reuse import check_resumable
+
+        check_resumable(resolved, args.out)  # every folder checked before the first run starts or moves
     summaries = []
     for cfg in resolved:
         run_dir = None
         if args.out:
             run_dir = Path(args.out) / cfg.run.name
+        if args.resume:
+            from fl_geo.run_reuse import plan_run
+
+            plan = plan_run(cfg, run_dir)
+            if plan.summary is not None:
+                summaries.append(plan.summary)
+                print(f"run {cfg.run.name}: finished earlier with this config: reused -> {run_dir}", file=sys.stderr)
+                continue
+            cfg = plan.cfg
         summary = run_simulation(cfg, run_dir)
         summaries.append(summary)
         if summary.get("interrupted"):
@@ -255,6 +271,12 @@ def _add_experiment_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPar
     r.add_argument("--out", help="put each run in OUT/<run.name> instead of run.out_dir/<name>-<time> "
                    "(refused if it holds an earlier run's results, unless run.resume=true)")
     r.add_argument("--table", help="also write the summary table (Markdown) to this file")
+    r.add_argument("--resume", action="store_true",
+                   help="run the same command again after an interruption (needs --out): a run that finished in "
+                        "OUT/<run.name> with the same config is reused, an interrupted one continues from its "
+                        "newest checkpoint (configs with run.checkpoint_every), one that left none is moved to "
+                        "<name>.interrupted-<time> and starts again; a folder holding another config's run is an "
+                        "error naming the values that differ")
     r.set_defaults(func=cmd_run)
 
     cmp_ = sub.add_parser("compare", help="run configs and/or read finished runs; write a table and plots")

@@ -1,7 +1,10 @@
-"""``--resume`` of ``fl-geo compare`` and ``fl-geo sweep``: run a comparison's command again and it
-goes on where it stopped, instead of refusing the runs it already made.
+"""``--resume`` of ``fl-geo run``, ``fl-geo compare`` and ``fl-geo sweep``: run a command again and
+it goes on where it stopped, instead of refusing the runs it already made. The study scripts
+(``examples/*study*.sh``, ``examples/method_table.sh``) resume through ``fl-geo run --resume`` too,
+so these rules live here only.
 
-For each run the command plans (``OUT/runs/<run.name>``), `plan_run` decides from what is on disk:
+For each run the command plans (``OUT/<run.name>`` for ``run``, ``OUT/runs/<run.name>`` for the
+others), `plan_run` decides from what is on disk:
 
 - **nothing there**: the run starts;
 - **finished** (``summary.json`` is written last) with the same run identity

@@ -148,3 +148,49 @@ def test_jobs_two_gives_the_runs_one_at_a_time_gives(tmp_path, full, capsys):
     assert "already holds run(s)" in capsys.readouterr().err
     assert _compare(parallel, "--jobs", "2", "--resume") == 0
     assert "started" not in capsys.readouterr().err
+
+
+def _run(runs_dir, seed: int, *extra: str) -> int:
+    """``fl-geo run`` of one seed's run into ``runs_dir``, as the study scripts call it."""
+    return cli_main(["run", *ARGS, f"run.seed={seed}", f"run.name=q-seed={seed}", *extra, "--out", str(runs_dir)])
+
+
+def test_run_resume_reuses_continues_and_refuses_as_compare_does(tmp_path, full, capsys, caplog):
+    """``fl-geo run --resume`` (what examples/study_resume.sh runs every study cell with) follows
+    the same rules: a finished run of the same config is reused without training, an interrupted
+    one continues from its checkpoint to the uninterrupted run's bits, another config's run is a
+    one-line error with nothing moved, and --resume without --out is refused."""
+    caplog.set_level("INFO", logger="fl_geo")
+    out = tmp_path / "cut"
+    _killed(out)
+    runs = out / "runs"
+    shutil.copytree(full / "runs" / NAMES[0], runs / NAMES[0])
+    summary0 = runs / NAMES[0] / "summary.json"
+    mtime0 = summary0.stat().st_mtime_ns
+    capsys.readouterr()
+
+    assert _run(runs, BASE, "--resume") == 0  # finished: reused
+    captured = capsys.readouterr()
+    assert f"run {NAMES[0]}: finished earlier with this config: reused" in captured.err
+    assert summary0.stat().st_mtime_ns == mtime0
+    assert f"| {NAMES[0]} |" in captured.out  # still in the summary table
+    assert _run(runs, BASE + 1, "--resume") == 0  # interrupted after round 1: continued
+    assert "resumed from" in caplog.text
+    assert torch.equal(_final(out, NAMES[1]), _final(full, NAMES[1]))
+
+    capsys.readouterr()
+    assert _run(runs, BASE, "client.lr=0.002", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "holds a run of another config (client.lr:" in err
+    assert summary0.stat().st_mtime_ns == mtime0 and not list(runs.glob("*.interrupted-*"))
+    assert cli_main(["run", *ARGS, "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
+
+
+def test_run_resume_moves_an_interrupted_run_without_a_checkpoint_aside(tmp_path, full):
+    out = tmp_path / "cut"
+    _killed(out, "run.checkpoint_every=0")
+    assert _run(out / "runs", BASE + 1, "--resume") == 0
+    (aside,) = (out / "runs").glob(f"{NAMES[1]}.interrupted-*")
+    assert (aside / "metrics.jsonl").is_file()
+    assert torch.equal(_final(out, NAMES[1]), _final(full, NAMES[1]))

@@ -1,60 +1,17 @@
-"""examples/study_resume.sh: running a study's command again resumes it (finished runs skipped, an
-interrupted run with a checkpoint continued from it, any other interrupted run's folder moved aside so
-`fl-geo run` can start it again)."""
+"""The study scripts (examples/long_budget_study.sh, examples/method_table.sh) resume through
+``fl-geo run --resume`` (examples/study_resume.sh), so running a study's command again follows the
+rules of fl_geo/run_reuse.py (tested with the command itself in tests/test_compare_resume.py):
+finished runs of the same config reused, interrupted ones continued or moved aside."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _pending(run_dir: Path, dry: bool = False) -> str:
-    """"skip", "run", or "run run.resume=true" (the override `pending` sets for the run)."""
-    script = f'source "{ROOT}/examples/study_resume.sh"; pending "$1" && echo run $RESUME || echo skip'
-    env = {"PATH": "/usr/bin:/bin", **({"DRY": "1"} if dry else {})}
-    done = subprocess.run(["bash", "-c", script, "pending", str(run_dir)], capture_output=True, text=True,
-                          env=env, check=True)
-    return done.stdout.strip()
-
-
-def test_finished_runs_are_skipped_and_interrupted_ones_moved_aside(tmp_path):
-    finished = tmp_path / "a-seed=0"
-    finished.mkdir()
-    (finished / "summary.json").write_text("{}")
-    assert _pending(finished) == "skip" and (finished / "summary.json").is_file()
-
-    assert _pending(tmp_path / "never-started") == "run"
-
-    interrupted = tmp_path / "b-seed=0"
-    interrupted.mkdir()
-    (interrupted / "metrics.jsonl").write_text("{}\n")
-    assert _pending(interrupted, dry=True) == "run" and interrupted.is_dir()  # printing moves nothing
-    assert _pending(interrupted) == "run" and not interrupted.exists()
-    (moved,) = tmp_path.glob("b-seed=0.interrupted-*")
-    assert (moved / "metrics.jsonl").read_text() == "{}\n"  # kept, not deleted
-
-
-def test_an_interrupted_run_with_a_checkpoint_resumes_in_place(tmp_path):
-    run = tmp_path / "c-seed=0"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("{}\n")
-    (run / "checkpoints" / "ckpt-00000001.pt.tmp").write_text("torn")  # a torn write is no checkpoint
-    assert _pending(run, dry=True) == "run"
-    assert _pending(run) == "run" and not run.exists()  # moved aside: nothing to resume from
-
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("{}\n")
-    (run / "checkpoints" / "ckpt-00000005.pt").write_bytes(b"x")
-    assert _pending(run, dry=True) == "run run.resume=true"
-    assert _pending(run) == "run run.resume=true"
-    assert (run / "metrics.jsonl").is_file() and len(list(tmp_path.glob("c-seed=0.interrupted-*"))) == 1
-
-    (run / "summary.json").write_text("{}")  # finished after the resume: skipped, no override left set
-    assert _pending(run) == "skip"
 
 
 @pytest.mark.parametrize(("rounds", "every"), [(1, 1), (11, 1), (36, 3), (60, 5), (3600, 300)])
@@ -65,18 +22,28 @@ def test_a_study_run_keeps_about_twelve_checkpoints(rounds, every):
     assert done.stdout.strip() == f"run.checkpoint_every={every}"
 
 
-def test_a_run_still_going_is_skipped_not_moved(tmp_path):
-    import shutil
+def _recording_flgeo(tmp_path: Path) -> tuple[Path, Path]:
+    """An executable standing in for fl-geo (and the report's python) that records its arguments, one
+    call per line, so a study script's calls can be read without training anything."""
+    calls = tmp_path / "calls.txt"
+    exe = tmp_path / "record"
+    exe.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n')
+    exe.chmod(0o755)
+    return exe, calls
 
-    from fl_geo.runtime.run_lock import RunLock
 
-    if shutil.which("flock", path="/usr/bin:/bin") is None:
-        pytest.skip("no flock(1) here: the study scripts cannot tell a live run's lock (util-linux)")
-    run = tmp_path / "d-seed=0"
-    held = RunLock(run)
-    held.acquire()  # a run of another study writes there
-    try:
-        assert _pending(run) == "skip" and run.is_dir() and not list(tmp_path.glob("*.interrupted-*"))
-    finally:
-        held.release()
-    assert _pending(run) == "run" and not run.exists()  # released: an interrupted run, moved aside
+@pytest.mark.parametrize("script", ["long_budget_study.sh", "method_table.sh"])
+def test_every_study_run_goes_through_run_resume(tmp_path, script):
+    exe, calls = _recording_flgeo(tmp_path)
+    out = tmp_path / "study"
+    env = {**os.environ, "FLGEO": str(exe), "PY": str(exe), "CELLS": "fedavg-H25 ddp", "HEADLINE": "ddp",
+           "ROWS": "straggler", "SEEDS": "2"}
+    subprocess.run(["bash", str(ROOT / "examples" / script), str(out)], cwd=ROOT, env=env, check=True,
+                   capture_output=True, text=True)
+    runs = [c.split() for c in calls.read_text().splitlines() if c.startswith("run ")]
+    expected = 4 if script == "long_budget_study.sh" else 6  # 2 cells + ddp twice more / 3 cells x 2 seeds
+    assert len(runs) == expected, runs
+    for argv in runs:
+        assert argv[-1] == "--resume" and argv[-3] == "--out", argv
+        name = next(a.split("=", 1)[1] for a in argv if a.startswith("run.name="))
+        assert Path(argv[-2]).name == "runs" and "-seed=" in name, argv
