@@ -30,8 +30,8 @@
 # the gradient over the row's scenario every step.
 #
 # Wall time on a 2-core CPU, two runs at a time: straggler 9 runs ~25 min, eta100 and eta200 12 runs
-# each ~35 min, noisy 9 runs ~25 min, halos 15 runs ~3.5 h (26-31 min a run), streaming 9 runs ~12 h
-# (diloco 255 s and streaming 273 s a period of 36, so 2.5-2.7 h a run; measured 2026-11-30).
+# each ~35 min, noisy 9 runs ~25 min, halos 15 runs ~3.5 h (26-31 min a run), streaming 9 runs ~6 h
+# (diloco 255 s and streaming 273 s a period, 18 periods: 1.3-1.4 h a run; measured 2026-11-30).
 set -euo pipefail
 OUT=${1:-runs/method-table}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
@@ -72,10 +72,12 @@ declare -A CELL=(
   [halos/async_local_sgd]="$B/halos_async_local_sgd.yaml $(checkpoint_every 197)"
   [halos/diloco]="$B/halos_diloco.yaml $(checkpoint_every 8)"
   [halos/ddp]="$B/halos_diloco.yaml $DDP run.rounds=250 run.eval_every=10 $(checkpoint_every 250)"
-  # Streaming DiLoCo (alpha 0.5) against DiLoCo on slow_wan: 36 periods of H = 100 (3,600 steps per site)
-  [streaming/diloco]="configs/streaming_diloco.yaml strategy.name=diloco run.rounds=36 run.backend=inline $(checkpoint_every 36)"
-  [streaming/streaming]="configs/streaming_diloco.yaml run.rounds=36 run.backend=inline $(checkpoint_every 36)"
-  [streaming/ddp]="configs/streaming_diloco.yaml $DDP strategy.outer_optimizer=adamw run.rounds=3600 run.eval_every=100 run.backend=inline $(checkpoint_every 3600)"
+  # Streaming DiLoCo (alpha 0.5) against DiLoCo on slow_wan: 18 periods of H = 100 (1,800 steps per
+  # site, 14.7 M tokens, 37 tokens per parameter: past compute-optimal, and half the cost of the 36
+  # periods of the docs' one-seed section, so the three seeds take 6 h, not 12)
+  [streaming/diloco]="configs/streaming_diloco.yaml strategy.name=diloco run.rounds=18 run.backend=inline $(checkpoint_every 18)"
+  [streaming/streaming]="configs/streaming_diloco.yaml run.rounds=18 run.backend=inline $(checkpoint_every 18)"
+  [streaming/ddp]="configs/streaming_diloco.yaml $DDP strategy.outer_optimizer=adamw run.rounds=1800 run.eval_every=100 run.backend=inline $(checkpoint_every 1800)"
 )
 CELLS_OF_straggler="edit a_edit ddp"
 CELLS_OF_eta100="diloco dips dips-paper ddp"
