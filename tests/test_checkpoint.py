@@ -304,8 +304,8 @@ def test_a_header_whose_run_id_was_rewritten_is_refused(tmp_path):
         decode_checkpoint(bytes(data))
 
 
-def test_every_method_checkpoints_and_the_two_tier_halos_deployment_refuses_it(tiny):
-    from fl_geo.halos.apps import _config
+def test_every_method_checkpoints(tiny):
+    """(The two-tier HALoS deployment's global tier too: tests/test_halos_global_resume.py.)"""
     from fl_geo.registry import METHODS
 
     needs = {"a_edit": ["strategy.time_budget_s=1.0"],  # what a method needs besides the tiny config
@@ -315,11 +315,6 @@ def test_every_method_checkpoints_and_the_two_tier_halos_deployment_refuses_it(t
     for name in METHODS:  # a ConfigError here names a method whose loop a checkpoint does not hold
         cfg = tiny(f"strategy.name={name}", "run.clock=virtual", *needs.get(name, []), "run.checkpoint_every=1")
         assert cfg.run.checkpoint_every == 1 and cfg.strategy.name == name
-    deployed = "run.clock=wall strategy.dynupd=false"
-    assert _config({"config": "configs/halos.yaml", "overrides": deployed}).strategy.name == "halos"
-    for extra in ("run.checkpoint_every=1", "run.resume=true"):
-        with pytest.raises(ValueError, match="keeps no checkpoints yet"):
-            _config({"config": "configs/halos.yaml", "overrides": f"{deployed} {extra}"})
 
 
 # ---- minimum live nodes --------------------------------------------------------------------------

@@ -90,10 +90,10 @@ def test_service_round_trip_and_validation(sock_dir, precision):
         assert oct(Path(svc.path).stat().st_mode & 0o777) == "0o600"  # only this user's bridge
         theta = torch.arange(spec.numel, dtype=torch.float32) / 7
         update = encode(-theta, spec, precision)
-        svc.outbox.put((update, {"lps_version": 5, "sends": 2}))
+        svc.outbox.put((update, {"lps_version": 5, "sends": 2}, 0))
         reply, out = exchange(svc.address, {"op": "exchange", "stop": False, "global_version": 3},
                               encode(theta, spec, precision), connect_timeout_s=2, reply_timeout_s=5)
-        got, stop, gv = svc.inbox.get(timeout=1)
+        got, stop, gv, _ = svc.inbox.get(timeout=1)
         expect = theta.to(torch.bfloat16).float() if precision == "bf16" else theta
         assert torch.equal(got, expect) and stop is False and gv == 3
         assert reply["lps_version"] == 5 and out is not None
@@ -124,7 +124,7 @@ def test_service_round_trip_and_validation(sock_dir, precision):
             s.shutdown(socket.SHUT_WR)
             header, _ = recv_frame(s)
             assert header["op"] == "error" and "malformed request" in header["error"]
-        svc.outbox.put((update, {}))
+        svc.outbox.put((update, {}, 0))
         assert exchange(svc.address, {"op": "exchange"}, None, connect_timeout_s=2)[1] is not None
     finally:
         svc.close()
@@ -383,7 +383,7 @@ def test_a_peer_trickling_bytes_cannot_hold_a_reader_or_the_service(sock_dir):
         t = threading.Thread(target=trickle, args=(slow,), daemon=True)
         t.start()
         time.sleep(0.1)  # the service is now reading the slow request
-        svc.outbox.put((encode(torch.ones(spec.numel), spec, "fp32"), {}))
+        svc.outbox.put((encode(torch.ones(spec.numel), spec, "fp32"), {}, 0))
         t0 = time.monotonic()
         reply, out = exchange(svc.address, {"op": "exchange"}, None, connect_timeout_s=2, reply_timeout_s=5)
         assert reply["op"] == "result" and out is not None

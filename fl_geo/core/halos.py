@@ -414,6 +414,23 @@ class LocalParameterServer(ParameterServer):
         self._merged_version = self._version
         self._outstanding = False
 
+    def resync(self, global_params: torch.Tensor) -> None:
+        """Merge θ_g whatever the send state: the global server restarted from a checkpoint
+        (two-tier deployment, `fl_geo.halos.apps`) and sends every region its θ_g once.
+
+        θ_k ← (1 − α)·θ_k + α·θ_g as in `merge`, and the send window starts again at this
+        version: an update that was outstanding (or made and not yet sent) is given up, as the
+        restarted global server never saw it or lost it; its effect stays in θ_k. The optimizer
+        state and the error-feedback residual are kept. ValueError (nothing changes) for a θ_g of
+        the wrong shape or with non-finite values."""
+        theta_g = _check_flat("global_params", global_params, self.numel, self.device)
+        _check_finite("global_params", theta_g)
+        with torch.no_grad():
+            self._params.lerp_(theta_g, self._alpha)
+            self._merged.copy_(self._params)
+        self._merged_version = self._version
+        self._outstanding = False
+
     def _extra_state(self) -> dict[str, Any]:
         return {
             "merged_params": self._merged.clone(),

@@ -115,7 +115,7 @@ def _deploy_halos(args: argparse.Namespace) -> int:
     if args.deploy_cmd == "halos-run":
         config, overrides = _one_config(args.items, "deploy halos-run")
         res = dh.run_halos(topo, config, overrides, out_dir=args.out, timeout_s=args.timeout,
-                           ipc_timeout_s=args.ipc_timeout)
+                           ipc_timeout_s=args.ipc_timeout, resume_global=args.resume_global)
         print(json.dumps({"statuses": res.statuses, "wall_s": round(res.wall_s, 1),
                           "run_dirs": {k: str(v) for k, v in res.run_dirs.items()},
                           "summaries": res.summaries}, indent=2))
@@ -190,6 +190,10 @@ def add_parser(sub: Any) -> None:
                    timeout="stop the runs after this many seconds (0 = none)")
     hr.add_argument("--ipc-timeout", type=float, default=600.0,
                     help="seconds an LPS/bridge waits for the other tier before giving up")
+    hr.add_argument("--resume-global", action="store_true",
+                    help="submit only the global ServerApp, resumed from its newest checkpoint in run.checkpoint_dir "
+                         "(the same command and overrides as the interrupted halos-run); the regional runs, still "
+                         "going, merge its model and go on. Within --ipc-timeout of the crash, or the regions give up")
     hs = dsub.add_parser("halos-status", help="processes, health and nodes of every tier (JSON)")
     hs.add_argument("topology")
     _down_arguments(dsub.add_parser("halos-down", help="stop every tier's recorded processes"))

@@ -322,13 +322,18 @@ def _collect_outputs(plans: list[_RunPlan], out: Path, name: str, before: set[Pa
 
 def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tuple[str, ...] = (),
               out_dir: str | Path | None = None, timeout_s: float = 0.0, ipc_timeout_s: float = 600.0,
-              status_every_s: float = STATUS_EVERY_S, echo: bool = True) -> HalosRunResult:
+              status_every_s: float = STATUS_EVERY_S, echo: bool = True, resume_global: bool = False) -> HalosRunResult:
     """Submit the regional runs, then the global run, and wait until all have finished.
 
     ``config`` + ``overrides`` is one fl-geo config for both tiers (validated here first);
     ``run.name`` becomes ``<name>-global`` / ``<name>-<region>``, ``run.num_clients`` the tier's
     worker count, ``run.out_dir`` ``out_dir`` (absolute; default ``<project>/runs``). A run still
     going after ``timeout_s`` (0 = none) is stopped with ``flwr stop``, every one of them.
+
+    ``resume_global``: submit the global run only, with ``run.resume=true``, after the global
+    ServerApp of an earlier ``halos-run`` (same config and overrides) failed while its regional
+    runs go on. Its checkpoints must be in a fixed ``run.checkpoint_dir`` (each deployed run writes
+    a new run folder), else a DeployError before anything is submitted.
     """
     from fl_geo.config import load_config
 
@@ -345,8 +350,14 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
         raise DeployError(f"{cfg_path}: strategy.name must be halos for a HALoS deployment, got {cfg.strategy.name!r}")
     base.append("run.clock=wall")
     name = cfg.run.name
+    if resume_global and not cfg.run.checkpoint_dir:
+        raise DeployError("--resume-global needs the global run's checkpoints in a fixed run.checkpoint_dir (the "
+                          "interrupted halos-run's run.checkpoint_every and run.checkpoint_dir overrides)")
     topo.ipc_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     plans = _plan_runs(topo, cfg_path, base, name, ipc_timeout_s)
+    if resume_global:  # the regions go on; only the global tier starts again, from its checkpoint
+        tier, app, rc, run_name = plans[-1]
+        plans = [(tier, app, {**rc, "overrides": f"{rc['overrides']} run.resume=true"}, run_name)]
 
     before = {p.resolve() for p in out.glob(f"{name}-*")}
     t0 = time.monotonic()

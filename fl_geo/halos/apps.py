@@ -28,6 +28,7 @@ counters that show updates crossed both tiers.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -44,6 +45,7 @@ from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.core.compress import Compressor
 from fl_geo.core.halos import GlobalParameterServer
 from fl_geo.core.state import ParamSpec, flatten
+from fl_geo.errors import ConfigError
 from fl_geo.halos.lps_service import LpsService
 from fl_geo.paths import PROJECT_ROOT
 from fl_geo.runtime.builders import make_model
@@ -66,9 +68,13 @@ __all__ = ["LpsService", "RegionalLoop", "global_app", "regional_app", "run_glob
 DEFAULT_IPC_TIMEOUT_S = 600.0
 
 
-def _config(run_config: dict[str, Any]) -> FlGeoConfig:
+def _config(run_config: dict[str, Any], tier: str) -> FlGeoConfig:
     """The fl-geo config of a run (``config`` + ``overrides``), as `fl_geo.server_app` does; the
-    strategy must be ``halos`` (the two tiers need its ``halos.*`` and ``strategy.*`` settings)."""
+    strategy must be ``halos`` (the two tiers need its ``halos.*`` and ``strategy.*`` settings).
+
+    Checkpoints are the global tier's (``tier`` ``global``): a regional ServerApp keeps none,
+    since its LPS goes on across a restart of the global server and resynchronises
+    (`LocalParameterServer.resync`); it refuses ``run.resume``, which it could not honour."""
     name = str(run_config.get("config", "")).strip() or "configs/halos.yaml"
     path = Path(name)
     if not path.is_absolute() and not path.exists():
@@ -78,9 +84,13 @@ def _config(run_config: dict[str, Any]) -> FlGeoConfig:
         raise ValueError(f"the HALoS deployment apps need strategy.name=halos, got {cfg.strategy.name!r}")
     if cfg.run.clock != "wall":
         raise ValueError("a deployment runs on the wall clock: set run.clock=wall (no virtual time)")
-    if cfg.run.checkpoint_every or cfg.run.resume:
-        raise ValueError("the two-tier HALoS deployment (one ServerApp per tier) keeps no checkpoints yet: "
-                         "run.checkpoint_every and run.resume are for HALoS in one ServerApp (fl-geo run, flwr-run)")
+    if tier == "regional":
+        if cfg.run.resume:
+            raise ValueError("a regional HALoS ServerApp cannot resume: only the global tier keeps checkpoints "
+                             "(restart the global ServerApp with run.resume=true; the regions go on and resynchronise)")
+        if cfg.run.checkpoint_every:
+            log.info("HALoS regional server: run.checkpoint_every is the global tier's; this tier keeps none")
+            cfg.run.checkpoint_every = 0
     return cfg
 
 
@@ -111,6 +121,7 @@ class RegionalLoop(HalosLoop):
         self.region = region
         self.ipc_timeout_s = ipc_timeout_s
         self.merges = 0
+        self.resyncs = 0  # resumed global servers' first θ_g, merged with `LocalParameterServer.resync`
         self.stopped = False
         self._last_global_version = 0
 
@@ -130,7 +141,7 @@ class RegionalLoop(HalosLoop):
             record = compress_record(self.lps[g].make_compressed_update(self.global_uplink))
         self.total_bytes_up += payload_nbytes(record)
         self.bytes_to_global += payload_nbytes(record)
-        self.service.outbox.put((record, self._counters()))
+        self.service.outbox.put((record, self._counters(), self.resyncs))  # its epoch: `LpsService`
         log.info("HALoS LPS %s: update %d queued for the GPS (version %d)", self.region, self.lps[g].sends,
                  self.lps[g].version)
 
@@ -145,13 +156,21 @@ class RegionalLoop(HalosLoop):
     def _drain_inbox(self) -> None:
         while True:
             try:
-                theta, stop, global_version = self.service.inbox.get_nowait()
+                theta, stop, global_version, resync = self.service.inbox.get_nowait()
             except queue.Empty:
                 return
             if theta is not None:
                 if not self.lps:
                     raise RuntimeError("global model arrived before this LPS had any worker")
-                self.lps[0].merge(theta)  # RuntimeError if nothing was outstanding: a protocol bug
+                if resync:  # the GPS resumed from a checkpoint: merge whatever was outstanding
+                    outstanding = self.lps[0].outstanding
+                    self.lps[0].resync(theta)
+                    self.resyncs += 1
+                    log.warning("HALoS LPS %s: the global server resumed at version %d; merged its model and "
+                                "started a new send window%s", self.region, global_version,
+                                " (the update it had not applied is given up)" if outstanding else "")
+                else:
+                    self.lps[0].merge(theta)  # RuntimeError if nothing was outstanding: a protocol bug
                 self.merges += 1
                 self._last_global_version = global_version
                 self.total_bytes_down += self.cost.sent_bytes(self.cfg.wire.down)
@@ -208,6 +227,7 @@ class RegionalLoop(HalosLoop):
             "halos/lps_version": self.lps[0].version if self.lps else 0,
             "halos/sends": self.lps[0].sends if self.lps else 0,
             "halos/merges": self.merges,
+            "halos/resyncs": self.resyncs,
             "halos/global_version": self._last_global_version,
         }
         self.tally = Tally()
@@ -245,6 +265,7 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                 "workers": len(profiles), "accumulate": cfg.halos.accumulate, "alpha": cfg.halos.alpha,
                 "local_updates": loop.local_updates, "lps_version": lps.version if lps else 0,
                 "sends": lps.sends if lps else 0, "merges": loop.merges, "exchanges": service.exchanges,
+                "resyncs": loop.resyncs, "dropped_updates": service.dropped,
                 "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
                 "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"), "final_val_bpb": last.get("val/bpb"),
                 "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
@@ -268,7 +289,7 @@ def _regional_main(grid: Grid, context: Context) -> None:
     address = str(rc.get("lps-address", "")).strip()
     if not address:
         raise ValueError("the regional ServerApp needs run config 'lps-address' (unix:///path/region.sock)")
-    run_regional(grid, _config(rc), address, str(rc.get("region", "")),
+    run_regional(grid, _config(rc, "regional"), address, str(rc.get("region", "")),
                  float(rc.get("ipc-timeout-s", DEFAULT_IPC_TIMEOUT_S)))
 
 
@@ -301,16 +322,21 @@ def _bridges(dispatcher: Dispatcher, cfg: FlGeoConfig, regions: int) -> dict[int
 def _region_update(ev: Event, region: str) -> tuple[dict[str, int], ArrayRecord] | None:
     """What a bridge's reply brings: the LPS's counters when it sent U_k, and U_k. None when the
     region is done: its bridge missed its deadline (the region leaves the run, the others go on)
-    or acknowledged ``stop``. Any other bridge error, or a reply without an update, ends the run."""
+    or acknowledged ``stop`` (a ``stop`` that fails is logged: the region's updates are all in,
+    and after a resume its run may have ended before the crash). Any other bridge error, or a
+    reply without an update, ends the run."""
     node = ev.job.node
     if ev.error == TIMED_OUT:
         log.warning("HALoS GPS: the bridge of region %s (node %s) did not answer within its deadline; "
                     "the region leaves the run, the others go on", region, node)
         return None
+    if ev.job.meta["stop"]:
+        if not ev.ok:
+            log.warning("HALoS GPS: region %s did not acknowledge its stop (%s); its quota was done", region,
+                        str(ev.error)[:200])
+        return None  # acknowledged: that region merged θ_g and ends its run
     if not ev.ok:
         raise RuntimeError(f"bridge of region {region} (node {node}) failed: {ev.error}")
-    if ev.job.meta["stop"]:
-        return None  # acknowledged: that region merged θ_g and ends its run
     m = ev.reply.content.metric_records.get("metrics")
     counters = {k: int(v) for k, v in (m or {}).items()}  # the LPS when it sent U_k
     if "arrays" not in ev.reply.content.array_records:
@@ -345,15 +371,102 @@ def _update_metrics(version: int, loss: float, *, region: int, region_updates: i
     }
 
 
+GLOBAL_CHECKPOINT_FORMAT = "halos-global/1"
+_GLOBAL_KEYS = frozenset({"format", "param_spec", "gps", "regions", "bytes_up", "bytes_down", "rejected", "initial",
+                          "history"})
+
+
+def _global_state(gps: GlobalParameterServer, spec: ParamSpec, sends: dict[str, int], counters: dict[str, dict[str, int]],
+                  bytes_up: int, bytes_down: int, rejected: int, initial: float,
+                  history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The GPS's checkpoint: θ_g with its optimizer (`GlobalParameterServer.snapshot`), each
+    region's count of exchanges and last LPS counters (by region name: bridge node ids do not
+    survive a restart of the global SuperLink), the byte and refusal counters, and the metrics so
+    far. The LPSs' state is theirs: they go on and resynchronise with the resumed θ_g."""
+    return {
+        "format": GLOBAL_CHECKPOINT_FORMAT, "param_spec": spec.to_json(), "gps": gps.snapshot(),
+        "regions": {region: {"sends": n, "counters": dict(counters.get(region, {}))} for region, n in sends.items()},
+        "bytes_up": bytes_up, "bytes_down": bytes_down, "rejected": rejected, "initial": initial,
+        "history": [json.dumps(h) for h in history],
+    }
+
+
+def _count(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"'{name}' must be a count >= 0, got {value!r:.60}")
+    return value
+
+
+def _read_global_state(state: Any, gps: GlobalParameterServer, spec: ParamSpec) -> dict[str, Any]:
+    """Check a `_global_state` checkpoint whole, then restore θ_g and its optimizer into ``gps``;
+    the rest as plain values. ValueError naming the first problem (nothing restored)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the checkpoint is a {type(state).__name__}, not a mapping")
+    if missing := sorted(_GLOBAL_KEYS - set(state)):
+        raise ValueError(f"the checkpoint lacks {missing}")
+    if state["format"] != GLOBAL_CHECKPOINT_FORMAT:
+        raise ValueError(f"format {state['format']!r:.60} is not {GLOBAL_CHECKPOINT_FORMAT!r} (a checkpoint of another "
+                         "method's ServerApp?)")
+    if state["param_spec"] != spec.to_json():
+        raise ValueError("its model layout differs from this config's model")
+    regions = state["regions"]
+    if not isinstance(regions, dict) or not regions:
+        raise ValueError("'regions' must map each region to its counters")
+    sends, counters = {}, {}
+    for region, entry in regions.items():
+        if not isinstance(region, str) or not isinstance(entry, dict) or not isinstance(entry.get("counters"), dict):
+            raise ValueError(f"region entry {region!r:.40} is malformed")
+        sends[region] = _count(f"regions.{region}.sends", entry.get("sends"))
+        counters[region] = {str(k): _count(f"regions.{region}.counters.{k}", v) for k, v in entry["counters"].items()}
+    totals = {k: _count(k, state[k]) for k in ("bytes_up", "bytes_down", "rejected")}
+    if not isinstance(state["initial"], float):
+        raise ValueError(f"'initial' must be a float, got {state['initial']!r:.60}")
+    history = state["history"]
+    if not isinstance(history, list) or not all(isinstance(h, str) for h in history):
+        raise ValueError("'history' must be a list of JSON lines")
+    try:
+        records = [json.loads(h) for h in history]
+    except ValueError as exc:
+        raise ValueError(f"'history' holds a line that is not JSON ({exc})") from None
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError("'history' holds a line that is not a metrics record")
+    gps.restore(state["gps"])  # validated whole by the server; ValueError leaves it as it was
+    if sum(sends.values()) < gps.version:
+        raise ValueError(f"the regions' {sum(sends.values())} exchanges cannot have made global version {gps.version}")
+    return {"sends": sends, "counters": counters, **totals, "initial": state["initial"], "history": records}
+
+
 def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: float = DEFAULT_IPC_TIMEOUT_S,
                connect_timeout_s: float = 120.0, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """The GPS: one bridge message in flight per region until ``run.rounds`` global updates."""
-    with RunSession(cfg, run_dir) as session:
-        logger = session.logger
-        assert logger is not None
-        t0 = time.perf_counter()
+    """The GPS: one bridge message in flight per region until ``run.rounds`` global updates.
+
+    With ``run.checkpoint_every`` k it writes a checkpoint (`_global_state`) after every k-th
+    global update, before θ_g goes back to that region. With ``run.resume`` it continues from the
+    newest one (`fl_geo.server_app.open_checkpoints`: same run identity, verified files): the
+    regions, found by name, keep their counts of exchanges toward their quota, and each gets the
+    restored θ_g at once with ``resync`` set, which its LPS merges whatever it had outstanding. An
+    update that was on its way up at the crash is lost, as in every asynchronous resume. A
+    checkpoint that does not fit this config or these regions is a one-line ConfigError."""
+    from fl_geo.server_app import open_checkpoints  # the ServerApp's rules for stores and resume
+
+    session = RunSession(cfg, run_dir)
+    session.lock()  # before the checkpoints are read: a second run into this directory stops here
+    try:
         spec, params = _model(cfg)
         gps = _global_server(cfg, params)
+        store, checkpoint = open_checkpoints(cfg, session.run_dir)
+        restored: dict[str, Any] | None = None
+        if checkpoint is not None:
+            try:
+                restored = _read_global_state(checkpoint.state, gps, spec)
+            except ValueError as exc:
+                raise ConfigError(f"cannot resume from {checkpoint.path}: {exc}") from None
+        logger = session.open(history=checkpoint.state["history"] if checkpoint is not None else None)
+    except BaseException:
+        session.close()
+        raise
+    with session:
+        t0 = time.perf_counter()
         evaluator = GlobalEvaluator(cfg, cfg.run.num_clients)
         dispatcher = Dispatcher(grid, WallClock())
         profiles = _bridges(dispatcher, cfg, regions)
@@ -364,19 +477,30 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
         scratch = torch.empty(spec.numel, dtype=torch.float32)
         tier2 = cfg.halos.global_uplink()  # halos.compress: the regions' U_k arrive compressed
         compressor = Compressor(tier2) if tier2 is not None else None
-        rejected = 0
-        initial = evaluator.evaluate(gps.params)
-        history = [logger.log(0, {"outer/step": 0, "val/loss": initial, "val/ppl": math.exp(min(initial, 50.0))})]
+        rejected = bytes_up = bytes_down = 0
+        if restored is None:
+            initial = evaluator.evaluate(gps.params)
+            history = [logger.log(0, {"outer/step": 0, "val/loss": initial, "val/ppl": math.exp(min(initial, 50.0))})]
+        else:
+            if sorted(restored["sends"]) != sorted(region_of.values()):
+                raise ConfigError(f"cannot resume from {checkpoint.path}: it is of regions {sorted(restored['sends'])}, "
+                                  f"the bridges now serve {sorted(region_of.values())}")
+            sends = {n: restored["sends"][region_of[n]] for n in profiles}
+            counters = restored["counters"]
+            rejected, bytes_up, bytes_down = restored["rejected"], restored["bytes_up"], restored["bytes_down"]
+            initial, history = restored["initial"], restored["history"]
+            log.info("HALoS GPS: resumed at global update %d from %s; exchanges so far %s", gps.version,
+                     checkpoint.path, {region_of[n]: c for n, c in sends.items()})
         log.info("HALoS GPS: %d regions %s, %d global updates (%d per region)", len(profiles),
                  sorted(region_of.values()), quota * len(profiles), quota)
-        bytes_up = bytes_down = 0
 
-        def push(node: int, stop: bool, reply: bool = True) -> None:
+        def push(node: int, stop: bool, reply: bool = True, resync: bool = False) -> None:
             """The next exchange with a bridge; ``reply``: it carries θ_g (every one but the first),
-            also after a refused update, so that region's LPS merges and sends again."""
+            also after a refused update, so that region's LPS merges and sends again; ``resync``:
+            the first exchange after a resume."""
             nonlocal bytes_down
             request = BridgeRequest(stop=stop, global_version=gps.version, exchange_timeout_s=float(exchange_timeout_s),
-                                    connect_timeout_s=float(connect_timeout_s))
+                                    connect_timeout_s=float(connect_timeout_s), resync=resync)
             content = RecordDict({REQUEST_RECORD: request.to_record()})
             if reply or stop:
                 content["arrays"] = encode(gps.params, spec, cfg.wire.down)  # a snapshot, copied
@@ -384,8 +508,17 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             dispatcher.submit([Message(content, dst_node_id=node, message_type=MessageType.TRAIN)],
                               meta=[{"stop": stop}])
 
+        def maybe_checkpoint() -> None:
+            if store is not None and cfg.run.checkpoint_every and gps.version % cfg.run.checkpoint_every == 0:
+                store.save(gps.version, _global_state(
+                    gps, spec, {region_of[n]: c for n, c in sends.items()}, counters, bytes_up, bytes_down,
+                    rejected, initial, history))
+
         for node in sorted(profiles, key=lambda n: profiles[n].partition_id):
-            push(node, stop=False, reply=False)
+            if restored is None:
+                push(node, stop=False, reply=False)
+            else:  # every LPS merges the restored θ_g (a region at its quota only stops)
+                push(node, stop=sends[node] >= quota, resync=True)
         while dispatcher.in_flight():
             ev = dispatcher.next_event()
             if ev is None:
@@ -407,6 +540,7 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
                 gps.version, loss, region=profiles[node].partition_id, region_updates=sends[node],
                 lps=counters[region], bytes_up=bytes_up, bytes_down=bytes_down)))
             log.info("HALoS GPS: update %d from region %s (its #%d)", gps.version, region, sends[node])
+            maybe_checkpoint()  # before θ_g goes back: a resume sends it to every region anyway
             push(node, stop=sends[node] >= quota)
         final = evaluator.evaluate(gps.params)
         history.append(logger.log(gps.version, {"outer/step": gps.version, "val/loss": final,
@@ -420,6 +554,7 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             "bytes_up": bytes_up, "bytes_down": bytes_down, "rejected": rejected,
             "compress": tier2.describe() if tier2 is not None else "none",
             "late_nodes": late_report(dispatcher.late, profiles),
+            "resumed_from": checkpoint.step if checkpoint is not None else None,
             "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel,
         })
 
@@ -431,7 +566,7 @@ global_app = ServerApp()
 def _global_main(grid: Grid, context: Context) -> None:
     """``flwr run apps/halos-global`` with run config ``regions``, ``exchange-timeout-s``."""
     rc = dict(context.run_config)
-    cfg = _config(rc)
+    cfg = _config(rc, "global")
     regions = int(rc.get("regions", 0) or 0)
     if regions < 1:
         raise ValueError("the global ServerApp needs run config 'regions' (number of bridge SuperNodes)")

@@ -14,7 +14,8 @@ bridge needs neither torch nor the model: a message costs a socket round trip pl
 the LPS, not a torch import.
 
 Message ``config`` keys (set by the GPS): ``stop`` (bool: deliver θ_g, then end the regional
-run), ``global_version``, ``connect_timeout_s``, ``exchange_timeout_s``.
+run), ``global_version``, ``resync`` (bool: a resumed GPS's first θ_g, `BridgeRequest`),
+``connect_timeout_s``, ``exchange_timeout_s``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def train(msg: Message, context: Context) -> Message:
     request = BridgeRequest.in_message(msg)
     address = _node(context, "lps-address")
     header = {"op": "exchange", "stop": request.stop, "global_version": request.global_version,
-              "region": _node(context, "region")}
+              "resync": request.resync, "region": _node(context, "region")}
     record = msg.content.array_records.get("arrays")
     reply, update = exchange(address, header, record, connect_timeout_s=request.connect_timeout_s,
                              reply_timeout_s=request.exchange_timeout_s)

@@ -37,6 +37,13 @@ class LpsService:
     (already encoded in ``wire.up``, or compressed with ``halos.compress``) on `outbox`. A rejected frame is answered with an error frame
     naming the cause, and the loop is not disturbed. The socket file is created with mode 0600
     (only this user's bridge can connect) and removed on `close`.
+
+    **Resync** (a resumed global server's first θ_g, ``"resync": true``): `epoch` counts them.
+    Each update on `outbox` carries the epoch of the loop that made it, and the reply to a resync
+    exchange (and every later one) is the first update of the new epoch: one made before the loop
+    merged the resync was computed against a merge point the restarted global server never
+    sent, so it is dropped here (logged), never sent up. Counting on both sides, not clearing the
+    queue, is what makes this safe against the loop queueing an update while the service reads.
     """
 
     def __init__(self, address: str, spec: ParamSpec, precision_down: str, reply_timeout_s: float,
@@ -53,8 +60,11 @@ class LpsService:
                                   else request_timeout_s)
         self.precision_down = precision_down
         self.reply_timeout_s = reply_timeout_s
-        self.inbox: queue.Queue[tuple[torch.Tensor | None, bool, int]] = queue.Queue()
-        self.outbox: queue.Queue[tuple[ArrayRecord, dict[str, int]]] = queue.Queue()
+        # (θ_g or None, stop, global version, resync) for the loop; (U_k, counters, epoch) from it
+        self.inbox: queue.Queue[tuple[torch.Tensor | None, bool, int, bool]] = queue.Queue()
+        self.outbox: queue.Queue[tuple[ArrayRecord, dict[str, int], int]] = queue.Queue()
+        self.epoch = 0  # resync exchanges received
+        self.dropped = 0  # updates made before a resync, not sent
         self.exchanges = 0
         self.rejected = 0
         self.last_contact = time.monotonic()
@@ -138,6 +148,10 @@ class LpsService:
         if not isinstance(stop, bool):
             self._error(conn, f"'stop' must be a bool, got {stop!r}")
             return
+        resync = header.get("resync", False)
+        if not isinstance(resync, bool):
+            self._error(conn, f"'resync' must be a bool, got {resync!r}")
+            return
         theta: torch.Tensor | None = None
         if record is not None:
             try:
@@ -148,20 +162,26 @@ class LpsService:
             if not bool(torch.isfinite(theta).all()):
                 self._error(conn, "global model rejected: non-finite values")
                 return
-        elif stop:
-            self._error(conn, "stop without the global model for the final merge")
+        elif stop or resync:
+            self._error(conn, f"{'stop' if stop else 'resync'} without the global model to merge")
             return
         self.last_contact = time.monotonic()
         self.exchanges += 1
-        self.inbox.put((theta, stop, int(header.get("global_version", 0))))
+        if resync:
+            self.epoch += 1
+        self.inbox.put((theta, stop, int(header.get("global_version", 0)), resync))
         if stop:
             send_frame(conn, {"op": "result", **self.counters})
             return
         deadline = time.monotonic() + self.reply_timeout_s
         while True:  # wait for the loop's next update, but not past close(): the bridge must hear
             try:
-                update, counters = self.outbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-                break
+                update, counters, epoch = self.outbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+                if epoch >= self.epoch:
+                    break
+                self.dropped += 1
+                log.info("HALoS LPS service: an update made before the global server resumed was dropped "
+                         "(epoch %d < %d)", epoch, self.epoch)
             except queue.Empty:
                 if self._closed.is_set():
                     self._error(conn, "the regional ServerApp is shutting down (its run ended or failed)")

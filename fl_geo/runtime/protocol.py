@@ -293,13 +293,16 @@ def is_profile_probe(msg: Message) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class BridgeRequest(Request):
     """HALoS deployment, global server -> a region's bridge ClientApp: exchange the global model
-    (``global_version``) for the region's update, or ``stop``."""
+    (``global_version``) for the region's update, or ``stop``. ``resync``: the global server
+    resumed from a checkpoint and this θ_g is its first to the region: the LPS merges it whatever
+    its send state and gives up an update made before it (`LocalParameterServer.resync`)."""
 
     MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train",)
     stop: bool
     global_version: int
     exchange_timeout_s: float
     connect_timeout_s: float
+    resync: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

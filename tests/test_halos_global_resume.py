@@ -1,0 +1,265 @@
+"""The two-tier HALoS deployment's global server checkpoints and resumes (fl_geo/halos/apps.py):
+the regions keep training through a restart of the global tier and resynchronise with the
+restored θ_g (`LocalParameterServer.resync`; the LPS service drops an update made before it)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_geo.clients.datacenter import app as client_app
+from fl_geo.config import ConfigError
+from fl_geo.core.checkpoint import CheckpointStore
+from fl_geo.core.halos import LocalParameterServer
+from fl_geo.core.state import ParamSpec
+from fl_geo.halos.apps import _config, run_global, run_regional
+from fl_geo.halos.bridge import app as bridge_app
+from fl_geo.halos.ipc import IpcError, exchange
+from fl_geo.halos.lps_service import LpsService
+from fl_geo.runtime.inline import InlineGrid
+from fl_geo.runtime.metrics import read_metrics
+from fl_geo.runtime.wire import encode
+from tests.conftest import ServerCrash, crash_hook
+
+DEPLOYED = ["strategy.name=halos", "run.clock=wall", "strategy.dynupd=false", "halos.accumulate=2",
+            "strategy.inner_steps=2", "run.eval_every=1"]
+WATCHDOG_S = 240.0  # far above the runs' seconds: only a stall reaches it
+
+
+# ---- the LPS's resync ------------------------------------------------------------------------------
+def _lps(numel: int = 6, k: int = 2) -> LocalParameterServer:
+    return LocalParameterServer(torch.zeros(numel), lr=0.5, momentum=0.0, buffer_size=1, accumulate=k, alpha=0.25)
+
+
+@pytest.mark.parametrize("outstanding", [True, False])
+def test_resync_merges_whatever_was_outstanding_and_starts_a_new_window(outstanding):
+    lps = _lps()
+    for _ in range(2):
+        lps.apply(torch.ones(6))
+    if outstanding:
+        lps.make_global_update()
+        lps.apply(torch.ones(6))  # applied after the send: reaches the GPS only through a merge
+    else:  # a window half done (one update of K = 2)
+        lps.merge(torch.zeros(6)) if lps.outstanding else None
+    before = lps.params.clone()
+    theta_g = torch.full((6,), 4.0)
+    lps.resync(theta_g)
+    expected = before + 0.25 * (theta_g - before)
+    assert torch.equal(lps.params, expected) and torch.equal(lps.merged_params, expected)
+    assert not lps.outstanding and lps.merged_version == lps.version
+    assert not lps.ready_to_send()
+    for _ in range(2):
+        lps.apply(torch.ones(6))
+    assert lps.ready_to_send()  # a full new window of K updates, then the next send
+    update = lps.make_global_update()
+    assert torch.allclose(update, lps.merged_params - lps.params)
+
+
+def test_resync_refuses_a_bad_global_model_and_changes_nothing():
+    lps = _lps()
+    lps.apply(torch.ones(6))
+    lps.apply(torch.ones(6))
+    lps.make_global_update()
+    state = lps.snapshot()
+    for bad in (torch.full((6,), float("nan")), torch.zeros(5)):
+        with pytest.raises(ValueError):
+            lps.resync(bad)
+    after = lps.snapshot()
+    assert lps.outstanding and torch.equal(after["params"], state["params"])
+    assert torch.equal(after["merged_params"], state["merged_params"])
+
+
+# ---- the LPS service: epochs -------------------------------------------------------------------
+@pytest.fixture
+def sock_dir():
+    """A short socket folder (tmp_path can exceed the Unix socket path limit)."""
+    d = Path(tempfile.mkdtemp(prefix="flgeo-ipc-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_resync_exchange_gets_an_update_of_the_new_epoch_not_one_made_before(sock_dir):
+    spec = ParamSpec.from_state_dict({"w": torch.zeros(3, 2), "b": torch.zeros(4)})
+    svc = LpsService(f"unix://{sock_dir}/r.sock", spec, "fp32", reply_timeout_s=20)
+    svc.start()
+    try:
+        stale, fresh = encode(torch.full((10,), 7.0), spec, "fp32"), encode(torch.full((10,), 1.0), spec, "fp32")
+        svc.outbox.put((stale, {"sends": 1}, 0))  # made before the global server resumed
+        out: dict = {}
+        header = {"op": "exchange", "stop": False, "global_version": 3, "resync": True}
+        t = threading.Thread(target=lambda: out.setdefault("r", exchange(
+            svc.address, header, encode(torch.full((10,), 2.0), spec, "fp32"), reply_timeout_s=20)))
+        t.start()
+        theta, stop, version, resync = svc.inbox.get(timeout=10)  # what the loop merges
+        assert resync and not stop and version == 3 and torch.equal(theta, torch.full((10,), 2.0))
+        svc.outbox.put((fresh, {"sends": 2}, 1))  # the loop's first update after its resync
+        t.join(20)
+        reply, update = out["r"]
+        assert reply["sends"] == 2 and update["w"].numpy().tolist() == [[1.0, 1.0]] * 3
+        assert svc.epoch == 1 and svc.dropped == 1
+        for bad, why in (({**header, "resync": "yes"}, "'resync' must be a bool"), (header, "without the global model")):
+            with pytest.raises(IpcError, match=why):
+                exchange(svc.address, bad, None, reply_timeout_s=5)
+    finally:
+        svc.close()
+
+
+# ---- the global tier crashes and resumes; the regions go on ----------------------------------------
+_ONE_JOB_AT_A_TIME = threading.Lock()
+
+
+def _serialised(app):
+    """The datacenter ClientApp, one message at a time across the regions' threads: in one
+    process its workers share the cached model objects that separate SuperNodes would not."""
+
+    def call(msg, context):
+        with _ONE_JOB_AT_A_TIME:
+            return app(msg, context)
+
+    return call
+
+
+def _regional(tiny, sock_dir: Path, region: int, run_dir: Path, out: dict) -> threading.Thread:
+    cfg = tiny(*DEPLOYED, "run.num_clients=2")
+    grid = InlineGrid(_serialised(client_app), 2, node_configs=[
+        {"partition-id": 2 * region + i, "num-partitions": 4} for i in range(2)], seed=region + 1)
+
+    def main() -> None:
+        try:
+            out[region] = run_regional(grid, cfg, f"unix://{sock_dir}/r{region}.sock", f"r{region}",
+                                       ipc_timeout_s=120, run_dir=run_dir)
+        except BaseException as exc:  # noqa: BLE001 (reported by the test)
+            out[region] = exc
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    return thread
+
+
+def _bridges(sock_dir: Path) -> InlineGrid:
+    return InlineGrid(bridge_app, 2, node_configs=[
+        {"lps-address": f"unix://{sock_dir}/r{k}.sock", "region": f"r{k}", "region-id": k, "num-regions": 2}
+        for k in range(2)], seed=9)
+
+
+def _global(tiny, ckpt: Path, *extra: str):
+    return tiny(*DEPLOYED, "run.num_clients=4", "run.rounds=6", "run.checkpoint_every=1",
+                f"run.checkpoint_dir={ckpt}", *extra)
+
+
+def test_the_global_server_resumes_and_every_region_resynchronises(tiny, tmp_path, sock_dir, caplog):
+    """The GPS is killed as it pulls the regions' second replies (their LPSs have sent those
+    updates, the GPS never applies them), after checkpoints at global updates 1 and 2. A new
+    global run with run.resume=true continues from update 2: both regions, still running, merge
+    its θ_g as a resync (an update made before it is dropped, never applied), reach their quota
+    of 3 exchanges, and stop; the global model has 6 updates and the metrics each step once."""
+    caplog.set_level("INFO", logger="fl_geo")
+    ckpt = tmp_path / "gps-ckpt"
+    regional: dict = {}
+    threads = [_regional(tiny, sock_dir, k, tmp_path / f"r{k}", regional) for k in range(2)]
+    crashed = _bridges(sock_dir)
+    crashed.reply_hook = crash_hook(4)  # the region query is one; the bridges' replies come two a pull
+    with pytest.raises(ServerCrash):
+        run_global(crashed, _global(tiny, ckpt), 2, exchange_timeout_s=120, run_dir=tmp_path / "g1")
+    last = CheckpointStore(ckpt).steps()[-1]
+    assert last == 2  # one update from each region, and both had sent their next
+
+    summary = run_global(_bridges(sock_dir), _global(tiny, ckpt, "run.resume=true"), 2, exchange_timeout_s=120,
+                         run_dir=tmp_path / "g2")
+    for t in threads:
+        t.join(WATCHDOG_S)
+        assert not t.is_alive(), "a regional server did not stop"
+    assert summary["resumed_from"] == last and summary["global_version"] == 6 and summary["rejected"] == 0
+    assert summary["updates_per_region"] == {"r0": 3, "r1": 3}
+    steps = [m["outer/step"] for m in read_metrics(tmp_path / "g2" / "metrics.jsonl")]
+    assert steps[:7] == list(range(7)) and steps[7:] == [6]  # each update once, then the final evaluation
+    assert torch.isfinite(torch.load(tmp_path / "g2" / "final_model.pt")["params"]).all()
+    for k in range(2):
+        s = regional[k]
+        assert isinstance(s, dict), s  # an exception would mean the LPS broke on the resync
+        assert s["resyncs"] == 1 and s["merges"] >= 3
+    # 2 updates applied before the crash and 4 after: the two sent into the crash (and any made
+    # before a region's resync) were given up, never applied
+    assert sum(regional[k]["sends"] for k in range(2)) >= 6 + 2
+    assert caplog.text.count(f"the global server resumed at version {last}") == 2
+
+
+def test_a_global_checkpoint_that_does_not_fit_is_one_line(tiny, tmp_path, sock_dir):
+    """Checkpoints of another region set, a damaged state or another method's format are each a
+    ConfigError before any exchange; nothing is sent to a region."""
+    ckpt = tmp_path / "ckpt"
+    cfg = _global(tiny, ckpt, "run.resume=true")
+    from fl_geo.run_identity import run_identity
+
+    store = CheckpointStore(ckpt, identity=run_identity(cfg))
+    grid = _bridges(sock_dir)
+    good = _good_state(tiny, cfg)
+    cases = [
+        ({**good, "regions": {"eu": good["regions"]["r0"], "us": good["regions"]["r1"]}}, "of regions"),
+        ({**good, "format": "loop/1"}, "is not 'halos-global/1'"),
+        ({k: v for k, v in good.items() if k != "gps"}, "lacks"),
+        ({**good, "regions": {"r0": {"sends": -1, "counters": {}}, "r1": good["regions"]["r1"]}}, "must be a count"),
+        ({**good, "history": "x"}, "list of JSON lines"),
+        ({**good, "history": ["[1, 2]"]}, "not a metrics record"),
+        ({**good, "gps": {**good["gps"], "version": 99}}, "snapshot optimizer"),
+    ]
+    for i, (state, why) in enumerate(cases):
+        for p in ckpt.glob("ckpt-*"):
+            p.unlink()
+        store.save(i + 1, state)
+        with pytest.raises(ConfigError, match=why):
+            run_global(grid, cfg, 2, exchange_timeout_s=5, run_dir=tmp_path / f"g{i}")
+    assert not grid.executed or all(kind == "query" for _, kind in grid.executed)
+
+
+def _good_state(tiny, cfg) -> dict:
+    """A checkpoint of this config's GPS at version 0, two regions r0, r1 (`_global_state`)."""
+    from fl_geo.halos.apps import _global_server, _global_state, _model
+
+    spec, params = _model(cfg)
+    return _global_state(_global_server(cfg, params), spec, {"r0": 0, "r1": 0}, {}, 0, 0, 0, 5.0,
+                         [{"outer/step": 0, "val/loss": 5.0}])
+
+
+def test_only_the_global_tier_keeps_checkpoints():
+    deployed = "run.clock=wall strategy.dynupd=false"
+    rc = {"config": "configs/halos.yaml", "overrides": f"{deployed} run.checkpoint_every=2"}
+    assert _config(rc, "global").run.checkpoint_every == 2
+    assert _config(rc, "regional").run.checkpoint_every == 0  # the global tier's setting, ignored here
+    assert _config({**rc, "overrides": f"{deployed} run.resume=true"}, "global").run.resume
+    with pytest.raises(ValueError, match="regional HALoS ServerApp cannot resume"):
+        _config({**rc, "overrides": f"{deployed} run.resume=true"}, "regional")
+
+
+def test_halos_run_resume_global_submits_the_global_run_only_resumed(tmp_path, monkeypatch):
+    """`fl-geo deploy halos-run ... --resume-global`: one run, the global ServerApp, with the
+    interrupted command's overrides and run.resume=true; refused without a fixed
+    run.checkpoint_dir (a deployed run writes a new run folder each time)."""
+    from dataclasses import replace
+
+    from fl_geo.deploy import halos as launcher
+    from fl_geo.deploy.topology import DeployError
+
+    topo = launcher.load_halos_topology(Path(__file__).resolve().parents[1] / "configs/deploy/halos_loopback.yaml")
+    topo = replace(topo, ipc_dir=tmp_path / "ipc")
+    submitted: list = []
+
+    def submit_all(plans, say):
+        submitted.extend(plans)
+        raise RuntimeError("submitted")  # stop before waiting on Flower
+
+    monkeypatch.setattr(launcher, "_submit_all", submit_all)
+    ov = ["run.checkpoint_every=2", f"run.checkpoint_dir={tmp_path / 'gps'}", "strategy.dynupd=false"]
+    with pytest.raises(RuntimeError, match="submitted"):
+        launcher.run_halos(topo, "configs/halos.yaml", ov, out_dir=tmp_path, echo=False, resume_global=True)
+    ((tier, app, rc, run_name),) = submitted
+    assert app.name == "halos-global" and run_name.endswith("-global") and "regions" in rc
+    assert rc["overrides"].endswith("run.resume=true") and "run.checkpoint_every=2" in rc["overrides"]
+    with pytest.raises(DeployError, match="fixed run.checkpoint_dir"):
+        launcher.run_halos(topo, "configs/halos.yaml", [ov[0], ov[2]], out_dir=tmp_path, echo=False,
+                           resume_global=True)
