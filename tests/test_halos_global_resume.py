@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,27 @@ def test_halos_run_resume_global_submits_the_global_run_only_resumed(tmp_path, m
     with pytest.raises(DeployError, match="fixed run.checkpoint_dir"):
         launcher.run_halos(topo, "configs/halos.yaml", [ov[0], ov[2]], out_dir=tmp_path, echo=False,
                            resume_global=True)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_failed_global_run_leaves_the_regions_to_a_resume_only_when_it_keeps_checkpoints(tmp_path, monkeypatch,
+                                                                                          keep):
+    """The launcher stops every other tier when one fails, except that with checkpoints a failure
+    of the global run alone leaves the regional runs going, for `--resume-global`."""
+    from types import SimpleNamespace
+
+    from fl_geo.deploy import halos as launcher
+
+    stopped: list[str] = []
+    monkeypatch.setattr(launcher, "run_status", lambda tier, rid: (
+        "finished:failed" if tier.name == "global" else "running", ""))
+    monkeypatch.setattr(launcher, "flwr_cli", lambda tier, args, **kw: stopped.append(tier.name))
+    plans = [(SimpleNamespace(name=n), tmp_path, rc, f"x-{n}")
+             for n, rc in (("r0", {"region": "r0"}), ("r1", {"region": "r1"}), ("global", {"regions": 2}))]
+    statuses = launcher._wait_for_runs(plans, {"r0": 1, "r1": 2, "global": 3}, tmp_path, set(), time.monotonic(),
+                                       timeout_s=30, status_every_s=0.01, keep_regions=keep)
+    assert statuses["global"] == "finished:failed"
+    if keep:
+        assert stopped == [] and statuses["r0"] == statuses["r1"] == launcher.LEFT_FOR_RESUME
+    else:
+        assert sorted(stopped) == ["r0", "r1"] and statuses["r0"] == "stopped:after-failure"

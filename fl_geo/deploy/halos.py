@@ -271,14 +271,20 @@ def _submit_all(plans: list[_RunPlan], say: Callable[[str], None]) -> dict[str, 
     return run_ids
 
 
+LEFT_FOR_RESUME = "running:left-for-resume-global"
+
+
 def _wait_for_runs(plans: list[_RunPlan], run_ids: dict[str, int], out: Path, before: set[Path],
-                   t0: float, timeout_s: float, status_every_s: float) -> dict[str, str]:
+                   t0: float, timeout_s: float, status_every_s: float, keep_regions: bool = False) -> dict[str, str]:
     """Poll the runs until all have finished; tier name -> final status.
 
     When one run ends without completing, or ``timeout_s`` (counted from ``t0``; 0 = none) is
     up, the runs still going are stopped and marked ``stopped:after-failure`` or ``timeout``.
+    With ``keep_regions`` (the global run keeps checkpoints), a failure of the global run alone
+    leaves the regional runs going, marked `LEFT_FOR_RESUME`: ``--resume-global`` continues it.
     """
     tiers = {t.name: t for t, _, _, _ in plans}
+    is_global = {t.name: "regions" in rc for t, _, rc, _ in plans}
     statuses = dict.fromkeys(run_ids, "unknown")
     # A region whose run fails also fails the global one (its bridge's exchange errors), so
     # Flower is asked about the regions a third as often as about the global run: each question
@@ -296,9 +302,14 @@ def _wait_for_runs(plans: list[_RunPlan], run_ids: dict[str, int], out: Path, be
         failed = [t for t, s in statuses.items() if s.startswith("finished") and s != "finished:completed"]
         late = timeout_s and time.monotonic() - t0 > timeout_s
         if failed or late:
-            # One tier failed (or time is up): the others would wait for it until their IPC timeout.
+            # One tier failed (or time is up): the others would wait for it until their IPC timeout,
+            # unless the global run failed and can be resumed: then the regions are left to it.
+            spare = keep_regions and not late and all(is_global[t] for t in failed)
             for tname, rid in run_ids.items():
                 if not statuses[tname].startswith("finished"):
+                    if spare:
+                        statuses[tname] = LEFT_FOR_RESUME
+                        continue
                     flwr_cli(tiers[tname], ["stop", str(rid), tname])
                     statuses[tname] = "timeout" if late else "stopped:after-failure"
             break
@@ -362,8 +373,12 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
     before = {p.resolve() for p in out.glob(f"{name}-*")}
     t0 = time.monotonic()
     run_ids = _submit_all(plans, say)
-    statuses = _wait_for_runs(plans, run_ids, out, before, t0, timeout_s, status_every_s)
+    statuses = _wait_for_runs(plans, run_ids, out, before, t0, timeout_s, status_every_s,
+                              keep_regions=bool(cfg.run.checkpoint_every and cfg.run.checkpoint_dir))
     wall = time.monotonic() - t0
     run_dirs, summaries = _collect_outputs(plans, out, name, before)
     say(f"HALoS runs {statuses} after {wall:.1f} s")
+    if LEFT_FOR_RESUME in statuses.values():
+        say(f"the global run failed; the regional runs go on and wait up to {ipc_timeout_s:.0f} s for it: run the "
+            "same command with --resume-global to continue it from its newest checkpoint")
     return HalosRunResult(run_ids, statuses, run_dirs, summaries, wall)
