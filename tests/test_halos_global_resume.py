@@ -207,7 +207,9 @@ def test_a_global_checkpoint_that_does_not_fit_is_one_line(tiny, tmp_path, sock_
         ({**good, "regions": {"r0": {"sends": -1, "counters": {}}, "r1": good["regions"]["r1"]}}, "must be a count"),
         ({**good, "history": "x"}, "list of JSON lines"),
         ({**good, "history": ["[1, 2]"]}, "not a metrics record"),
-        ({**good, "gps": {**good["gps"], "version": 99}}, "snapshot optimizer"),
+        ({**good, "gps": {**good["gps"], "version": 99}}, "cannot have made global version 99"),
+        ({**good, "regions": {"r0": {"sends": 60, "counters": {}}, "r1": {"sends": 39, "counters": {}}},
+          "gps": {**good["gps"], "version": 99}}, "snapshot optimizer"),
     ]
     for i, (state, why) in enumerate(cases):
         for p in ckpt.glob("ckpt-*"):

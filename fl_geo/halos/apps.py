@@ -430,9 +430,10 @@ def _read_global_state(state: Any, gps: GlobalParameterServer, spec: ParamSpec) 
         raise ValueError(f"'history' holds a line that is not JSON ({exc})") from None
     if not all(isinstance(r, dict) for r in records):
         raise ValueError("'history' holds a line that is not a metrics record")
+    version = state["gps"].get("version") if isinstance(state["gps"], dict) else None
+    if isinstance(version, int) and sum(sends.values()) < version:  # each update took one exchange
+        raise ValueError(f"the regions' {sum(sends.values())} exchanges cannot have made global version {version}")
     gps.restore(state["gps"])  # validated whole by the server; ValueError leaves it as it was
-    if sum(sends.values()) < gps.version:
-        raise ValueError(f"the regions' {sum(sends.values())} exchanges cannot have made global version {gps.version}")
     return {"sends": sends, "counters": counters, **totals, "initial": state["initial"], "history": records}
 
 
