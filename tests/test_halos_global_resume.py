@@ -24,7 +24,7 @@ from fl_geo.halos.ipc import IpcError, exchange
 from fl_geo.halos.lps_service import LpsService
 from fl_geo.runtime.inline import InlineGrid
 from fl_geo.runtime.metrics import read_metrics
-from fl_geo.runtime.wire import encode
+from fl_geo.runtime.wire import encode, payload_nbytes
 from tests.conftest import ServerCrash, crash_hook
 
 DEPLOYED = ["strategy.name=halos", "run.clock=wall", "strategy.dynupd=false", "halos.accumulate=2",
@@ -102,7 +102,7 @@ def test_a_resync_exchange_gets_an_update_of_the_new_epoch_not_one_made_before(s
         t.join(20)
         reply, update = out["r"]
         assert reply["sends"] == 2 and update["w"].numpy().tolist() == [[1.0, 1.0]] * 3
-        assert svc.epoch == 1 and svc.dropped == 1
+        assert svc.epoch == 1 and svc.dropped == 1 and svc.dropped_bytes == payload_nbytes(stale)
         for bad, why in (({**header, "resync": "yes"}, "'resync' must be a bool"), (header, "without the global model")):
             with pytest.raises(IpcError, match=why):
                 exchange(svc.address, bad, None, reply_timeout_s=5)

@@ -268,8 +268,9 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                 "resyncs": loop.resyncs, "dropped_updates": service.dropped,
                 "ipc_rejected": service.rejected, "rejected": loop.total_rejected,
                 "initial_val_loss": first.get("val/loss"), "final_val_loss": last.get("val/loss"), "final_val_bpb": last.get("val/bpb"),
-                "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up, "bytes_down": loop.total_bytes_down,
-                "bytes_to_global": loop.bytes_to_global,
+                # bytes of updates dropped before a resync never left this process
+                "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up - service.dropped_bytes,
+                "bytes_down": loop.total_bytes_down, "bytes_to_global": loop.bytes_to_global - service.dropped_bytes,
                 "late_replies": dispatcher.late_replies, "late_nodes": loop.late_nodes(),
                 "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel, "lps_address": address,
             }

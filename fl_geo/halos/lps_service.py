@@ -22,7 +22,7 @@ from flwr.app import ArrayRecord
 
 from fl_geo.core.state import ParamSpec
 from fl_geo.halos.ipc import IpcError, payload_limit, recv_frame, send_frame, unix_path
-from fl_geo.runtime.wire import PayloadError, decode_into
+from fl_geo.runtime.wire import PayloadError, decode_into, payload_nbytes
 
 log = logging.getLogger("fl_geo")
 
@@ -65,6 +65,7 @@ class LpsService:
         self.outbox: queue.Queue[tuple[ArrayRecord, dict[str, int], int]] = queue.Queue()
         self.epoch = 0  # resync exchanges received
         self.dropped = 0  # updates made before a resync, not sent
+        self.dropped_bytes = 0  # their payload bytes (the loop counted them when it queued them)
         self.exchanges = 0
         self.rejected = 0
         self.last_contact = time.monotonic()
@@ -180,6 +181,7 @@ class LpsService:
                 if epoch >= self.epoch:
                     break
                 self.dropped += 1
+                self.dropped_bytes += payload_nbytes(update)
                 log.info("HALoS LPS service: an update made before the global server resumed was dropped "
                          "(epoch %d < %d)", epoch, self.epoch)
             except queue.Empty:
