@@ -125,15 +125,17 @@ def _serialised(app):
     return call
 
 
-def _regional(tiny, sock_dir: Path, region: int, run_dir: Path, out: dict) -> threading.Thread:
-    cfg = tiny(*DEPLOYED, "run.num_clients=2")
+def _regional(tiny, sock_dir: Path, region: int, run_dir: Path, out: dict, *extra: str, hook=None,
+              seed: int = 0, ipc_timeout_s: float = 120) -> threading.Thread:
+    cfg = tiny(*DEPLOYED, "run.num_clients=2", *extra)
     grid = InlineGrid(_serialised(client_app), 2, node_configs=[
-        {"partition-id": 2 * region + i, "num-partitions": 4} for i in range(2)], seed=region + 1)
+        {"partition-id": 2 * region + i, "num-partitions": 4} for i in range(2)], seed=10 * seed + region + 1)
+    grid.reply_hook = hook
 
     def main() -> None:
         try:
             out[region] = run_regional(grid, cfg, f"unix://{sock_dir}/r{region}.sock", f"r{region}",
-                                       ipc_timeout_s=120, run_dir=run_dir)
+                                       ipc_timeout_s=ipc_timeout_s, run_dir=run_dir)
         except BaseException as exc:  # noqa: BLE001 (reported by the test)
             out[region] = exc
 
@@ -187,7 +189,7 @@ def test_the_global_server_resumes_and_every_region_resynchronises(tiny, tmp_pat
     # 2 updates applied before the crash and 4 after: the two sent into the crash (and any made
     # before a region's resync) were given up, never applied
     assert sum(regional[k]["sends"] for k in range(2)) >= 6 + 2
-    assert caplog.text.count(f"the global server resumed at version {last}") == 2
+    assert caplog.text.count(f"resync with the global model (version {last}) after a restart") == 2
 
 
 def test_a_global_checkpoint_that_does_not_fit_is_one_line(tiny, tmp_path, sock_dir):
@@ -229,20 +231,25 @@ def _good_state(tiny, cfg) -> dict:
                          [{"outer/step": 0, "val/loss": 5.0}])
 
 
-def test_only_the_global_tier_keeps_checkpoints():
+def test_each_tier_keeps_its_checkpoints_in_its_own_folder():
+    """Both tiers read one config: a fixed run.checkpoint_dir becomes <dir>/global and
+    <dir>/<region>, so no tier's store meets another's files (which it would refuse)."""
     deployed = "run.clock=wall strategy.dynupd=false"
-    rc = {"config": "configs/halos.yaml", "overrides": f"{deployed} run.checkpoint_every=2"}
-    assert _config(rc, "global").run.checkpoint_every == 2
-    assert _config(rc, "regional").run.checkpoint_every == 0  # the global tier's setting, ignored here
-    assert _config({**rc, "overrides": f"{deployed} run.resume=true"}, "global").run.resume
-    with pytest.raises(ValueError, match="regional HALoS ServerApp cannot resume"):
-        _config({**rc, "overrides": f"{deployed} run.resume=true"}, "regional")
+    rc = {"config": "configs/halos.yaml", "overrides": f"{deployed} run.checkpoint_every=2 run.checkpoint_dir=/x/ck"}
+    assert _config(rc, "global").run.checkpoint_dir == "/x/ck/global"
+    assert _config(rc, "eu").run.checkpoint_dir == "/x/ck/eu"
+    assert _config({**rc, "overrides": deployed}, "eu").run.checkpoint_dir == ""  # the run's own folder
+    with pytest.raises(ValueError, match="needs run config 'region'"):
+        _config(rc, "")
 
 
-def test_halos_run_resume_global_submits_the_global_run_only_resumed(tmp_path, monkeypatch):
-    """`fl-geo deploy halos-run ... --resume-global`: one run, the global ServerApp, with the
-    interrupted command's overrides and run.resume=true; refused without a fixed
-    run.checkpoint_dir (a deployed run writes a new run folder each time)."""
+@pytest.mark.parametrize(("resume", "app", "suffix"), [("global", "halos-global", "-global"),
+                                                        ("r1", "halos-regional", "-r1")])
+def test_halos_run_resume_submits_that_tier_only_resumed(tmp_path, monkeypatch, resume, app, suffix):
+    """`fl-geo deploy halos-run ... --resume-global` / `--resume-region r1`: one run, that tier's
+    ServerApp, with the interrupted command's overrides and run.resume=true; refused without a
+    fixed run.checkpoint_dir (a deployed run writes a new run folder each time) and for a region
+    the topology does not have."""
     from dataclasses import replace
 
     from fl_geo.deploy import halos as launcher
@@ -257,36 +264,85 @@ def test_halos_run_resume_global_submits_the_global_run_only_resumed(tmp_path, m
         raise RuntimeError("submitted")  # stop before waiting on Flower
 
     monkeypatch.setattr(launcher, "_submit_all", submit_all)
-    ov = ["run.checkpoint_every=2", f"run.checkpoint_dir={tmp_path / 'gps'}", "strategy.dynupd=false"]
+    ov = ["run.checkpoint_every=2", f"run.checkpoint_dir={tmp_path / 'ck'}", "strategy.dynupd=false"]
     with pytest.raises(RuntimeError, match="submitted"):
-        launcher.run_halos(topo, "configs/halos.yaml", ov, out_dir=tmp_path, echo=False, resume_global=True)
-    ((tier, app, rc, run_name),) = submitted
-    assert app.name == "halos-global" and run_name.endswith("-global") and "regions" in rc
+        launcher.run_halos(topo, "configs/halos.yaml", ov, out_dir=tmp_path, echo=False, resume=resume)
+    ((tier, app_dir, rc, run_name),) = submitted
+    assert app_dir.name == app and run_name.endswith(suffix)
     assert rc["overrides"].endswith("run.resume=true") and "run.checkpoint_every=2" in rc["overrides"]
     with pytest.raises(DeployError, match="fixed run.checkpoint_dir"):
-        launcher.run_halos(topo, "configs/halos.yaml", [ov[0], ov[2]], out_dir=tmp_path, echo=False,
-                           resume_global=True)
+        launcher.run_halos(topo, "configs/halos.yaml", [ov[0], ov[2]], out_dir=tmp_path, echo=False, resume=resume)
+    with pytest.raises(DeployError, match="regions are"):
+        launcher.run_halos(topo, "configs/halos.yaml", ov, out_dir=tmp_path, echo=False, resume="mars")
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_a_failed_global_run_leaves_the_regions_to_a_resume_only_when_it_keeps_checkpoints(tmp_path, monkeypatch,
-                                                                                          keep):
+@pytest.mark.parametrize(("failing", "keep", "left"), [({"global"}, True, True), ({"r0"}, True, True),
+                                                       ({"global", "r0"}, True, False), ({"global"}, False, False)])
+def test_a_failed_tier_leaves_the_others_to_a_resume_only_with_checkpoints(tmp_path, monkeypatch, failing, keep,
+                                                                            left):
     """The launcher stops every other tier when one fails, except that with checkpoints a failure
-    of the global run alone leaves the regional runs going, for `--resume-global`."""
+    of one tier alone leaves the others going, for `--resume-global` / `--resume-region`."""
     from types import SimpleNamespace
 
     from fl_geo.deploy import halos as launcher
 
     stopped: list[str] = []
     monkeypatch.setattr(launcher, "run_status", lambda tier, rid: (
-        "finished:failed" if tier.name == "global" else "running", ""))
+        "finished:failed" if tier.name in failing else "running", ""))
     monkeypatch.setattr(launcher, "flwr_cli", lambda tier, args, **kw: stopped.append(tier.name))
     plans = [(SimpleNamespace(name=n), tmp_path, rc, f"x-{n}")
              for n, rc in (("r0", {"region": "r0"}), ("r1", {"region": "r1"}), ("global", {"regions": 2}))]
     statuses = launcher._wait_for_runs(plans, {"r0": 1, "r1": 2, "global": 3}, tmp_path, set(), time.monotonic(),
                                        timeout_s=30, status_every_s=0.01, keep_regions=keep)
-    assert statuses["global"] == "finished:failed"
-    if keep:
-        assert stopped == [] and statuses["r0"] == statuses["r1"] == launcher.LEFT_FOR_RESUME
+    running = sorted({"r0", "r1", "global"} - failing)
+    assert all(statuses[t] == "finished:failed" for t in failing)
+    if left:
+        assert stopped == [] and all(statuses[t] == launcher.LEFT_FOR_RESUME for t in running)
     else:
-        assert sorted(stopped) == ["r0", "r1"] and statuses["r0"] == "stopped:after-failure"
+        assert sorted(stopped) == running and all(statuses[t] == "stopped:after-failure" for t in running)
+
+
+def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(tiny, tmp_path, sock_dir, caplog):
+    """Region r0's ServerApp is killed at its 6th worker reply, after a checkpoint at its first
+    merge. Its bridge's exchange fails; the GPS (keeping checkpoints, so it retries) sends r0 θ_g
+    again as a resync until a new regional run of r0, resumed from its checkpoint on new worker
+    nodes, takes it. The run ends with all 6 global updates, 3 per region; r1 never noticed."""
+    caplog.set_level("INFO", logger="fl_geo")
+    ck = ["run.checkpoint_every=1", f"run.checkpoint_dir={tmp_path / 'r0-ckpt'}"]
+    regional: dict = {}
+    first = _regional(tiny, sock_dir, 0, tmp_path / "r0a", regional, *ck, hook=crash_hook(6))
+    other = _regional(tiny, sock_dir, 1, tmp_path / "r1", regional)
+    out: dict = {}
+    gps = threading.Thread(target=lambda: out.setdefault("s", run_global(
+        _bridges(sock_dir), _global(tiny, tmp_path / "gps-ckpt"), 2, exchange_timeout_s=120, connect_timeout_s=60,
+        run_dir=tmp_path / "g")), daemon=True)
+    gps.start()
+    first.join(WATCHDOG_S)
+    assert isinstance(regional.pop(0), ServerCrash)  # r0's ServerApp died
+    assert CheckpointStore(tmp_path / "r0-ckpt").steps()
+    resumed = _regional(tiny, sock_dir, 0, tmp_path / "r0b", regional, *ck, "run.resume=true", seed=1)
+    for t in (gps, resumed, other):
+        t.join(WATCHDOG_S)
+        assert not t.is_alive(), "a server did not finish"
+    s = out["s"]
+    assert s["global_version"] == 6 and s["updates_per_region"] == {"r0": 3, "r1": 3} and s["rejected"] == 0
+    assert s["exchange_retries"] >= 1
+    r0, r1 = regional[0], regional[1]
+    assert isinstance(r0, dict) and isinstance(r1, dict), (r0, r1)
+    assert r0["resyncs"] >= 1 and r1["resyncs"] == 0
+    assert "resumed at merge" in caplog.text and "sending it θ_g again as a resync" in caplog.text
+
+
+def test_without_checkpoints_a_failed_region_still_ends_the_global_run(tiny, tmp_path, sock_dir):
+    """No run.checkpoint_every: nothing could resume the region, so its failed exchange ends the
+    global run at once (no retries), as before."""
+    regional: dict = {}
+    first = _regional(tiny, sock_dir, 0, tmp_path / "r0", regional, hook=crash_hook(6))
+    other = _regional(tiny, sock_dir, 1, tmp_path / "r1", regional, ipc_timeout_s=8)
+    cfg = tiny(*DEPLOYED, "run.num_clients=4", "run.rounds=6")
+    with pytest.raises(RuntimeError, match="bridge of region r0"):
+        run_global(_bridges(sock_dir), cfg, 2, exchange_timeout_s=30, connect_timeout_s=5, run_dir=tmp_path / "g")
+    first.join(WATCHDOG_S)
+    assert isinstance(regional[0], ServerCrash)
+    other.join(WATCHDOG_S)  # r1 hears nothing more from the global server: it gives up after its ipc timeout
+    assert isinstance(regional[1], TimeoutError)

@@ -415,8 +415,9 @@ class LocalParameterServer(ParameterServer):
         self._outstanding = False
 
     def resync(self, global_params: torch.Tensor) -> None:
-        """Merge θ_g whatever the send state: the global server restarted from a checkpoint
-        (two-tier deployment, `fl_geo.halos.apps`) and sends every region its θ_g once.
+        """Merge θ_g whatever the send state: one of the tiers of the two-tier deployment
+        (`fl_geo.halos.apps`) restarted from a checkpoint, and the global server sends this
+        region its θ_g as a resync.
 
         θ_k ← (1 − α)·θ_k + α·θ_g as in `merge`, and the send window starts again at this
         version: an update that was outstanding (or made and not yet sent) is given up, as the

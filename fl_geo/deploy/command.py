@@ -115,7 +115,8 @@ def _deploy_halos(args: argparse.Namespace) -> int:
     if args.deploy_cmd == "halos-run":
         config, overrides = _one_config(args.items, "deploy halos-run")
         res = dh.run_halos(topo, config, overrides, out_dir=args.out, timeout_s=args.timeout,
-                           ipc_timeout_s=args.ipc_timeout, resume_global=args.resume_global)
+                           ipc_timeout_s=args.ipc_timeout,
+                           resume="global" if args.resume_global else args.resume_region)
         print(json.dumps({"statuses": res.statuses, "wall_s": round(res.wall_s, 1),
                           "run_dirs": {k: str(v) for k, v in res.run_dirs.items()},
                           "summaries": res.summaries}, indent=2))
@@ -194,6 +195,10 @@ def add_parser(sub: Any) -> None:
                     help="submit only the global ServerApp, resumed from its newest checkpoint in run.checkpoint_dir "
                          "(the same command and overrides as the interrupted halos-run); the regional runs, still "
                          "going, merge its model and go on. Within --ipc-timeout of the crash, or the regions give up")
+    hr.add_argument("--resume-region", metavar="REGION",
+                    help="submit only that region's ServerApp, resumed from its newest checkpoint (run.checkpoint_dir/"
+                         "REGION); the global server sends it its model again for --ipc-timeout seconds after the "
+                         "region's exchange failed")
     hs = dsub.add_parser("halos-status", help="processes, health and nodes of every tier (JSON)")
     hs.add_argument("topology")
     _down_arguments(dsub.add_parser("halos-down", help="stop every tier's recorded processes"))

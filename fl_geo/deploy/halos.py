@@ -271,7 +271,7 @@ def _submit_all(plans: list[_RunPlan], say: Callable[[str], None]) -> dict[str, 
     return run_ids
 
 
-LEFT_FOR_RESUME = "running:left-for-resume-global"
+LEFT_FOR_RESUME = "running:left-for-resume"
 
 
 def _wait_for_runs(plans: list[_RunPlan], run_ids: dict[str, int], out: Path, before: set[Path],
@@ -280,11 +280,10 @@ def _wait_for_runs(plans: list[_RunPlan], run_ids: dict[str, int], out: Path, be
 
     When one run ends without completing, or ``timeout_s`` (counted from ``t0``; 0 = none) is
     up, the runs still going are stopped and marked ``stopped:after-failure`` or ``timeout``.
-    With ``keep_regions`` (the global run keeps checkpoints), a failure of the global run alone
-    leaves the regional runs going, marked `LEFT_FOR_RESUME`: ``--resume-global`` continues it.
+    With ``keep_regions`` (the tiers keep checkpoints), a failure of one run alone leaves the
+    others going, marked `LEFT_FOR_RESUME`: ``--resume-global`` or ``--resume-region`` continues it.
     """
     tiers = {t.name: t for t, _, _, _ in plans}
-    is_global = {t.name: "regions" in rc for t, _, rc, _ in plans}
     statuses = dict.fromkeys(run_ids, "unknown")
     # A region whose run fails also fails the global one (its bridge's exchange errors), so
     # Flower is asked about the regions a third as often as about the global run: each question
@@ -304,7 +303,7 @@ def _wait_for_runs(plans: list[_RunPlan], run_ids: dict[str, int], out: Path, be
         if failed or late:
             # One tier failed (or time is up): the others would wait for it until their IPC timeout,
             # unless the global run failed and can be resumed: then the regions are left to it.
-            spare = keep_regions and not late and all(is_global[t] for t in failed)
+            spare = keep_regions and not late and len(failed) == 1
             for tname, rid in run_ids.items():
                 if not statuses[tname].startswith("finished"):
                     if spare:
@@ -333,7 +332,7 @@ def _collect_outputs(plans: list[_RunPlan], out: Path, name: str, before: set[Pa
 
 def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tuple[str, ...] = (),
               out_dir: str | Path | None = None, timeout_s: float = 0.0, ipc_timeout_s: float = 600.0,
-              status_every_s: float = STATUS_EVERY_S, echo: bool = True, resume_global: bool = False) -> HalosRunResult:
+              status_every_s: float = STATUS_EVERY_S, echo: bool = True, resume: str | None = None) -> HalosRunResult:
     """Submit the regional runs, then the global run, and wait until all have finished.
 
     ``config`` + ``overrides`` is one fl-geo config for both tiers (validated here first);
@@ -341,10 +340,11 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
     worker count, ``run.out_dir`` ``out_dir`` (absolute; default ``<project>/runs``). A run still
     going after ``timeout_s`` (0 = none) is stopped with ``flwr stop``, every one of them.
 
-    ``resume_global``: submit the global run only, with ``run.resume=true``, after the global
-    ServerApp of an earlier ``halos-run`` (same config and overrides) failed while its regional
-    runs go on. Its checkpoints must be in a fixed ``run.checkpoint_dir`` (each deployed run writes
-    a new run folder), else a DeployError before anything is submitted.
+    ``resume``: ``"global"`` or a region's name: submit that tier's run only, with
+    ``run.resume=true``, after it failed in an earlier ``halos-run`` (same config and overrides)
+    while the other tiers go on. Its checkpoints must be in a fixed ``run.checkpoint_dir`` (each
+    deployed run writes a new run folder; every tier has its folder under it), else a DeployError
+    before anything is submitted.
     """
     from fl_geo.config import load_config
 
@@ -361,13 +361,16 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
         raise DeployError(f"{cfg_path}: strategy.name must be halos for a HALoS deployment, got {cfg.strategy.name!r}")
     base.append("run.clock=wall")
     name = cfg.run.name
-    if resume_global and not cfg.run.checkpoint_dir:
-        raise DeployError("--resume-global needs the global run's checkpoints in a fixed run.checkpoint_dir (the "
-                          "interrupted halos-run's run.checkpoint_every and run.checkpoint_dir overrides)")
+    if resume and not cfg.run.checkpoint_dir:
+        raise DeployError("resuming a tier needs its checkpoints in a fixed run.checkpoint_dir (the interrupted "
+                          "halos-run's run.checkpoint_every and run.checkpoint_dir overrides)")
     topo.ipc_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     plans = _plan_runs(topo, cfg_path, base, name, ipc_timeout_s)
-    if resume_global:  # the regions go on; only the global tier starts again, from its checkpoint
-        tier, app, rc, run_name = plans[-1]
+    if resume:  # the other tiers go on; only this one starts again, from its checkpoint
+        names = [region for region, _ in topo.regions]
+        if resume != "global" and resume not in names:
+            raise DeployError(f"--resume-region {resume!r}: the topology's regions are {names}")
+        tier, app, rc, run_name = plans[-1] if resume == "global" else plans[names.index(resume)]
         plans = [(tier, app, {**rc, "overrides": f"{rc['overrides']} run.resume=true"}, run_name)]
 
     before = {p.resolve() for p in out.glob(f"{name}-*")}
@@ -379,6 +382,9 @@ def run_halos(topo: HalosTopology, config: str | Path, overrides: list[str] | tu
     run_dirs, summaries = _collect_outputs(plans, out, name, before)
     say(f"HALoS runs {statuses} after {wall:.1f} s")
     if LEFT_FOR_RESUME in statuses.values():
-        say(f"the global run failed; the regional runs go on and wait up to {ipc_timeout_s:.0f} s for it: run the "
-            "same command with --resume-global to continue it from its newest checkpoint")
+        (failed,) = [t for t, st in statuses.items() if st.startswith("finished") and st != "finished:completed"]
+        regional = {t.name: region for region, t in topo.regions}
+        flag = f"--resume-region {regional[failed]}" if failed in regional else "--resume-global"
+        say(f"the run of {failed} failed; the others go on and wait up to {ipc_timeout_s:.0f} s for it: run the "
+            f"same command with {flag} to continue it from its newest checkpoint")
     return HalosRunResult(run_ids, statuses, run_dirs, summaries, wall)

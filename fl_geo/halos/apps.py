@@ -72,9 +72,10 @@ def _config(run_config: dict[str, Any], tier: str) -> FlGeoConfig:
     """The fl-geo config of a run (``config`` + ``overrides``), as `fl_geo.server_app` does; the
     strategy must be ``halos`` (the two tiers need its ``halos.*`` and ``strategy.*`` settings).
 
-    Checkpoints are the global tier's (``tier`` ``global``): a regional ServerApp keeps none,
-    since its LPS goes on across a restart of the global server and resynchronises
-    (`LocalParameterServer.resync`); it refuses ``run.resume``, which it could not honour."""
+    ``tier`` is ``global`` or the region's name. Both tiers read one config, so a fixed
+    ``run.checkpoint_dir`` gets a folder per tier under it (``<dir>/global``, ``<dir>/<region>``):
+    each tier's checkpoints are its own run's (another run identity), and a store refuses
+    another run's files."""
     name = str(run_config.get("config", "")).strip() or "configs/halos.yaml"
     path = Path(name)
     if not path.is_absolute() and not path.exists():
@@ -84,13 +85,10 @@ def _config(run_config: dict[str, Any], tier: str) -> FlGeoConfig:
         raise ValueError(f"the HALoS deployment apps need strategy.name=halos, got {cfg.strategy.name!r}")
     if cfg.run.clock != "wall":
         raise ValueError("a deployment runs on the wall clock: set run.clock=wall (no virtual time)")
-    if tier == "regional":
-        if cfg.run.resume:
-            raise ValueError("a regional HALoS ServerApp cannot resume: only the global tier keeps checkpoints "
-                             "(restart the global ServerApp with run.resume=true; the regions go on and resynchronise)")
-        if cfg.run.checkpoint_every:
-            log.info("HALoS regional server: run.checkpoint_every is the global tier's; this tier keeps none")
-            cfg.run.checkpoint_every = 0
+    if cfg.run.checkpoint_dir:
+        if not tier:
+            raise ValueError("a regional ServerApp with run.checkpoint_dir needs run config 'region' (its folder there)")
+        cfg.run.checkpoint_dir = str(Path(cfg.run.checkpoint_dir) / tier)
     return cfg
 
 
@@ -162,12 +160,12 @@ class RegionalLoop(HalosLoop):
             if theta is not None:
                 if not self.lps:
                     raise RuntimeError("global model arrived before this LPS had any worker")
-                if resync:  # the GPS resumed from a checkpoint: merge whatever was outstanding
+                if resync:  # either tier restarted: merge whatever was outstanding
                     outstanding = self.lps[0].outstanding
                     self.lps[0].resync(theta)
                     self.resyncs += 1
-                    log.warning("HALoS LPS %s: the global server resumed at version %d; merged its model and "
-                                "started a new send window%s", self.region, global_version,
+                    log.warning("HALoS LPS %s: resync with the global model (version %d) after a restart; merged it "
+                                "and started a new send window%s", self.region, global_version,
                                 " (the update it had not applied is given up)" if outstanding else "")
                 else:
                     self.lps[0].merge(theta)  # RuntimeError if nothing was outstanding: a protocol bug
@@ -236,8 +234,24 @@ class RegionalLoop(HalosLoop):
 
 def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                  ipc_timeout_s: float = DEFAULT_IPC_TIMEOUT_S, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """One region's LPS until the GPS sends ``stop``; writes and returns the run summary."""
-    with RunSession(cfg, run_dir) as session:
+    """One region's LPS until the GPS sends ``stop``; writes and returns the run summary.
+
+    With ``run.checkpoint_every`` k the loop writes a checkpoint (`HalosLoop.extra_state`: the
+    LPS, its optimizer, merge point and residual) at every k-th merge of θ_g; with ``run.resume``
+    it continues from the newest one. The global server sends a region whose exchange failed its
+    model again as a resync for a while (`run_global`), so a regional ServerApp restarted within
+    that time merges it whatever its checkpoint had outstanding and goes on."""
+    from fl_geo.server_app import open_checkpoints  # the ServerApp's rules for stores and resume
+
+    session = RunSession(cfg, run_dir)
+    session.lock()  # before the checkpoints are read: a second run into this directory stops here
+    try:
+        store, checkpoint = open_checkpoints(cfg, session.run_dir)
+        session.open(history=checkpoint.state["history"] if checkpoint is not None else None)
+    except BaseException:
+        session.close()
+        raise
+    with session:
         logger = session.logger
         assert logger is not None
         t0 = time.perf_counter()
@@ -255,6 +269,15 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
             evaluator = GlobalEvaluator(cfg, max(p.num_partitions for p in profiles.values()))
             loop = RegionalLoop(cfg, spec, params, dispatcher, profiles, logger, evaluator, None,
                                 service=service, region=region, ipc_timeout_s=ipc_timeout_s)
+            loop.checkpoints = store
+            if checkpoint is not None:
+                try:
+                    loop.load_state_dict(checkpoint.state)
+                except ValueError as exc:
+                    raise ConfigError(f"cannot resume from {checkpoint.path}: {exc}") from None
+                loop.resumed = True
+                loop.merges = loop.version  # a checkpoint is written at a merge, which is its step
+                log.info("HALoS regional server %s: resumed at merge %d from %s", region, loop.merges, checkpoint.path)
             log.info("HALoS regional server %s: %d workers, K=%d, alpha=%s, IPC %s", region, len(profiles),
                      cfg.halos.accumulate, cfg.halos.alpha, address)
             last = loop.run(Progress(cfg.run.name, cfg.run.rounds, enabled=cfg.run.progress, max_tokens=cfg.run.max_tokens))
@@ -290,7 +313,7 @@ def _regional_main(grid: Grid, context: Context) -> None:
     address = str(rc.get("lps-address", "")).strip()
     if not address:
         raise ValueError("the regional ServerApp needs run config 'lps-address' (unix:///path/region.sock)")
-    run_regional(grid, _config(rc, "regional"), address, str(rc.get("region", "")),
+    run_regional(grid, _config(rc, str(rc.get("region", "")).strip()), address, str(rc.get("region", "")),
                  float(rc.get("ipc-timeout-s", DEFAULT_IPC_TIMEOUT_S)))
 
 
@@ -521,11 +544,27 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
                 push(node, stop=False, reply=False)
             else:  # every LPS merges the restored θ_g (a region at its quota only stops)
                 push(node, stop=sends[node] >= quota, resync=True)
+        # With checkpoints a region whose exchange fails (its regional ServerApp died) is sent θ_g
+        # again as a resync for up to exchange_timeout_s: a regional run resumed meanwhile merges it
+        retry_s = float(exchange_timeout_s) if cfg.run.checkpoint_every else 0.0
+        failing_since: dict[int, float] = {}
+        retries = 0
         while dispatcher.in_flight():
             ev = dispatcher.next_event()
             if ev is None:
                 continue
             node, region = ev.job.node, region_of[ev.job.node]
+            if not ev.ok and ev.error != TIMED_OUT and not ev.job.meta["stop"] and retry_s:
+                since = failing_since.setdefault(node, time.monotonic())
+                if time.monotonic() - since < retry_s:
+                    retries += 1
+                    log.warning("HALoS GPS: the exchange with region %s failed (%s); sending it θ_g again as a resync "
+                                "(a resumed regional run merges it), for up to %.0f s more", region,
+                                str(ev.error)[:200], retry_s - (time.monotonic() - since))
+                    time.sleep(1.0)  # an error that comes back at once must not spin
+                    push(node, stop=False, resync=True)
+                    continue
+            failing_since.pop(node, None)
             got = _region_update(ev, region)
             if got is None:
                 continue  # the region is done
@@ -556,7 +595,7 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             "bytes_up": bytes_up, "bytes_down": bytes_down, "rejected": rejected,
             "compress": tier2.describe() if tier2 is not None else "none",
             "late_nodes": late_report(dispatcher.late, profiles),
-            "resumed_from": checkpoint.step if checkpoint is not None else None,
+            "resumed_from": checkpoint.step if checkpoint is not None else None, "exchange_retries": retries,
             "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel,
         })
 

@@ -38,7 +38,8 @@ class LpsService:
     naming the cause, and the loop is not disturbed. The socket file is created with mode 0600
     (only this user's bridge can connect) and removed on `close`.
 
-    **Resync** (a resumed global server's first θ_g, ``"resync": true``): `epoch` counts them.
+    **Resync** (``"resync": true``: a resumed global server's first θ_g, or θ_g sent again after
+    this region's exchange failed): `epoch` counts them.
     Each update on `outbox` carries the epoch of the loop that made it, and the reply to a resync
     exchange (and every later one) is the first update of the new epoch: one made before the loop
     merged the resync was computed against a merge point the restarted global server never
@@ -182,8 +183,8 @@ class LpsService:
                     break
                 self.dropped += 1
                 self.dropped_bytes += payload_nbytes(update)
-                log.info("HALoS LPS service: an update made before the global server resumed was dropped "
-                         "(epoch %d < %d)", epoch, self.epoch)
+                log.info("HALoS LPS service: an update made before the last resync was dropped (epoch %d < %d)",
+                         epoch, self.epoch)
             except queue.Empty:
                 if self._closed.is_set():
                     self._error(conn, "the regional ServerApp is shutting down (its run ended or failed)")

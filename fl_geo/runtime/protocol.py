@@ -294,7 +294,8 @@ def is_profile_probe(msg: Message) -> bool:
 class BridgeRequest(Request):
     """HALoS deployment, global server -> a region's bridge ClientApp: exchange the global model
     (``global_version``) for the region's update, or ``stop``. ``resync``: the global server
-    resumed from a checkpoint and this θ_g is its first to the region: the LPS merges it whatever
+    resumed from a checkpoint and this θ_g is its first to the region, or it is sent again after
+    the region's exchange failed (its regional ServerApp restarting): the LPS merges it whatever
     its send state and gives up an update made before it (`LocalParameterServer.resync`)."""
 
     MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train",)
