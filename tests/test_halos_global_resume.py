@@ -61,6 +61,15 @@ def test_resync_merges_whatever_was_outstanding_and_starts_a_new_window(outstand
     assert torch.allclose(update, lps.merged_params - lps.params)
 
 
+def test_a_fresh_local_server_adopts_the_global_model_on_resync():
+    lps = _lps()
+    lps.apply(torch.ones(6))  # trained a little from θ_0 before the global model reached it
+    theta_g = torch.linspace(-1.0, 1.0, 6)
+    lps.resync(theta_g, adopt=True)
+    assert torch.equal(lps.params, theta_g) and torch.equal(lps.merged_params, theta_g)
+    assert not lps.outstanding and lps.merged_version == lps.version == 1
+
+
 def test_resync_refuses_a_bad_global_model_and_changes_nothing():
     lps = _lps()
     lps.apply(torch.ones(6))
@@ -302,15 +311,18 @@ def test_a_failed_tier_leaves_the_others_to_a_resume_only_with_checkpoints(tmp_p
         assert sorted(stopped) == running and all(statuses[t] == "stopped:after-failure" for t in running)
 
 
-def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(tiny, tmp_path, sock_dir, caplog):
+@pytest.mark.parametrize("crash_at", [6, 2])
+def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(tiny, tmp_path, sock_dir, caplog,
+                                                                              crash_at):
     """Region r0's ServerApp is killed at its 6th worker reply, after a checkpoint at its first
-    merge. Its bridge's exchange fails; the GPS (keeping checkpoints, so it retries) sends r0 θ_g
-    again as a resync until a new regional run of r0, resumed from its checkpoint on new worker
-    nodes, takes it. The run ends with all 6 global updates, 3 per region; r1 never noticed."""
+    merge (or at its 2nd, before any checkpoint). Its bridge's exchange fails; the GPS (keeping
+    checkpoints, so it retries) sends r0 θ_g again as a resync until a new regional run of r0 on
+    new worker nodes takes it: resumed from its checkpoint it merges θ_g, started afresh it adopts
+    it. The run ends with all 6 global updates, 3 per region; r1 never noticed."""
     caplog.set_level("INFO", logger="fl_geo")
     ck = ["run.checkpoint_every=1", f"run.checkpoint_dir={tmp_path / 'r0-ckpt'}"]
     regional: dict = {}
-    first = _regional(tiny, sock_dir, 0, tmp_path / "r0a", regional, *ck, hook=crash_hook(6))
+    first = _regional(tiny, sock_dir, 0, tmp_path / "r0a", regional, *ck, hook=crash_hook(crash_at))
     other = _regional(tiny, sock_dir, 1, tmp_path / "r1", regional)
     out: dict = {}
     gps = threading.Thread(target=lambda: out.setdefault("s", run_global(
@@ -319,7 +331,7 @@ def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(ti
     gps.start()
     first.join(WATCHDOG_S)
     assert isinstance(regional.pop(0), ServerCrash)  # r0's ServerApp died
-    assert CheckpointStore(tmp_path / "r0-ckpt").steps()
+    assert bool(CheckpointStore(tmp_path / "r0-ckpt").steps()) == (crash_at == 6)
     resumed = _regional(tiny, sock_dir, 0, tmp_path / "r0b", regional, *ck, "run.resume=true", seed=1)
     for t in (gps, resumed, other):
         t.join(WATCHDOG_S)
@@ -330,7 +342,11 @@ def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(ti
     r0, r1 = regional[0], regional[1]
     assert isinstance(r0, dict) and isinstance(r1, dict), (r0, r1)
     assert r0["resyncs"] >= 1 and r1["resyncs"] == 0
-    assert "resumed at merge" in caplog.text and "sending it θ_g again as a resync" in caplog.text
+    assert "sending it θ_g again as a resync" in caplog.text
+    if crash_at == 6:
+        assert "resumed at merge" in caplog.text and "after a restart; merged it" in caplog.text
+    else:
+        assert "holds no checkpoint: starting a new run" in caplog.text and "after a restart; adopted it" in caplog.text
 
 
 def test_without_checkpoints_a_failed_region_still_ends_the_global_run(tiny, tmp_path, sock_dir):

@@ -414,7 +414,7 @@ class LocalParameterServer(ParameterServer):
         self._merged_version = self._version
         self._outstanding = False
 
-    def resync(self, global_params: torch.Tensor) -> None:
+    def resync(self, global_params: torch.Tensor, adopt: bool = False) -> None:
         """Merge θ_g whatever the send state: one of the tiers of the two-tier deployment
         (`fl_geo.halos.apps`) restarted from a checkpoint, and the global server sends this
         region its θ_g as a resync.
@@ -422,12 +422,15 @@ class LocalParameterServer(ParameterServer):
         θ_k ← (1 − α)·θ_k + α·θ_g as in `merge`, and the send window starts again at this
         version: an update that was outstanding (or made and not yet sent) is given up, as the
         restarted global server never saw it or lost it; its effect stays in θ_k. The optimizer
-        state and the error-feedback residual are kept. ValueError (nothing changes) for a θ_g of
-        the wrong shape or with non-finite values."""
+        state and the error-feedback residual are kept. ``adopt``: θ_k ← θ_g (weight 1), for a
+        local server that starts afresh in a running deployment (a regional run restarted without a
+        checkpoint): its own model holds only updates from θ_0, and every local server of a run
+        starts from the global model. ValueError (nothing changes) for a θ_g of the wrong shape
+        or with non-finite values."""
         theta_g = _check_flat("global_params", global_params, self.numel, self.device)
         _check_finite("global_params", theta_g)
         with torch.no_grad():
-            self._params.lerp_(theta_g, self._alpha)
+            self._params.lerp_(theta_g, 1.0 if adopt else self._alpha)  # exact at 1: θ_g bit for bit
             self._merged.copy_(self._params)
         self._merged_version = self._version
         self._outstanding = False

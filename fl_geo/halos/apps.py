@@ -162,10 +162,12 @@ class RegionalLoop(HalosLoop):
                     raise RuntimeError("global model arrived before this LPS had any worker")
                 if resync:  # either tier restarted: merge whatever was outstanding
                     outstanding = self.lps[0].outstanding
-                    self.lps[0].resync(theta)
+                    adopt = not self.resumed and self.merges == 0  # this region started afresh mid-run
+                    self.lps[0].resync(theta, adopt=adopt)
                     self.resyncs += 1
-                    log.warning("HALoS LPS %s: resync with the global model (version %d) after a restart; merged it "
+                    log.warning("HALoS LPS %s: resync with the global model (version %d) after a restart; %s it "
                                 "and started a new send window%s", self.region, global_version,
+                                "adopted" if adopt else "merged",
                                 " (the update it had not applied is given up)" if outstanding else "")
                 else:
                     self.lps[0].merge(theta)  # RuntimeError if nothing was outstanding: a protocol bug
