@@ -302,7 +302,7 @@ def _wait_for_runs(plans: list[_RunPlan], run_ids: dict[str, int], out: Path, be
         late = timeout_s and time.monotonic() - t0 > timeout_s
         if failed or late:
             # One tier failed (or time is up): the others would wait for it until their IPC timeout,
-            # unless the global run failed and can be resumed: then the regions are left to it.
+            # unless checkpoints are on and one tier alone failed: the others are left to its resume.
             spare = keep_regions and not late and len(failed) == 1
             for tname, rid in run_ids.items():
                 if not statuses[tname].startswith("finished"):
