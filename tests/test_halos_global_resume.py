@@ -180,6 +180,7 @@ def test_the_global_server_resumes_and_every_region_resynchronises(tiny, tmp_pat
         run_global(crashed, _global(tiny, ckpt), 2, exchange_timeout_s=120, run_dir=tmp_path / "g1")
     last = CheckpointStore(ckpt).steps()[-1]
     assert last == 2  # one update from each region, and both had sent their next
+    resumed_theta = CheckpointStore(ckpt).load(last).state["gps"]["params"]  # pruned once the resumed run writes
 
     summary = run_global(_bridges(sock_dir), _global(tiny, ckpt, "run.resume=true"), 2, exchange_timeout_s=120,
                          run_dir=tmp_path / "g2")
@@ -190,7 +191,10 @@ def test_the_global_server_resumes_and_every_region_resynchronises(tiny, tmp_pat
     assert summary["updates_per_region"] == {"r0": 3, "r1": 3}
     steps = [m["outer/step"] for m in read_metrics(tmp_path / "g2" / "metrics.jsonl")]
     assert steps[:7] == list(range(7)) and steps[7:] == [6]  # each update once, then the final evaluation
-    assert torch.isfinite(torch.load(tmp_path / "g2" / "final_model.pt")["params"]).all()
+    # training went on after the resume: the final model is not the checkpoint's, and it is better
+    final = torch.load(tmp_path / "g2" / "final_model.pt")["params"]
+    assert torch.isfinite(final).all() and not torch.equal(final, resumed_theta)
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
     for k in range(2):
         s = regional[k]
         assert isinstance(s, dict), s  # an exception would mean the LPS broke on the resync
@@ -215,7 +219,7 @@ def test_a_global_checkpoint_that_does_not_fit_is_one_line(tiny, tmp_path, sock_
         ({**good, "regions": {"eu": good["regions"]["r0"], "us": good["regions"]["r1"]}}, "of regions"),
         ({**good, "format": "loop/1"}, "is not 'halos-global/1'"),
         ({k: v for k, v in good.items() if k != "gps"}, "lacks"),
-        ({**good, "regions": {"r0": {"sends": -1, "counters": {}}, "r1": good["regions"]["r1"]}}, "must be a count"),
+        ({**good, "regions": {"r0": {"sends": -1, "counters": {}}, "r1": good["regions"]["r1"]}}, "must be an int >= 0"),
         ({**good, "history": "x"}, "list of JSON lines"),
         ({**good, "history": ["[1, 2]"]}, "not a metrics record"),
         ({**good, "gps": {**good["gps"], "version": 99}}, "cannot have made global version 99"),
@@ -228,7 +232,9 @@ def test_a_global_checkpoint_that_does_not_fit_is_one_line(tiny, tmp_path, sock_
         store.save(i + 1, state)
         with pytest.raises(ConfigError, match=why):
             run_global(grid, cfg, 2, exchange_timeout_s=5, run_dir=tmp_path / f"g{i}")
-    assert not grid.executed or all(kind == "query" for _, kind in grid.executed)
+        # refused before any exchange: at most the region query ran (for the region-set check)
+        assert [kind for _, kind in grid.executed if kind != "query"] == [], (why, grid.executed)
+    assert any(kind == "query" for _, kind in grid.executed)  # the region case did ask the bridges
 
 
 def _good_state(tiny, cfg) -> dict:
@@ -338,10 +344,11 @@ def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(ti
         assert not t.is_alive(), "a server did not finish"
     s = out["s"]
     assert s["global_version"] == 6 and s["updates_per_region"] == {"r0": 3, "r1": 3} and s["rejected"] == 0
-    assert s["exchange_retries"] >= 1
     r0, r1 = regional[0], regional[1]
     assert isinstance(r0, dict) and isinstance(r1, dict), (r0, r1)
-    assert r0["resyncs"] >= 1 and r1["resyncs"] == 0
+    # each retry the resumed region took is one resync there (none failed: it came back at once);
+    # a bounded count: the global server did not spin on the dead region
+    assert 1 <= s["exchange_retries"] == r0["resyncs"] <= 3 and r1["resyncs"] == 0
     assert "sending it θ_g again as a resync" in caplog.text
     if crash_at == 6:
         assert "resumed at merge" in caplog.text and "after a restart; merged it" in caplog.text

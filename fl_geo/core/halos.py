@@ -49,6 +49,7 @@ from fl_geo.core.state import chunk_ranges
 
 __all__ = [
     "HALOS_DEFAULTS",
+    "check_count",
     "GlobalParameterServer",
     "LocalParameterServer",
     "ParameterServer",
@@ -75,7 +76,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_count(name: str, value: Any, minimum: int = 0) -> int:
+def check_count(name: str, value: Any, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (bool refused); ValueError naming ``name`` otherwise. Also
+    the deployment's global checkpoint reader's check (`fl_geo.halos.apps`)."""
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
@@ -235,7 +238,7 @@ class ParameterServer(ABC):
         if state["kind"] != self.kind:
             raise ValueError(f"snapshot is of a {state['kind']!r} server, this is {self.kind!r}")
         params = _check_flat("snapshot 'params'", state["params"], self.numel, None)
-        version = _check_count("snapshot 'version'", state["version"])
+        version = check_count("snapshot 'version'", state["version"])
         optimizer = self._load_optimizer(state["optimizer"])
         if optimizer.steps != version:
             # Every update is exactly one optimizer step at both tiers.
@@ -306,7 +309,7 @@ class LocalParameterServer(ParameterServer):
         accumulate: int = 32,
         alpha: float = 0.25,
     ) -> None:
-        self._accumulate = _check_count("accumulate", accumulate, minimum=1)
+        self._accumulate = check_count("accumulate", accumulate, minimum=1)
         self._alpha = _check_alpha(alpha)
         super().__init__(
             params0, lr=lr, momentum=momentum, buffer_size=buffer_size, activation=activation
@@ -448,12 +451,12 @@ class LocalParameterServer(ParameterServer):
 
     def _prepare_extra(self, state: Mapping[str, Any], version: int) -> Callable[[], None]:
         merged = _check_flat("snapshot 'merged_params'", state["merged_params"], self.numel, None)
-        merged_version = _check_count("snapshot 'merged_version'", state["merged_version"])
+        merged_version = check_count("snapshot 'merged_version'", state["merged_version"])
         outstanding = state["outstanding"]
         if not isinstance(outstanding, bool):
             raise ValueError(f"snapshot 'outstanding' must be a bool, got {outstanding!r}")
-        sends = _check_count("snapshot 'sends'", state["sends"], minimum=int(outstanding))
-        accumulate = _check_count("snapshot 'accumulate'", state["accumulate"], minimum=1)
+        sends = check_count("snapshot 'sends'", state["sends"], minimum=int(outstanding))
+        accumulate = check_count("snapshot 'accumulate'", state["accumulate"], minimum=1)
         alpha = _check_alpha(state["alpha"])
         residual = state.get("residual")
         if residual is not None:

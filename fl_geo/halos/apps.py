@@ -43,7 +43,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fl_geo.config import FlGeoConfig, load_config
 from fl_geo.core.compress import Compressor
-from fl_geo.core.halos import GlobalParameterServer
+from fl_geo.core.halos import GlobalParameterServer, check_count
 from fl_geo.core.state import ParamSpec, flatten
 from fl_geo.errors import ConfigError
 from fl_geo.halos.lps_service import LpsService
@@ -417,12 +417,6 @@ def _global_state(gps: GlobalParameterServer, spec: ParamSpec, sends: dict[str, 
     }
 
 
-def _count(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"'{name}' must be a count >= 0, got {value!r:.60}")
-    return value
-
-
 def _read_global_state(state: Any, gps: GlobalParameterServer, spec: ParamSpec) -> dict[str, Any]:
     """Check a `_global_state` checkpoint whole, then restore θ_g and its optimizer into ``gps``;
     the rest as plain values. ValueError naming the first problem (nothing restored)."""
@@ -442,9 +436,9 @@ def _read_global_state(state: Any, gps: GlobalParameterServer, spec: ParamSpec) 
     for region, entry in regions.items():
         if not isinstance(region, str) or not isinstance(entry, dict) or not isinstance(entry.get("counters"), dict):
             raise ValueError(f"region entry {region!r:.40} is malformed")
-        sends[region] = _count(f"regions.{region}.sends", entry.get("sends"))
-        counters[region] = {str(k): _count(f"regions.{region}.counters.{k}", v) for k, v in entry["counters"].items()}
-    totals = {k: _count(k, state[k]) for k in ("bytes_up", "bytes_down", "rejected")}
+        sends[region] = check_count(f"regions.{region}.sends", entry.get("sends"))
+        counters[region] = {str(k): check_count(f"regions.{region}.counters.{k}", v) for k, v in entry["counters"].items()}
+    totals = {k: check_count(k, state[k]) for k in ("bytes_up", "bytes_down", "rejected")}
     if not isinstance(state["initial"], float):
         raise ValueError(f"'initial' must be a float, got {state['initial']!r:.60}")
     history = state["history"]
