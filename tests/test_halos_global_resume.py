@@ -150,13 +150,52 @@ def _regional(tiny, sock_dir: Path, region: int, run_dir: Path, out: dict, *extr
 
     thread = threading.Thread(target=main, daemon=True)
     thread.start()
+    _SERVERS.append((grid, thread))
     return thread
 
 
 def _bridges(sock_dir: Path) -> InlineGrid:
-    return InlineGrid(bridge_app, 2, node_configs=[
+    grid = InlineGrid(bridge_app, 2, node_configs=[
         {"lps-address": f"unix://{sock_dir}/r{k}.sock", "region": f"r{k}", "region-id": k, "num-regions": 2}
         for k in range(2)], seed=9)
+    _SERVERS.append((grid, None))
+    return grid
+
+
+_SERVERS: list[tuple[InlineGrid, threading.Thread | None]] = []  # this test's servers (a thread: in the background)
+
+
+def _kill(node, msg, reply):
+    raise ServerCrash("the test ended: its servers are stopped")
+
+
+@pytest.fixture(autouse=True)
+def _no_server_outlives_its_test():
+    """A test that fails mid-run would leave its regional and global servers running in daemon
+    threads. They share this process's cached ClientApp model objects with the tests that run
+    next on this worker, and would train on them behind their backs; so every server a test
+    started dies at its next pulled reply, and is waited for, before the next test begins."""
+    yield
+    servers, _SERVERS[:] = list(_SERVERS), []
+    for grid, _ in servers:
+        grid.reply_hook = _kill
+    for _, thread in servers:
+        if thread is not None:
+            thread.join(WATCHDOG_S)
+
+
+def crash_after_first_checkpoint(store_dir: Path):
+    """A reply hook that kills the regional ServerApp at the first worker reply it pulls once its
+    first checkpoint is on disk. The loop pulls a worker reply in the step right after a merge (its
+    workers are always busy, and the first merge cannot carry the stop), so the crash always falls
+    after the checkpoint and before the next merge, however slowly the machine runs."""
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type == "train" and CheckpointStore(store_dir).steps():
+            raise ServerCrash("regional server killed after its first checkpoint")
+        return reply
+
+    return hook
 
 
 def _global(tiny, ckpt: Path, *extra: str):
@@ -317,18 +356,20 @@ def test_a_failed_tier_leaves_the_others_to_a_resume_only_with_checkpoints(tmp_p
         assert sorted(stopped) == running and all(statuses[t] == "stopped:after-failure" for t in running)
 
 
-@pytest.mark.parametrize("crash_at", [6, 2])
+@pytest.mark.parametrize("crash", ["after-checkpoint", "before-checkpoint"])
 def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(tiny, tmp_path, sock_dir, caplog,
-                                                                              crash_at):
-    """Region r0's ServerApp is killed at its 6th worker reply, after a checkpoint at its first
-    merge (or at its 2nd, before any checkpoint). Its bridge's exchange fails; the GPS (keeping
+                                                                              crash):
+    """Region r0's ServerApp is killed at the first worker reply after its checkpoint at its first
+    merge (or at its 2nd worker reply: one update applied of the K = 2 a send needs, so before
+    any merge and any checkpoint). Its bridge's exchange fails; the GPS (keeping
     checkpoints, so it retries) sends r0 θ_g again as a resync until a new regional run of r0 on
     new worker nodes takes it: resumed from its checkpoint it merges θ_g, started afresh it adopts
     it. The run ends with all 6 global updates, 3 per region; r1 never noticed."""
     caplog.set_level("INFO", logger="fl_geo")
     ck = ["run.checkpoint_every=1", f"run.checkpoint_dir={tmp_path / 'r0-ckpt'}"]
     regional: dict = {}
-    first = _regional(tiny, sock_dir, 0, tmp_path / "r0a", regional, *ck, hook=crash_hook(crash_at))
+    kill = crash_after_first_checkpoint(tmp_path / "r0-ckpt") if crash == "after-checkpoint" else crash_hook(2)
+    first = _regional(tiny, sock_dir, 0, tmp_path / "r0a", regional, *ck, hook=kill)
     other = _regional(tiny, sock_dir, 1, tmp_path / "r1", regional)
     out: dict = {}
     gps = threading.Thread(target=lambda: out.setdefault("s", run_global(
@@ -337,7 +378,7 @@ def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(ti
     gps.start()
     first.join(WATCHDOG_S)
     assert isinstance(regional.pop(0), ServerCrash)  # r0's ServerApp died
-    assert bool(CheckpointStore(tmp_path / "r0-ckpt").steps()) == (crash_at == 6)
+    assert CheckpointStore(tmp_path / "r0-ckpt").steps() == ([1] if crash == "after-checkpoint" else [])
     resumed = _regional(tiny, sock_dir, 0, tmp_path / "r0b", regional, *ck, "run.resume=true", seed=1)
     for t in (gps, resumed, other):
         t.join(WATCHDOG_S)
@@ -350,7 +391,7 @@ def test_a_regional_server_resumes_and_the_global_server_resends_it_the_model(ti
     # a bounded count: the global server did not spin on the dead region
     assert 1 <= s["exchange_retries"] == r0["resyncs"] <= 3 and r1["resyncs"] == 0
     assert "sending it θ_g again as a resync" in caplog.text
-    if crash_at == 6:
+    if crash == "after-checkpoint":
         assert "resumed at merge" in caplog.text and "after a restart; merged it" in caplog.text
     else:
         assert "holds no checkpoint: starting a new run" in caplog.text and "after a restart; adopted it" in caplog.text
