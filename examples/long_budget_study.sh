@@ -25,12 +25,12 @@ export OMP_NUM_THREADS=1
 SIZE=${SIZE:-S}
 case "$SIZE" in
   # S: 2,800 inner steps per site x 4 sites x 6 x 128 tokens = 8,601,600 tokens, 20.6 per parameter;
-  # an evaluation every 175 inner steps per site (16 in a run) whatever H is
-  # (H = 10: every 200 steps; the few-step end, Hfew: H = 560, 5 outer steps, every step evaluated)
-  S) STEPS=2800 EVAL=175 EV25=7 EV100=2 EV10=20 HFEW=560 MODEL="model.n_layers=2 model.d_model=96 model.n_heads=4 client.lr=3e-3" ;;
+  # an evaluation every 175 inner steps per site at H = 25 (16 in a run); every 200 at H = 10, 50
+  # and 100 (the few-step end, Hfew: H = 560, 5 outer steps, every step evaluated)
+  S) STEPS=2800 EVAL=175 EV25=7 EV50=4 EV100=2 EV10=20 HFEW=560 MODEL="model.n_layers=2 model.d_model=96 model.n_heads=4 client.lr=3e-3" ;;
   # M (the ladder's lr for it): 1,500 steps = 4,608,000 tokens, 2.13 per parameter; 15 evaluations
   # (Hfew: H = 500, 3 outer steps)
-  M) STEPS=1500 EVAL=100 EV25=4 EV100=1 EV10=10 HFEW=500 MODEL="model.n_layers=4 model.d_model=192 model.n_heads=4 client.lr=2e-3" ;;
+  M) STEPS=1500 EVAL=100 EV25=4 EV50=2 EV100=1 EV10=10 HFEW=500 MODEL="model.n_layers=4 model.d_model=192 model.n_heads=4 client.lr=2e-3" ;;
   *) echo "SIZE must be S or M, got $SIZE" >&2; exit 2 ;;
 esac
 TOKENS=$((STEPS * 4 * 6 * 128))
@@ -38,6 +38,7 @@ COMMON="$MODEL run.max_tokens=$TOKENS run.progress=false run.tensorboard=false"
 source "$(dirname "$0")/study_resume.sh"  # RESUME_FLAG, checkpoint_every ROUNDS
 # every cell keeps about 12 checkpoints, so an interrupted study resumes each run where it stopped
 H25="strategy.inner_steps=25 run.rounds=$((STEPS / 25)) run.eval_every=$EV25 $(checkpoint_every $((STEPS / 25)))"
+H50="strategy.inner_steps=50 run.rounds=$((STEPS / 50)) run.eval_every=$EV50 $(checkpoint_every $((STEPS / 50)))"
 H100="strategy.inner_steps=100 run.rounds=$((STEPS / 100)) run.eval_every=$EV100 $(checkpoint_every $((STEPS / 100)))"
 H10="strategy.inner_steps=10 run.rounds=$((STEPS / 10)) run.eval_every=$EV10 $(checkpoint_every $((STEPS / 10)))"
 HFEW_="strategy.inner_steps=$HFEW run.rounds=$((STEPS / HFEW)) run.eval_every=1 $(checkpoint_every $((STEPS / HFEW)))"
@@ -50,6 +51,10 @@ declare -A CELL=(
   [diloco-lr1-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=1.0 strategy.outer_momentum=0.5"
   # FedAvgM as registered: heavy-ball server momentum, lr 1, momentum 0.9
   [fedavgm-H25]="configs/bench/ladder_fedavg.yaml $H25 strategy.name=fedavgm strategy.outer_lr=1.0 strategy.outer_momentum=0.9"
+  # H = 50, the registry's default H: the outer step the defaults would give, at the H they give it
+  [fedavg-H50]="configs/bench/ladder_fedavg.yaml $H50"
+  [diloco-H50]="configs/bench/ladder_diloco.yaml $H50"
+  [diloco-lr0.7-m0.5-H50]="configs/bench/ladder_diloco.yaml $H50 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
   [fedavg-H100]="configs/bench/ladder_fedavg.yaml $H100"
   [diloco-H100]="configs/bench/ladder_diloco.yaml $H100"
   # the two ends of H: many short rounds (H = 10) and a handful of long ones (Hfew, per size above)
