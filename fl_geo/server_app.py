@@ -209,7 +209,8 @@ def run_server(grid: Grid, cfg: FlGeoConfig, run_dir: str | Path | None = None) 
             # nodes whose jobs were given up at their reply deadline (strategy.round_timeout_s /
             # reply_deadline_*): node id, partition, site, jobs given up, the deadline, late replies
             "late_nodes": stats.late_nodes,
-            "wall_s": stats.wall_s,
+            # the run's wall seconds: a resumed run's include those up to its checkpoint
+            "wall_s": round(stats.wall_s + logger.wall_offset_s, 3),
             "virtual_s": stats.virtual_s,
             "scenario": stats.scenario,
             "num_params": stats.num_params,

@@ -48,6 +48,9 @@ def capture(loop: OuterLoop) -> dict[str, Any]:
         "claims": loop.claims.bound.state_dict(),
         "clock": clock,
         "torch_rng": torch.get_rng_state(),
+        # goodput's buckets (virtual clock with a scenario): a resumed run's ratio covers the whole run
+        "goodput": (meter.state_dict(loop.dispatcher.in_flight_s())
+                    if (meter := loop.dispatcher.goodput) is not None else None),
         "loop": loop.extra_state(),
         # wire.compress_down: x̂ and its version are kept (not reset), so a resumed run trains from
         # the very x̂ an uninterrupted one would; what each node holds is not (every node is sent
@@ -88,10 +91,16 @@ def restore(loop: OuterLoop, state: dict[str, Any]) -> None:
         if "downlink" not in state:
             raise ValueError("checkpoint has no downlink public model but this run compresses the downlink")
         install_downlink = loop.downlink.prepare_load(dict(state["downlink"]))
+    install_goodput = None
+    if loop.dispatcher.goodput is not None and state.get("goodput") is not None:
+        # checkpoints before 2026-12 lack it: the resumed run's ratio then covers its own work only
+        install_goodput = loop.dispatcher.goodput.prepare_load(state["goodput"])
     loop.load_extra_state(dict(state["loop"]))  # validates before it sets anything
     if install_downlink is not None:
         install_downlink()
     loop.dispatcher.clock.load_state_dict(dict(state["clock"]))
+    if install_goodput is not None:
+        install_goodput()
     install_model()
     loop.penalty = penalty
     loop.claims.bound = claims

@@ -136,6 +136,64 @@ def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(tiny, tmp_path, st
     assert [r["time/virtual_s"] for r in rows_res] == [r["time/virtual_s"] for r in rows_full]
 
 
+def test_a_resumed_run_reports_the_whole_runs_goodput_and_wall_time(tiny, tmp_path):
+    """Goodput's buckets travel with the checkpoint, so a resumed run's ratio covers the whole run
+    (before, it counted only the work after the resume against the whole run's provisioned time:
+    0.11 where the uninterrupted run had 0.68); its wall clock goes on from the checkpoint's."""
+    import json
+
+    from tests.conftest import tiny_scenario_dict
+
+    scenario = tmp_path / "tiny.json"
+    scenario.write_text(json.dumps(tiny_scenario_dict()))
+    common = ["strategy.name=diloco", "run.rounds=5", "run.clock=virtual", f"run.scenario={scenario}",
+              "run.checkpoint_every=1"]
+    full = run_server(InlineGrid(client_app, 3, seed=0), tiny(*common), tmp_path / "full")
+    resumed = crash_and_resume(tiny, common, tmp_path / "resumed")
+    assert torch.equal(_final(tmp_path / "full"), _final(tmp_path / "resumed"))
+    assert full["goodput"] is not None and 0 < full["goodput"] < 1
+    assert resumed["goodput"] == pytest.approx(full["goodput"], rel=1e-9)
+    for bucket, seconds in full["goodput_s"].items():
+        assert resumed["goodput_s"][bucket] == pytest.approx(seconds, rel=1e-9, abs=1e-9), bucket
+    rows = read_metrics(tmp_path / "resumed")
+    walls = [r["time/wall_s"] for r in rows]
+    assert walls == sorted(walls), walls  # no drop back to 0 at the resume
+    checkpointed = [json.loads(h) for h in CheckpointStore(tmp_path / "resumed" / "checkpoints").load(3).state["history"]]
+    assert resumed["wall_s"] >= checkpointed[-1]["time/wall_s"] > 0
+
+
+def test_goodput_state_round_trips_and_a_malformed_one_changes_nothing():
+    from fl_geo.runtime.goodput import GoodputMeter, JobCost
+
+    meter = GoodputMeter(lambda t: 4 * t)
+    meter.resolved(1, JobCost(3.0, 2.0), ok=True)
+    meter.settle()
+    meter.resolved(2, JobCost(5.0, 4.0), ok=True)  # held for a verdict when the checkpoint is taken
+    meter.resolved(3, JobCost(1.5, 1.0), ok=False)
+    state = meter.state_dict(in_flight_s=2.5)
+    assert state["seconds"] == {"useful": 2.0, "comm": 1.0, "lost": 1.5 + 2.5, "rejected": 0.0, "stale": 0.0}
+    restored = GoodputMeter(lambda t: 4 * t)
+    restored.prepare_load(state)()
+    restored.settle()
+    assert restored.seconds == {"useful": 6.0, "comm": 2.0, "lost": 4.0, "rejected": 0.0, "stale": 0.0}
+    assert restored.metrics(10.0, 0.0)["goodput/ratio"] == pytest.approx(6.0 / 40.0)
+    bad = [
+        None, {"seconds": state["seconds"]},
+        {**state, "seconds": {**state["seconds"], "useful": -1.0}},
+        {**state, "seconds": {**state["seconds"], "useful": float("nan")}},
+        {**state, "seconds": {**state["seconds"], "useful": True}},
+        {**state, "seconds": {k: v for k, v in state["seconds"].items() if k != "stale"}},
+        {**state, "held": {"x": [[1.0, 0.5]]}},
+        {**state, "held": {"2": [[1.0, 2.0]]}},
+        {**state, "held": {"2": [[1.0]]}},
+        {**state, "held": [[1.0, 0.5]]},
+    ]
+    for b in bad:
+        with pytest.raises(ValueError):
+            restored.prepare_load(b)
+    assert restored.seconds["useful"] == 6.0 and not restored.held
+
+
 def test_resume_past_a_corrupt_checkpoint_continues_from_the_previous(tiny, tmp_path, caplog):
     cfg = tiny("run.rounds=4", "run.checkpoint_every=1", "run.checkpoint_keep=2")
     grid = InlineGrid(client_app, 3, seed=0)

@@ -297,7 +297,7 @@ def run_regional(grid: Grid, cfg: FlGeoConfig, address: str, region: str = "",
                 "tokens": loop.total_tokens, "bytes_up": loop.total_bytes_up - service.dropped_bytes,
                 "bytes_down": loop.total_bytes_down, "bytes_to_global": loop.bytes_to_global - service.dropped_bytes,
                 "late_replies": dispatcher.late_replies, "late_nodes": loop.late_nodes(),
-                "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel, "lps_address": address,
+                "wall_s": round(logger.wall_offset_s + time.perf_counter() - t0, 3), "num_params": spec.numel, "lps_address": address,
             }
             session.save_model(params, spec)
             return session.finish(summary)
@@ -592,7 +592,7 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
             "compress": tier2.describe() if tier2 is not None else "none",
             "late_nodes": late_report(dispatcher.late, profiles),
             "resumed_from": checkpoint.step if checkpoint is not None else None, "exchange_retries": retries,
-            "wall_s": round(time.perf_counter() - t0, 3), "num_params": spec.numel,
+            "wall_s": round(logger.wall_offset_s + time.perf_counter() - t0, 3), "num_params": spec.numel,
         })
 
 

@@ -20,7 +20,10 @@ exactly one bucket, so the buckets add up to the provisioned time:
 - ``waiting``: the rest: up time with no job, e.g. waiting for a synchronous round's slowest node
   and all-reduce, or for an asynchronous step's new model.
 
-The meter is framework-free: the dispatcher reports resolved jobs, the loop its verdicts.
+The meter is framework-free: the dispatcher reports resolved jobs, the loop its verdicts. Its
+buckets go into a server checkpoint (`GoodputMeter.state_dict`), so a resumed run's ratio covers
+the whole run; the jobs in flight when the checkpoint was taken are booked there as ``lost``, as
+the resumed server sends that work again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["BUCKETS", "GoodputMeter", "JobCost"]
 
@@ -95,3 +99,50 @@ class GoodputMeter:
         out["goodput/provisioned_s"] = provisioned
         out["goodput/ratio"] = self.seconds["useful"] / provisioned if provisioned > 0 else math.nan
         return out
+
+    # ---- checkpoint and resume --------------------------------------------------------------------
+    def state_dict(self, in_flight_s: float = 0.0) -> dict[str, Any]:
+        """The buckets and the replies held for a verdict, for a server checkpoint. ``in_flight_s``
+        (the jobs in flight now) is booked as ``lost`` in it: a checkpoint keeps no job in flight,
+        so a run resumed from it sends that work again and the time already spent on it is lost."""
+        seconds = dict(self.seconds)
+        seconds["lost"] += max(0.0, float(in_flight_s))
+        return {"seconds": seconds,
+                "held": {str(node): [[c.total_s, c.compute_s] for c in jobs] for node, jobs in self.held.items()}}
+
+    def prepare_load(self, state: Any) -> Callable[[], None]:
+        """Check a `state_dict` whole and return the function that installs it; ValueError (the
+        meter unchanged) for a malformed one: other buckets, a negative or non-finite second, a
+        held job whose compute time exceeds its total."""
+        if not isinstance(state, dict) or set(state) != {"seconds", "held"}:
+            raise ValueError("goodput state must be a mapping with 'seconds' and 'held'")
+        seconds, held = state["seconds"], state["held"]
+        if not isinstance(seconds, dict) or set(seconds) != set(self.seconds):
+            raise ValueError(f"goodput state must have the buckets {sorted(self.seconds)}")
+        parsed = {b: _seconds(v, f"goodput bucket {b!r}") for b, v in seconds.items()}
+        if not isinstance(held, dict):
+            raise ValueError("goodput state's held replies must be a mapping of node to jobs")
+        jobs: dict[int, list[JobCost]] = {}
+        for node, costs in held.items():
+            try:
+                key = int(node)
+            except (TypeError, ValueError):
+                raise ValueError(f"goodput state holds replies of node {node!r:.40}, not a node id") from None
+            if not isinstance(costs, list) or not all(isinstance(c, list) and len(c) == 2 for c in costs):
+                raise ValueError(f"goodput state's held jobs of node {key} must be [total_s, compute_s] pairs")
+            pairs = [(_seconds(t, "a held job's total_s"), _seconds(c, "a held job's compute_s")) for t, c in costs]
+            if any(c > t for t, c in pairs):
+                raise ValueError(f"goodput state holds a job of node {key} with more compute than total time")
+            jobs[key] = [JobCost(t, c) for t, c in pairs]
+
+        def install() -> None:
+            self.seconds = parsed
+            self.held = jobs
+
+        return install
+
+
+def _seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r:.40}")
+    return float(value)

@@ -53,10 +53,16 @@ def metrics_record(step: int, wall_s: float, metrics: dict[str, float | int]) ->
 class MetricsLogger:
     """Append-only metrics sink for one run directory."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: Sequence[Any] = ()) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: Sequence[Any] = (),
+                 wall_offset_s: float = 0.0) -> None:
         """``trackers``: optional experiment trackers (`fl_geo.runtime.loggers`) that get every
-        record's finite metrics too; one that raises is logged and dropped, the run goes on."""
+        record's finite metrics too; one that raises is logged and dropped, the run goes on.
+        ``wall_offset_s``: the wall seconds the run had already spent when this logger starts (a
+        resumed run's, up to its checkpoint: `history_wall_s`), so ``time/wall_s`` keeps rising
+        across a restart and a resumed run's wall time to a target compares with an uninterrupted
+        one's."""
         self.trackers = list(trackers)
+        self.wall_offset_s = float(wall_offset_s)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -71,8 +77,8 @@ class MetricsLogger:
 
     @property
     def wall_s(self) -> float:
-        """Seconds since the logger was created (the run's wall clock)."""
-        return time.perf_counter() - self._t0
+        """The run's wall clock: seconds since the logger was created, plus ``wall_offset_s``."""
+        return self.wall_offset_s + time.perf_counter() - self._t0
 
     def log(self, step: int, metrics: dict[str, float | int]) -> dict[str, Any]:
         """Write one record; non-finite values are kept in JSONL as null, skipped in TensorBoard."""
@@ -142,6 +148,20 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{p}: line {lineno} is not a metrics record: {exc}") from None
         rows.append(record)
     return rows
+
+
+def history_wall_s(history: Sequence[str]) -> float:
+    """The wall seconds a checkpoint's history had reached: ``time/wall_s`` of its last record
+    that has a finite, non-negative one (0 when none has). The time between that checkpoint and
+    the crash is not counted: that work was lost and is done again after the resume."""
+    for line in reversed(history):
+        try:
+            value = json.loads(line).get("time/wall_s")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+            return float(value)
+    return 0.0
 
 
 class MemoryLogger:

@@ -32,7 +32,7 @@ from fl_geo.config import FlGeoConfig, section_to_json, to_dict, to_yaml
 from fl_geo.core.state import ParamSpec, unflatten
 from fl_geo.errors import OutputError
 from fl_geo.runtime.loggers import open_trackers
-from fl_geo.runtime.metrics import MetricsLogger
+from fl_geo.runtime.metrics import MetricsLogger, history_wall_s
 from fl_geo.runtime.run_lock import RunLock
 
 __all__ = ["RESULT_FILES", "SAFETENSORS_FORMAT", "RunSession", "new_run_dir", "write_history"]
@@ -144,7 +144,8 @@ class RunSession:
         else:
             write_history(self.run_dir / "metrics.jsonl", history)
         trackers = open_trackers(list(self.cfg.run.loggers), self.cfg.run.name, to_dict(self.cfg), str(self.run_dir))
-        self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.run.tensorboard, trackers=trackers)
+        self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.run.tensorboard, trackers=trackers,
+                                    wall_offset_s=history_wall_s(history) if history else 0.0)
         write_text_atomic(self.run_dir / "config.yaml", to_yaml(self.cfg))
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.cfg.run.server_threads)
