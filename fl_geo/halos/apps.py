@@ -544,9 +544,19 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
         # again as a resync for up to exchange_timeout_s: a regional run resumed meanwhile merges it
         retry_s = float(exchange_timeout_s) if cfg.run.checkpoint_every else 0.0
         failing_since: dict[int, float] = {}
+        resend_at: dict[int, float] = {}  # a failed region's resync goes out 1 s after its failure
         retries = 0
-        while dispatcher.in_flight():
-            ev = dispatcher.next_event()
+        while dispatcher.in_flight() or resend_at:
+            now = time.monotonic()
+            for node in [n for n, t in resend_at.items() if t <= now]:
+                del resend_at[node]
+                push(node, stop=False, resync=True)
+            if resend_at and not dispatcher.in_flight():
+                time.sleep(max(0.0, min(resend_at.values()) - now))  # nothing else to wait on
+                continue
+            # the other regions' updates are handled while a failed region's resync waits
+            wait = min(resend_at.values()) - now if resend_at else None
+            ev = dispatcher.next_event(None if wait is None else dispatcher.clock.now() + max(0.0, wait))
             if ev is None:
                 continue
             node, region = ev.job.node, region_of[ev.job.node]
@@ -557,8 +567,8 @@ def run_global(grid: Grid, cfg: FlGeoConfig, regions: int, exchange_timeout_s: f
                     log.warning("HALoS GPS: the exchange with region %s failed (%s); sending it θ_g again as a resync "
                                 "(a resumed regional run merges it), for up to %.0f s more", region,
                                 str(ev.error)[:200], retry_s - (time.monotonic() - since))
-                    time.sleep(1.0)  # an error that comes back at once must not spin
-                    push(node, stop=False, resync=True)
+                    # not at once: an error that comes back at once must not spin
+                    resend_at[node] = time.monotonic() + 1.0
                     continue
             failing_since.pop(node, None)
             got = _region_update(ev, region)
