@@ -57,11 +57,15 @@ declare -A CELL=(
   [diloco-lr0.7-m0.5-H50]="configs/bench/ladder_diloco.yaml $H50 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
   [fedavg-H100]="configs/bench/ladder_fedavg.yaml $H100"
   [diloco-H100]="configs/bench/ladder_diloco.yaml $H100"
+  [diloco-lr0.7-m0.5-H100]="configs/bench/ladder_diloco.yaml $H100 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
   # the two ends of H: many short rounds (H = 10) and a handful of long ones (Hfew, per size above)
   [fedavg-H10]="configs/bench/ladder_fedavg.yaml $H10"
   [diloco-H10]="configs/bench/ladder_diloco.yaml $H10"
   [fedavg-Hfew]="configs/bench/ladder_fedavg.yaml $HFEW_"
   [diloco-Hfew]="configs/bench/ladder_diloco.yaml $HFEW_"
+  # momentum 0.5 at both ends too: whether the best outer momentum moves with H
+  [diloco-lr0.7-m0.5-H10]="configs/bench/ladder_diloco.yaml $H10 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
+  [diloco-lr0.7-m0.5-Hfew]="configs/bench/ladder_diloco.yaml $HFEW_ strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
 )
 # The first study ran these; diloco-lr1-m0.5-H25 and fedavgm-H25 ran later with CELLS= and HEADLINE= set to them
 CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
