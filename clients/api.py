@@ -41,6 +41,8 @@ from fl_geo.clients.persist import (  # noqa: F401  (the state keys are re-expor
     PREV_OPT_STATE_KEY,
     PREV_PROGRESS_KEY,
     PROGRESS_KEY,
+    keeps_state_for,
+    kept_progress,
     load_inner_state,
     opt_from_record,
     opt_record,
@@ -390,6 +392,7 @@ class DatacenterClient:
         if disk is not None and req.resumed and PROGRESS_KEY not in state.config_records:
             load_inner_state(state, disk)  # a restarted server is a new Flower run: context.state is empty
         rewind_to_round(state, req)
+        keep = keeps_state_for(state, req)  # the node's first round since the server's newest checkpoint
         start_opt = start_opt_state(state, trainer.optimizer_kind)
         if start_opt is not None:
             trainer.load_optimizer_state(opt_from_record(start_opt))
@@ -417,13 +420,16 @@ class DatacenterClient:
         start_residual = state.array_records.get(EF_RESIDUAL_KEY)
         records, pushed, payload = self._reply_update(state, req, spec, update)
 
-        if req.keep_prev:
-            # What this round started from (the same objects, no copy): a resumed server that
-            # sends this round again gets the same result (rewind_to_round).
+        if keep:
+            # What this round started from, the node's state at the server's newest checkpoint (the
+            # same objects, no copy): a server resumed from that checkpoint that sends this round
+            # again gets the same result (rewind_to_round).
             if start_opt is not None:
                 state[PREV_OPT_STATE_KEY] = start_opt
+            elif PREV_OPT_STATE_KEY in state.array_records:
+                del state[PREV_OPT_STATE_KEY]
             keep_prev_residual(state, start_residual)
-            state[PREV_PROGRESS_KEY] = ConfigRecord(dict(start_progress))
+            state[PREV_PROGRESS_KEY] = kept_progress(start_progress, req)
         state[OPT_STATE_KEY] = opt_record(trainer)
         state[PROGRESS_KEY] = progress_record(local_step + result.steps, int(progress["rounds"]) + 1,
                                               trainer.optimizer_kind, last_round=req.round)

@@ -1,13 +1,13 @@
 """A datacenter's inner state: its records in ``context.state`` (the AdamW moments and the
-schedule position, `opt_record`; the state from before the last round, `rewind_to_round`) and
+schedule position, `opt_record`; the state at the server's newest checkpoint, `rewind_to_round`) and
 their copy on the node's own disk, so that they survive a restarted server.
 
 Flower keeps ``context.state`` per node *per run*: when a crashed ServerApp is started again with
 ``flwr run`` it is a new run, and every node would start over with fresh AdamW moments and step
 count. A SuperNode started with ``--node-config 'state-dir="/var/lib/fl-geo"'`` writes its inner
 state (the AdamW moments, the schedule position, the compressed uplink's error-feedback residual
-and, with checkpoints on, the state from before
-its last round) after every train job to ``<state-dir>/<run name>/partition-<id>.pt`` (atomic
+and, with checkpoints on, the state it had at the
+server's newest checkpoint) after every train job to ``<state-dir>/<run name>/partition-<id>.pt`` (atomic
 write then rename, sha256-verified like the server's checkpoints) and reads it back only when a
 server that *resumed from a checkpoint* sends it work with an empty ``context.state``. A new run
 that merely reuses the name never picks up stale state.
@@ -38,11 +38,15 @@ log = logging.getLogger("fl_geo")
 # The records of a node's inner state in ``context.state`` (and in its file on disk)
 OPT_STATE_KEY = "inner_opt"
 PROGRESS_KEY = "inner_progress"
-PREV_OPT_STATE_KEY = "inner_opt_prev"  # the inner state before the last round (run.checkpoint_every)
+PREV_OPT_STATE_KEY = "inner_opt_prev"  # the inner state at the server's newest checkpoint (run.checkpoint_every)
 PREV_PROGRESS_KEY = "inner_progress_prev"
+# The field of the PREV_PROGRESS_KEY record naming the server checkpoint (its outer step) the kept
+# state belongs to; absent in a record from before it was kept, which held the state from before
+# the node's last round.
+KEPT_AT_FIELD = "checkpoint_step"
 # The error-feedback residual of the compressed uplink (wire.compress, docs/compression.md): one fp32
 # array "residual" of the model's numel, per site and per run; absent = zero (a site that joins or
-# restarts without it starts from zero). With checkpoints on, the residual from before the last round too.
+# restarts without it starts from zero). With checkpoints on, the residual at the newest checkpoint too.
 EF_RESIDUAL_KEY = "uplink_residual"
 PREV_EF_RESIDUAL_KEY = "uplink_residual_prev"
 # The field of the progress record naming the optimizer kind whose state OPT_STATE_KEY holds
@@ -131,13 +135,32 @@ def progress_record(step: int, rounds: int, kind: str, **extra: int) -> ConfigRe
     return ConfigRecord({"step": int(step), "rounds": int(rounds), OPTIMIZER_FIELD: kind, **extra})
 
 
+def keeps_state_for(state: RecordDict, req: protocol.TrainRequest) -> bool:
+    """Whether this train job must keep the state it starts from: checkpoints are on and what the
+    node kept is not from the server's newest checkpoint (``req.checkpoint_step``), so this is the
+    node's first round since it. The state a round starts from is the state the node had at the
+    checkpoint: it trained nothing in between."""
+    if req.checkpoint_step is None:
+        return False
+    kept = state.config_records.get(PREV_PROGRESS_KEY)
+    return kept is None or kept.get(KEPT_AT_FIELD) != req.checkpoint_step
+
+
+def kept_progress(start_progress: ConfigRecord, req: protocol.TrainRequest) -> ConfigRecord:
+    """The progress record kept beside the state a round starts from (`keeps_state_for`), tagged
+    with the checkpoint it belongs to."""
+    return ConfigRecord({**dict(start_progress), KEPT_AT_FIELD: int(req.checkpoint_step or 0)})
+
+
 def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:
-    """A synchronous server that resumed from a checkpoint may send a round this node already
-    trained (it crashed after the node replied). With ``keep_prev`` the node kept the inner state
-    from before its last round: it goes back to it, so the round is redone from the same start and
-    the run stays bit-identical to one that never stopped. Anything older cannot be rewound: the
-    node continues from its current state and says so."""
-    if not req.keep_prev:
+    """A synchronous server that resumed from a checkpoint sends again the rounds after it, which
+    this node may have trained already (the server crashed after the node replied, up to
+    ``run.checkpoint_every`` rounds later). The node kept the inner state it had at that
+    checkpoint (`keeps_state_for`): it goes back to it, so the rounds are redone from the same
+    start and the run stays bit-identical to one that never stopped. A state kept at another
+    checkpoint (the server resumed from an older one, its newest did not verify) cannot be used:
+    the node continues from its current state and says so."""
+    if req.checkpoint_step is None:
         return
     progress = state.config_records.get(PROGRESS_KEY)
     if progress is None or "last_round" not in progress:
@@ -145,21 +168,27 @@ def rewind_to_round(state: RecordDict, req: protocol.TrainRequest) -> None:
     rnd, last = req.round, int(progress["last_round"])
     if rnd > last:
         return
-    prev = state.config_records.get(PREV_PROGRESS_KEY)
-    if rnd == last and prev is not None:
+    kept = state.config_records.get(PREV_PROGRESS_KEY)
+    at = None if kept is None else kept.get(KEPT_AT_FIELD)
+    # a record without the tag (written before it was kept) held the state from before the last round
+    if kept is not None and (at == req.checkpoint_step or (at is None and rnd == last)):
         if PREV_OPT_STATE_KEY in state.array_records:
             state[OPT_STATE_KEY] = state.array_records[PREV_OPT_STATE_KEY]
-        else:  # the round being redone was this node's first: it started with a fresh optimizer
+        elif OPT_STATE_KEY in state.array_records:  # the node's first round came after it: a fresh optimizer
             del state[OPT_STATE_KEY]
         if PREV_EF_RESIDUAL_KEY in state.array_records:  # the compressed uplink's residual, likewise
             state[EF_RESIDUAL_KEY] = state.array_records[PREV_EF_RESIDUAL_KEY]
         elif EF_RESIDUAL_KEY in state.array_records:
             del state[EF_RESIDUAL_KEY]
-        state[PROGRESS_KEY] = prev
-        log.info("round %d sent again (server resumed): rewound the inner state to before it", rnd)
+        state[PROGRESS_KEY] = ConfigRecord({k: v for k, v in kept.items() if k != KEPT_AT_FIELD})
+        log.info("round %d sent again (server resumed from its checkpoint after step %d): rewound the inner "
+                 "state to that checkpoint", rnd, req.checkpoint_step)
         return
-    log.warning("round %d sent again but this node's state is from round %d and only one round can be "
-                "rewound: continuing from the current inner state (the run is no longer bit-identical)", rnd, last)
+    where = ("no checkpoint" if kept is None else f"the checkpoint after step {at}" if at is not None
+             else f"the start of round {last} (a state file of an older fl-geo)")
+    log.warning("round %d sent again by a server resumed from its checkpoint after step %d, but this node kept "
+                "its state at %s: continuing from its inner state after round %d (the run is no longer "
+                "bit-identical)", rnd, req.checkpoint_step, where, last)
 
 
 def state_file(context: Context, req: protocol.JobRequest, pid: int) -> Path | None:

@@ -70,8 +70,9 @@ def store_residual(state: RecordDict, residual: torch.Tensor | None) -> None:
 
 
 def keep_prev_residual(state: RecordDict, start_residual: ArrayRecord | None) -> None:
-    """Keep the residual this round started from beside the new one (``keep_prev`` rounds): a
-    resumed server that sends the round again rewinds to it (`fl_geo.clients.persist`)."""
+    """Keep the residual this round started from beside the new one (a node's first round after
+    a server checkpoint): a resumed server that sends the round again rewinds to it
+    (`fl_geo.clients.persist`)."""
     if start_residual is not None:
         state[PREV_EF_RESIDUAL_KEY] = start_residual
     elif PREV_EF_RESIDUAL_KEY in state.array_records:

@@ -108,6 +108,9 @@ class OuterLoop(LoopKernel):
         self._bound: float | None = None
         self._bound_version = -1
         self.resumed = False
+        # The outer step of the newest checkpoint this run wrote or resumed from (0: none yet). A
+        # synchronous round carries it, so each node keeps the state it had at that checkpoint.
+        self.checkpoint_step = 0
         self.progress: Progress | None = None  # the run's progress line, set by `run`
         # Set by the public strategy's start(): nodes may run a plain Flower ClientApp (they are
         # probed, fl_geo.runtime.profiling; accepted only outside the CLI path), and the user's
@@ -440,6 +443,7 @@ class OuterLoop(LoopKernel):
         if self.checkpoints is None or not every or not (step % every == 0 or last):
             return
         path = self.checkpoints.save(step, self.state_dict())
+        self.checkpoint_step = step
         log.info("checkpoint after step %d: %s", step, path)
 
     def log_initial(self) -> None:

@@ -435,6 +435,7 @@ class FlGeoStrategy(Strategy):
                 loop.load_state_dict(self.resume_from.state)
             except ValueError as exc:
                 raise ConfigError(f"cannot resume from {self.resume_from.path}: {exc}") from exc
+            loop.checkpoint_step = self.resume_from.step
             log.info("fl-geo: resumed from %s (outer step %d, %d tokens)", self.resume_from.path, loop.version, loop.total_tokens)
         self.loop = loop
         first_version = loop.version

@@ -116,10 +116,12 @@ class SyncOuterLoop(OuterLoop):
         return self.job_steps(node)  # DiLoCo + DynUpd (HALoS Table 1) with strategy.dynupd
 
     def _message(self, node: int, arrays: Any, rnd: int, mtype: str, **extra: Any) -> Message:
-        # With checkpoints on, clients keep their inner state from before this round so that a
-        # resumed server re-sending the round gets the same result (clients/datacenter.py).
-        keep_prev = bool(self.cfg.run.checkpoint_every)
-        config = dict(self._client_cfg, round=rnd, base_version=self.version, keep_prev=keep_prev, **extra)
+        # With checkpoints on, each node keeps the inner state it had at the newest checkpoint, so
+        # that a server resumed from it, sending the rounds after it again, gets the same results
+        # (clients/persist.py).
+        checkpoint_step = self.checkpoint_step if self.cfg.run.checkpoint_every else None
+        config = dict(self._client_cfg, round=rnd, base_version=self.version, checkpoint_step=checkpoint_step,
+                      **extra)
         content = RecordDict({"arrays": arrays, **self.request_records(TrainRequest(**config), self.user_train_config)})
         return Message(content, dst_node_id=node, message_type=mtype)
 

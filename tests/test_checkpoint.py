@@ -89,28 +89,28 @@ def _final(run_dir):
     return torch.load(run_dir / "final_model.pt")["params"]
 
 
-def crash_and_resume(tiny, common: list[str], run_dir, crash_round: int = 4) -> dict:
-    """Run ``common`` (with ``run.checkpoint_every=1``) until the server dies at the second train
-    reply of ``crash_round``, check it left a checkpoint for every round before, then resume
-    on the same nodes (the SuperNodes outlive the server); the resumed run's summary."""
+def crash_and_resume(tiny, common: list[str], run_dir, crash_round: int = 4, every: int = 1) -> dict:
+    """Run ``common`` (with ``run.checkpoint_every=every``) until the server dies at the second
+    train reply of ``crash_round``, check it left the checkpoints of the rounds before (the newest
+    3), then resume on the same nodes (the SuperNodes outlive the server); the resumed run's summary."""
     grid = InlineGrid(client_app, 3, seed=0)
     grid.reply_hook = _crash_on(crash_round, 2)
     with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
-    assert CheckpointStore(run_dir / "checkpoints").steps() == list(range(1, crash_round))
+    assert CheckpointStore(run_dir / "checkpoints").steps() == list(range(every, crash_round, every))[-3:]
     grid.reply_hook = None
     return run_server(grid, tiny(*common, "run.resume=true"), run_dir)
 
 
-def crash_and_restart_with_state_dirs(tiny, common: list[str], tmp_path, run_dir) -> InlineGrid:
-    """Deployment: the server dies in round 3 and comes back as a new Flower run, so every node's
-    context.state starts empty; nodes with node config ``state-dir`` reload their inner state from
-    disk. The nodes of the resumed run (their contexts, for checks)."""
+def crash_and_restart_with_state_dirs(tiny, common: list[str], tmp_path, run_dir, crash_round: int = 3) -> InlineGrid:
+    """Deployment: the server dies in round ``crash_round`` and comes back as a new Flower run, so
+    every node's context.state starts empty; nodes with node config ``state-dir`` reload their
+    inner state from disk. The nodes of the resumed run (their contexts, for checks)."""
     def nodes(d):
         return [{"partition-id": i, "num-partitions": 3, "state-dir": str(d)} for i in range(3)]
 
     grid = InlineGrid(client_app, 3, node_configs=nodes(tmp_path / "state"), seed=0)
-    grid.reply_hook = _crash_on(3, 2)
+    grid.reply_hook = _crash_on(crash_round, 2)
     with pytest.raises(ServerCrash):
         run_server(grid, tiny(*common), run_dir)
     assert sorted(p.name for p in (tmp_path / "state" / "run").iterdir()) == [
@@ -134,6 +134,36 @@ def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(tiny, tmp_path, st
     assert [r["step"] for r in rows_res] == [r["step"] for r in rows_full] == [0, 1, 2, 3, 4, 5]
     assert [r["val/loss"] for r in rows_res] == [r["val/loss"] for r in rows_full]
     assert [r["time/virtual_s"] for r in rows_res] == [r["time/virtual_s"] for r in rows_full]
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_sync_resume_past_several_rounds_after_the_checkpoint_is_bit_identical(tiny, tmp_path, caplog, every):
+    """With ``run.checkpoint_every`` = k the server may die up to k rounds after its newest
+    checkpoint, every node having trained each round since. The resumed server sends those rounds
+    again; each node goes back to the inner state it kept at that checkpoint (before, a node kept
+    only the round before its last, could not rewind further and went on from a later AdamW state
+    and schedule position: the study runs said "no longer bit-identical"), so the run ends on the
+    bits of an uninterrupted one."""
+    common = ["strategy.name=diloco", "run.rounds=5", "run.clock=virtual", f"run.checkpoint_every={every}"]
+    run_server(InlineGrid(client_app, 3, seed=0), tiny(*common), tmp_path / "full")
+    with caplog.at_level(logging.INFO, logger="fl_geo"):
+        resumed = crash_and_resume(tiny, common, tmp_path / "resumed", crash_round=every + 2, every=every)
+    assert resumed["outer_steps"] == 5
+    assert torch.equal(_final(tmp_path / "full"), _final(tmp_path / "resumed"))
+    assert [r["val/loss"] for r in read_metrics(tmp_path / "resumed")] == \
+        [r["val/loss"] for r in read_metrics(tmp_path / "full")]
+    # all three nodes had trained round k + 1 (and two of them k + 2): each rewound once, to step k
+    assert caplog.text.count(f"server resumed from its checkpoint after step {every}): rewound") == 3
+    assert "no longer bit-identical" not in caplog.text
+
+
+def test_a_new_flower_run_reloads_the_state_kept_at_the_checkpoint_from_disk(tiny, tmp_path):
+    """The same with the nodes' state files (a restarted ServerApp is a new Flower run): the state
+    kept at the checkpoint travels in the file and the run stays bit-identical."""
+    common = ["run.rounds=5", "run.clock=virtual", "run.checkpoint_every=2"]
+    run_server(InlineGrid(client_app, 3, seed=0), tiny(*common), tmp_path / "full")
+    crash_and_restart_with_state_dirs(tiny, common, tmp_path, tmp_path / "r", crash_round=4)
+    assert torch.equal(_final(tmp_path / "full"), _final(tmp_path / "r"))
 
 
 def test_a_resumed_run_reports_the_whole_runs_goodput_and_wall_time(tiny, tmp_path):
@@ -212,8 +242,9 @@ def test_resume_past_a_corrupt_checkpoint_continues_from_the_previous(tiny, tmp_
     assert "resumed from" in caplog.text and "ckpt-00000002" in caplog.text
     assert summary["outer_steps"] == 4
     assert [r["step"] for r in read_metrics(tmp_path / "r")] == [0, 1, 2, 3, 4]
-    # the clients had run round 3 already; the fallback redoes it from their later state and says so
-    assert "only one round can be rewound" in caplog.text or "rewound the inner state" in caplog.text
+    # the clients kept their state at checkpoint 3, not 2: they go on from their later state and say so
+    assert "but this node kept its state at the checkpoint after step 3" in caplog.text
+    assert "no longer bit-identical" in caplog.text
     assert not torch.equal(ckpt2, _final(tmp_path / "r"))
 
 

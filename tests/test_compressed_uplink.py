@@ -257,7 +257,7 @@ def test_compress_none_sends_the_same_requests(tiny):
 def test_resume_with_compression_is_bit_identical(tiny, tmp_path):
     """The residual is part of a site's inner state: a server killed after a site trained round 4
     and resumed from its checkpoint sends round 4 again, the site rewinds its residual with its
-    optimizer (``keep_prev``), and the run ends on the bits of the uninterrupted one."""
+    optimizer (``checkpoint_step``), and the run ends on the bits of the uninterrupted one."""
     from tests.test_checkpoint import crash_and_resume
 
     common = ["run.rounds=5", "run.clock=virtual", "run.checkpoint_every=1", *TOPK]

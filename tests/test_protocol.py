@@ -43,7 +43,7 @@ def _stream(job: dict) -> StreamRequest:
 
 def test_every_request_round_trips(job):
     requests = [
-        TrainRequest(**job), TrainRequest(**job, send="params", start_step=40, time_budget_s=2.5, keep_prev=True,
+        TrainRequest(**job), TrainRequest(**job, send="params", start_step=40, time_budget_s=2.5, checkpoint_step=4,
                                           ps_job="v1-p0-3", ps_addresses=json.dumps(["127.0.0.1:1"])),
         _stream(job), EvaluateRequest(**job), EvaluateRequest(**job, eval_batches=4), ProfileQuery(ask="profile"),
         BridgeRequest(stop=False, global_version=7, exchange_timeout_s=600.0, connect_timeout_s=60.0),
@@ -81,7 +81,9 @@ def test_a_misspelled_or_missing_field_fails_on_the_server_before_sending(job):
     ({"seed": None}, r"missing field\(s\) \['seed'\]"),
     ({"inner_steps": "3"}, r"TrainRequest.inner_steps must be int, got str"),
     ({"inner_steps": 2.5}, r"TrainRequest.inner_steps must be int, got float"),
-    ({"keep_prev": 1}, r"TrainRequest.keep_prev must be bool, got int"),
+    ({"checkpoint_step": True}, r"TrainRequest.checkpoint_step must be int \| None, got bool"),
+    ({"checkpoint_step": -2}, r"checkpoint_step must be >= 0"),
+    ({"keep_prev": True}, r"unknown field\(s\) \['keep_prev'\]"),  # protocol 2's field
     ({"inner_steps": -1}, r"inner_steps must be >= 0"),
     ({"client": "{not json"}, r"TrainRequest.client is not valid JSON"),
     ({PROTOCOL_KEY: PROTOCOL_VERSION + 1},

@@ -36,7 +36,10 @@ from fl_geo.runtime.wire_settings import WIRE_PRECISIONS  # the one list the con
 
 # 2: the profile query may travel as a ``train`` message (`is_profile_probe`), which fl-geo's
 # ClientApp answers with its profile and a plain Flower ClientApp with a trained model.
-PROTOCOL_VERSION = 2
+# 3: ``TrainRequest.keep_prev`` (keep the state from before this round) became ``checkpoint_step``
+# (the server's newest checkpoint), so a node keeps its state from that checkpoint however many
+# rounds ago it was (`fl_geo.clients.persist.rewind_to_round`).
+PROTOCOL_VERSION = 3
 PROTOCOL_KEY = "protocol"
 REQUEST_RECORD = "fl-geo"  # the fl-geo request in a message; the reply's declaration in a reply
 PROFILE_KEY = "profile"  # the ConfigRecord of a profile reply (`ProfileQuery`)
@@ -127,7 +130,7 @@ def _check(cls: type, name: str, value: Any) -> None:
         for t in allowed
     )
     if not ok:
-        names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
+        names = " | ".join("None" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
         raise ProtocolError(f"{cls.__name__}.{name} must be {names}, got {type(value).__name__} {value!r:.60}")
     if name in JSON_FIELDS and isinstance(value, str):
         try:
@@ -137,7 +140,7 @@ def _check(cls: type, name: str, value: Any) -> None:
     if name in ("wire_up", "wire_down") and value not in WIRE_PRECISIONS:
         raise ProtocolError(f"{cls.__name__}.{name} must be one of {WIRE_PRECISIONS}, got {value!r}")
     if name in ("inner_steps", "schedule_total", "threads", "round", "base_version", "stream_step", "stream_steps",
-                "fragments", "tau", "H", "eval_batches", "start_step", "down_version", "down_from") and value < 0:
+                "fragments", "tau", "H", "eval_batches", "start_step", "down_version", "down_from", "checkpoint_step") and value < 0:
         raise ProtocolError(f"{cls.__name__}.{name} must be >= 0, got {value}")
 
 
@@ -180,8 +183,10 @@ class TrainRequest(JobRequest):
     data-parallel method ``ddp``: the gradient of the loss of one batch at θ_sent, no optimizer
     step and no clip; ``inner_steps`` is then 1, batch ``start_step`` is drawn and the site's
     inner optimizer state is not touched). ``start_step``: the schedule position under the global
-    schedule clock (and the batch of a ``grad`` job). ``keep_prev``: keep the inner state from
-    before this round (a resumed server re-sends it). ``ps_*``: the sharded parameter server's
+    schedule clock (and the batch of a ``grad`` job). ``checkpoint_step``: the outer step of
+    the server's newest checkpoint when it sent this round (absent: the run keeps no checkpoints);
+    the node keeps the inner state its first round after that checkpoint started from, to which a
+    server that resumes from it rewinds the node (`fl_geo.clients.persist`). ``ps_*``: the sharded parameter server's
     data path (follower addresses, shard bounds, push order, frame size, retry time, the CA
     certificate the followers are verified with, the job's id and its token, `fl_geo.ps.auth`).
     ``wire_compress_down`` (JSON of the downlink's `CompressSettings`, from ``wire.compress_down``;
@@ -192,7 +197,7 @@ class TrainRequest(JobRequest):
     """
 
     MESSAGE_TYPES: ClassVar[tuple[str, ...]] = ("train",)
-    keep_prev: bool = False
+    checkpoint_step: int | None = None
     time_budget_s: float = 0.0
     send: str = "pseudo_grad"
     start_step: int | None = None
