@@ -18,7 +18,8 @@ from fl_geo.strategies.strategy import FlGeoStrategy
 @dataclass(kw_only=True)
 class DiLoCoSettings(SyncSettings):
     """DiLoCo: outer ``nesterov`` (or ``delayed_nesterov`` with ``delay_buffer`` N and
-    ``delay_activation`` c), lr 0.7, momentum 0.9 (the registry's values). Every other field is
+    ``delay_activation`` c), lr 0.7, momentum 0.5 (the registry's values: the paper's 0.9 ended above
+    plain averaging on every seed of fl-geo's long-budget study, docs/benchmarks.md). Every other field is
     `SyncSettings`' and `MethodSettings`'."""
 
     method = "diloco"
