@@ -164,7 +164,9 @@ def test_a_one_cell_matrix_runs_the_honest_defended_and_undefended_runs(kind, re
     from fl_geo.bench.attack_matrix import SHORT, format_matrix, run_attack_matrix
     from tests.conftest import tiny_overrides
 
+    # the paper's outer step, as configs/bench/attack_matrix_diloco.yaml
     runs = run_attack_matrix(tiny_overrides("strategy.weighting=tokens", "run.rounds=3", "strategy.inner_steps=6",
+                                            "strategy.outer_momentum=0.9",
                                             drop=("run.num_clients",)),
                              methods=["diloco"], sizes=[(1, 4)], scales=[10.0], claims=["2^40"], kinds=[kind],
                              out=tmp_path, config_of=lambda method: None)

@@ -96,7 +96,8 @@ def _allreduce_s(num_params: int) -> float:
 
 
 def test_streaming_p1_tau0_alpha1_is_diloco_bit_for_bit(tiny, tmp_path):
-    common = ["run.rounds=2", "strategy.inner_steps=4", "strategy.weighting=tokens",
+    # the same outer step for both (their defaults differ: DiLoCo's momentum is 0.5, Streaming's 0.9)
+    common = ["run.rounds=2", "strategy.inner_steps=4", "strategy.weighting=tokens", "strategy.outer_momentum=0.9",
               "run.clock=virtual", f"run.scenario={_scenario(tmp_path, 1_000_000)}"]
     sd, diloco, _, drows = _run(_cfg(tiny, *common), tmp_path, "diloco")
     ss, streaming, grid, srows = _run(_cfg(tiny, *common, "strategy.name=streaming_diloco",
