@@ -51,6 +51,10 @@ declare -A CELL=(
   [diloco-lr1-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=1.0 strategy.outer_momentum=0.5"
   # FedAvgM as registered: heavy-ball server momentum, lr 1, momentum 0.9
   [fedavgm-H25]="configs/bench/ladder_fedavg.yaml $H25 strategy.name=fedavgm strategy.outer_lr=1.0 strategy.outer_momentum=0.9"
+  # the same outer multiplier lr / (1 - momentum) = 1.4 as diloco-lr0.7-m0.5 by other routes: heavy-ball
+  # instead of Nesterov, and momentum 0.9 with a five-times-smaller lr; whether the multiplier alone decides
+  [fedavgm-lr0.7-m0.5-H25]="configs/bench/ladder_fedavg.yaml $H25 strategy.name=fedavgm strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
+  [diloco-lr0.14-m0.9-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=0.14 strategy.outer_momentum=0.9"
   # H = 50, the registry's default H: the outer step the defaults would give, at the H they give it
   [fedavg-H50]="configs/bench/ladder_fedavg.yaml $H50"
   [diloco-H50]="configs/bench/ladder_diloco.yaml $H50"
