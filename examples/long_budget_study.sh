@@ -49,7 +49,7 @@ declare -A CELL=(
   [ddp]="configs/bench/ladder_fedavg.yaml strategy.name=ddp strategy.inner_steps=1 run.rounds=$STEPS run.eval_every=$EVAL wire.up=fp32 $(checkpoint_every $STEPS)"
   [diloco-lr0.7-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
   [diloco-lr1-m0.5-H25]="configs/bench/ladder_diloco.yaml $H25 strategy.outer_lr=1.0 strategy.outer_momentum=0.5"
-  # FedAvgM as registered: heavy-ball server momentum, lr 1, momentum 0.9
+  # FedAvgM at its paper's setting (the registry default until 2026-12-01): heavy-ball, lr 1, momentum 0.9
   [fedavgm-H25]="configs/bench/ladder_fedavg.yaml $H25 strategy.name=fedavgm strategy.outer_lr=1.0 strategy.outer_momentum=0.9"
   # the same outer multiplier lr / (1 - momentum) = 1.4 as diloco-lr0.7-m0.5 by other routes: heavy-ball
   # instead of Nesterov, and momentum 0.9 with a five-times-smaller lr; whether the multiplier alone decides

@@ -27,7 +27,13 @@ class FedAvgSettings(SyncSettings):
 
 @dataclass(kw_only=True)
 class FedAvgMSettings(SyncSettings):
-    """FedAvgM: outer ``sgdm`` (heavy ball, as Flower's FedAvgM), lr 1, momentum 0.9."""
+    """FedAvgM: outer ``sgdm`` (heavy ball, as Flower's FedAvgM), lr 0.7, momentum 0.5.
+
+    Not the paper's lr 1 / momentum 0.9 (Hsu et al. 2019, a cross-device setting): with pseudo-
+    gradients of many local steps that setting ended 15-20 % above FedAvg on fl-geo's long-budget
+    study, and 0.7 / 0.5 level with FedAvg (docs/benchmarks.md, "the long-budget study"). Pass
+    ``outer_lr=1.0, outer_momentum=0.9`` for the paper's.
+    """
 
     method = "fedavgm"
 

@@ -29,7 +29,7 @@ def test_defaults_are_diloco_with_the_measured_outer_step():
 
 @pytest.mark.parametrize(
     "name,opt,lr,mom",
-    [("fedavg", "avg", 1.0, 0.0), ("fedavgm", "sgdm", 1.0, 0.9), ("fedadam", "fedadam", 0.1, 0.0), ("fedyogi", "fedyogi", 0.01, 0.0)],
+    [("fedavg", "avg", 1.0, 0.0), ("fedavgm", "sgdm", 0.7, 0.5), ("fedadam", "fedadam", 0.1, 0.0), ("fedyogi", "fedyogi", 0.01, 0.0)],
 )
 def test_strategy_presets_fill_unset_outer_settings(name, opt, lr, mom):
     s = load_config(None, [f"strategy.name={name}"]).strategy
