@@ -17,10 +17,12 @@
 # (config and overrides, one per line) instead of running them. Every run goes through
 # `fl-geo run --resume` and keeps about 12 checkpoints, so the same command resumes an interrupted
 # study: runs that finished in OUT with the same config are reused, each interrupted run continues
-# from its newest checkpoint (examples/study_resume.sh).
+# from its newest checkpoint (examples/study_resume.sh). KEEP=docs/results/<study> copies every
+# finished run's four small files there at the end (examples/keep_results.py; docs/results/README.md).
 set -euo pipefail
 OUT=${1:-runs/long-budget}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
+PY=${PY:-.venv/bin/python}
 export OMP_NUM_THREADS=1
 SIZE=${SIZE:-S}
 case "$SIZE" in
@@ -83,5 +85,9 @@ for c in $CELLS; do add "$c" 0; done
 for seed in 1 2; do for c in $HEADLINE; do add "$c" "$seed"; done; done
 if [ -n "${PRINT:-}" ]; then printf '%s\n' "${jobs[@]}"; exit 0; fi
 mkdir -p "$OUT/runs"
-printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs $RESUME_FLAG > /dev/null 2>> $OUT/study.log"
+printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs $RESUME_FLAG > /dev/null 2>> $OUT/study.log" \
+  || failed=$?
+# the finished runs are kept even when another run failed
+if [ -n "${KEEP:-}" ]; then "$PY" examples/keep_results.py "$OUT" "$KEEP"; fi
+[ -z "${failed:-}" ] || { echo "some runs failed (exit $failed): see $OUT/study.log" >&2; exit 1; }
 "$FLGEO" compare --runs "$OUT"/runs/*-seed=[0-9] --out "$OUT/table"  # each group of seeds: mean and 95 % interval

@@ -7,6 +7,7 @@
 #   PRINT=1 bash examples/method_table.sh                # the run lines, one per line, nothing run
 #   REPORT_ONLY=1 bash examples/method_table.sh OUT      # the table again from the runs in OUT
 #   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
+#   KEEP=docs/results/method-table ...                   # then keep the finished runs' small files there
 #
 # Every run goes through `fl-geo run --resume` (examples/study_resume.sh): runs that finished in OUT
 # with the same config are reused, so the same command resumes an interrupted study. The long rows'
@@ -99,6 +100,9 @@ done
 if [ -n "${PRINT:-}" ]; then printf '%s\n' "${jobs[@]}"; exit 0; fi
 if [ -z "${REPORT_ONLY:-}" ]; then
   mkdir -p "$OUT"
-  printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} > /dev/null 2>> $OUT/study.log"
+  printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} > /dev/null 2>> $OUT/study.log" || failed=$?
 fi
+# the finished runs are kept even when another run failed
+if [ -n "${KEEP:-}" ]; then "$PY" examples/keep_results.py "$OUT" "$KEEP"; fi
+[ -z "${failed:-}" ] || { echo "some runs failed (exit $failed): see $OUT/study.log" >&2; exit 1; }
 "$PY" examples/method_table_report.py "$OUT" ${README:+--readme "$README"}

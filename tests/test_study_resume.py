@@ -37,7 +37,7 @@ def test_every_study_run_goes_through_run_resume(tmp_path, script):
     exe, calls = _recording_flgeo(tmp_path)
     out = tmp_path / "study"
     env = {**os.environ, "FLGEO": str(exe), "PY": str(exe), "CELLS": "fedavg-H25 ddp", "HEADLINE": "ddp",
-           "ROWS": "straggler", "SEEDS": "2"}
+           "ROWS": "straggler", "SEEDS": "2", "KEEP": str(tmp_path / "kept")}
     subprocess.run(["bash", str(ROOT / "examples" / script), str(out)], cwd=ROOT, env=env, check=True,
                    capture_output=True, text=True)
     runs = [c.split() for c in calls.read_text().splitlines() if c.startswith("run ")]
@@ -47,3 +47,21 @@ def test_every_study_run_goes_through_run_resume(tmp_path, script):
         assert argv[-1] == "--resume" and argv[-3] == "--out", argv
         name = next(a.split("=", 1)[1] for a in argv if a.startswith("run.name="))
         assert Path(argv[-2]).name == "runs" and "-seed=" in name, argv
+    keeps = [c.split() for c in calls.read_text().splitlines() if "keep_results.py" in c]
+    assert keeps == [["examples/keep_results.py", str(out), str(tmp_path / "kept")]]  # KEEP: once, after the runs
+
+
+@pytest.mark.parametrize("script", ["long_budget_study.sh", "method_table.sh"])
+def test_a_failed_run_still_keeps_the_finished_ones_and_fails_the_study(tmp_path, script):
+    calls = tmp_path / "calls.txt"
+    exe = tmp_path / "record"  # records every call; each `run` fails, as a crashed run would
+    exe.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n[ "$1" != run ]\n')
+    exe.chmod(0o755)
+    env = {**os.environ, "FLGEO": str(exe), "PY": str(exe), "CELLS": "ddp", "HEADLINE": "", "ROWS": "straggler",
+           "SEEDS": "1", "KEEP": str(tmp_path / "kept")}
+    done = subprocess.run(["bash", str(ROOT / "examples" / script), str(tmp_path / "study")], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "some runs failed" in done.stderr
+    lines = calls.read_text().splitlines()
+    assert any("keep_results.py" in c for c in lines)
+    assert not any(c.startswith("compare") or "method_table_report.py" in c for c in lines)  # no table of a failed study
