@@ -102,3 +102,19 @@ def test_different_results_are_refused_unless_replace(study, tmp_path, capsys):
 def test_a_missing_study_folder_is_a_one_line_error(tmp_path, capsys):
     assert keeper.main([str(tmp_path / "nope"), str(tmp_path / "kept")]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_every_run_kept_in_docs_results_is_whole_readable_and_listed():
+    """What the repository keeps (docs/results/) is a finished run of four files that the comparison
+    reads, in a study folder docs/results/README.md lists."""
+    results = ROOT / "docs" / "results"
+    finished, unfinished = keeper.run_dirs(results)
+    assert not unfinished, unfinished
+    listed = (results / "README.md").read_text(encoding="utf-8")
+    for run in finished:
+        assert sorted(p.name for p in run.iterdir()) == sorted(keeper.KEPT_FILES), run
+        record = load_run(run)
+        assert record.final_loss is not None and record.tokens_per_param, run
+        assert record.summary["name"] == run.name, run
+        study = run.relative_to(results).parts[0]
+        assert f"`{study}/`" in listed, f"docs/results/README.md does not list {study}/"
