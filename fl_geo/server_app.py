@@ -64,6 +64,22 @@ def _flat_value(value: Any) -> str:
     return str(value)
 
 
+def machine_record() -> dict[str, Any]:
+    """What of the machine can change a run's bits for the same seed: the CPU architecture and
+    model, the kernel set torch dispatches to (``AVX512``, ``AVX2``, ``DEFAULT``: the width of the
+    vectorised reductions) and torch's thread count. The same seed and config on two machines
+    can end a few tenths of a percent apart, more for an unstable setting (long-budget study, H
+    sweep re-run); recorded so that a kept result says which machine it came from."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"machine": platform.machine(), "cpu": cpu or platform.processor(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads()}
+
+
 def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) -> dict[str, Any]:
     from fl_geo.data import get_corpus
     from fl_geo.runtime.builders import tokenizer
@@ -75,6 +91,7 @@ def _meta(cfg: FlGeoConfig, spec: ParamSpec, evaluator: GlobalEvaluator | None) 
         "flwr": flwr.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        **machine_record(),
         "num_params": spec.numel,
         "corpus": corpus.name,
         "corpus_sha256": corpus.sha256,

@@ -52,6 +52,9 @@ def test_diloco_trains_and_logs(tiny, tmp_path):
     assert not torch.equal(final, _initial_params(cfg))
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
     assert meta["corpus"] == "pydoc" and len(meta["corpus_sha256"]) == 64
+    # the machine a result came from: what can change its bits for the same seed
+    assert meta["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and meta["machine"]
+    assert meta["torch_threads"] == torch.get_num_threads() and isinstance(meta["cpu"], str)
 
 
 def test_inner_state_persists_across_rounds(tiny, tmp_path):
