@@ -1,24 +1,29 @@
 #!/usr/bin/env python
 """Keep the results of a study's finished runs in the repository, without their weights.
 
-    .venv/bin/python examples/keep_results.py OUT DEST     # e.g. /work/mt docs/results/method-table
+    .venv/bin/python examples/keep_results.py OUT ARCHIVE  # e.g. /work/mt docs/results/method-table.tar.gz
 
 A study (examples/long_budget_study.sh, examples/method_table.sh, ...) writes each run to a folder
 of tens of MB: checkpoints, every site's optimizer state, the final weights. What its tables are
 computed from is four small files: ``config.yaml`` (what ran), ``meta.json`` (the versions, the
 corpus and tokenizer hashes, the parameter count), ``metrics.jsonl`` (every logged record) and
-``summary.json`` (written last: the run finished). This copies those four files of every finished
-run under OUT to the same relative path under DEST, and nothing else.
+``summary.json`` (written last: the run finished). This adds those four files of every finished
+run under OUT to the gzipped tar ARCHIVE, at their paths relative to OUT, and nothing else.
+
+Why an archive and not a folder: the files are JSON, JSONL and YAML, which Flower packs into the
+app bundle of ``flwr run`` (its size limit is 10 MB; a folder of kept studies would be shipped
+with every deployment), and the metrics compress about 8x. The archive is written
+deterministically (sorted members, no timestamps), so keeping the same runs again changes no byte.
 
 Why: the figures in docs/ and the README's method table must be re-derivable by a reader, and a
 study of many hours must be able to continue on another machine. A kept run folder is what both
 need:
 
-- ``fl-geo compare --runs DEST/.../runs/*-seed=[0-9]`` and examples/method_table_report.py read it
-  as they read the original (they use only those files);
-- copied back into a study's OUT (``cp -r DEST/. OUT/``), ``fl-geo run --resume`` finds it finished
-  with the same config and reuses it instead of running it again (fl_geo/run_reuse.py), so the
-  study script runs only the cells still missing.
+- extracted (``tar xzf ARCHIVE -C DIR``), ``fl-geo compare --runs DIR/.../runs/*-seed=[0-9]`` and
+  examples/method_table_report.py read it as they read the original (they use only those files);
+- extracted into a study's OUT, ``fl-geo run --resume`` finds it finished with the same config and
+  reuses it instead of running it again (fl_geo/run_reuse.py), so the study script runs only the
+  cells still missing.
 
 Rules: a folder without ``summary.json`` (still running, or killed) is skipped and named. A run
 already kept with the same bytes is left as it is. A run kept with *different* bytes is refused with
@@ -30,8 +35,11 @@ the error.
 from __future__ import annotations
 
 import argparse
-import shutil
+import gzip
+import io
+import os
 import sys
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,40 +80,59 @@ def run_dirs(out: Path) -> tuple[list[Path], list[Path]]:
     return sorted(finished), sorted(unfinished)
 
 
-def _same(a: Path, b: Path) -> bool:
-    return a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()
+def read_archive(archive: Path) -> dict[str, bytes]:
+    """Every member of a kept-results archive: its path -> its bytes ({} when there is none yet)."""
+    if not archive.is_file():
+        return {}
+    with tarfile.open(archive, "r:gz") as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
 
 
-def keep_results(out: Path, dest: Path, replace: bool = False) -> KeepReport:
-    """Copy `KEPT_FILES` of every finished run under ``out`` to ``dest`` / its path relative to
+def write_archive(archive: Path, members: dict[str, bytes]) -> None:
+    """Write ``members`` as a gzipped tar, deterministically (sorted, no times or owners), through a
+    temporary file and a rename, so a failure leaves the previous archive whole."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for name in sorted(members):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(members[name]), 0, 0o644
+            tar.addfile(info, io.BytesIO(members[name]))
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(archive.name + ".tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, archive)
+
+
+def keep_results(out: Path, archive: Path, replace: bool = False) -> KeepReport:
+    """Add `KEPT_FILES` of every finished run under ``out`` to ``archive`` at its path relative to
     ``out`` (module docstring). Every run is checked before anything is written, so a refusal
-    leaves ``dest`` as it was."""
-    out, dest = Path(out), Path(dest)
+    leaves the archive as it was."""
+    out, archive = Path(out), Path(archive)
     if not out.is_dir():
         raise KeepError(f"{out}: no such folder (the study's OUT)")
     finished, unfinished = run_dirs(out)
     report = KeepReport(unfinished=unfinished)
-    plan: list[tuple[Path, Path]] = []
+    members = read_archive(archive)
+    changed = False
     for run in finished:
-        target = dest / run.relative_to(out)
-        files = [n for n in KEPT_FILES if (run / n).is_file()]
-        if all(_same(run / n, target / n) for n in files):
-            report.unchanged.append(target)
+        rel = run.relative_to(out).as_posix()
+        ours = {f"{rel}/{n}": (run / n).read_bytes() for n in KEPT_FILES if (run / n).is_file()}
+        kept = {k: v for k, v in members.items() if k.rpartition("/")[0] == rel}
+        if kept == ours:
+            report.unchanged.append(archive / rel)
             continue
-        if (target / "summary.json").is_file() and not replace:
-            differ = [n for n in files if not _same(run / n, target / n)]
-            raise KeepError(f"{target} already holds this run with other results ({', '.join(differ)} differ); "
+        if f"{rel}/summary.json" in kept and not replace:
+            differ = [k.rpartition("/")[2] for k in sorted(set(ours) | set(kept)) if ours.get(k) != kept.get(k)]
+            raise KeepError(f"{archive}: {rel} is already kept with other results ({', '.join(differ)} differ); "
                             f"--replace to overwrite it")
-        plan.append((run, target))
-    for run, target in plan:
-        target.mkdir(parents=True, exist_ok=True)
-        for name in KEPT_FILES:
-            if (run / name).is_file():
-                shutil.copyfile(run / name, target / name)
-                report.bytes_copied += (target / name).stat().st_size
-            else:
-                (target / name).unlink(missing_ok=True)
-        report.copied.append(target)
+        for k in kept:
+            del members[k]
+        members.update(ours)
+        report.bytes_copied += sum(len(v) for v in ours.values())
+        report.copied.append(archive / rel)
+        changed = True
+    if changed:
+        write_archive(archive, members)
     return report
 
 
@@ -113,17 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="the study's output folder (searched for finished runs)")
-    parser.add_argument("dest", type=Path, help="where to keep them, e.g. docs/results/<study>")
+    parser.add_argument("archive", type=Path, help="the archive to add them to, e.g. docs/results/<study>.tar.gz")
     parser.add_argument("--replace", action="store_true", help="overwrite kept runs whose results differ")
     args = parser.parse_args(argv)
     try:
-        report = keep_results(args.out, args.dest, args.replace)
+        report = keep_results(args.out, args.archive, args.replace)
     except KeepError as exc:
         print(f"keep_results: {exc}", file=sys.stderr)
         return 1
     for run in report.unfinished:
         print(f"skipped {run}: no summary.json (still running, or killed)", file=sys.stderr)
-    print(f"kept {len(report.copied)} run(s) in {args.dest} ({report.bytes_copied / 1e6:.2f} MB), "
+    size = args.archive.stat().st_size / 1e6 if args.archive.is_file() else 0.0
+    print(f"kept {len(report.copied)} run(s) in {args.archive} ({report.bytes_copied / 1e6:.2f} MB of files; "
+          f"the archive is {size:.2f} MB), "
           f"{len(report.unchanged)} already kept, {len(report.unfinished)} unfinished skipped")
     return 0
 

@@ -17,8 +17,8 @@
 # (config and overrides, one per line) instead of running them. Every run goes through
 # `fl-geo run --resume` and keeps about 12 checkpoints, so the same command resumes an interrupted
 # study: runs that finished in OUT with the same config are reused, each interrupted run continues
-# from its newest checkpoint (examples/study_resume.sh). KEEP=docs/results/<study> copies every
-# finished run's four small files there at the end (examples/keep_results.py; docs/results/README.md).
+# from its newest checkpoint (examples/study_resume.sh). KEEP=docs/results/<study>.tar.gz adds
+# every finished run's four small files to that archive at the end (examples/keep_results.py; docs/results/README.md).
 set -euo pipefail
 OUT=${1:-runs/long-budget}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}

@@ -7,7 +7,7 @@
 #   PRINT=1 bash examples/method_table.sh                # the run lines, one per line, nothing run
 #   REPORT_ONLY=1 bash examples/method_table.sh OUT      # the table again from the runs in OUT
 #   SEED0_ONLY="eta100/dips-paper eta200/ddp" ...        # these cells with seed 0 only
-#   KEEP=docs/results/method-table ...                   # then keep the finished runs' small files there
+#   KEEP=docs/results/method-table.tar.gz ...            # then keep the finished runs' small files there
 #
 # Every run goes through `fl-geo run --resume` (examples/study_resume.sh): runs that finished in OUT
 # with the same config are reused, so the same command resumes an interrupted study. The long rows'

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -46,25 +47,37 @@ def study(tmp_path_factory) -> Path:
     return out
 
 
+def _extract(archive: Path, into: Path) -> Path:
+    with tarfile.open(archive, "r:gz") as tar:
+        # the "data" filter (no links out, no odd modes) where this Python has it (3.11.4 and newer)
+        tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return into
+
+
 def test_only_the_finished_runs_four_small_files_are_kept(study, tmp_path, capsys):
-    dest = tmp_path / "kept"
-    assert keeper.main([str(study), str(dest)]) == 0
+    archive = tmp_path / "kept.tar.gz"
+    assert keeper.main([str(study), str(archive)]) == 0
     assert "kept 1 run(s)" in capsys.readouterr().out
-    kept = dest / "row" / "runs" / "k"
-    assert sorted(p.name for p in dest.rglob("*") if p.is_file()) == sorted(keeper.KEPT_FILES)
-    assert all((kept / n).read_bytes() == (study / "row" / "runs" / "k" / n).read_bytes() for n in keeper.KEPT_FILES)
+    members = keeper.read_archive(archive)
+    assert sorted(members) == sorted(f"row/runs/k/{n}" for n in keeper.KEPT_FILES)
     original = study / "row" / "runs" / "k"
+    assert all(members[f"row/runs/k/{n}"] == (original / n).read_bytes() for n in keeper.KEPT_FILES)
     assert any((original / n).exists() for n in ("final_model.pt", "checkpoints", "final_model.safetensors"))
 
-    report = keeper.keep_results(study, dest)  # again: nothing to copy
+    before = archive.read_bytes()
+    report = keeper.keep_results(study, archive)  # again: nothing to add, not a byte changes
     assert (report.copied, [p.name for p in report.unchanged], [p.name for p in report.unfinished]) == ([], ["k"],
                                                                                                          ["killed"])
+    assert archive.read_bytes() == before
+    other = tmp_path / "again.tar.gz"
+    keeper.keep_results(study, other)
+    assert other.read_bytes() == before  # deterministic: the same runs give the same archive
 
 
 def test_a_kept_run_reads_as_the_original(study, tmp_path):
-    dest = tmp_path / "kept"
-    keeper.keep_results(study, dest)
-    original, kept = load_run(study / "row" / "runs" / "k"), load_run(dest / "row" / "runs" / "k")
+    keeper.keep_results(study, tmp_path / "kept.tar.gz")
+    out = _extract(tmp_path / "kept.tar.gz", tmp_path / "x")
+    original, kept = load_run(study / "row" / "runs" / "k"), load_run(out / "row" / "runs" / "k")
     assert kept.final_loss == original.final_loss and kept.final_loss is not None
     assert kept.series("time/virtual_s") == original.series("time/virtual_s")
     assert kept.series("steps") == original.series("steps")
@@ -72,49 +85,54 @@ def test_a_kept_run_reads_as_the_original(study, tmp_path):
 
 
 def test_resume_reuses_a_kept_run_instead_of_training_again(study, tmp_path, capsys):
-    dest = tmp_path / "kept"
-    keeper.keep_results(study, dest)
-    summary = dest / "row" / "runs" / "k" / "summary.json"
+    keeper.keep_results(study, tmp_path / "kept.tar.gz")
+    out = _extract(tmp_path / "kept.tar.gz", tmp_path / "x")
+    summary = out / "row" / "runs" / "k" / "summary.json"
     before = summary.read_bytes(), summary.stat().st_mtime_ns
     capsys.readouterr()
-    assert cli_main(["run", *ARGS, "--out", str(dest / "row" / "runs"), "--resume"]) == 0
+    assert cli_main(["run", *ARGS, "--out", str(out / "row" / "runs"), "--resume"]) == 0
     assert "finished earlier with this config: reused" in capsys.readouterr().err
     assert (summary.read_bytes(), summary.stat().st_mtime_ns) == before
-    assert not (dest / "row" / "runs" / "k" / "final_model.pt").exists()  # nothing was trained
+    assert not (out / "row" / "runs" / "k" / "final_model.pt").exists()  # nothing was trained
 
 
 def test_different_results_are_refused_unless_replace(study, tmp_path, capsys):
-    dest = tmp_path / "kept"
-    keeper.keep_results(study, dest)
-    kept_metrics = dest / "row" / "runs" / "k" / "metrics.jsonl"
-    kept_metrics.write_text(kept_metrics.read_text().replace('"val/loss": ', '"val/loss": 1', 1))
-    tampered = kept_metrics.read_bytes()
+    archive = tmp_path / "kept.tar.gz"
+    keeper.keep_results(study, archive)
+    members = keeper.read_archive(archive)
+    key = "row/runs/k/metrics.jsonl"
+    members[key] = members[key].replace(b'"val/loss": ', b'"val/loss": 1', 1)
+    keeper.write_archive(archive, members)
+    tampered = archive.read_bytes()
 
-    assert keeper.main([str(study), str(dest)]) == 1
+    assert keeper.main([str(study), str(archive)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "metrics.jsonl differ" in err and "--replace" in err
-    assert kept_metrics.read_bytes() == tampered  # left as it was
+    assert archive.read_bytes() == tampered  # left as it was
 
-    assert keeper.main([str(study), str(dest), "--replace"]) == 0
-    assert kept_metrics.read_bytes() == (study / "row" / "runs" / "k" / "metrics.jsonl").read_bytes()
+    assert keeper.main([str(study), str(archive), "--replace"]) == 0
+    assert keeper.read_archive(archive)[key] == (study / "row" / "runs" / "k" / "metrics.jsonl").read_bytes()
 
 
 def test_a_missing_study_folder_is_a_one_line_error(tmp_path, capsys):
-    assert keeper.main([str(tmp_path / "nope"), str(tmp_path / "kept")]) == 1
+    assert keeper.main([str(tmp_path / "nope"), str(tmp_path / "kept.tar.gz")]) == 1
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_every_run_kept_in_docs_results_is_whole_readable_and_listed():
-    """What the repository keeps (docs/results/) is a finished run of four files that the comparison
-    reads, in a study folder docs/results/README.md lists."""
+def test_every_run_kept_in_docs_results_is_whole_readable_and_listed(tmp_path):
+    """What the repository keeps (docs/results/*.tar.gz) is finished runs of four files that the
+    comparison reads, in archives docs/results/README.md lists."""
     results = ROOT / "docs" / "results"
-    finished, unfinished = keeper.run_dirs(results)
-    assert not unfinished, unfinished
     listed = (results / "README.md").read_text(encoding="utf-8")
-    for run in finished:
-        assert sorted(p.name for p in run.iterdir()) == sorted(keeper.KEPT_FILES), run
-        record = load_run(run)
-        assert record.final_loss is not None and record.tokens_per_param, run
-        assert record.summary["name"] == run.name, run
-        study = run.relative_to(results).parts[0]
-        assert f"`{study}/`" in listed, f"docs/results/README.md does not list {study}/"
+    archives = sorted(results.glob("*.tar.gz"))
+    assert archives and not [p for p in results.iterdir() if p.is_dir()]  # archives only: no folder Flower would pack
+    for archive in archives:
+        assert f"`{archive.name}`" in listed, f"docs/results/README.md does not list {archive.name}"
+        out = _extract(archive, tmp_path / archive.name)
+        finished, unfinished = keeper.run_dirs(out)
+        assert finished and not unfinished, (archive, unfinished)
+        for run in finished:
+            assert sorted(p.name for p in run.iterdir()) == sorted(keeper.KEPT_FILES), run
+            record = load_run(run)
+            assert record.final_loss is not None and record.tokens_per_param, run
+            assert record.summary["name"] == run.name, run
