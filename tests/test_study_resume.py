@@ -49,6 +49,9 @@ def test_every_study_run_goes_through_run_resume(tmp_path, script):
         assert Path(argv[-2]).name == "runs" and "-seed=" in name, argv
     keeps = [c.split() for c in calls.read_text().splitlines() if "keep_results.py" in c]
     assert keeps == [["examples/keep_results.py", str(out), str(tmp_path / "kept")]]  # KEEP: once, after the runs
+    lines = calls.read_text().splitlines()  # a study whose runs succeed writes its table, after the keep
+    table = next(i for i, c in enumerate(lines) if c.startswith("compare") or "method_table_report.py" in c)
+    assert table > next(i for i, c in enumerate(lines) if "keep_results.py" in c)
 
 
 @pytest.mark.parametrize("script", ["long_budget_study.sh", "method_table.sh"])
