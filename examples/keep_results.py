@@ -81,11 +81,15 @@ def run_dirs(out: Path) -> tuple[list[Path], list[Path]]:
 
 
 def read_archive(archive: Path) -> dict[str, bytes]:
-    """Every member of a kept-results archive: its path -> its bytes ({} when there is none yet)."""
+    """Every member of a kept-results archive: its path -> its bytes ({} when there is none yet).
+    Raises KeepError for a damaged one."""
     if not archive.is_file():
         return {}
-    with tarfile.open(archive, "r:gz") as tar:
-        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    except (tarfile.TarError, OSError, EOFError) as exc:  # a damaged archive is refused, never overwritten
+        raise KeepError(f"{archive}: not a readable kept-results archive ({exc})") from None
 
 
 def write_archive(archive: Path, members: dict[str, bytes]) -> None:

@@ -114,6 +114,13 @@ def test_different_results_are_refused_unless_replace(study, tmp_path, capsys):
     assert keeper.read_archive(archive)[key] == (study / "row" / "runs" / "k" / "metrics.jsonl").read_bytes()
 
 
+def test_a_damaged_archive_is_a_one_line_error_and_left_alone(study, tmp_path, capsys):
+    archive = tmp_path / "kept.tar.gz"
+    archive.write_bytes(b"not a tar")
+    assert keeper.main([str(study), str(archive)]) == 1
+    assert capsys.readouterr().err.count("\n") == 1 and archive.read_bytes() == b"not a tar"
+
+
 def test_a_missing_study_folder_is_a_one_line_error(tmp_path, capsys):
     assert keeper.main([str(tmp_path / "nope"), str(tmp_path / "kept.tar.gz")]) == 1
     assert capsys.readouterr().err.count("\n") == 1
