@@ -72,6 +72,11 @@ declare -A CELL=(
   # momentum 0.5 at both ends too: whether the best outer momentum moves with H
   [diloco-lr0.7-m0.5-H10]="configs/bench/ladder_diloco.yaml $H10 strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
   [diloco-lr0.7-m0.5-Hfew]="configs/bench/ladder_diloco.yaml $HFEW_ strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
+  # fedavgm's registry default (heavy-ball 0.7 / 0.5) across H: whether the default chosen at H = 25 holds
+  [fedavgm-lr0.7-m0.5-H10]="configs/bench/ladder_fedavg.yaml $H10 strategy.name=fedavgm strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
+  [fedavgm-lr0.7-m0.5-H50]="configs/bench/ladder_fedavg.yaml $H50 strategy.name=fedavgm strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
+  [fedavgm-lr0.7-m0.5-H100]="configs/bench/ladder_fedavg.yaml $H100 strategy.name=fedavgm strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
+  [fedavgm-lr0.7-m0.5-Hfew]="configs/bench/ladder_fedavg.yaml $HFEW_ strategy.name=fedavgm strategy.outer_lr=0.7 strategy.outer_momentum=0.5"
 )
 # The first study ran these; diloco-lr1-m0.5-H25 and fedavgm-H25 ran later with CELLS= and HEADLINE= set to them
 CELLS=${CELLS:-fedavg-H25 diloco-H25 ddp diloco-lr0.7-m0.5-H25 fedavg-H100 diloco-H100}
