@@ -140,6 +140,13 @@ def relative_difference(reference: SeedGroup, method: SeedGroup,
     return _stat(seeds, values)
 
 
+def ratio(reference: SeedGroup, method: SeedGroup, figure: Callable[[RunRecord], float | None]) -> PairedStat:
+    """Per paired seed, ``figure(method) / figure(reference)`` (e.g. peak bytes per sync: 0.28
+    is 0.28× the reference's); a seed where either figure is missing or not finite has no value."""
+    difference = relative_difference(reference, method, figure)
+    return _stat(list(difference.seeds), [None if v is None else v + 1.0 for v in difference.values])
+
+
 def inverse(stat: PairedStat) -> PairedStat:
     """Each seed's value inverted (a speedup read as a time ratio: 0.5 -> 2.0), with the interval
     of the inverted values (not the inverted interval, which would not be symmetric)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fl_geo.compare import RunRecord
-from fl_geo.paired import by_seed, inverse, relative_difference, speedup, worst_final
+from fl_geo.paired import by_seed, inverse, ratio, relative_difference, speedup, worst_final
 from fl_geo.seed_groups import SeedGroup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +97,19 @@ def test_inverse_inverts_each_seed_and_takes_the_interval_of_the_inverses():
     assert stat.interval.mean == pytest.approx((0.25 + 1 / 3 + 0.5) / 3)
 
 
+def test_ratio_of_a_figure_per_seed_by_hand():
+    stat = ratio(REF, FAST, lambda r: r.final_loss)  # finals: ref 2.0, 2.4, 2.2; fast 1.9, 2.3, 2.1
+    expected = (1.9 / 2.0, 2.3 / 2.4, 2.1 / 2.2)
+    assert stat.values == pytest.approx(expected)
+    mean = sum(expected) / 3
+    s = math.sqrt(sum((v - mean) ** 2 for v in expected) / 2)
+    assert stat.interval.mean == pytest.approx(mean)
+    assert stat.interval.half_width == pytest.approx(T975_2 * s / math.sqrt(3))
+    # a seed whose figure is missing has no value, and the interval is over the others
+    gaps = ratio(REF, FAST, lambda r: None if r.name.endswith("seed=1") else r.final_loss)
+    assert gaps.values[1] is None and gaps.present == 2
+
+
 def _report():
     """examples/method_table_report.py as a module (registered first: its dataclasses look it up)."""
     if "method_table_report" not in sys.modules:
@@ -123,6 +136,34 @@ def test_the_readme_row_is_built_from_the_paired_figures_and_missing_rows_are_na
     assert "2.00× ± 0.00 EDiT's virtual time" in row
     assert "`halos`" in table.split("runs are missing:")[1]  # the rows without runs are named
     assert "| straggler/a_edit_speedup | 0, 1, 2 | 4.0000, 3.0000, 2.0000 | 3.0000 ± 2.4841 |" in report.details(figures)
+
+
+def test_the_streaming_row_gives_the_peak_bytes_per_sync_against_diloco_and_the_ddp_clause():
+    report = _report()
+
+    def with_bytes(g: SeedGroup, summary: dict, peaks: list[float] | None) -> SeedGroup:
+        runs = []
+        for r in g.runs:
+            rows = [dict(row) for row in r.rows]
+            for row, peak in zip(rows, peaks or [], strict=False):
+                row["comm/peak_bytes_per_sync"] = peak
+            runs.append(RunRecord(r.name, r.path, {**r.summary, **summary}, rows))
+        return SeedGroup(g.name, runs)
+
+    # DiLoCo: 18 syncs of 4 sites, 1,600 bytes per message (the whole model); Streaming's largest
+    # fragment 400 bytes (its running maximum, as logged): a quarter on every seed
+    diloco = with_bytes(SeedGroup("diloco", REF.runs), {"bytes_up": 18 * 4 * 1600, "accepted_updates": 72}, None)
+    stream = with_bytes(SeedGroup("streaming", FAST.runs), {}, [300.0, 400.0, 400.0])
+    ddp = SeedGroup("ddp", group("ddp", {0: [(0, 5.0), (40, 1.5)], 1: [(0, 5.0), (60, 1.6)],
+                                         2: [(0, 5.0), (80, 1.7)]}).runs)
+    assert report.peak_bytes_per_sync(diloco.runs[0]) == 1600.0
+    assert report.peak_bytes_per_sync(stream.runs[0]) == 400.0
+    table, figures = report.build({"streaming": {"diloco": diloco, "streaming": stream, "ddp": ddp}})
+    row = next(line for line in table.splitlines() if line.startswith("| the link's peak bandwidth"))
+    assert figures["streaming/peak_bytes_per_sync_over_diloco"]["values"] == pytest.approx([0.25, 0.25, 0.25])
+    assert "sends 0.25× ± 0.00 DiLoCo's peak bytes per sync" in row
+    assert "reaches DiLoCo's final loss 3.00× ± 2.48 sooner" in row
+    assert "`ddp` ends at" in row and "2.00× ± 0.00 DiLoCo's virtual time" in row
 
 
 def test_the_readme_holds_one_method_table_block_the_report_can_replace():
