@@ -31,8 +31,9 @@
 # the gradient over the row's scenario every step.
 #
 # Wall time on a 2-core CPU, two runs at a time: straggler 9 runs ~25 min, eta100 and eta200 12 runs
-# each ~35 min, noisy 9 runs ~25 min, halos 15 runs ~3.5 h (26-31 min a run), streaming 9 runs ~6 h
-# (diloco 255 s and streaming 273 s a period, 18 periods: 1.3-1.4 h a run; measured 2026-11-30).
+# each ~35 min, noisy 9 runs ~25 min (2026-11-30); halos 15 runs ~50 min (6-7 min a run) and
+# streaming 9 runs ~1.3 h (50-60 s a period, 15-18 min a run; ddp the same) on a 2-core EPYC with
+# AVX512 kernels (2026-12-01). With other work on the machine the last two took 4-5 times as long.
 set -euo pipefail
 OUT=${1:-runs/method-table}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}

@@ -143,3 +143,24 @@ def test_every_run_kept_in_docs_results_is_whole_readable_and_listed(tmp_path):
             record = load_run(run)
             assert record.final_loss is not None and record.tokens_per_param, run
             assert record.summary["name"] == run.name, run
+
+
+def test_the_readme_method_table_rows_are_what_the_kept_runs_give(tmp_path):
+    """The README's HALoS and Streaming rows are written by the report from the runs kept in
+    docs/results/method-table.tar.gz: reading the archive again must give the same lines, so a
+    figure in the README cannot drift from the runs behind it."""
+    spec = importlib.util.spec_from_file_location("method_table_report", ROOT / "examples" / "method_table_report.py")
+    report = sys.modules.get("method_table_report")
+    if report is None:
+        report = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = report
+        spec.loader.exec_module(report)
+    out = _extract(ROOT / "docs" / "results" / "method-table.tar.gz", tmp_path / "kept")
+    groups = report.load_groups(out)
+    table, _ = report.build(groups)
+    readme = report.readme_rows((ROOT / "README.md").read_text(encoding="utf-8"))
+    built = report.readme_rows(f"{report.BEGIN}\n{table}{report.END}")
+    for situation in ("regions, each with several sites, slow links between regions",
+                      "the link's peak bandwidth is the limit"):
+        assert situation in built, f"the kept runs do not give the row '{situation}'"
+        assert readme.get(situation) == built[situation], f"README row '{situation}' differs from its kept runs"
