@@ -15,6 +15,8 @@
 # keeps about 12 checkpoints, so the same command resumes an interrupted study
 # (examples/study_resume.sh).
 set -euo pipefail
+{  # bash reads a script as it runs it: inside one block the whole study is parsed first, so editing
+   # this file while a study runs (hours) cannot change or break the running one
 OUT=${1:-runs/compression-long}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
 CODECS=${CODECS:-fp32 topk-int2-ef dct-int2-ef}
@@ -36,3 +38,5 @@ for seed in $SEEDS; do
 done
 printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/runs $RESUME_FLAG > /dev/null 2>> $OUT/study.log"
 "$FLGEO" compare --runs "$OUT"/runs/* --out "$OUT/table"  # each group: mean and 95 % interval
+exit
+}

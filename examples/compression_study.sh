@@ -10,6 +10,8 @@
 # tokens, DiLoCo with H = 8 so that error feedback gets 12 outer steps; HALoS an eighth of its
 # 8.19 M): the 54 runs took 57 minutes on a 2-core CPU.
 set -euo pipefail
+{  # bash reads a script as it runs it: inside one block the whole study is parsed first, so editing
+   # this file while a study runs (hours) cannot change or break the running one
 OUT=${1:-runs/compression-study}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
 export OMP_NUM_THREADS=1
@@ -26,3 +28,5 @@ for codec in fp32 bf16 int4 int2-ef topk-int2-ef dct-int2-ef; do
 done
 printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO compare {} --seeds 3 --out $OUT/tables/\$(echo '{}' | sed 's/.*run.name=//') > /dev/null 2>> $OUT/study.log"
 "$FLGEO" compare --runs "$OUT"/tables/*/runs/* --out "$OUT/table"  # each group: mean and 95 % interval
+exit
+}

@@ -20,6 +20,8 @@
 # from its newest checkpoint (examples/study_resume.sh). KEEP=docs/results/<study>.tar.gz adds
 # every finished run's four small files to that archive at the end (examples/keep_results.py; docs/results/README.md).
 set -euo pipefail
+{  # bash reads a script as it runs it: inside one block the whole study is parsed first, so editing
+   # this file while a study runs (hours) cannot change or break the running one
 OUT=${1:-runs/long-budget}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
 PY=${PY:-.venv/bin/python}
@@ -96,3 +98,5 @@ printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "$FLGEO run {} --out $OUT/run
 if [ -n "${KEEP:-}" ]; then "$PY" examples/keep_results.py "$OUT" "$KEEP"; fi
 [ -z "${failed:-}" ] || { echo "some runs failed (exit $failed): see $OUT/study.log" >&2; exit 1; }
 "$FLGEO" compare --runs "$OUT"/runs/*-seed=[0-9] --out "$OUT/table"  # each group of seeds: mean and 95 % interval
+exit
+}

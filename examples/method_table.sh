@@ -35,6 +35,8 @@
 # streaming 9 runs ~1.3 h (50-60 s a period, 15-18 min a run; ddp the same) on a 2-core EPYC with
 # AVX512 kernels (2026-12-01). With other work on the machine the last two took 4-5 times as long.
 set -euo pipefail
+{  # bash reads a script as it runs it: inside one block the whole study is parsed first, so editing
+   # this file while a study runs (hours) cannot change or break the running one
 OUT=${1:-runs/method-table}
 FLGEO=${FLGEO:-.venv/bin/fl-geo}
 PY=${PY:-.venv/bin/python}
@@ -107,3 +109,5 @@ fi
 if [ -n "${KEEP:-}" ]; then "$PY" examples/keep_results.py "$OUT" "$KEEP"; fi
 [ -z "${failed:-}" ] || { echo "some runs failed (exit $failed): see $OUT/study.log" >&2; exit 1; }
 "$PY" examples/method_table_report.py "$OUT" ${README:+--readme "$README"}
+exit
+}

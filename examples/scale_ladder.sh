@@ -5,6 +5,8 @@
 #   bash examples/scale_ladder.sh            # all three sizes (~40 min on one CPU core)
 #   bash examples/scale_ladder.sh S M        # only some
 set -euo pipefail
+{  # bash reads a script as it runs it: inside one block the whole study is parsed first, so editing
+   # this file while a study runs (hours) cannot change or break the running one
 cd "$(dirname "$0")/.."
 FL=.venv/bin/fl-geo
 declare -A SHAPE=(
@@ -23,3 +25,5 @@ for s in "${sizes[@]}"; do
       | tee "runs/ladder_$s/cocodc_compensation.txt"
 done
 .venv/bin/python examples/scale_ladder_report.py runs/ladder_S runs/ladder_M runs/ladder_L --plot docs/img/scale_ladder.png
+exit
+}

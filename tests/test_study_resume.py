@@ -68,3 +68,30 @@ def test_a_failed_run_still_keeps_the_finished_ones_and_fails_the_study(tmp_path
     lines = calls.read_text().splitlines()
     assert any("keep_results.py" in c for c in lines)
     assert not any(c.startswith("compare") or "method_table_report.py" in c for c in lines)  # no table of a failed study
+
+
+@pytest.mark.parametrize("script", ["long_budget_study.sh", "method_table.sh"])
+def test_editing_a_study_script_while_it_runs_does_not_change_the_running_study(tmp_path, script):
+    """Bash reads a script as it runs; a study runs for hours, and its file is edited in place
+    meanwhile (a comment, a new cell). The first run call below overwrites the script's copy in
+    place (same file, every byte shifted), and the study must still run every job, keep and table."""
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    for name in (script, "study_resume.sh"):
+        (examples / name).write_text((ROOT / "examples" / name).read_text())
+    copy, calls = examples / script, tmp_path / "calls.txt"
+    exe = tmp_path / "record"
+    exe.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n'
+                   f'if [ "$1" = run ] && [ ! -e "{tmp_path}/edited" ]; then touch "{tmp_path}/edited"; '
+                   f'{{ printf "# %0300d\\n" 0; cat "{ROOT / "examples" / script}"; }} > "{copy}"; fi\n')
+    exe.chmod(0o755)
+    env = {**os.environ, "FLGEO": str(exe), "PY": str(exe), "CELLS": "fedavg-H25 ddp", "HEADLINE": "ddp",
+           "ROWS": "straggler", "SEEDS": "2", "KEEP": str(tmp_path / "kept")}
+    done = subprocess.run(["bash", str(copy), str(tmp_path / "study")], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert (tmp_path / "edited").exists() and copy.read_text().startswith("# 000")  # the edit happened
+    assert done.returncode == 0, done.stderr
+    lines = calls.read_text().splitlines()
+    assert len([c for c in lines if c.startswith("run ")]) == (4 if script == "long_budget_study.sh" else 6)
+    assert any("keep_results.py" in c for c in lines)
+    assert any(c.startswith("compare") or "method_table_report.py" in c for c in lines)
