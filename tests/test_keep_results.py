@@ -149,12 +149,9 @@ def test_the_readme_method_table_rows_are_what_the_kept_runs_give(tmp_path):
     """The README's HALoS and Streaming rows are written by the report from the runs kept in
     docs/results/method-table.tar.gz: reading the archive again must give the same lines, so a
     figure in the README cannot drift from the runs behind it."""
-    spec = importlib.util.spec_from_file_location("method_table_report", ROOT / "examples" / "method_table_report.py")
-    report = sys.modules.get("method_table_report")
-    if report is None:
-        report = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = report
-        spec.loader.exec_module(report)
+    from tests.test_paired import _report  # examples/method_table_report.py as a module
+
+    report = _report()
     out = _extract(ROOT / "docs" / "results" / "method-table.tar.gz", tmp_path / "kept")
     groups = report.load_groups(out)
     table, _ = report.build(groups)

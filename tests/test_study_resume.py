@@ -92,6 +92,8 @@ def test_editing_a_study_script_while_it_runs_does_not_change_the_running_study(
     assert (tmp_path / "edited").exists() and copy.read_text().startswith("# 000")  # the edit happened
     assert done.returncode == 0, done.stderr
     lines = calls.read_text().splitlines()
-    assert len([c for c in lines if c.startswith("run ")]) == (4 if script == "long_budget_study.sh" else 6)
-    assert any("keep_results.py" in c for c in lines)
-    assert any(c.startswith("compare") or "method_table_report.py" in c for c in lines)
+    runs = [c for c in lines if c.startswith("run ")]
+    assert len(runs) == len(set(runs)) == (4 if script == "long_budget_study.sh" else 6)  # each job once
+    keeps = [i for i, c in enumerate(lines) if "keep_results.py" in c]
+    tables = [i for i, c in enumerate(lines) if c.startswith("compare") or "method_table_report.py" in c]
+    assert len(keeps) == len(tables) == 1 and keeps[0] < tables[0], lines  # kept once, then one table
